@@ -1,0 +1,1 @@
+"""ANDREA terminal app: launches, watches and steers training runs."""
