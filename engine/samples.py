@@ -1,0 +1,49 @@
+"""Text samples during training: top-k sampling from a backend's last-position logits.
+
+Sampling uses its own generator, seeded from the run seed and the step, so it never touches the
+training's random streams (resume stays bit-exact) and the same step always gives the same text.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+
+class _Logits(Protocol):
+    def logits_last(self, tokens: np.ndarray) -> np.ndarray: ...
+
+
+def sample_tokens(model: _Logits, prompt_ids: np.ndarray, length: int, seq_len: int,
+                  top_k: int, temperature: float, rng: np.random.Generator,
+                  stop_id: int | None = None) -> list[int]:
+    """Generate up to `length` token ids after `prompt_ids` (the window slides past seq_len)."""
+    ids = [int(t) for t in prompt_ids]
+    out: list[int] = []
+    for _ in range(length):
+        window = np.asarray(ids[-seq_len:], dtype=np.int32)
+        logits = np.asarray(model.logits_last(window), dtype=np.float64) / temperature
+        k = min(top_k, logits.size)
+        top = np.argpartition(logits, -k)[-k:]
+        p = np.exp(logits[top] - logits[top].max())
+        p /= p.sum()
+        nxt = int(top[rng.choice(k, p=p)])
+        if stop_id is not None and nxt == stop_id:
+            break
+        ids.append(nxt)
+        out.append(nxt)
+    return out
+
+
+def generate(model: _Logits, tokenizer: Any, prompt: str, cfg: dict[str, Any], seed: int,
+             step: int) -> str:
+    """The text generated after `prompt` at `step` (deterministic in seed and step)."""
+    rng = np.random.Generator(np.random.PCG64([seed, step, 0x5A4D]))
+    prompt_ids = tokenizer.encode(prompt)
+    if len(prompt_ids) == 0:
+        prompt_ids = np.asarray([tokenizer.eot_id], dtype=np.int32)
+    ids = sample_tokens(model, prompt_ids, cfg["samples"]["length"], cfg["model"]["seq_len"],
+                        cfg["samples"]["top_k"], cfg["samples"]["temperature"], rng,
+                        stop_id=tokenizer.eot_id)
+    return tokenizer.decode(ids)

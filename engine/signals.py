@@ -1,0 +1,54 @@
+"""Signal handling for the training loop (DESIGN §8): handlers only count; the loop acts.
+
+Counting (instead of a bare flag) lets the loop tell how many requests arrived, so it can record
+each one it noticed and coalesce those that came while a snapshot was pending or being written.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import FrameType
+
+
+class SignalFlags:
+    """Counts SIGUSR1 (snapshot) and SIGTERM/SIGINT (stop) since the loop last looked."""
+
+    def __init__(self) -> None:
+        self.snapshot_requests = 0
+        self.stop_signal: int | None = None
+        self._seen_snapshots = 0
+        self._installed = False
+
+    def install(self) -> None:
+        # Only the main thread may install handlers; install before anything slow so an early
+        # SIGUSR1 (whose default action is to kill) is never fatal.
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("signal handlers must be installed from the main thread")
+        signal.signal(signal.SIGUSR1, self._on_usr1)
+        signal.signal(signal.SIGTERM, self._on_stop)
+        signal.signal(signal.SIGINT, self._on_stop)
+        # A file-size limit must fail the write (EFBIG, reported as a checkpoint error), not kill us.
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        self._installed = True
+
+    def _on_usr1(self, signum: int, frame: FrameType | None) -> None:
+        self.snapshot_requests += 1
+
+    def _on_stop(self, signum: int, frame: FrameType | None) -> None:
+        if self.stop_signal is None:
+            self.stop_signal = signum
+
+    def take_snapshot_requests(self) -> int:
+        """How many SIGUSR1 arrived since the last call."""
+        n = self.snapshot_requests - self._seen_snapshots
+        self._seen_snapshots += n
+        return n
+
+    @property
+    def stop_requested(self) -> bool:
+        return self.stop_signal is not None
+
+    @property
+    def stop_name(self) -> str:
+        return signal.Signals(self.stop_signal).name if self.stop_signal else ""

@@ -1,0 +1,399 @@
+"""`andrea-train CONFIG.json [--run-dir DIR] [--resume] [--max-steps N] [--backend auto|numpy|cuda]`
+
+The training loop: data → trainer step → records → bandit → samples → checkpoints, with the
+signals of DESIGN §8 acted on between steps. Everything the loop writes goes to the run directory
+(DESIGN §7); everything it needs to continue goes into each checkpoint (DESIGN §6).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+import traceback
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine.errors import RunError, UserError, cli_entry
+from engine.signals import SignalFlags
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="andrea-train", description=__doc__.splitlines()[0])
+    p.add_argument("config", help="experiment config (JSON), e.g. experiments/ANDREA-tiny-TRAIN.json")
+    p.add_argument("--run-dir", help="run directory (default: runs/<experiment name>)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest valid checkpoint in the run directory "
+                        "(starts fresh when there is none)")
+    p.add_argument("--max-steps", type=int, help="override train.max_steps (the lr schedule too)")
+    p.add_argument("--backend", default="auto", choices=("auto", "numpy", "cuda"))
+    return p
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse exits 2 on usage errors already, 0 on --help
+        raise SystemExit(e.code) from None
+    if args.max_steps is not None and args.max_steps < 1:
+        raise UserError(f"--max-steps: must be >= 1, got {args.max_steps}")
+    return args
+
+
+def _has_checkpoints(ckpt_root: Path) -> bool:
+    return ckpt_root.is_dir() and any(p.name.startswith("step_") for p in ckpt_root.iterdir())
+
+
+def _config_diff(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two configs (for a resume warning)."""
+    out = []
+    for k in sorted(set(a) | set(b)):
+        if k.startswith("_"):
+            continue
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out += _config_diff(va, vb, f"{prefix}{k}.")
+        elif va != vb:
+            out.append(f"{prefix}{k}")
+    return out
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+@cli_entry
+def main(argv: list[str] | None = None) -> int:
+    flags = SignalFlags()
+    flags.install()  # first: SIGUSR1's default action would kill us
+    args = _parse(argv)
+    from engine.config import load_config
+
+    cfg = load_config(args.config)
+    if args.max_steps is not None:
+        cfg["train"]["max_steps"] = args.max_steps
+    run_dir = Path(args.run_dir or Path("runs") / cfg["name"])
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"{run_dir}: exists and is not a directory")
+    ckpt_root = run_dir / "checkpoints"
+    if _has_checkpoints(ckpt_root) and not args.resume:
+        raise UserError(f"{run_dir}: already holds checkpoints; pass --resume to continue this "
+                        "run, or choose another --run-dir (nothing was changed)")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return Engine(cfg, run_dir, args, flags, argv if argv is not None else sys.argv).run()
+
+
+class Engine:
+    """One training process bound to one run directory."""
+
+    def __init__(self, cfg: dict[str, Any], run_dir: Path, args: argparse.Namespace,
+                 flags: SignalFlags, argv: list[str]) -> None:
+        from engine.identity import EngineLock
+
+        self.cfg, self.run_dir, self.args, self.flags = cfg, run_dir, args, flags
+        self.ckpt_root = run_dir / "checkpoints"
+        self.lock = EngineLock().acquire(run_dir)  # refuses when another engine holds the run
+        self.run_id = uuid.uuid4().hex[:12]
+        self.argv = list(argv)
+        from engine.rundir import RunWriter
+
+        self.out = RunWriter(run_dir)
+
+    # -- start-up -----------------------------------------------------------------------
+
+    def run(self) -> int:
+        from engine.identity import write_engine_json
+
+        write_engine_json(self.run_dir, self.argv, self.run_id)
+        try:
+            resume = self._pick_resume()
+            self._start(resume)
+        except (UserError, RunError) as e:
+            self.out.log(f"error: {e}")
+            self.out.event("error", message=str(e))
+            self.out.set_status(status="failed")
+            raise
+        try:
+            return self._loop()
+        except Exception as e:
+            self.out.log("error: " + "".join(traceback.format_exception(e)).rstrip())
+            self.out.event("error", message=f"{type(e).__name__}: {e}")
+            self.out.set_status(status="failed")
+            print(f"error: {type(e).__name__}: {e} (traceback in {self.out.paths.log})",
+                  file=sys.stderr)
+            return 1
+        finally:
+            self.out.close()
+
+    def _pick_resume(self) -> Any:
+        from engine.checkpoint import find_resume_checkpoint, load_checkpoint
+
+        if not (self.args.resume and _has_checkpoints(self.ckpt_root)):
+            if self.args.resume:
+                self.out.log(f"--resume: no checkpoint in {self.ckpt_root}, starting fresh")
+            return None
+        path, skipped = find_resume_checkpoint(self.ckpt_root)
+        for p, why in skipped:
+            self.out.log(f"resume: skipping {p}: {why}")
+        if path is None:
+            raise UserError(f"{self.ckpt_root}: no checkpoint verifies (see engine.log); "
+                            "nothing to resume from")
+        ck = load_checkpoint(path)
+        saved = ck.state["config"]
+        diff = _config_diff(saved, self.cfg)
+        diff = [d for d in diff if d != "train.max_steps"]
+        if diff:
+            self.out.log("resume: the checkpoint's config wins over the given one for: "
+                         + ", ".join(diff))
+        max_steps = self.cfg["train"]["max_steps"]
+        self.cfg = saved
+        self.cfg["train"]["max_steps"] = max_steps
+        self.out.log(f"resume: from {path} (step {ck.step})")
+        self.out.event("resume", step=ck.step, path=str(path),
+                       skipped=[{"path": str(p), "reason": str(w)} for p, w in skipped])
+        return ck
+
+    def _start(self, resume: Any) -> None:
+        from engine.backends import resolve_backend
+        from engine.bandit import Bandit
+        from engine.data.prep import load_prepared, prepare
+        from engine.data.sampler import Sampler
+        from engine.runfiles import write_json_atomic
+        from engine.trainer import Trainer
+
+        cfg = self.cfg
+        write_json_atomic(self.out.paths.config, cfg)
+        backend, why = resolve_backend(self.args.backend)
+        self.out.log(f"andrea-train {cfg['name']} pid {os.getpid()} run {self.run_id}: {why}")
+        self.out.set_status(status="starting", step=0, max_steps=cfg["train"]["max_steps"],
+                            backend=backend, device="", pid=os.getpid(), run_id=self.run_id)
+        self.out.event("start", pid=os.getpid(), argv=self.argv, name=cfg["name"],
+                       backend=backend, device="", run_id=self.run_id,
+                       resumed=resume is not None)
+
+        def progress(msg: str) -> None:
+            self.out.log(f"prep: {msg}")
+            self.out.event("prep", message=msg)
+
+        prepare(cfg, progress=progress)
+        self.data = load_prepared(cfg)
+        self.tokenizer = self.data.tokenizer
+        self.source_names = [s["name"] for s in cfg["data"]["sources"]]
+
+        self.out.log(f"building the {backend} trainer")
+        self.trainer = Trainer(cfg, backend)
+        be = self.trainer.backend
+        self.sampler = Sampler(self.data.shards, cfg["model"]["seq_len"], cfg["train"]["seed"])
+        b = cfg["bandit"]
+        self.bandit = Bandit(self.source_names, b["phase_lengths"], b["eta"], b["floor"],
+                             b["seed"], score=b.get("score", "progress"))
+        if resume is not None:
+            st = resume.state
+            self.trainer.load_state(resume.params, resume.m, resume.v, st["trainer"])
+            self.sampler.load_state_dict(st["sampler"])
+            self.bandit.load_state_dict(st["bandit"])
+        n = self.trainer.n_params
+        # Host buffers for checkpoint copies, allocated once: the loop stalls only to fill them.
+        self.snap = {k: np.empty(n, dtype=np.float32) for k in ("params", "m", "v")}
+        from engine.checkpoint import CheckpointWriter
+
+        self.writer = CheckpointWriter(self.ckpt_root)
+        plan = dict(be.memory_plan())
+        plan["host_checkpoint_copy"] = 3 * 4 * n
+        B, T = cfg["train"]["batch_size"], cfg["model"]["seq_len"]
+        tokens_per_step = B * T * cfg["train"]["grad_accum"]
+        self.out.log(f"model {cfg['name']}: {n:,} parameters; backend {be.name} on {be.device}")
+        self.out.log("memory plan: " + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in plan.items()))
+        self.out.set_status(status="running", step=self.trainer.step_count, device=be.device)
+        self.out.event("ready", memory_plan=plan, n_params=n, backend=be.name, device=be.device,
+                       step=self.trainer.step_count, max_steps=cfg["train"]["max_steps"],
+                       tokens_per_step=tokens_per_step)
+
+    # -- the loop -----------------------------------------------------------------------
+
+    def _loop(self) -> int:
+        cfg, tr = self.cfg, self.trainer
+        max_steps = cfg["train"]["max_steps"]
+        n_micro, B = cfg["train"]["grad_accum"], cfg["train"]["batch_size"]
+        every_ckpt = cfg["checkpoint"]["every"]
+        every_sample = cfg["samples"]["every_steps"]
+        last_print = 0.0
+        while tr.step_count < max_steps and not self.flags.stop_requested:
+            t0 = time.perf_counter()
+            weights = self.bandit.weights.copy()
+            phase = (self.bandit.phase, self.bandit.phase_step + 1, self.bandit.phase_len)
+            tr.zero_grads()
+            srcs = []
+            for _ in range(n_micro):
+                tokens, src = self.sampler.sample(B, weights)
+                tr.forward_backward(tokens)
+                srcs.append(src)
+            rec = tr.step()
+            step_s = time.perf_counter() - t0
+            src_loss = self._src_loss(tr.row_losses, np.concatenate(srcs))
+            change = self.bandit.observe(src_loss)
+            tokens_step = n_micro * B * cfg["model"]["seq_len"]
+            rec.update(tok_s=tokens_step / step_s, step_ms=step_s * 1e3, phase=phase[0],
+                       phase_step=phase[1], phase_len=phase[2],
+                       weights=self._by_source(weights),
+                       src_loss=src_loss, t=time.time())
+            self.out.loss.write(rec)
+            step = rec["step"]
+            if rec["skipped"]:
+                self.out.event("skipped", step=step, grad_norm=rec["grad_norm"])
+                self.out.log(f"step {step}: non-finite gradient norm, update skipped")
+            if change is not None:
+                self.out.event("phase", step=step, phase=change.new_phase,
+                               phase_len=change.new_length,
+                               weights=self._by_source(change.new_weights),
+                               scores=self._by_source(change.scores))
+            now = time.time()
+            if now - last_print >= 1.0 or step == max_steps:
+                last_print = now
+                self.out.log(f"step {step}/{max_steps} loss {rec['loss']:.4f} "
+                             f"gnorm {rec['grad_norm']:.3f} clip {rec['clip_scale']:.3f} "
+                             f"lr {rec['lr']:.2e} tok/s {rec['tok_s']:,.0f} "
+                             f"phase {phase[0]} ({phase[1]}/{phase[2]})")
+            self.out.set_status(durable=False, status="running", step=step)
+            if every_sample and step % every_sample == 0:
+                self._sample(step)
+            self._collect_writes()
+            if step % every_ckpt == 0 and step != max_steps:
+                self._checkpoint("periodic", wait=False)
+            self._handle_snapshot_requests()
+        return self._finish(max_steps)
+
+    def _by_source(self, values: Any) -> dict[str, float]:
+        return {n: float(x) for n, x in zip(self.source_names, values, strict=True)}
+
+    def _src_loss(self, rows: np.ndarray, src: np.ndarray) -> dict[str, float | None]:
+        out: dict[str, float | None] = {}
+        for i, name in enumerate(self.source_names):
+            sel = rows[src == i]
+            out[name] = float(sel.mean()) if sel.size else None
+        return out
+
+    def _sample(self, step: int) -> None:
+        from engine.samples import generate
+
+        prompts = self.cfg["samples"]["prompts"]
+        prompt = prompts[(step // self.cfg["samples"]["every_steps"]) % len(prompts)]
+        text = generate(self.trainer.backend, self.tokenizer, prompt, self.cfg,
+                        self.cfg["train"]["seed"], step)
+        self.out.samples.write({"step": step, "t": time.time(), "prompt": prompt, "text": text})
+
+    # -- checkpoints and signals -------------------------------------------------------------
+
+    def _state(self, reason: str) -> dict[str, Any]:
+        tr = self.trainer
+        return {
+            "config": self.cfg,
+            "trainer": tr.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "bandit": self.bandit.state_dict(),
+            "schedule": {"step": tr.step_count, "lr": tr.lr_at(max(tr.step_count, 1)),
+                         "warmup_steps": self.cfg["optim"]["warmup_steps"],
+                         "max_steps": self.cfg["train"]["max_steps"]},
+            "tokens": tr.tokens,
+            "run_id": self.run_id,
+            "backend": tr.backend.name,
+            "versions": {"python": platform.python_version(), "numpy": np.__version__},
+        }
+
+    def _copy_state(self) -> None:
+        be = self.trainer.backend
+        m, v = be.read_optimizer()
+        np.copyto(self.snap["params"], be.read_params())
+        np.copyto(self.snap["m"], m)
+        np.copyto(self.snap["v"], v)
+
+    def _checkpoint(self, reason: str, wait: bool) -> None:
+        """Copy the state (the only stall) and hand it to the background writer."""
+        if self.writer.busy:
+            self.writer.wait()  # one set of copy buffers: never overwrite one being written
+            self._collect_writes()
+        self._copy_state()
+        self.writer.submit(self.trainer.step_count, self.snap["params"], self.snap["m"],
+                           self.snap["v"], self._state(reason), reason, self.trainer.tensor_table)
+        if wait:
+            self.writer.wait()
+            self._collect_writes()
+
+    def _collect_writes(self) -> None:
+        from engine.checkpoint import prune_periodic
+
+        for res in self.writer.poll():
+            if res.error is not None:
+                self.out.log(f"checkpoint ({res.reason}, step {res.step}) failed: {res.error}")
+                self.out.event("checkpoint_error", step=res.step, reason=res.reason,
+                               error=str(res.error))
+                self.last_write_failed = True
+                continue
+            self.last_write_failed = False
+            info = res.info
+            self.out.log(f"checkpoint {info.reason} step {info.step}: {info.path} "
+                         f"({_fmt_bytes(info.bytes)} in {info.seconds:.2f} s)")
+            self.out.event("checkpoint", step=info.step, reason=info.reason, path=str(info.path),
+                           bytes=info.bytes, seconds=info.seconds)
+            self.out.set_status(last_checkpoint={"path": str(info.path), "step": info.step,
+                                                 "reason": info.reason})
+            if info.reason == "periodic":
+                prune_periodic(self.ckpt_root, self.cfg["checkpoint"]["keep"])
+
+    def _handle_snapshot_requests(self) -> None:
+        n = self.flags.take_snapshot_requests()
+        if not n:
+            return
+        step = self.trainer.step_count
+        if self.writer.busy:
+            self.out.event("signal", signal="SIGUSR1", step=step, action="coalesced", count=n)
+            self.out.log(f"SIGUSR1 x{n}: a checkpoint is being written, coalesced")
+            return
+        self.out.event("signal", signal="SIGUSR1", step=step, action="snapshot", count=n)
+        self.out.log(f"SIGUSR1 x{n}: snapshot at step {step}")
+        self._checkpoint("snapshot", wait=False)
+
+    def _finish(self, max_steps: int) -> int:
+        step = self.trainer.step_count
+        self.last_write_failed = False
+        if self.flags.stop_requested:
+            sig = self.flags.stop_name
+            self.out.event("signal", signal=sig, step=step, action="stop")
+            self.out.log(f"{sig}: writing a stop checkpoint at step {step}")
+            self.out.set_status(status="stopping")
+            self._handle_snapshot_requests()
+            self._checkpoint("stop", wait=True)
+            status = "failed" if self.last_write_failed else "stopped"
+        else:
+            self._handle_snapshot_requests()
+            if self._has_final(step):
+                self.out.log(f"already at max_steps ({max_steps}); nothing to train")
+                self.writer.wait()
+                self._collect_writes()
+            else:
+                self._checkpoint("final", wait=True)
+            status = "failed" if self.last_write_failed else "finished"
+        self.out.event("stop" if status != "finished" else "finished", step=step, status=status)
+        self.out.set_status(status=status, step=step)
+        self.out.log(f"{status} at step {step}")
+        return 0 if status in ("stopped", "finished") else 1
+
+    def _has_final(self, step: int) -> bool:
+        from engine.checkpoint import list_checkpoints
+
+        return any(e.step == step and e.reason in ("final", "stop") and e.valid
+                   for e in list_checkpoints(self.ckpt_root))
+
+
+if __name__ == "__main__":
+    main()

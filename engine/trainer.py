@@ -1,0 +1,170 @@
+"""The optimizer step of DESIGN §4 on top of any backend, and the Python API of DESIGN §10.
+
+    zero_grads → per micro-batch: forward, backward (+=) → scale_grads(1/n_micro) →
+    grad_norm (partial → final) → non-finite? skip, count, record → grad_scale when
+    norm > max_norm → adamw(lr from the schedule) → record
+
+The trainer owns the counters (optimizer step, Adam step, tokens, skipped steps) and the fp16
+loss scale; the backend owns the buffers. Nothing here allocates per step beyond small records.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from engine.backends import get_backend
+from engine.model_layout import ModelShapes, init_params, n_params, tensor_table
+from engine.optim import clip_scale, lr_at
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16 compute: halve on overflow, double after a clean stretch."""
+
+    def __init__(self, enabled: bool, scale: float = 2.0**16, growth_interval: int = 1000) -> None:
+        self.enabled = enabled
+        self.scale = scale if enabled else 1.0
+        self.growth_interval = growth_interval
+        self.good_steps = 0
+
+    def update(self, finite: bool) -> None:
+        if not self.enabled:
+            return
+        if finite:
+            self.good_steps += 1
+            if self.good_steps >= self.growth_interval:
+                self.scale = min(self.scale * 2.0, 2.0**24)
+                self.good_steps = 0
+        else:
+            self.scale = max(self.scale / 2.0, 1.0)
+            self.good_steps = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"enabled": self.enabled, "scale": self.scale, "good_steps": self.good_steps,
+                "growth_interval": self.growth_interval}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.enabled = bool(d["enabled"])
+        self.scale = float(d["scale"])
+        self.good_steps = int(d["good_steps"])
+        self.growth_interval = int(d["growth_interval"])
+
+
+class Trainer:
+    """`Trainer(config, backend="numpy"|"cuda")`: the model, its optimizer and one step at a time."""
+
+    def __init__(self, config: dict[str, Any], backend: str = "numpy", *,
+                 dtype: Any = np.float32) -> None:
+        self.config = config
+        self.shapes = ModelShapes.from_config(config["model"])
+        train = config["train"]
+        cls = get_backend(backend)
+        kwargs: dict[str, Any] = {"precision": train["precision"]}
+        if backend == "numpy":
+            kwargs["dtype"] = dtype
+        self.backend = cls(self.shapes, train["batch_size"], **kwargs)
+        self.tensor_table = [
+            {"name": t.name, "shape": list(t.shape), "offset": t.offset}
+            for t in tensor_table(self.shapes)
+        ]
+        self.n_params = n_params(self.shapes)
+        self.backend.load_params(init_params(self.shapes, train["seed"]))
+        zeros = np.zeros(self.n_params, dtype=np.float32)
+        self.backend.load_optimizer(zeros, zeros)
+        # fp16 needs loss scaling; the numpy backend always computes in fp32 or fp64.
+        self.scaler = LossScaler(enabled=(train["precision"] == "fp16" and backend != "numpy"))
+        self.step_count = 0  # completed optimizer steps (skipped ones included)
+        self.adam_t = 0  # applied updates, for Adam's bias correction
+        self.tokens = 0
+        self.skipped_steps = 0
+        self._row_losses: list[np.ndarray] = []
+        self._micro_tokens = 0
+
+    # -- the Python API of DESIGN §10 ---------------------------------------------------
+
+    @property
+    def params(self) -> np.ndarray:
+        return self.backend.read_params()
+
+    @property
+    def grads(self) -> np.ndarray:
+        return self.backend.read_grads()
+
+    def zero_grads(self) -> None:
+        self.backend.zero_grads()
+        self._row_losses = []
+        self._micro_tokens = 0
+
+    def forward_backward(self, tokens: np.ndarray) -> float:
+        """One micro-batch: tokens `[B, T+1]`; accumulates gradients, returns the mean loss."""
+        tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        rows = self.backend.forward_backward(
+            np.ascontiguousarray(inputs), np.ascontiguousarray(targets), self.scaler.scale
+        )
+        self._row_losses.append(np.asarray(rows, dtype=np.float64))
+        self._micro_tokens += inputs.size
+        return float(np.mean(rows))
+
+    @property
+    def row_losses(self) -> np.ndarray:
+        """Per-row losses of the micro-batches since `zero_grads`, in order."""
+        return np.concatenate(self._row_losses) if self._row_losses else np.zeros(0)
+
+    def lr_at(self, step: int) -> float:
+        o = self.config["optim"]
+        return lr_at(step, o["lr"], o["warmup_steps"], self.config["train"]["max_steps"],
+                     o["min_lr_frac"])
+
+    def step(self) -> dict[str, Any]:
+        """Clip + AdamW over the gradients accumulated since `zero_grads`; returns the record."""
+        n_micro = len(self._row_losses)
+        if n_micro == 0:
+            raise RuntimeError("step() without forward_backward() since zero_grads()")
+        o = self.config["optim"]
+        step = self.step_count + 1
+        lr = self.lr_at(step)
+        self.backend.scale_grads(1.0 / (n_micro * self.scaler.scale))
+        norm = float(self.backend.grad_norm())
+        finite = math.isfinite(norm)
+        self.scaler.update(finite)
+        scale = 1.0
+        if finite:
+            scale = clip_scale(norm, o["max_grad_norm"])
+            if scale < 1.0:
+                self.backend.grad_scale(scale)
+            self.adam_t += 1
+            b1, b2 = o["betas"]
+            self.backend.adamw(lr, b1, b2, o["eps"], o["weight_decay"], self.adam_t)
+        else:
+            self.skipped_steps += 1
+        self.step_count = step
+        self.tokens += self._micro_tokens
+        return {
+            "step": step,
+            "loss": float(np.mean(self.row_losses)),
+            "grad_norm": norm,
+            "clip_scale": scale,
+            "lr": lr,
+            "tokens": self.tokens,
+            "skipped": not finite,
+        }
+
+    # -- state for checkpoints -------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters and loss-scale state (the arrays travel separately in model.ckpt)."""
+        return {"step": self.step_count, "adam_t": self.adam_t, "tokens": self.tokens,
+                "skipped_steps": self.skipped_steps, "loss_scale": self.scaler.state_dict()}
+
+    def load_state(self, params: np.ndarray, m: np.ndarray, v: np.ndarray,
+                   state: dict[str, Any]) -> None:
+        self.backend.load_params(params)
+        self.backend.load_optimizer(m, v)
+        self.step_count = int(state["step"])
+        self.adam_t = int(state["adam_t"])
+        self.tokens = int(state["tokens"])
+        self.skipped_steps = int(state["skipped_steps"])
+        self.scaler.load_state_dict(state["loss_scale"])

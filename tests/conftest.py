@@ -1,0 +1,99 @@
+"""Shared fixtures: a prepared built-in dataset and small experiment configs for engine runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "experiments" / "ANDREA-tiny-TRAIN.json"
+# The built-in data lives where `make run` puts it, so tests and the demo prepare it once.
+DATA_DIR = ROOT / "data" / "builtin"
+
+
+def tiny_config_dict() -> dict[str, Any]:
+    c = json.loads(TINY.read_text())
+    c["data"]["dir"] = str(DATA_DIR)
+    return c
+
+
+def micro_config_dict(**train: Any) -> dict[str, Any]:
+    """A model small enough for many real-process runs in CI, on the shared built-in data."""
+    c = tiny_config_dict()
+    c["name"] = "ANDREA-micro"
+    c["model"].update(n_layer=2, d_model=64, n_head=2, d_ff=128, seq_len=32)
+    c["train"].update({"batch_size": 4, "max_steps": 40, **train})
+    c["optim"].update(warmup_steps=5)
+    c["bandit"].update(seed=11)  # phases of 7, 7, 28 steps: two boundaries inside 40 steps
+    c["checkpoint"].update(every=10, keep=2)
+    c["samples"].update(every_steps=15, length=8)
+    return c
+
+
+@pytest.fixture(scope="session")
+def prepared_data() -> Path:
+    """Prepare the built-in tokenizer and shards once (idempotent: skipped when up to date)."""
+    from engine.config import parse_config
+    from engine.data.prep import prepare
+
+    cfg = parse_config(tiny_config_dict(), "tiny", ROOT)
+    prepare(cfg, progress=lambda m: None)
+    return DATA_DIR
+
+
+@pytest.fixture
+def write_config(tmp_path: Path, prepared_data: Path) -> Callable[[dict[str, Any]], Path]:
+    def write(cfg: dict[str, Any], name: str = "cfg.json") -> Path:
+        p = tmp_path / name
+        p.write_text(json.dumps(cfg, indent=2))
+        return p
+
+    return write
+
+
+def engine_cmd(config: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "engine.train", str(config), "--run-dir", str(run_dir),
+            "--backend", "numpy", *extra]
+
+
+def run_engine(config: Path, run_dir: Path, *extra: str, timeout: float = 300,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(engine_cmd(config, run_dir, *extra), capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def start_engine(config: Path, run_dir: Path, *extra: str, **kw: Any) -> subprocess.Popen[str]:
+    return subprocess.Popen(engine_cmd(config, run_dir, *extra), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def loss_records(run_dir: Path) -> list[dict[str, Any]]:
+    from engine.runfiles import latest_by_step, read_jsonl
+
+    return latest_by_step(read_jsonl(run_dir / "loss.jsonl")[0])
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen[str] | None = None,
+                  timeout: float = 120, poll: float = 0.002) -> None:
+    """Block until `loss.jsonl` has a record for `step` (reading only the file's new bytes)."""
+    from engine.runfiles import JsonlTail
+
+    tail = JsonlTail(run_dir / "loss.jsonl")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for r in tail.read_new():
+            if r.get("step", 0) >= step:
+                return
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"engine exited {proc.returncode} before step {step}: "
+                                 f"{proc.stdout.read() if proc.stdout else ''}")
+        time.sleep(poll)
+    raise AssertionError(f"no step {step} in {run_dir} after {timeout} s")

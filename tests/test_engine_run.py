@@ -1,0 +1,140 @@
+"""`andrea-train` end to end on the numpy backend: the run directory, determinism, learning."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import loss_records, micro_config_dict, run_engine, tiny_config_dict
+
+LOSS_FIELDS = {
+    "step": int, "loss": float, "grad_norm": float, "clip_scale": float, "lr": float,
+    "tokens": int, "tok_s": float, "step_ms": float, "phase": int, "phase_step": int,
+    "phase_len": int, "weights": dict, "src_loss": dict, "skipped": bool, "t": float,
+}
+EVENT_FIELDS = {
+    "start": {"pid", "argv", "name", "backend", "device", "run_id", "resumed"},
+    "ready": {"memory_plan", "n_params", "backend", "device", "step", "max_steps",
+              "tokens_per_step"},
+    "checkpoint": {"step", "reason", "path", "bytes", "seconds"},
+    "phase": {"step", "phase", "phase_len", "weights", "scores"},
+    "finished": {"step", "status"},
+}
+SOURCES = {"python-reference", "stdlib-docstrings", "stdlib-code"}
+
+
+def _check_type(value: object, kind: type) -> bool:
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+def test_run_directory_matches_design(tmp_path: Path, write_config) -> None:
+    cfg = write_config(micro_config_dict())
+    run = tmp_path / "run"
+    r = run_engine(cfg, run)
+    assert r.returncode == 0, r.stdout + r.stderr
+    names = {p.name for p in run.iterdir()}
+    assert {"config.json", "engine.json", "engine.lock", "engine.log", "loss.jsonl",
+            "events.jsonl", "samples.jsonl", "state.json", "checkpoints"} <= names
+
+    config = json.loads((run / "config.json").read_text())
+    assert config["model"]["d_model"] == 64 and config["train"]["max_steps"] == 40
+
+    eng = json.loads((run / "engine.json").read_text())
+    assert {"pid", "start_time", "boot_id", "host", "run_id", "argv"} <= set(eng)
+
+    recs = loss_records(run)
+    assert [r["step"] for r in recs] == list(range(1, 41))
+    for rec in recs:
+        assert set(rec) == set(LOSS_FIELDS), set(rec) ^ set(LOSS_FIELDS)
+        for k, kind in LOSS_FIELDS.items():
+            assert _check_type(rec[k], kind), (k, rec[k])
+        assert set(rec["weights"]) == SOURCES and set(rec["src_loss"]) == SOURCES
+        assert math.isclose(sum(rec["weights"].values()), 1.0, rel_tol=1e-9)
+        assert 1 <= rec["phase_step"] <= rec["phase_len"] and rec["phase_len"] in (7, 14, 21, 28, 42)
+        assert 0 < rec["clip_scale"] <= 1.0 and rec["skipped"] is False
+    assert recs[-1]["tokens"] == 40 * 4 * 32
+    assert recs[0]["lr"] == pytest.approx(1e-3 / 5)
+
+    events = [json.loads(ln) for ln in (run / "events.jsonl").read_text().splitlines()]
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "start" and "ready" in kinds and kinds[-1] == "finished"
+    for e in events:
+        assert isinstance(e["t"], float)
+        assert EVENT_FIELDS.get(e["event"], set()) <= set(e), e
+    ready = next(e for e in events if e["event"] == "ready")
+    plan = ready["memory_plan"]
+    assert {"weights", "grads", "adam_m", "adam_v", "activations", "scratch", "total"} <= set(plan)
+    assert plan["weights"] == 4 * ready["n_params"]
+    ckpts = [e for e in events if e["event"] == "checkpoint"]
+    assert [(c["step"], c["reason"]) for c in ckpts] == [(10, "periodic"), (20, "periodic"),
+                                                         (30, "periodic"), (40, "final")]
+    # keep=2: the oldest periodic one was pruned after a newer one was committed
+    on_disk = sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert on_disk == ["step_00000020", "step_00000030", "step_00000040"]
+
+    samples = [json.loads(ln) for ln in (run / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [15, 30]
+    assert all(isinstance(s["text"], str) and s["prompt"] for s in samples)
+
+    state = json.loads((run / "state.json").read_text())
+    assert state["status"] == "finished" and state["step"] == 40
+    assert state["backend"] == "numpy" and state["last_checkpoint"]["reason"] == "final"
+    log = (run / "engine.log").read_text()
+    assert "memory plan:" in log and "finished at step 40" in log
+
+
+def test_two_runs_with_one_seed_write_identical_losses(tmp_path: Path, write_config) -> None:
+    cfg = write_config(micro_config_dict(max_steps=25))
+    a, b = tmp_path / "a", tmp_path / "b"
+    for run in (a, b):
+        r = run_engine(cfg, run)
+        assert r.returncode == 0, r.stderr
+    keys = ("loss", "grad_norm", "clip_scale", "lr", "tokens", "phase", "weights", "src_loss")
+    ra, rb = loss_records(a), loss_records(b)
+    assert [[x[k] for k in keys] for x in ra] == [[x[k] for k in keys] for x in rb]
+    assert (a / "checkpoints/step_00000025/model.ckpt").read_bytes() == \
+        (b / "checkpoints/step_00000025/model.ckpt").read_bytes()
+
+
+def test_refuses_to_overwrite_a_run_with_checkpoints(tmp_path: Path, write_config) -> None:
+    cfg = write_config(micro_config_dict(max_steps=10))
+    run = tmp_path / "run"
+    assert run_engine(cfg, run).returncode == 0
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
+    r = run_engine(cfg, run)
+    assert r.returncode == 2
+    assert "already holds checkpoints; pass --resume" in r.stderr and "Traceback" not in r.stderr
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == before
+
+
+def test_cuda_backend_without_a_gpu_is_a_clear_error(tmp_path: Path, write_config) -> None:
+    from engine.backends import cuda_status
+
+    if cuda_status()[0]:
+        pytest.skip("a CUDA device is usable here")
+    cfg = write_config(micro_config_dict(max_steps=5))
+    r = run_engine(cfg, tmp_path / "run", "--backend", "cuda")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "cuda" in r.stderr.lower() and "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_tiny_learns_in_300_steps(tmp_path: Path, write_config) -> None:
+    """ANDREA-tiny, 300 steps on built-in data: measured loss ≈ 9.05 → about 3.5 (see the
+    issue note); we test a safe margin: below 6.0 at the end, well under ln(8449) ≈ 9.04."""
+    cfg = write_config(tiny_config_dict())
+    run = tmp_path / "tiny"
+    r = run_engine(cfg, run, "--max-steps", "300", timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    recs = loss_records(run)
+    assert len(recs) == 300
+    assert recs[0]["loss"] == pytest.approx(math.log(8449), abs=0.3)
+    last = sum(x["loss"] for x in recs[-20:]) / 20
+    assert last < 6.0, last
