@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 CONFIG ?= experiments/ANDREA-tiny-TRAIN.json
 
-.PHONY: run test lint nvcc-check gpu-check bench clean
+.PHONY: run test nvcc-check gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/andrea-prep $(CONFIG)
+	$(BIN)/andrea-tui $(CONFIG) --resume
 
 test: $(STAMP)
 	$(BIN)/ruff check .
@@ -23,6 +23,10 @@ test: $(STAMP)
 
 nvcc-check:
 	scripts/nvcc-check
+
+# On a GPU machine: install pycuda from .whl/, run `pytest -m gpu` and the GPU benchmark.
+gpu-check:
+	scripts/gpu-check
 
 clean:
 	rm -rf $(VENV) build *.egg-info

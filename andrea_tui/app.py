@@ -1,0 +1,371 @@
+"""The dashboard app: live view of one run directory, and the keys that steer its engine.
+
+Data flow: watchfiles wakes `_follow` when the run directory changes (a 1 s timeout doubles as a
+fallback poll); `RunReader.poll()` reads only new bytes into the RunState; text panels update at
+once, charts on a timer and only when the state changed. Signals go through engine.control (the
+verified path of DESIGN §8); the app never signals a pid it has not verified.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import ClassVar
+
+from rich.text import Text
+from textual import work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.widgets import Footer, Static
+
+from andrea_tui import panels
+from andrea_tui.charts import GradNormChart, LossChart
+from andrea_tui.runreader import RunReader
+from andrea_tui.runstate import LossHistory, RunState
+from andrea_tui.screens import ForceStopScreen, HelpScreen, LogScreen
+from engine.control import ControlRefused, engine_alive, signal_engine
+from engine.runfiles import tail_text
+
+LAST_N = 500
+
+
+class AndreaApp(App[str]):
+    """Dashboard of one run. `proc` is the engine when this app launched it (else attach mode)."""
+
+    CSS_PATH = "andrea.tcss"
+    TITLE = "ANDREA"
+    BINDINGS: ClassVar[list[Binding]] = [
+        Binding("s", "snapshot", "snapshot"),
+        Binding("q", "stop", "checkpoint+exit"),
+        Binding("d", "detach", "detach"),
+        Binding("c", "checkpoints", "checkpoints"),
+        Binding("l", "log", "log"),
+        Binding("y", "toggle_log_y", "log y"),
+        Binding("w", "toggle_window", "window"),
+        Binding("question_mark", "help", "help"),
+    ]
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        proc: subprocess.Popen | None = None,
+        clock: Callable[[], float] = time.time,
+        follow: bool = True,
+        redraw_interval: float = 2.0,
+        control_interval: float = 1.0,
+        stop_timeout: float = 120.0,
+        on_frame: Callable[[int | None], None] | None = None,
+    ) -> None:
+        super().__init__()
+        self.run_dir = Path(run_dir)
+        self.proc = proc
+        self.clock = clock
+        self.follow = follow
+        self.redraw_interval = redraw_interval
+        self.control_interval = control_interval
+        self.stop_timeout = stop_timeout
+        self.on_frame = on_frame  # benchmark hook: called with the step shown after each update
+        self.state = RunState()
+        self.reader = RunReader(self.run_dir, self.state)
+        self.history_loaded = False
+        self.controllable = False
+        self.control_reason = "checking the engine…"
+        self.stopping_since: float | None = None
+        self.force_asked = False
+        self.engine_exit: int | None = None
+        self._drawn_version = -1
+        self._ckpt_seen = 0
+        self._snapshot_pending = False
+        self._stop_event = asyncio.Event()
+        self._panel_text: dict[str, str] = {}
+        self._log_key: tuple | None = None
+        self._log_lines = Text("")
+
+    # ------------------------------------------------------------ layout
+
+    def compose(self) -> ComposeResult:
+        yield Static(id="header")
+        yield Static(id="banner")
+        with Horizontal(id="main"):
+            with Vertical(id="charts"):
+                yield LossChart(id="loss")
+                yield GradNormChart(id="gradnorm")
+            with Vertical(id="side"):
+                yield Static(id="training", classes="panel")
+                yield Static(id="bandit", classes="panel")
+                yield Static(id="memory", classes="panel")
+        with Horizontal(id="bottom"):
+            yield Static(id="events", classes="panel")
+            yield Static(id="logtail", classes="panel")
+        yield Static(id="sample", classes="panel")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        for wid, title in (("training", "training"), ("bandit", "data mixture (bandit)"),
+                           ("memory", "memory plan"), ("events", "events"),
+                           ("logtail", "engine.log"), ("sample", "latest sample")):
+            self.query_one(f"#{wid}").border_title = title
+        # First frame from the end of loss.jsonl; the whole history follows from a thread.
+        self.state.set_history(LossHistory.build(self.reader.read_preview()))
+        self.reader.poll(include_loss=False)
+        self._check_engine()
+        self._update_panels()
+        self.call_after_refresh(self._redraw_charts)
+        self._load_history()
+        self.set_interval(self.redraw_interval, self._redraw_if_dirty)
+        self.set_interval(self.control_interval, self._tick)
+
+    # ------------------------------------------------------------ reading
+
+    @work(thread=True, exclusive=True, group="history", exit_on_error=False)
+    def _load_history(self) -> None:
+        history = self.reader.read_history()
+        self.call_from_thread(self._install_history, history)
+
+    def _install_history(self, history: LossHistory) -> None:
+        self.state.set_history(history)
+        self.history_loaded = True
+        self.reader.poll()
+        self._update_panels()
+        self._redraw_charts()
+        if self.follow:
+            self._follow()
+
+    @work(exclusive=True, group="follow", exit_on_error=False)
+    async def _follow(self) -> None:
+        from watchfiles import awatch
+
+        # The directory, not the files: files that appear later or are replaced are still seen.
+        async for _changes in awatch(
+            self.run_dir, recursive=False, watch_filter=None, stop_event=self._stop_event,
+            step=20, debounce=200, rust_timeout=1000, yield_on_timeout=True,
+        ):
+            self.poll_now()
+
+    def poll_now(self) -> bool:
+        """Read what was appended; update the text panels at once if anything changed."""
+        if not self.history_loaded:
+            return False
+        changed = self.reader.poll()
+        if changed:
+            self._update_panels()
+            self._announce_checkpoints()
+        return changed
+
+    async def action_quit(self) -> None:
+        self._stop_event.set()
+        await super().action_quit()
+
+    def exit(self, result: str | None = None, *args, **kwargs) -> None:  # type: ignore[override]
+        self._stop_event.set()  # lets awatch return promptly instead of after rust_timeout
+        super().exit(result, *args, **kwargs)
+
+    # ------------------------------------------------------------ drawing
+
+    def _set(self, wid: str, content: Text | str) -> None:
+        """Update a panel only when its text changed; re-layout only when its height did
+        (layout passes cost more than the rest of a frame)."""
+        plain = content.plain if isinstance(content, Text) else content
+        old = self._panel_text.get(wid)
+        if old == plain:
+            return
+        self._panel_text[wid] = plain
+        relayout = old is None or old.count("\n") != plain.count("\n")
+        self.query_one(f"#{wid}", Static).update(content, layout=relayout)
+
+    def _log_tail(self) -> Text:
+        try:
+            st = self.reader.paths.log.stat()
+            key = (st.st_ino, st.st_size, st.st_mtime_ns)
+        except OSError:
+            key = None
+        if key != self._log_key:
+            self._log_key = key
+            lines = tail_text(self.reader.paths.log, 7)
+            self._log_lines = Text("\n".join(lines) or "(empty)", no_wrap=True,
+                                   overflow="ellipsis")
+        return self._log_lines
+
+    def _update_panels(self) -> None:
+        st = self.state
+        note = ""
+        if self.stopping_since is not None:
+            note = "stopping… (waiting for the stop checkpoint)"
+        elif not self.history_loaded:
+            note = f"{st.status} (loading history…)"
+        self._set("header", panels.header(st, self.clock(), note))
+        self._set("training", panels.training(st))
+        self._set("bandit", panels.bandit(st))
+        self._set("memory", panels.memory(st))
+        self._set("sample", panels.sample(st))
+        self._set("events", panels.events(st, 7))
+        self._set("logtail", self._log_tail())
+        if self.on_frame is not None:
+            self.call_after_refresh(self.on_frame, st.series.last_step)
+
+    def _redraw_charts(self) -> None:
+        self._drawn_version = self.state.version
+        self.query_one(LossChart).update_from(self.state.series)
+        self.query_one(GradNormChart).update_from(self.state.series, self.state.max_grad_norm)
+
+    def _redraw_if_dirty(self) -> None:
+        if self.state.version != self._drawn_version:
+            self._redraw_charts()
+
+    def _banner(self, text: str, error: bool = False) -> None:
+        if self._panel_text.get("banner") == text:
+            return
+        self._panel_text["banner"] = text
+        b = self.query_one("#banner", Static)
+        b.update(text)
+        b.set_class(bool(text), "shown")
+        b.set_class(error, "error")
+
+    # ------------------------------------------------------------ the engine
+
+    def _check_engine(self) -> None:
+        alive, reason = engine_alive(self.run_dir)
+        if self.proc is not None and self.engine_exit is None:
+            code = self.proc.poll()
+            if code is not None:
+                self._engine_exited(code)
+        self.controllable = alive
+        # Messages name files by full path; inside this run directory the file name is enough.
+        self.control_reason = reason.replace(f"{self.run_dir}/", "")
+        if self.engine_exit is not None:
+            return
+        if alive:
+            self._banner("")
+        elif self.proc is not None:
+            self._banner("engine starting…" if self.state.status == "starting"
+                         else f"engine not reachable: {self.control_reason}")
+        else:
+            self._banner(f"read-only: {self._readonly_why(self.control_reason)}; "
+                         "s and q are off")
+
+    def _readonly_why(self, reason: str) -> str:
+        status = self.state.status
+        if status in ("finished", "stopped", "failed"):
+            return f"this run is {status} (step {self.state.step})"
+        return reason
+
+    def _engine_exited(self, code: int) -> None:
+        self.engine_exit = code
+        how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+        if self.stopping_since is not None:
+            return  # the expected end of `q`; _tick exits the app
+        lines = tail_text(self.reader.paths.log, 10)
+        self._banner(f"[b]engine ended: {how}[/b] (status {self.state.status}); last log lines:\n"
+                     + "\n".join(lines), error=code != 0)
+
+    def _tick(self) -> None:
+        self.poll_now()
+        self._check_engine()
+        self._update_panels()  # elapsed and ETA move with the clock
+        if self.stopping_since is None:
+            return
+        gone = (self.engine_exit is not None if self.proc is not None
+                else not self.controllable)
+        if gone:
+            self.poll_now()
+            self.exit(self._stop_summary())
+        elif not self.force_asked and time.monotonic() - self.stopping_since > self.stop_timeout:
+            self.force_asked = True
+            self.notify(f"the engine did not stop within {self.stop_timeout:.0f} s",
+                        severity="warning")
+            self.push_screen(ForceStopScreen(self.stop_timeout), self._force_answer)
+
+    def _stop_summary(self) -> str:
+        st = self.state
+        lc = st.last_checkpoint
+        code = "" if self.engine_exit is None else f", engine exit status {self.engine_exit}"
+        ck = f"; last checkpoint {lc.get('path')} (step {lc.get('step')})" if lc else ""
+        return f"{st.name}: {st.status} at step {st.step}{code}{ck}"
+
+    def _force_answer(self, force: bool | None) -> None:
+        if not force:
+            self.force_asked = False
+            self.stopping_since = time.monotonic()  # wait another full timeout
+            return
+        self._send(signal.SIGKILL, "force stop")
+
+    def _send(self, sig: int, what: str) -> bool:
+        try:
+            signal_engine(self.run_dir, sig)
+        except ControlRefused as e:
+            self.notify(f"{what}: not sent: {e}", severity="error")
+            return False
+        return True
+
+    def _announce_checkpoints(self) -> None:
+        cks = self.state.checkpoints
+        for ev in cks[self._ckpt_seen:]:
+            if ev.get("reason") in ("snapshot", "stop") or self._snapshot_pending:
+                self.notify(f"checkpoint step {ev.get('step')} ({ev.get('reason')}): "
+                            f"{ev.get('path')} in {panels.fmt_num(ev.get('seconds'))} s",
+                            title="checkpoint written")
+            if ev.get("reason") == "snapshot":
+                self._snapshot_pending = False
+        self._ckpt_seen = len(cks)
+
+    # ------------------------------------------------------------ keys
+
+    def action_snapshot(self) -> None:
+        if not self.controllable:
+            self.notify(f"snapshot is off: {self._readonly_why(self.control_reason)}",
+                        severity="warning")
+            return
+        if self._send(signal.SIGUSR1, "snapshot"):
+            self._snapshot_pending = True
+            self.notify("SIGUSR1 sent: snapshot at the next step boundary")
+
+    def action_stop(self) -> None:
+        if self.stopping_since is not None:
+            self.notify("already stopping; waiting for the stop checkpoint")
+            return
+        if not self.controllable:
+            if self.proc is not None and self.engine_exit is None:
+                # Our own child, not yet verifiable (still starting): Popen cannot hit a
+                # recycled pid because we have not reaped it.
+                self.proc.send_signal(signal.SIGTERM)
+            else:
+                self.exit(f"closed {self.run_dir} (read-only: "
+                          f"{self._readonly_why(self.control_reason)})")
+                return
+        elif not self._send(signal.SIGTERM, "stop"):
+            return
+        self.stopping_since = time.monotonic()
+        self._update_panels()
+
+    def action_detach(self) -> None:
+        if self.controllable or (self.proc is not None and self.engine_exit is None):
+            self.exit(f"engine keeps running. Reattach with:\n  andrea-tui attach {self.run_dir}")
+        else:
+            self.exit(f"closed {self.run_dir} (no engine running)")
+
+    def action_checkpoints(self) -> None:
+        from andrea_tui.ckpt_screens import CheckpointListScreen
+
+        self.push_screen(CheckpointListScreen(self.run_dir))
+
+    def action_log(self) -> None:
+        self.push_screen(LogScreen(self.reader.paths.log))
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen(LAST_N))
+
+    def action_toggle_log_y(self) -> None:
+        chart = self.query_one(LossChart)
+        chart.log_y = not chart.log_y
+        self._redraw_charts()
+
+    def action_toggle_window(self) -> None:
+        for chart in (self.query_one(LossChart), self.query_one(GradNormChart)):
+            chart.last_n = None if chart.last_n else LAST_N
+        self._redraw_charts()

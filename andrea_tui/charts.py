@@ -1,0 +1,108 @@
+"""Loss and grad-norm charts: textual-plotext (plotext 5.3.2) fed from a StepSeries.
+
+The charts only draw what `update_from()` handed them: downsampled (min and max per column) and
+windowed in numpy, so a 200k-step history costs the same to draw as a short one. plotext 5's
+log scale re-logs data on every build (plotext #209), so log-y is drawn as log10 values with
+tick labels in the original units.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from textual_plotext import PlotextPlot
+
+from andrea_tui.series import StepSeries, downsample_minmax, window
+from andrea_tui.textfmt import fmt_num
+
+AXIS_COLUMNS = 10  # plotext's y-axis labels and frame take about this many columns
+
+
+def _log_ticks(lo: float, hi: float) -> tuple[list[float], list[str]]:
+    """Tick positions (log10 units) and labels (original units) for a log-y axis."""
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return [], []
+    if hi - lo < 1e-9:
+        hi = lo + 0.1
+    ticks = list(np.linspace(lo, hi, 5))
+    return ticks, [fmt_num(10**t) for t in ticks]
+
+
+class LossChart(PlotextPlot):
+    """Raw loss (dim) and its debiased EMA, whole run or the last N steps, linear or log y."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.log_y = False
+        self.last_n: int | None = None
+        self._data: tuple | None = None
+
+    def update_from(self, series: StepSeries) -> None:
+        cols = max(10, self.size.width - AXIS_COLUMNS)
+        x, y = window(series.steps, series.col("loss"), self.last_n)
+        _, e = window(series.steps, series.ema(), self.last_n)
+        if self.log_y:
+            with np.errstate(divide="ignore", invalid="ignore"):
+                y = np.where(y > 0, np.log10(np.where(y > 0, y, 1.0)), np.nan)
+                e = np.where(e > 0, np.log10(np.where(e > 0, e, 1.0)), np.nan)
+        rx, ry = downsample_minmax(x, y, cols)
+        ex, ey = downsample_minmax(x, e, cols)
+        self._data = (rx, ry, ex, ey)
+        self.refresh()
+
+    def render(self):
+        plt = self.plt
+        plt.clear_data()
+        plt.clear_figure()
+        scope = "all" if self.last_n is None else f"last {self.last_n}"
+        plt.title(f"loss ({scope}{', log y' if self.log_y else ''}) · raw + EMA")
+        if self._data is not None and len(self._data[0]):
+            rx, ry, ex, ey = self._data
+            plt.plot(rx.tolist(), ry.tolist(), color="gray", marker="braille")
+            if len(ex):
+                plt.plot(ex.tolist(), ey.tolist(), color="cyan", marker="braille")
+            if self.log_y:
+                lo = float(np.nanmin(ry)) if len(ry) else 0.0
+                hi = float(np.nanmax(ry)) if len(ry) else 1.0
+                plt.yticks(*_log_ticks(lo, hi))
+        return super().render()
+
+
+class GradNormChart(PlotextPlot):
+    """Global grad norm (before clipping), the max_norm line, and clipped steps marked."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.last_n: int | None = None
+        self.max_norm: float | None = None
+        self._data: tuple | None = None
+
+    def update_from(self, series: StepSeries, max_norm: float | None) -> None:
+        cols = max(10, self.size.width - AXIS_COLUMNS)
+        x, g = window(series.steps, series.col("grad_norm"), self.last_n)
+        _, cs = window(series.steps, series.col("clip_scale"), self.last_n)
+        gx, gy = downsample_minmax(x, g, cols)
+        clipped = cs < 1.0
+        # Clipped steps: one mark per column is enough to see where clipping happened.
+        cx, cy = downsample_minmax(x[clipped], g[clipped], cols // 2 or 1)
+        self.max_norm = max_norm
+        self._data = (gx, gy, cx, cy, int(np.count_nonzero(clipped)))
+        self.refresh()
+
+    def render(self):
+        plt = self.plt
+        plt.clear_data()
+        plt.clear_figure()
+        title = "grad norm"
+        if self._data is not None:
+            gx, gy, cx, cy, n_clipped = self._data
+            title += f" · max_norm {fmt_num(self.max_norm)} · clipped steps ✕ {n_clipped}"
+            if len(gx):
+                plt.plot(gx.tolist(), gy.tolist(), color="green", marker="braille")
+                if self.max_norm is not None:
+                    plt.hline(self.max_norm, color="red")
+                if len(cx):
+                    plt.scatter(cx.tolist(), cy.tolist(), color="red", marker="x")
+        plt.title(title)
+        return super().render()

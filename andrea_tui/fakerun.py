@@ -1,0 +1,187 @@
+"""Synthetic run directories and a stand-in engine, for the TUI's tests and benchmark.
+
+`write_run()` writes a complete run directory (DESIGN §7 records) with deterministic values.
+`python -m andrea_tui.fakerun RUN_DIR [--rate HZ] [--steps N]` behaves like andrea-train towards
+a controller: holds engine.lock, writes engine.json with its real identity, appends one loss
+record per tick, writes a `snapshot` checkpoint event on SIGUSR1 and on SIGTERM a `stop`
+checkpoint event, a stop event and status "stopped", then exits 0. It trains nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from engine.runfiles import JsonlWriter, RunPaths, write_json_atomic
+
+SOURCES = ("python-reference", "stdlib-docstrings", "stdlib-code")
+PHASE_LEN = 14
+
+CONFIG = {
+    "name": "ANDREA-fake",
+    "model": {"n_layer": 2, "d_model": 64, "n_head": 2, "d_ff": 256, "vocab_size": 8449,
+              "seq_len": 64},
+    "train": {"batch_size": 4, "grad_accum": 1, "max_steps": 2000, "precision": "fp32",
+              "seed": 1},
+    "optim": {"lr": 1e-3, "warmup_steps": 10, "min_lr_frac": 0.1, "betas": [0.9, 0.95],
+              "eps": 1e-8, "weight_decay": 0.1, "max_grad_norm": 1.0},
+    "checkpoint": {"every": 100, "keep": 3},
+}
+TOKENS_PER_STEP = 256
+
+
+def loss_record(step: int, t: float) -> dict[str, Any]:
+    """A deterministic loss.jsonl record for `step` (every 97th step is a skipped one)."""
+    phase = step // PHASE_LEN
+    skipped = step % 97 == 96
+    grad = 0.6 + 0.8 * abs(math.sin(step * 0.37))
+    loss = 9.0 * math.exp(-step / 400.0) + 2.0 + 0.1 * math.sin(step * 0.9)
+    w = [0.2 + 0.1 * ((phase + i) % 3) for i in range(3)]
+    tot = sum(w)
+    return {
+        "step": step,
+        "loss": math.nan if skipped else round(loss, 6),
+        "grad_norm": math.inf if skipped else round(grad, 6),
+        "clip_scale": round(min(1.0, 1.0 / grad), 6),
+        "lr": 1e-3,
+        "tokens": step * TOKENS_PER_STEP,
+        "tok_s": 5120.0,
+        "step_ms": 50.0,
+        "phase": phase,
+        "phase_step": step % PHASE_LEN + 1,
+        "phase_len": PHASE_LEN,
+        "weights": {s: round(x / tot, 4) for s, x in zip(SOURCES, w, strict=True)},
+        "src_loss": {s: round(loss + 0.1 * i, 4) for i, s in enumerate(SOURCES)},
+        "skipped": skipped,
+        "t": t,
+    }
+
+
+def write_run(run_dir: Path, n_steps: int, *, t0: float = 1_700_000_000.0, dt: float = 0.1,
+              status: str = "finished", max_steps: int = 2000) -> RunPaths:
+    """A complete run directory with `n_steps` steps, as an engine would leave it."""
+    paths = RunPaths(Path(run_dir))
+    paths.root.mkdir(parents=True, exist_ok=True)
+    cfg = {**CONFIG, "train": {**CONFIG["train"], "max_steps": max_steps}}
+    write_json_atomic(paths.config, cfg, durable=False)
+    with open(paths.loss, "w") as f:
+        for s in range(1, n_steps + 1):
+            f.write(json.dumps(loss_record(s, t0 + s * dt), separators=(",", ":")) + "\n")
+    ev = JsonlWriter(paths.events)
+    ev.write({"t": t0, "event": "start", "pid": 4242, "argv": ["andrea-train"],
+              "name": cfg["name"], "backend": "numpy", "device": "cpu", "run_id": "fake",
+              "resumed": False})
+    ev.write({"t": t0, "event": "ready", "memory_plan": {
+        "weights": 4 << 20, "grads": 4 << 20, "adam_m": 4 << 20, "adam_v": 4 << 20,
+        "activations": 12 << 20, "scratch": 1 << 20, "total": 29 << 20},
+        "n_params": 1048576, "backend": "numpy", "device": "cpu", "step": 0,
+        "max_steps": max_steps, "tokens_per_step": TOKENS_PER_STEP})
+    for s in range(100, n_steps + 1, 100):
+        ev.write({"t": t0 + s * dt, "event": "checkpoint", "step": s, "reason": "periodic",
+                  "path": str(paths.checkpoints / f"step_{s:08d}"), "bytes": 12_582_920,
+                  "seconds": 0.25})
+    ev.close()
+    smp = JsonlWriter(paths.samples)
+    for s in range(50, n_steps + 1, 50):
+        smp.write({"step": s, "t": t0 + s * dt, "prompt": "def ",
+                   "text": f"def f{s}(x):\n    return x + {s}"})
+    smp.close()
+    with open(paths.log, "w") as f:
+        for s in range(0, n_steps + 1, max(1, n_steps // 5)):
+            f.write(f"12:00:{s % 60:02d} step {s} loss ok\n")
+    write_json_atomic(paths.state, {
+        "status": status, "step": n_steps, "max_steps": max_steps, "backend": "numpy",
+        "device": "cpu", "pid": 4242, "last_checkpoint": None, "updated": t0 + n_steps * dt,
+    }, durable=False)
+    return paths
+
+
+class FakeEngine:
+    """The control-facing behaviour of andrea-train, with no training."""
+
+    def __init__(self, run_dir: Path, rate: float, steps: int, start: int) -> None:
+        from engine.identity import EngineLock
+
+        self.paths = RunPaths(Path(run_dir))
+        self.paths.root.mkdir(parents=True, exist_ok=True)
+        self.rate, self.steps, self.step = rate, steps, start
+        self.usr1 = 0
+        self.stop = False
+        signal.signal(signal.SIGUSR1, self._on_usr1)
+        signal.signal(signal.SIGTERM, self._on_term)
+        self.lock = EngineLock().acquire(self.paths.root)
+
+    def _on_usr1(self, *_: object) -> None:
+        self.usr1 += 1
+
+    def _on_term(self, *_: object) -> None:
+        self.stop = True
+
+    def _status(self, status: str, last: dict | None = None) -> None:
+        write_json_atomic(self.paths.state, {
+            "status": status, "step": self.step, "max_steps": self.steps, "backend": "numpy",
+            "device": "cpu", "pid": __import__("os").getpid(), "last_checkpoint": last,
+            "updated": time.time()}, durable=False)
+
+    def _checkpoint(self, ev: JsonlWriter, reason: str) -> dict:
+        path = self.paths.checkpoints / f"step_{self.step:08d}"
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "fake").write_text(reason)
+        rec = {"step": self.step, "reason": reason, "path": str(path), "bytes": 4, "seconds": 0.01}
+        ev.write({"t": time.time(), "event": "checkpoint", **rec})
+        return rec
+
+    def run(self) -> int:
+        import os
+        import sys
+
+        from engine.identity import write_engine_json
+
+        if not self.paths.config.exists():
+            write_json_atomic(self.paths.config, CONFIG, durable=False)
+        write_engine_json(self.paths.root, sys.argv, "fake")
+        ev, loss = JsonlWriter(self.paths.events), JsonlWriter(self.paths.loss)
+        ev.write({"t": time.time(), "event": "start", "pid": os.getpid(), "argv": sys.argv,
+                  "name": CONFIG["name"], "backend": "numpy", "device": "cpu",
+                  "run_id": "fake", "resumed": False})
+        self._status("running")
+        last = None
+        while not self.stop and self.step < self.steps:
+            time.sleep(1.0 / self.rate)
+            self.step += 1
+            loss.write(loss_record(self.step, time.time()))
+            if self.usr1:
+                ev.write({"t": time.time(), "event": "signal", "signal": "SIGUSR1",
+                          "step": self.step, "action": "snapshot"})
+                self.usr1 = 0
+                last = self._checkpoint(ev, "snapshot")
+            self._status("running", last)
+        if self.stop:
+            ev.write({"t": time.time(), "event": "signal", "signal": "SIGTERM",
+                      "step": self.step, "action": "stop"})
+            last = self._checkpoint(ev, "stop")
+            ev.write({"t": time.time(), "event": "stop", "step": self.step, "status": "stopped"})
+            self._status("stopped", last)
+        else:
+            ev.write({"t": time.time(), "event": "finished", "step": self.step})
+            self._status("finished", last)
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m andrea_tui.fakerun")
+    p.add_argument("run_dir")
+    p.add_argument("--rate", type=float, default=20.0, help="steps per second")
+    p.add_argument("--steps", type=int, default=1_000_000)
+    p.add_argument("--start", type=int, default=0)
+    a = p.parse_args(argv)
+    return FakeEngine(Path(a.run_dir), a.rate, a.steps, a.start).run()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

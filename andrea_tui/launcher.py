@@ -1,0 +1,65 @@
+"""Start `andrea-train` as a child that outlives the terminal (issue 5, "Launch").
+
+The child gets its own session (a dropped SSH connection's SIGHUP does not reach it), stdin from
+/dev/null (it must never fight the TUI for the keyboard) and stdout+stderr appended to
+`RUN_DIR/engine.log` (the TUI owns the terminal). `sys.executable -m engine.train` works with no
+PATH and in the same interpreter as the TUI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from engine.errors import UserError
+from engine.runfiles import LOG
+
+
+def default_run_dir(config_path: Path) -> Path:
+    """`runs/<experiment name>`, the same default andrea-train uses (DESIGN §7)."""
+    try:
+        name = json.loads(Path(config_path).read_text()).get("name")
+    except (OSError, ValueError, AttributeError) as e:
+        raise UserError(f"{config_path}: cannot read the experiment config ({e})") from None
+    if not isinstance(name, str) or not name:
+        raise UserError(f"{config_path}: name: expected a non-empty string, got {name!r}")
+    return Path("runs") / name
+
+
+def train_argv(config: Path, run_dir: Path, resume: bool = False, max_steps: int | None = None,
+               backend: str | None = None) -> list[str]:
+    """The andrea-train command line (run dir always explicit, so both sides agree on it)."""
+    argv = [sys.executable, "-m", "engine.train", str(config), "--run-dir", str(run_dir)]
+    if resume:
+        argv.append("--resume")
+    if max_steps is not None:
+        argv += ["--max-steps", str(max_steps)]
+    if backend:
+        argv += ["--backend", backend]
+    return argv
+
+
+def _child_env() -> dict[str, str]:
+    """Our environment with the project root on PYTHONPATH, so `-m engine.train` resolves even
+    when the project is not installed (a plain checkout)."""
+    import engine
+
+    root = str(Path(engine.__file__).resolve().parent.parent)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def launch(argv: Sequence[str], run_dir: Path, cwd: Path | None = None) -> subprocess.Popen:
+    """Start `argv` detached from the terminal, logging into RUN_DIR/engine.log."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / LOG, "ab") as log, open("/dev/null", "rb") as devnull:
+        return subprocess.Popen(
+            list(argv), stdin=devnull, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True, cwd=cwd, close_fds=True, env=_child_env(),
+        )

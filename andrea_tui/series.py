@@ -1,0 +1,211 @@
+"""Per-step metric columns (numpy, growable) plus the maths the charts need.
+
+Headless: no Textual here. One row per optimizer step; a later record for a step replaces the
+earlier one (a resumed run re-logs steps), so rows stay sorted by step with no duplicates.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+# Column name -> dtype. `skipped` is kept as float 0/1 so one growable float block serves all.
+FLOAT_COLUMNS = ("loss", "grad_norm", "clip_scale", "lr", "tokens", "tok_s", "step_ms", "t")
+
+
+def _num(x: Any) -> float:
+    """A record field as float; missing, null or non-numeric becomes NaN (never raises)."""
+    if isinstance(x, bool):
+        return float(x)
+    if isinstance(x, (int, float)):
+        return float(x)
+    return math.nan
+
+
+class StepSeries:
+    """Growable per-step columns with an incrementally maintained debiased EMA of the loss."""
+
+    def __init__(self, ema_alpha: float = 0.9, capacity: int = 1024) -> None:
+        self.ema_alpha = ema_alpha
+        self.n = 0
+        self._steps = np.zeros(capacity, dtype=np.int64)
+        self._cols = {c: np.zeros(capacity) for c in FLOAT_COLUMNS}
+        self._skipped = np.zeros(capacity, dtype=bool)
+        self._ema = np.zeros(capacity)
+        self._ema_w = np.zeros(capacity)
+        self._ema_valid = 0  # rows [0, _ema_valid) hold a correct EMA
+
+    # ------------------------------------------------------------ storage
+
+    def _grow(self, need: int) -> None:
+        cap = len(self._steps)
+        if need <= cap:
+            return
+        new = max(need, 2 * cap)
+        self._steps = np.resize(self._steps, new)
+        self._skipped = np.resize(self._skipped, new)
+        self._ema = np.resize(self._ema, new)
+        self._ema_w = np.resize(self._ema_w, new)
+        for c in FLOAT_COLUMNS:
+            self._cols[c] = np.resize(self._cols[c], new)
+
+    def _set_row(self, i: int, rec: dict[str, Any]) -> None:
+        for c in FLOAT_COLUMNS:
+            self._cols[c][i] = _num(rec.get(c))
+        self._skipped[i] = bool(rec.get("skipped"))
+
+    def add(self, records: list[dict[str, Any]]) -> int:
+        """Add loss records (any order, duplicates allowed); returns how many had a valid step."""
+        used = 0
+        for rec in records:
+            step = rec.get("step")
+            if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+                continue
+            used += 1
+            n = self.n
+            if n == 0 or step > self._steps[n - 1]:
+                self._grow(n + 1)
+                self._steps[n] = step
+                self._set_row(n, rec)
+                self.n = n + 1
+                continue
+            i = int(np.searchsorted(self._steps[:n], step))
+            if self._steps[i] != step:  # a step missing so far: insert (rare)
+                self._grow(n + 1)
+                for arr in (self._steps, self._skipped, *self._cols.values()):
+                    arr[i + 1 : n + 1] = arr[i:n]
+                self._steps[i] = step
+                self.n = n + 1
+            self._set_row(i, rec)
+            self._ema_valid = min(self._ema_valid, i)
+        return used
+
+    @classmethod
+    def from_records(cls, records: list[dict[str, Any]], ema_alpha: float = 0.9) -> StepSeries:
+        """Build from a whole history at once (vectorised; the later record for a step wins)."""
+        ok = [r for r in records
+              if isinstance(r.get("step"), int) and not isinstance(r.get("step"), bool)
+              and r["step"] >= 0]
+        out = cls(ema_alpha, capacity=max(1024, len(ok)))
+        if not ok:
+            return out
+        steps = np.fromiter((r["step"] for r in ok), dtype=np.int64, count=len(ok))
+        # Keep the last occurrence of each step: unique on the reversed array gives first hits.
+        _, first_rev = np.unique(steps[::-1], return_index=True)
+        keep = len(ok) - 1 - first_rev  # indices into ok, sorted by step (unique sorts)
+        n = len(keep)
+        out._steps[:n] = steps[keep]
+        for c in FLOAT_COLUMNS:
+            vals = np.fromiter((_num(r.get(c)) for r in ok), dtype=float, count=len(ok))
+            out._cols[c][:n] = vals[keep]
+        sk = np.fromiter((bool(r.get("skipped")) for r in ok), dtype=bool, count=len(ok))
+        out._skipped[:n] = sk[keep]
+        out.n = n
+        return out
+
+    def clear(self) -> None:
+        self.n = 0
+        self._ema_valid = 0
+
+    # ------------------------------------------------------------ views
+
+    @property
+    def steps(self) -> np.ndarray:
+        return self._steps[: self.n]
+
+    def col(self, name: str) -> np.ndarray:
+        return self._cols[name][: self.n]
+
+    @property
+    def skipped(self) -> np.ndarray:
+        return self._skipped[: self.n]
+
+    def last(self, name: str) -> float:
+        return float(self._cols[name][self.n - 1]) if self.n else math.nan
+
+    @property
+    def last_step(self) -> int | None:
+        return int(self._steps[self.n - 1]) if self.n else None
+
+    def ema(self) -> np.ndarray:
+        """Debiased EMA of the loss (TensorBoard style); non-finite losses hold the last value.
+
+        Kept incrementally: appends cost O(new rows); a rewritten step recomputes from there.
+        """
+        a = self.ema_alpha
+        i0 = self._ema_valid
+        if i0 < self.n:
+            loss, ema, ws = self._cols["loss"], self._ema, self._ema_w
+            # The running pair (s, w) before row i0 is recovered from that row's stored EMA.
+            w = float(ws[i0 - 1]) if i0 > 0 else 0.0
+            s = float(ema[i0 - 1]) * w if i0 > 0 and w > 0 else 0.0
+            for i in range(i0, self.n):
+                x = float(loss[i])
+                if math.isfinite(x):
+                    s = a * s + (1.0 - a) * x
+                    w = a * w + (1.0 - a)
+                ema[i] = s / w if w > 0 else math.nan
+                ws[i] = w
+            self._ema_valid = self.n
+        return self._ema[: self.n]
+
+    def clip_share(self, last: int = 100) -> float:
+        """Fraction of the last `last` steps whose gradient was clipped (clip_scale < 1)."""
+        if self.n == 0:
+            return math.nan
+        cs = self.col("clip_scale")[-last:]
+        return float(np.count_nonzero(cs < 1.0) / len(cs))
+
+    def skipped_count(self) -> int:
+        return int(np.count_nonzero(self.skipped))
+
+    def steps_per_second(self, window: int = 50) -> float:
+        """Rate over the trailing `window` rows (by their unix time `t`); NaN when unknown."""
+        if self.n < 2:
+            return math.nan
+        j = max(0, self.n - 1 - window)
+        st, t = self.steps, self.col("t")
+        dt = t[-1] - t[j]
+        ds = st[-1] - st[j]
+        return float(ds / dt) if dt > 0 and math.isfinite(dt) else math.nan
+
+
+def eta_seconds(step: int | None, max_steps: int | None, steps_per_s: float) -> float | None:
+    """Seconds left at the current rate, or None when it cannot be known."""
+    if step is None or not max_steps or not math.isfinite(steps_per_s) or steps_per_s <= 0:
+        return None
+    return max(0.0, (max_steps - step) / steps_per_s)
+
+
+def window(x: np.ndarray, y: np.ndarray, last_n: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """The last `last_n` points (all of them when None)."""
+    if last_n is None or len(x) <= last_n:
+        return x, y
+    return x[-last_n:], y[-last_n:]
+
+
+def downsample_minmax(
+    x: np.ndarray, y: np.ndarray, columns: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """At most 2*columns points: per column bucket its min and its max (spikes never dropped).
+
+    Points are placed at the bucket's first x, min then max, so a line through them draws each
+    column as a vertical bar covering the bucket's whole range. NaN values are ignored; buckets
+    with no finite value are left out.
+    """
+    n = len(x)
+    finite = np.isfinite(y)
+    if n <= 2 * columns:
+        return x[finite].astype(float), y[finite].astype(float)
+    edges = np.linspace(0, n, columns + 1).astype(np.int64)[:-1]
+    ymin = np.fmin.reduceat(np.where(finite, y, np.inf), edges)
+    ymax = np.fmax.reduceat(np.where(finite, y, -np.inf), edges)
+    keep = np.isfinite(ymin)
+    xs = x[edges].astype(float)[keep]
+    out_x = np.repeat(xs, 2)
+    out_y = np.empty(2 * len(xs))
+    out_y[0::2] = ymin[keep]
+    out_y[1::2] = ymax[keep]
+    return out_x, out_y

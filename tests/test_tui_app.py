@@ -1,0 +1,299 @@
+"""The app, headless (run_test + Pilot): values on screen, following, signals to a real child,
+the engine dying, and the checkpoint browser on real checkpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from andrea_tui.app import AndreaApp
+from andrea_tui.fakerun import loss_record, write_run
+from andrea_tui.launcher import launch
+from andrea_tui.screentext import screen_text
+from engine.control import engine_alive
+from engine.runfiles import read_jsonl
+
+SIZE = (140, 45)
+
+
+async def wait_until(pilot, cond: Callable[[], bool], timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting; screen:\n{screen_text(pilot.app)}")
+        await pilot.pause(0.05)
+
+
+def record_notes(app: AndreaApp) -> list[str]:
+    notes: list[str] = []
+    orig = app.notify
+
+    def notify(message, *a, **kw):
+        notes.append(str(message))
+        return orig(message, *a, **kw)
+
+    app.notify = notify  # type: ignore[method-assign]
+    return notes
+
+
+def run(coro) -> None:
+    asyncio.run(coro)
+
+
+def start_fake_engine(run_dir: Path, rate: float = 20.0):
+    proc = launch([sys.executable, "-m", "andrea_tui.fakerun", str(run_dir),
+                   "--rate", str(rate)], run_dir)
+    deadline = time.monotonic() + 20
+    while not engine_alive(run_dir)[0]:
+        assert proc.poll() is None, (run_dir / "engine.log").read_text()
+        assert time.monotonic() < deadline, "fake engine did not come up"
+        time.sleep(0.05)
+    return proc
+
+
+@pytest.fixture
+def engine_proc(tmp_path: Path):
+    run_dir = tmp_path / "run"
+    proc = start_fake_engine(run_dir)
+    yield run_dir, proc
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=10)
+
+
+def test_dashboard_shows_run_values(tmp_path: Path) -> None:
+    paths = write_run(tmp_path / "run", 1200, status="finished")
+
+    async def go() -> None:
+        app = AndreaApp(paths.root, clock=lambda: 1_700_000_500.0, follow=False)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_until(pilot, lambda: app.history_loaded)
+            await pilot.pause()
+            text = screen_text(app)
+            last = loss_record(1200, 0)
+            assert "ANDREA-fake" in text and "numpy/cpu" in text and "finished" in text
+            assert "step 1,200/2,000" in text
+            assert "tokens 307k" in text  # 1200 steps x 256 tokens
+            assert "5.12k tok/s" in text and "elapsed 2m00s" in text
+            skipped = sum(loss_record(s, 0)["skipped"] for s in range(1, 1201))
+            assert f"skipped   {skipped} non-finite" in text
+            for name, w in last["weights"].items():
+                assert name in text and f"{w:.2g}" in text
+            assert f"phase {1200 // 14}" in text
+            assert "read-only: this run is finished" in text
+            assert "def f1200(x)" in text and "total" in text and "29.0 MiB" in text
+            assert "max_norm 1" in text
+            notes = record_notes(app)
+            await pilot.press("s")
+            assert any("snapshot is off" in n for n in notes)
+            await pilot.press("y")
+            assert "log y" in screen_text(app)
+            await pilot.press("w")
+            assert "last 500" in screen_text(app)
+            await pilot.press("q")  # read-only: q just closes
+        assert app.return_value and "read-only" in app.return_value
+
+    run(go())
+
+
+def test_attach_follows_torn_corrupt_and_duplicate_lines(tmp_path: Path) -> None:
+    paths = write_run(tmp_path / "run", 100, status="running")
+
+    async def go() -> None:
+        app = AndreaApp(paths.root, clock=lambda: 1_700_000_500.0)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_until(pilot, lambda: app.history_loaded)
+            assert app.state.series.n == 100
+            line = json.dumps(loss_record(101, 1_700_000_010.0)).encode()
+            with open(paths.loss, "ab") as f:
+                f.write(line[:30])
+            await pilot.pause(0.3)
+            assert app.state.series.n == 100  # the torn line waits for its end
+            with open(paths.loss, "ab") as f:
+                f.write(line[30:] + b"\n{garbage\n")
+                f.write(json.dumps({**loss_record(50, 0.0), "loss": 77.0}).encode() + b"\n")
+            await wait_until(pilot, lambda: app.state.series.n == 101, timeout=5)
+            await wait_until(pilot, lambda: "step 101/2,000" in screen_text(app), timeout=5)
+            assert app.state.series.col("loss")[49] == 77.0
+            assert app.state.bad_lines == 1
+            assert "1 corrupt line(s) skipped" in screen_text(app)
+            # samples.jsonl replaced atomically, events appended: both seen
+            tmp = paths.root / "s.tmp"
+            tmp.write_text(json.dumps({"step": 101, "t": 0, "prompt": "The ",
+                                       "text": "The replaced sample"}) + "\n")
+            os.replace(tmp, paths.samples)
+            await wait_until(pilot, lambda: "The replaced sample" in screen_text(app), 5)
+
+    run(go())
+
+
+def test_keys_send_signals_to_a_real_engine(engine_proc) -> None:
+    run_dir, proc = engine_proc
+
+    async def go() -> None:
+        app = AndreaApp(run_dir, stop_timeout=30)
+        notes = record_notes(app)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_until(pilot, lambda: app.history_loaded and app.controllable)
+            await wait_until(pilot, lambda: (app.state.series.n or 0) > 3)
+            await pilot.press("s")
+            await wait_until(pilot, lambda: any("checkpoint step" in n and "snapshot" in n
+                                                for n in notes))
+            events, _ = read_jsonl(run_dir / "events.jsonl")
+            assert any(e.get("signal") == "SIGUSR1" for e in events)
+            snap = [e for e in events if e.get("event") == "checkpoint"]
+            assert snap and snap[0]["reason"] == "snapshot"
+            assert any(snap[0]["path"] in n for n in notes)
+            await pilot.press("q")
+            assert "stopping" in screen_text(app)
+            await wait_until(pilot, lambda: app.return_value is not None, timeout=20)
+        assert proc.wait(timeout=10) == 0
+        events, _ = read_jsonl(run_dir / "events.jsonl")
+        assert any(e.get("signal") == "SIGTERM" for e in events)
+        stops = [e for e in events if e.get("event") == "checkpoint" and e["reason"] == "stop"]
+        assert stops and Path(stops[0]["path"]).is_dir()
+        assert "stopped" in app.return_value and stops[0]["path"] in app.return_value
+
+    run(go())
+
+
+def test_detach_leaves_engine_running(engine_proc) -> None:
+    run_dir, proc = engine_proc
+
+    async def go() -> None:
+        app = AndreaApp(run_dir)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_until(pilot, lambda: app.history_loaded and app.controllable)
+            await pilot.press("d")
+        assert f"andrea-tui attach {run_dir}" in app.return_value
+
+    run(go())
+    time.sleep(0.3)
+    assert proc.poll() is None and engine_alive(run_dir)[0]
+
+
+def test_launched_engine_killed_shows_status_and_stays_up(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = start_fake_engine(run_dir)
+
+    async def go() -> None:
+        app = AndreaApp(run_dir, proc=proc, control_interval=0.2)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_until(pilot, lambda: app.history_loaded and app.controllable)
+            os.kill(proc.pid, signal.SIGKILL)
+            await wait_until(pilot, lambda: "killed by signal 9" in screen_text(app))
+            assert app.engine_exit == -9 and not app.controllable
+            await pilot.pause(0.5)
+            assert app.is_running and app.return_value is None  # stays up for inspection
+            await pilot.press("q")
+        assert "read-only" in app.return_value
+
+    run(go())
+
+
+def test_stop_timeout_offers_force(tmp_path: Path) -> None:
+    """An engine that ignores SIGTERM: after the timeout the app asks, `f` sends SIGKILL."""
+    run_dir = tmp_path / "run"
+    proc = start_fake_engine(run_dir)
+    # Make the fake ignore SIGTERM by stopping it (SIGSTOP): it cannot act on the signal.
+    os.kill(proc.pid, signal.SIGSTOP)
+
+    async def go() -> None:
+        app = AndreaApp(run_dir, proc=proc, stop_timeout=0.5, control_interval=0.1)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_until(pilot, lambda: app.history_loaded and app.controllable)
+            await pilot.press("q")
+            await wait_until(pilot, lambda: "did not stop within" in screen_text(app))
+            await pilot.press("f")
+            await wait_until(pilot, lambda: app.return_value is not None, timeout=10)
+        assert proc.wait(timeout=10) == -signal.SIGKILL
+
+    try:
+        run(go())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+# ---------------------------------------------------------------- checkpoint browser
+
+
+def write_checkpoints(run_dir: Path) -> list[Path]:
+    from engine.checkpoint import write_checkpoint
+
+    table = [{"name": "wte", "shape": [8, 4], "offset": 0},
+             {"name": "h0.w", "shape": [4, 4], "offset": 32}]
+    rng = np.random.default_rng(3)
+    p1 = rng.normal(size=48).astype(np.float32)
+    p2 = p1.copy()
+    p2[:32] *= 1.5  # wte changes by 50%, h0.w not at all
+    out = []
+    for step, params, reason in ((10, p1, "periodic"), (20, p2, "snapshot"),
+                                 (30, p2, "periodic")):
+        info = write_checkpoint(run_dir / "checkpoints", step, params, params * 0.1,
+                                params * params, {"bandit": {"phase": 3, "eta": 0.5},
+                                                  "schedule": {"lr": 1e-3}}, reason, table)
+        out.append(info.path)
+    model = out[2] / "model.ckpt"
+    data = bytearray(model.read_bytes())
+    data[20] ^= 0xFF  # corrupt the newest one
+    model.write_bytes(bytes(data))
+    return out
+
+
+def test_checkpoint_browser_lists_verifies_details_and_compares(tmp_path: Path) -> None:
+    from andrea_tui.ckpt_screens import (
+        CheckpointDetailScreen,
+        CheckpointListScreen,
+        CompareScreen,
+    )
+
+    paths = write_run(tmp_path / "run", 30)
+    ck = write_checkpoints(paths.root)
+
+    async def go() -> None:
+        app = AndreaApp(paths.root, follow=False)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_until(pilot, lambda: app.history_loaded)
+            await pilot.press("c")
+            scr = app.screen
+            assert isinstance(scr, CheckpointListScreen)
+            await wait_until(pilot, lambda: len(scr.entries) == 3)
+            text = screen_text(app)
+            assert "3 found, 1 invalid" in text and "INVALID" in text and "sha256" in text
+            assert [e.step for e in scr.entries] == [30, 20, 10]
+            await pilot.press("down")  # step 20 (valid)
+            await pilot.press("enter")
+            det = app.screen
+            assert isinstance(det, CheckpointDetailScreen)
+            await wait_until(pilot, lambda: len(det.stats) == 2)
+            text = screen_text(app)
+            assert "step 20" in text and "snapshot" in text and "verified" in text
+            assert "bandit" in text and "phase=3" in text and "schedule" in text
+            w = np.frombuffer((ck[1] / "model.ckpt").read_bytes()[8:8 + 4 * 48], "<f4")
+            assert det.stats[0]["weights"]["rms"] == pytest.approx(
+                float(np.sqrt(np.mean(w[:32].astype(np.float64) ** 2))))
+            await pilot.press("escape")
+            await pilot.press("m")  # step 20
+            await pilot.press("down")
+            await pilot.press("m")  # step 10
+            cmp_ = app.screen
+            assert isinstance(cmp_, CompareScreen)
+            await wait_until(pilot, lambda: len(cmp_.rows) == 2)
+            rel = {r["name"]: r["rel"] for r in cmp_.rows}
+            assert rel["wte"] == pytest.approx(0.5, rel=1e-6) and rel["h0.w"] == 0.0
+            await pilot.press("escape")
+            await pilot.press("escape")
+            assert app.screen is app.screen_stack[0]
+
+    run(go())
