@@ -1,0 +1,353 @@
+"""NumpyBackend: the DESIGN §2 model on the CPU, calling the op twins of `ops.py` in order.
+
+Every buffer is allocated once in `__init__`: params, grads, Adam m/v (flat), the saved
+activations (views into one flat arena) and scratch. A micro-batch with T < seq_len uses the
+leading part of each buffer. float32 by default; float64 for gradient checks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import math
+import os
+
+import numpy as np
+
+from engine.backends.numpy import ops
+from engine.errors import UserError
+from engine.model_layout import ModelShapes, decay_mask, n_params, tensor_table, views
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def blas_threads() -> int:
+    """Threads numpy's OpenBLAS uses (asked from the library itself; CPU count as a fallback)."""
+    libdir = os.path.join(os.path.dirname(np.__file__), os.pardir, "numpy.libs")
+    for path in glob.glob(os.path.join(libdir, "*openblas*.so*")):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for sym in ("scipy_openblas_get_num_threads64_", "openblas_get_num_threads"):
+            fn = getattr(lib, sym, None)
+            if fn is not None:
+                return int(fn())
+    return len(os.sched_getaffinity(0))
+
+
+class _Arena:
+    """One flat buffer carved into named regions; `view` reshapes a region's leading part."""
+
+    def __init__(self, sizes: dict[str, int], dtype: type) -> None:
+        self.offsets: dict[str, tuple[int, int]] = {}
+        total = 0
+        for name, size in sizes.items():
+            self.offsets[name] = (total, size)
+            total += size
+        self.flat = np.zeros(total, dtype=dtype)
+
+    def view(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        start, size = self.offsets[name]
+        need = math.prod(shape)
+        assert need <= size, (name, shape, size)
+        return self.flat[start : start + need].reshape(shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.nbytes
+
+
+def _trunk_sizes(s: ModelShapes, B: int, n_slots: int, n_res: int) -> dict[str, int]:
+    """Forward buffers for `n_slots` saved layers (n_layer for training, 1 for sampling)."""
+    N, d, F, H, T = B * s.seq_len, s.d_model, s.d_ff, s.n_head, s.seq_len
+    sizes = {f"res{i}": N * d for i in range(n_res)}
+    for i in range(n_slots):
+        sizes |= {
+            f"mid{i}": N * d,
+            f"ln1_{i}": N * d,
+            f"mean1_{i}": N,
+            f"rstd1_{i}": N,
+            f"qkv{i}": 3 * N * d,
+            f"probs{i}": B * H * T * T,
+            f"y{i}": N * d,
+            f"ln2_{i}": N * d,
+            f"mean2_{i}": N,
+            f"rstd2_{i}": N,
+            f"pre{i}": N * F,
+            f"act{i}": N * F,
+        }
+    sizes |= {"lnf": N * d, "meanf": N, "rstdf": N, "proj": N * d}
+    return sizes
+
+
+class NumpyBackend:
+    """The numpy reference backend (see engine.backends.base.Backend for the interface)."""
+
+    name = "numpy"
+
+    def __init__(
+        self,
+        shapes: ModelShapes,
+        micro_batch: int,
+        precision: str = "fp32",
+        dtype: type = np.float32,
+    ) -> None:
+        if precision not in PRECISIONS:
+            raise UserError(f"train/precision: expected one of {PRECISIONS}, got {precision!r}")
+        if micro_batch < 1:
+            raise UserError(f"train/batch_size: expected a positive integer, got {micro_batch}")
+        self.shapes = shapes
+        self.micro_batch = micro_batch
+        # numpy has no bf16/fp16 GEMMs worth using: it computes in fp32 (or float64 for checks)
+        self.precision = "fp32" if dtype == np.float32 else "fp64"
+        self.requested_precision = precision
+        self.dtype = np.dtype(dtype)
+        self.device = f"cpu (numpy {np.__version__}, {blas_threads()} BLAS threads)"
+
+        s, B = shapes, micro_batch
+        d, F, V, L = s.d_model, s.d_ff, s.vocab_size, s.n_layer
+        n = n_params(s)
+        self._params = np.zeros(n, dtype=self.dtype)
+        self._grads = np.zeros(n, dtype=self.dtype)
+        self._m = np.zeros(n, dtype=self.dtype)
+        self._v = np.zeros(n, dtype=self.dtype)
+        self._decay = decay_mask(s).astype(self.dtype)
+        self.p = views(self._params, s)
+        self.g = views(self._grads, s)
+        table = {t.name: t for t in tensor_table(s)}
+        # W_Q, W_K, W_V lie back to back: one [3,d,d] view feeds a batched matmul
+        self._wqkv = []
+        self._dwqkv = []
+        for i in range(L):
+            off = table[f"h.{i}.attn.W_Q"].offset
+            self._wqkv.append(self._params[off : off + 3 * d * d].reshape(3, d, d))
+            self._dwqkv.append(self._grads[off : off + 3 * d * d].reshape(3, d, d))
+
+        N = B * s.seq_len
+        T = s.seq_len
+        self._acts = _Arena(_trunk_sizes(s, B, L, L + 1) | {"logits": N * V, "row_sum": N,
+                                                              "losses": N}, self.dtype)
+        self._scratch = _Arena(
+            {
+                "ga": N * d,
+                "gb": N * d,
+                "dln": N * d,
+                "xtmp": N * d,
+                "dy": N * d,
+                "dqkv": 3 * N * d,
+                "dprobs": B * s.n_head * T * T,
+                "dpre": N * F,
+                "ftmp": N * F,
+                "gtmp": N * F,
+                "wtmp": max(V * d, d * F, 3 * d * d),
+                "adam": 2 * ops.ADAMW_CHUNK,
+            },
+            self.dtype,
+        )
+        # sampling has its own buffers (batch 1, one reusable layer slot, one logits row)
+        self._sample = _Arena(
+            _trunk_sizes(s, 1, 1, 2) | {"logits": V, "row_sum": 1, "losses": 1}, self.dtype
+        )
+
+    # --- state in and out --------------------------------------------------------------------
+
+    def _check_flat(self, what: str, a: np.ndarray) -> None:
+        if a.ndim != 1 or a.size != self._params.size:
+            raise UserError(
+                f"{what}: expected a flat array of {self._params.size} values, got shape {a.shape}"
+            )
+
+    def load_params(self, params: np.ndarray) -> None:
+        self._check_flat("params", params)
+        np.copyto(self._params, params)
+
+    def load_optimizer(self, m: np.ndarray, v: np.ndarray) -> None:
+        self._check_flat("adam m", m)
+        self._check_flat("adam v", v)
+        np.copyto(self._m, m)
+        np.copyto(self._v, v)
+
+    @staticmethod
+    def _readonly(a: np.ndarray) -> np.ndarray:
+        view = a.view()
+        view.flags.writeable = False
+        return view
+
+    def read_params(self) -> np.ndarray:
+        """A read-only VIEW of the live weights (no copy): it changes as training goes on."""
+        return self._readonly(self._params)
+
+    def read_grads(self) -> np.ndarray:
+        """A read-only VIEW of the live gradients (no copy)."""
+        return self._readonly(self._grads)
+
+    def read_optimizer(self) -> tuple[np.ndarray, np.ndarray]:
+        """Read-only VIEWS of Adam m and v (no copies)."""
+        return self._readonly(self._m), self._readonly(self._v)
+
+    def zero_grads(self) -> None:
+        self._grads.fill(0.0)
+
+    # --- forward and backward ----------------------------------------------------------------
+
+    def _check_tokens(self, what: str, a: np.ndarray, B: int | None) -> None:
+        s = self.shapes
+        ok = (
+            isinstance(a, np.ndarray)
+            and np.issubdtype(a.dtype, np.integer)
+            and a.ndim == (2 if B is not None else 1)
+            and (B is None or a.shape[0] == B)
+            and 1 <= a.shape[-1] <= s.seq_len
+        )
+        if not ok:
+            want = f"int [{B}, 1..{s.seq_len}]" if B is not None else f"int [1..{s.seq_len}]"
+            got = f"{a.dtype} {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
+            raise UserError(f"{what}: expected {want}, got {got}")
+        lo, hi = int(a.min()), int(a.max())
+        if lo < 0 or hi >= s.vocab_size:
+            raise UserError(f"{what}: token ids must be in [0, {s.vocab_size}), got {lo}..{hi}")
+
+    def _trunk(self, ar: _Arena, tokens: np.ndarray, train: bool) -> np.ndarray:
+        """Embedding, the blocks and the final LayerNorm; returns lnf [N,d].
+        Training saves every layer's activations; sampling reuses one slot."""
+        s, p = self.shapes, self.p
+        B, T = tokens.shape
+        N, d, F, H = B * T, s.d_model, s.d_ff, s.n_head
+        nd, nf = (N, d), (N, F)
+
+        def res(i: int) -> np.ndarray:
+            return ar.view(f"res{i if train else i % 2}", nd)
+
+        ops.embed_fwd(tokens, p["wte"], p["wpe"], res(0).reshape(B, T, d))
+        proj = ar.view("proj", nd)
+        for i in range(s.n_layer):
+            j = i if train else 0
+            h = f"h.{i}."
+            x, mid, out = res(i), ar.view(f"mid{j}", nd), res(i + 1)
+            ln1, ln2 = ar.view(f"ln1_{j}", nd), ar.view(f"ln2_{j}", nd)
+            qkv, y = ar.view(f"qkv{j}", (3, N, d)), ar.view(f"y{j}", nd)
+            ops.layernorm_fwd(x, p[h + "ln1.gamma"], p[h + "ln1.beta"], ln1,
+                              ar.view(f"mean1_{j}", (N,)), ar.view(f"rstd1_{j}", (N,)))
+            ops.attn_qkv_fwd(ln1, self._wqkv[i], qkv)
+            ops.attn_fwd(qkv.reshape(3, B, T, d), H, ar.view(f"probs{j}", (B, H, T, T)),
+                         y.reshape(B, T, d))
+            ops.attn_out_fwd(y, p[h + "attn.W_O"], proj)
+            ops.residual_add(x, proj, mid)
+            ops.layernorm_fwd(mid, p[h + "ln2.gamma"], p[h + "ln2.beta"], ln2,
+                              ar.view(f"mean2_{j}", (N,)), ar.view(f"rstd2_{j}", (N,)))
+            ops.mlp_fwd(ln2, p[h + "mlp.W_1"], p[h + "mlp.W_2"], ar.view(f"pre{j}", nf),
+                        ar.view(f"act{j}", nf), proj)
+            ops.residual_add(mid, proj, out)
+        lnf = ar.view("lnf", nd)
+        ops.layernorm_fwd(res(s.n_layer), p["lnf.gamma"], p["lnf.beta"], lnf,
+                          ar.view("meanf", (N,)), ar.view("rstdf", (N,)))
+        return lnf
+
+    def _forward(self, inputs: np.ndarray, targets: np.ndarray) -> np.ndarray:
+        self._check_tokens("inputs", inputs, self.micro_batch)
+        self._check_tokens("targets", targets, self.micro_batch)
+        if targets.shape != inputs.shape:
+            raise UserError(f"targets: expected shape {inputs.shape}, got {targets.shape}")
+        B, T = inputs.shape
+        N, V = B * T, self.shapes.vocab_size
+        ar = self._acts
+        lnf = self._trunk(ar, inputs, train=True)
+        losses = ar.view("losses", (N,))
+        ops.loss_fwd(lnf, self.p["wte"], targets.reshape(N), ar.view("logits", (N, V)),
+                     ar.view("row_sum", (N,)), losses)
+        return losses.reshape(B, T).mean(axis=1, dtype=np.float64)
+
+    def forward_loss(self, inputs: np.ndarray, targets: np.ndarray) -> np.ndarray:
+        return self._forward(inputs, targets)
+
+    def forward_backward(
+        self, inputs: np.ndarray, targets: np.ndarray, loss_scale: float = 1.0
+    ) -> np.ndarray:
+        row_losses = self._forward(inputs, targets)
+        s, p, g, ar, sc = self.shapes, self.p, self.g, self._acts, self._scratch
+        B, T = inputs.shape
+        N, d, F, H, V = B * T, s.d_model, s.d_ff, s.n_head, s.vocab_size
+        nd, nf = (N, d), (N, F)
+        ga, gb, dln, xtmp, dy = (sc.view(k, nd) for k in ("ga", "gb", "dln", "xtmp", "dy"))
+        dqkv = sc.view("dqkv", (3, N, d))
+        dprobs = sc.view("dprobs", (B, H, T, T))
+        dpre, ftmp, gtmp = (sc.view(k, nf) for k in ("dpre", "ftmp", "gtmp"))
+        wtmp = sc.view("wtmp", (sc.offsets["wtmp"][1],))
+
+        ops.loss_bwd(ar.view("lnf", nd), p["wte"], targets.reshape(N), ar.view("logits", (N, V)),
+                     ar.view("row_sum", (N,)), loss_scale / N, dln, g["wte"], xtmp, wtmp)
+        ops.layernorm_bwd(dln, ar.view(f"res{s.n_layer}", nd), p["lnf.gamma"],
+                          ar.view("meanf", (N,)), ar.view("rstdf", (N,)), ga, g["lnf.gamma"],
+                          g["lnf.beta"], xtmp)
+        # ga holds dL/d(block output); gb dL/d(mid); they swap roles through each block
+        for i in reversed(range(s.n_layer)):
+            h = f"h.{i}."
+            ops.mlp_bwd(ga, ar.view(f"ln2_{i}", nd), p[h + "mlp.W_1"], p[h + "mlp.W_2"],
+                        ar.view(f"pre{i}", nf), ar.view(f"act{i}", nf), dln, g[h + "mlp.W_1"],
+                        g[h + "mlp.W_2"], dpre, ftmp, gtmp, wtmp)
+            ops.layernorm_bwd(dln, ar.view(f"mid{i}", nd), p[h + "ln2.gamma"],
+                              ar.view(f"mean2_{i}", (N,)), ar.view(f"rstd2_{i}", (N,)), gb,
+                              g[h + "ln2.gamma"], g[h + "ln2.beta"], xtmp)
+            ops.residual_add_bwd(ga, gb)
+            ops.attn_out_bwd(gb, ar.view(f"y{i}", nd), p[h + "attn.W_O"], dy, g[h + "attn.W_O"],
+                             wtmp)
+            ops.attn_bwd(dy.reshape(B, T, d), ar.view(f"qkv{i}", (3, B, T, d)),
+                         ar.view(f"probs{i}", (B, H, T, T)), H, dqkv.reshape(3, B, T, d), dprobs)
+            ops.attn_qkv_bwd(dqkv, ar.view(f"ln1_{i}", nd), self._wqkv[i], dln, self._dwqkv[i],
+                             xtmp, wtmp)
+            ops.layernorm_bwd(dln, ar.view(f"res{i}", nd), p[h + "ln1.gamma"],
+                              ar.view(f"mean1_{i}", (N,)), ar.view(f"rstd1_{i}", (N,)), ga,
+                              g[h + "ln1.gamma"], g[h + "ln1.beta"], xtmp)
+            ops.residual_add_bwd(gb, ga)
+        ops.embed_bwd(ga.reshape(B, T, d), inputs, g["wte"], g["wpe"])
+        return row_losses
+
+    # --- optimizer -----------------------------------------------------------------------------
+
+    def scale_grads(self, s: float) -> None:
+        self._grads *= s
+
+    def grad_norm(self) -> float:
+        return ops.grad_norm_final(ops.grad_norm_partial(self._grads))
+
+    def grad_scale(self, s: float) -> None:
+        ops.grad_scale(self._grads, s)
+
+    def adamw(
+        self,
+        lr: float,
+        beta1: float,
+        beta2: float,
+        eps: float,
+        weight_decay: float,
+        t: int,
+    ) -> None:
+        if t < 1:
+            raise ValueError(f"adamw: t is the 1-based step, got {t}")
+        tmp = self._scratch.view("adam", (2, ops.ADAMW_CHUNK))
+        ops.adamw(self._params, self._grads, self._m, self._v, self._decay, lr, beta1, beta2,
+                  eps, weight_decay, t, tmp)
+
+    # --- sampling and memory -------------------------------------------------------------------
+
+    def logits_last(self, tokens: np.ndarray) -> np.ndarray:
+        tokens = np.asarray(tokens)
+        self._check_tokens("tokens", tokens, None)
+        ar = self._sample
+        lnf = self._trunk(ar, tokens.reshape(1, -1), train=False)
+        logits = ar.view("logits", (self.shapes.vocab_size,))
+        np.matmul(self.p["wte"], lnf[-1], out=logits)
+        return logits.astype(np.float32)
+
+    def memory_plan(self) -> dict[str, int]:
+        plan = {
+            "weights": self._params.nbytes,
+            "grads": self._grads.nbytes,
+            "adam_m": self._m.nbytes,
+            "adam_v": self._v.nbytes,
+            "activations": self._acts.nbytes,
+            "scratch": self._scratch.nbytes + self._sample.nbytes + self._decay.nbytes,
+        }
+        plan["total"] = sum(plan.values())
+        return plan
