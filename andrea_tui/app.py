@@ -1,14 +1,20 @@
 """The dashboard app: live view of one run directory, and the keys that steer its engine.
 
 Data flow: watchfiles wakes `_follow` when the run directory changes (a 1 s timeout doubles as a
-fallback poll); `RunReader.poll()` reads only new bytes into the RunState; text panels update at
-once, charts on a timer and only when the state changed. Signals go through engine.control (the
-verified path of DESIGN §8); the app never signals a pid it has not verified.
+fallback poll); `RunReader.poll()` reads only new bytes into the RunState. What it costs to follow
+a live run is mostly Textual frames and plotext builds, so:
+- text panels update at once, but at most one frame per PANEL_MIN_INTERVAL (later changes wait
+  for the end of that interval: a run logging 10 steps/s costs ~7 frames/s, not 10+);
+- charts redraw on a timer, only when the dashboard is the screen shown, only when their data
+  changed, and no more often than keeps plotext under CHART_CPU_SHARE of a core.
+Signals go through engine.control (the verified path of DESIGN §8); the app never signals a pid
+it has not verified.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import signal
 import subprocess
 import time
@@ -21,6 +27,7 @@ from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.timer import Timer
 from textual.widgets import Footer, Static
 
 from andrea_tui import panels
@@ -32,6 +39,8 @@ from engine.control import ControlRefused, engine_alive, signal_engine
 from engine.runfiles import tail_text
 
 LAST_N = 500
+PANEL_MIN_INTERVAL = 0.15  # seconds between text-panel frames while data streams in
+CHART_CPU_SHARE = 0.015  # redraw charts no more often than this share of a core allows
 
 
 class AndreaApp(App[str]):
@@ -79,11 +88,16 @@ class AndreaApp(App[str]):
         self.stopping_since: float | None = None
         self.force_asked = False
         self.engine_exit: int | None = None
-        self._drawn_version = -1
+        self._drawn_key: tuple | None = None
+        self._charts_drawn_at = -math.inf
+        self._panels_at = -math.inf
+        self._panel_timer: Timer | None = None
         self._ckpt_seen = 0
         self._snapshot_pending = False
         self._stop_event = asyncio.Event()
-        self._panel_text: dict[str, str] = {}
+        self._panel_text: dict[str, tuple] = {}  # panel id -> (text, spans) on screen
+        self._statics: dict[str, Static] = {}
+        self._slow_panels_key: tuple | None = None
         self._log_key: tuple | None = None
         self._log_lines = Text("")
 
@@ -154,9 +168,19 @@ class AndreaApp(App[str]):
             return False
         changed = self.reader.poll()
         if changed:
-            self._update_panels()
+            self._request_panels()
             self._announce_checkpoints()
         return changed
+
+    def _request_panels(self) -> None:
+        """Update the text panels now, or at the end of the current PANEL_MIN_INTERVAL."""
+        if self._panel_timer is not None:
+            return  # an update is already due; it will show this change too
+        wait = self._panels_at + PANEL_MIN_INTERVAL - time.monotonic()
+        if wait <= 0:
+            self._update_panels()
+        else:
+            self._panel_timer = self.set_timer(wait, self._update_panels)
 
     async def action_quit(self) -> None:
         self._stop_event.set()
@@ -172,19 +196,27 @@ class AndreaApp(App[str]):
         """Update a panel only when its text changed; re-layout only when its height did
         (layout passes cost more than the rest of a frame)."""
         plain = content.plain if isinstance(content, Text) else content
+        # Styles matter too (the bandit panel highlights a fresh phase change, then stops).
+        key = (plain, tuple(content.spans)) if isinstance(content, Text) else (plain, ())
         old = self._panel_text.get(wid)
-        if old == plain:
+        if old == key:
             return
-        self._panel_text[wid] = plain
-        relayout = old is None or old.count("\n") != plain.count("\n")
-        self.query_one(f"#{wid}", Static).update(content, layout=relayout)
+        self._panel_text[wid] = key
+        relayout = old is None or old[0].count("\n") != plain.count("\n")
+        widget = self._statics.get(wid)
+        if widget is None:  # looked up once: query_one walks the DOM on every call
+            widget = self._statics[wid] = self.query_one(f"#{wid}", Static)
+        widget.update(content, layout=relayout)
 
-    def _log_tail(self) -> Text:
+    def _log_stat(self) -> tuple | None:
         try:
             st = self.reader.paths.log.stat()
-            key = (st.st_ino, st.st_size, st.st_mtime_ns)
         except OSError:
-            key = None
+            return None
+        return st.st_ino, st.st_size, st.st_mtime_ns
+
+    def _log_tail(self) -> Text:
+        key = self._log_stat()
         if key != self._log_key:
             self._log_key = key
             lines = tail_text(self.reader.paths.log, 7)
@@ -193,6 +225,10 @@ class AndreaApp(App[str]):
         return self._log_lines
 
     def _update_panels(self) -> None:
+        if self._panel_timer is not None:
+            self._panel_timer.stop()
+            self._panel_timer = None
+        self._panels_at = time.monotonic()
         st = self.state
         note = ""
         if self.stopping_since is not None:
@@ -202,26 +238,47 @@ class AndreaApp(App[str]):
         self._set("header", panels.header(st, self.clock(), note))
         self._set("training", panels.training(st))
         self._set("bandit", panels.bandit(st))
-        self._set("memory", panels.memory(st))
-        self._set("sample", panels.sample(st))
-        self._set("events", panels.events(st, 7))
-        self._set("logtail", self._log_tail())
+        # These change with events, samples or the log, not with every step: build them only then.
+        slow_key = (id(st.ready), id(st.last_sample), len(st.events),
+                    st.events[-1] if st.events else None, self._log_stat())
+        if slow_key != self._slow_panels_key:
+            self._slow_panels_key = slow_key
+            self._set("memory", panels.memory(st))
+            self._set("sample", panels.sample(st))
+            self._set("events", panels.events(st, 7))
+            self._set("logtail", self._log_tail())
         if self.on_frame is not None:
             self.call_after_refresh(self.on_frame, st.series.last_step)
 
+    def _charts(self) -> tuple[LossChart, GradNormChart]:
+        return self.query_one(LossChart), self.query_one(GradNormChart)
+
+    def _chart_key(self) -> tuple:
+        loss, grad = self._charts()
+        return self.state.version, loss.size, grad.size
+
     def _redraw_charts(self) -> None:
-        self._drawn_version = self.state.version
-        self.query_one(LossChart).update_from(self.state.series)
-        self.query_one(GradNormChart).update_from(self.state.series, self.state.max_grad_norm)
+        """Hand both charts their data now (each builds only if its picture changed)."""
+        self._drawn_key = self._chart_key()
+        self._charts_drawn_at = time.monotonic()
+        loss, grad = self._charts()
+        loss.update_from(self.state.series)
+        grad.update_from(self.state.series, self.state.max_grad_norm)
 
     def _redraw_if_dirty(self) -> None:
-        if self.state.version != self._drawn_version:
-            self._redraw_charts()
+        if self.screen is not self.screen_stack[0] and not self.screen.is_modal:
+            return  # the dashboard is covered: nothing to draw until it is shown again
+        if self._chart_key() == self._drawn_key:
+            return
+        cost = sum(c.build_seconds for c in self._charts())
+        if time.monotonic() - self._charts_drawn_at < cost / CHART_CPU_SHARE:
+            return  # a large chart on a slow machine: keep plotext within its CPU budget
+        self._redraw_charts()
 
     def _banner(self, text: str, error: bool = False) -> None:
-        if self._panel_text.get("banner") == text:
+        if self._panel_text.get("banner") == (text, ()):
             return
-        self._panel_text["banner"] = text
+        self._panel_text["banner"] = (text, ())
         b = self.query_one("#banner", Static)
         b.update(text)
         b.set_class(bool(text), "shown")
@@ -267,7 +324,7 @@ class AndreaApp(App[str]):
     def _tick(self) -> None:
         self.poll_now()
         self._check_engine()
-        self._update_panels()  # elapsed and ETA move with the clock
+        self._request_panels()  # elapsed and ETA move with the clock
         if self.stopping_since is None:
             return
         gone = (self.engine_exit is not None if self.proc is not None

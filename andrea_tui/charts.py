@@ -4,13 +4,20 @@ The charts only draw what `update_from()` handed them: downsampled (min and max 
 windowed in numpy, so a 200k-step history costs the same to draw as a short one. plotext 5's
 log scale re-logs data on every build (plotext #209), so log-y is drawn as log10 values with
 tick labels in the original units.
+
+A plotext build costs tens of milliseconds, so each chart builds only when what it would draw
+changed: `update_from()` ignores data equal to what is drawn, and `render()` reuses the last
+canvas while (data, size, theme) are the same (Textual re-renders widgets for reasons of its
+own, e.g. when a pushed screen is popped). `build_seconds` lets the app budget redraws.
 """
 
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
+from rich.text import Text
 from textual_plotext import PlotextPlot
 
 from andrea_tui.series import StepSeries, downsample_minmax, window
@@ -29,14 +36,68 @@ def _log_ticks(lo: float, hi: float) -> tuple[list[float], list[str]]:
     return ticks, [fmt_num(10**t) for t in ticks]
 
 
-class LossChart(PlotextPlot):
+def _same(a: tuple | None, b: tuple) -> bool:
+    """Whether two chart inputs (tuples of arrays and scalars) would draw the same picture."""
+    if a is None or len(a) != len(b):
+        return False
+    for u, v in zip(a, b, strict=True):
+        if isinstance(u, np.ndarray) or isinstance(v, np.ndarray):
+            if not np.array_equal(u, v, equal_nan=True):
+                return False
+        elif u != v:
+            return False
+    return True
+
+
+class CachedPlot(PlotextPlot):
+    """A PlotextPlot that builds only when its inputs, size or theme changed."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self._data: tuple | None = None
+        self._inputs: tuple | None = None  # everything the picture depends on besides size
+        self._data_version = 0
+        self._canvas_key: tuple | None = None
+        self._canvas: Text | None = None
+        self.build_seconds = 0.0  # cost of the last build (plotext + ANSI decoding)
+        self.builds = 0
+
+    def _set_inputs(self, inputs: tuple, data: tuple) -> bool:
+        """Store new inputs and refresh; False (and nothing done) when they draw the same."""
+        if _same(self._inputs, inputs):
+            return False
+        self._inputs, self._data = inputs, data
+        self._data_version += 1
+        self.refresh()
+        return True
+
+    def _draw(self) -> None:
+        """Issue the plotext calls for the current data (subclasses)."""
+        raise NotImplementedError
+
+    def render(self):
+        key = (self._data_version, self.size, self.app.theme, self.theme)
+        if key == self._canvas_key and self._canvas is not None:
+            return self._canvas
+        t0 = time.perf_counter()
+        plt = self.plt
+        plt.clear_data()
+        plt.clear_figure()
+        self._draw()
+        self._canvas = super().render()
+        self._canvas_key = key
+        self.build_seconds = time.perf_counter() - t0
+        self.builds += 1
+        return self._canvas
+
+
+class LossChart(CachedPlot):
     """Raw loss (dim) and its debiased EMA, whole run or the last N steps, linear or log y."""
 
     def __init__(self, **kw) -> None:
         super().__init__(**kw)
         self.log_y = False
         self.last_n: int | None = None
-        self._data: tuple | None = None
 
     def update_from(self, series: StepSeries) -> None:
         cols = max(10, self.size.width - AXIS_COLUMNS)
@@ -48,13 +109,11 @@ class LossChart(PlotextPlot):
                 e = np.where(e > 0, np.log10(np.where(e > 0, e, 1.0)), np.nan)
         rx, ry = downsample_minmax(x, y, cols)
         ex, ey = downsample_minmax(x, e, cols)
-        self._data = (rx, ry, ex, ey)
-        self.refresh()
+        data = (rx, ry, ex, ey)
+        self._set_inputs((*data, self.log_y, self.last_n), data)
 
-    def render(self):
+    def _draw(self) -> None:
         plt = self.plt
-        plt.clear_data()
-        plt.clear_figure()
         scope = "all" if self.last_n is None else f"last {self.last_n}"
         plt.title(f"loss ({scope}{', log y' if self.log_y else ''}) · raw + EMA")
         if self._data is not None and len(self._data[0]):
@@ -66,17 +125,15 @@ class LossChart(PlotextPlot):
                 lo = float(np.nanmin(ry)) if len(ry) else 0.0
                 hi = float(np.nanmax(ry)) if len(ry) else 1.0
                 plt.yticks(*_log_ticks(lo, hi))
-        return super().render()
 
 
-class GradNormChart(PlotextPlot):
+class GradNormChart(CachedPlot):
     """Global grad norm (before clipping), the max_norm line, and clipped steps marked."""
 
     def __init__(self, **kw) -> None:
         super().__init__(**kw)
         self.last_n: int | None = None
         self.max_norm: float | None = None
-        self._data: tuple | None = None
 
     def update_from(self, series: StepSeries, max_norm: float | None) -> None:
         cols = max(10, self.size.width - AXIS_COLUMNS)
@@ -87,13 +144,11 @@ class GradNormChart(PlotextPlot):
         # Clipped steps: one mark per column is enough to see where clipping happened.
         cx, cy = downsample_minmax(x[clipped], g[clipped], cols // 2 or 1)
         self.max_norm = max_norm
-        self._data = (gx, gy, cx, cy, int(np.count_nonzero(clipped)))
-        self.refresh()
+        data = (gx, gy, cx, cy, int(np.count_nonzero(clipped)))
+        self._set_inputs((*data, max_norm, self.last_n), data)
 
-    def render(self):
+    def _draw(self) -> None:
         plt = self.plt
-        plt.clear_data()
-        plt.clear_figure()
         title = "grad norm"
         if self._data is not None:
             gx, gy, cx, cy, n_clipped = self._data
@@ -105,4 +160,3 @@ class GradNormChart(PlotextPlot):
                 if len(cx):
                     plt.scatter(cx.tolist(), cy.tolist(), color="red", marker="x")
         plt.title(title)
-        return super().render()

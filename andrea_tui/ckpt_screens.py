@@ -57,11 +57,21 @@ def relative_changes(a: Any, b: Any) -> list[dict[str, Any]]:
     return out
 
 
+def _close(screen: Screen) -> None:
+    """Back to the screen below; in `andrea-tui ckpt` (nothing of ours below) leave the app."""
+    app = screen.app
+    if isinstance(app, CheckpointApp) and len(app.screen_stack) <= 2:
+        app.exit()
+    else:
+        app.pop_screen()
+
+
 class CheckpointListScreen(Screen[None]):
     """All checkpoints of a run, newest first, each verified (sha256 included)."""
 
     BINDINGS: ClassVar[list[Binding]] = [
-        Binding("escape,c", "close", "back"),
+        # q closes here: the dashboard's q (stop the engine) must not fire from a pushed screen.
+        Binding("escape,c,q", "close", "back"),
         Binding("enter", "open", "details"),
         Binding("m", "mark", "mark/compare"),
         Binding("r", "reload", "reload"),
@@ -146,16 +156,13 @@ class CheckpointListScreen(Screen[None]):
             self.notify(f"marked {e.path.name}; mark another to compare")
 
     def action_close(self) -> None:
-        if len(self.app.screen_stack) > 1:
-            self.app.pop_screen()
-        else:
-            self.app.exit()
+        _close(self)
 
 
 class CheckpointDetailScreen(Screen[None]):
     """One checkpoint: header, per-tensor stats of weights/m/v, the state summary."""
 
-    BINDINGS: ClassVar[list[Binding]] = [Binding("escape", "close", "back")]
+    BINDINGS: ClassVar[list[Binding]] = [Binding("escape,q", "close", "back")]
 
     def __init__(self, path: Path) -> None:
         super().__init__()
@@ -201,10 +208,7 @@ class CheckpointDetailScreen(Screen[None]):
         self.query_one("#ckpt-state", Static).update(state_summary(state))
 
     def action_close(self) -> None:
-        if len(self.app.screen_stack) > 1:
-            self.app.pop_screen()
-        else:
-            self.app.exit()
+        _close(self)
 
 
 def checkpoint_header(path: Path, state: dict[str, Any]) -> str:
@@ -243,7 +247,7 @@ def state_summary(state: dict[str, Any]) -> str:
 class CompareScreen(Screen[None]):
     """Per-tensor relative change of the weights between two checkpoints."""
 
-    BINDINGS: ClassVar[list[Binding]] = [Binding("escape", "app.pop_screen", "back")]
+    BINDINGS: ClassVar[list[Binding]] = [Binding("escape,q", "app.pop_screen", "back")]
 
     def __init__(self, a: Path, b: Path) -> None:
         super().__init__()

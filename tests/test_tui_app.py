@@ -297,3 +297,33 @@ def test_checkpoint_browser_lists_verifies_details_and_compares(tmp_path: Path) 
             assert app.screen is app.screen_stack[0]
 
     run(go())
+
+
+def test_q_in_pushed_screens_closes_them_not_the_engine(engine_proc) -> None:
+    from andrea_tui.ckpt_screens import CheckpointListScreen
+    from andrea_tui.screens import HelpScreen, LogScreen
+
+    run_dir, proc = engine_proc
+
+    async def go() -> None:
+        app = AndreaApp(run_dir, control_interval=0.2)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_until(pilot, lambda: app.history_loaded and app.controllable)
+            dashboard = app.screen
+            for key, screen_type in (("c", CheckpointListScreen), ("l", LogScreen),
+                                     ("question_mark", HelpScreen)):
+                for close in ("q", "escape"):
+                    await pilot.press(key)
+                    assert isinstance(app.screen, screen_type)
+                    await pilot.press(close)
+                    await pilot.pause()
+                    assert app.screen is dashboard, f"{close} did not close {screen_type}"
+                    assert app.stopping_since is None and app.is_running
+            await pilot.pause(0.5)
+            assert proc.poll() is None  # the engine got no SIGTERM
+            await pilot.press("q")  # on the dashboard, q still stops the engine
+            assert app.stopping_since is not None
+            await wait_until(pilot, lambda: proc.poll() is not None, timeout=20)
+        assert proc.returncode == 0
+
+    run(go())
