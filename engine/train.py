@@ -363,6 +363,14 @@ class Engine:
         self.out.log(f"SIGUSR1 x{n}: snapshot at step {step}")
         self._checkpoint("snapshot", wait=False)
 
+    def _coalesce_pending_snapshots(self, into: str) -> None:
+        """A snapshot asked for at the last step is covered by the stop or final checkpoint."""
+        n = self.flags.take_snapshot_requests()
+        if n:
+            self.out.event("signal", signal="SIGUSR1", step=self.trainer.step_count,
+                           action="coalesced", count=n)
+            self.out.log(f"SIGUSR1 x{n}: covered by the {into} checkpoint")
+
     def _finish(self, max_steps: int) -> int:
         step = self.trainer.step_count
         self.last_write_failed = False
@@ -371,11 +379,11 @@ class Engine:
             self.out.event("signal", signal=sig, step=step, action="stop")
             self.out.log(f"{sig}: writing a stop checkpoint at step {step}")
             self.out.set_status(status="stopping")
-            self._handle_snapshot_requests()
+            self._coalesce_pending_snapshots("stop")
             self._checkpoint("stop", wait=True)
             status = "failed" if self.last_write_failed else "stopped"
         else:
-            self._handle_snapshot_requests()
+            self._coalesce_pending_snapshots("final")
             if self._has_final(step):
                 self.out.log(f"already at max_steps ({max_steps}); nothing to train")
                 self.writer.wait()
