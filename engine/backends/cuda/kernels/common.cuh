@@ -1,0 +1,91 @@
+// Shared helpers for ANDREA's kernels: the activation type and fixed-order warp/block reductions.
+//
+// Each .cu file is compiled on its own (`nvcc -arch=sm_90 -std=c++17 -O3 --cubin FILE`); the
+// backend compiles it once per precision with -DANDREA_ACT=0 (fp32), 1 (bf16, default), 2 (fp16).
+// Master weights, gradients, Adam moments and LayerNorm statistics are always float; act_t is the
+// type of activations, activation gradients and the low-precision weight copy used by the GEMMs.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#ifndef ANDREA_ACT
+#define ANDREA_ACT 1
+#endif
+
+#if ANDREA_ACT == 0
+typedef float act_t;
+#elif ANDREA_ACT == 1
+typedef __nv_bfloat16 act_t;
+#else
+typedef __half act_t;
+#endif
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+
+// Round-to-nearest-even conversion from float: deterministic, so low-precision copies derived
+// from the fp32 masters are the same bits on every run (and after a resume).
+__device__ __forceinline__ act_t to_act(float x) {
+#if ANDREA_ACT == 0
+    return x;
+#elif ANDREA_ACT == 1
+    return __float2bfloat16_rn(x);
+#else
+    return __float2half_rn(x);
+#endif
+}
+
+// Butterfly reductions: every lane ends with the same value, combined in a fixed order.
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Block-wide sum for blockDim.x a multiple of 32 (<= 1024); `shared` holds 32 floats.
+// Fixed order: warps reduce, then warp 0 reduces the per-warp sums. All threads get the result.
+__device__ __forceinline__ float block_sum(float v, float* shared) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarp = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();  // `shared` may still be read by a previous call
+    if (lane == 0) shared[warp] = v;
+    __syncthreads();
+    v = lane < nwarp ? shared[lane] : 0.0f;
+    v = warp_sum(v);
+    return v;
+}
+__device__ __forceinline__ float block_max(float v, float* shared) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarp = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) shared[warp] = v;
+    __syncthreads();
+    v = lane < nwarp ? shared[lane] : -INFINITY;
+    v = warp_max(v);
+    return v;
+}
+
+// 16-byte vectors of activations (8 bf16/fp16 or 4 fp32): one load or store instruction each.
+constexpr int VEC = 16 / sizeof(act_t);
+struct Vec {
+    int4 raw;
+    __device__ __forceinline__ act_t& operator[](int i) { return reinterpret_cast<act_t*>(&raw)[i]; }
+    __device__ __forceinline__ const act_t& operator[](int i) const {
+        return reinterpret_cast<const act_t*>(&raw)[i];
+    }
+};
+__device__ __forceinline__ Vec load_vec(const act_t* p) {
+    Vec v;
+    v.raw = *reinterpret_cast<const int4*>(p);
+    return v;
+}
+__device__ __forceinline__ void store_vec(act_t* p, const Vec& v) {
+    *reinterpret_cast<int4*>(p) = v.raw;
+}
+__device__ __forceinline__ bool aligned16(const void* p) {
+    return (reinterpret_cast<unsigned long long>(p) & 15) == 0;
+}

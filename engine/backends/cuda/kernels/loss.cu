@@ -1,0 +1,42 @@
+// Cross-entropy after the tied output projection (DESIGN §3 `loss_fwd` / `loss_bwd`).
+// logits = x @ wte.T comes from cuBLAS into a float buffer [R, ldv] (ldv >= V, padded for
+// alignment); these kernels are the softmax cross-entropy, one block per row r = t*B + b.
+#include "common.cuh"
+
+// numpy: lse = logsumexp(logits, -1); losses = lse - logits[r, targets]
+extern "C" __global__ void k_loss_fwd(float* losses, float* lse, const float* logits,
+                                      const int* targets, int B, int T, int V, int ldv) {
+    __shared__ float shared[32];
+    const int r = blockIdx.x;
+    if (r >= B * T) return;
+    const float* z = logits + (long)r * ldv;
+    float mx = -INFINITY;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, z[j]);
+    mx = block_max(mx, shared);
+    float s = 0.0f;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) s += __expf(z[j] - mx);
+    s = block_sum(s, shared);
+    if (threadIdx.x == 0) {
+        const int t = r / B, b = r - t * B;
+        const float l = mx + logf(s);
+        lse[r] = l;
+        losses[r] = l - z[targets[(long)b * T + t]];
+    }
+}
+
+// numpy: dlogits = (softmax(logits) - onehot(targets)) * loss_scale / (B*T)
+// scale[0] holds loss_scale / (B*T) in device memory, so a captured graph reads the current value.
+// The padding columns V <= j < ldv get 0, so the dx GEMM can run over aligned K = ldv.
+extern "C" __global__ void k_loss_bwd(act_t* dlogits, const float* logits, const float* lse,
+                                      const int* targets, const float* scale, int B, int T, int V,
+                                      int ldv) {
+    const int r = blockIdx.x;
+    if (r >= B * T) return;
+    const int t = r / B, b = r - t * B;
+    const int tgt = targets[(long)b * T + t];
+    const float l = lse[r], sc = scale[0];
+    const float* z = logits + (long)r * ldv;
+    act_t* dz = dlogits + (long)r * ldv;
+    for (int j = threadIdx.x; j < ldv; j += blockDim.x)
+        dz[j] = to_act(j < V ? (__expf(z[j] - l) - (j == tgt ? 1.0f : 0.0f)) * sc : 0.0f);
+}

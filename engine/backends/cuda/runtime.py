@@ -1,0 +1,147 @@
+"""The GPU runtime shared by every CudaBackend in a process: the device's primary context (so
+cuBLAS and PyCUDA share it), one non-blocking stream, and the kernels compiled per precision.
+
+Kernels are compiled with nvcc to a cubin for the device's exact architecture
+(`-arch=sm_XY -std=c++17 -O3 -DANDREA_ACT=n`), cached by a hash of the sources and flags.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from engine.backends.cuda import KERNEL_DIR
+from engine.errors import RunError
+
+ACT_CODE = {"fp32": 0, "bf16": 1, "fp16": 2}
+ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+# Argument formats for PyCUDA's prepared launches: P pointer, i int32, q int64, f float32.
+SIGNATURES: dict[str, str] = {
+    "k_embed_fwd": "PPPPiii",
+    "k_embed_bwd": "PPPPPPPiii",
+    "k_layernorm_fwd": "PPPPPPii",
+    "k_layernorm_bwd": "PPPPPPiii",
+    "k_layernorm_bwd_params": "PPPPPiii",
+    "k_colsum_reduce": "PPii",
+    "k_attn_fwd": "PPiii",
+    "k_attn_bwd": "PPPiii",
+    "k_mlp_gelu_fwd": "PPq",
+    "k_mlp_gelu_bwd": "PPPq",
+    "k_residual_add": "PPPq",
+    "k_residual_add_bwd": "PPPq",
+    "k_loss_fwd": "PPPPiiii",
+    "k_loss_bwd": "PPPPPiiii",
+    "k_grad_norm_partial": "PPqf",
+    "k_grad_norm_final": "PPi",
+    "k_grad_scale": "Pqf",
+    "k_adamw": "PPPPPPPiqffffffff",
+    "k_params_to_lp": "PPq",
+}
+
+
+def nvcc_path() -> str | None:
+    return shutil.which("nvcc") or next(
+        (p for p in ("/usr/local/cuda/bin/nvcc",) if os.access(p, os.X_OK)), None)
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("ANDREA_CUBIN_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "andrea", "cubin")
+    path = Path(base)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def compile_kernels(precision: str, arch: str) -> list[Path]:
+    """Compile every kernels/*.cu for `arch` (e.g. "sm_90"); returns the cubin paths (cached)."""
+    nvcc = nvcc_path()
+    if nvcc is None:
+        raise RunError("nvcc not found: the CUDA backend compiles its kernels at start")
+    header = (KERNEL_DIR / "common.cuh").read_bytes()
+    flags = [f"-arch={arch}", "-std=c++17", "-O3", f"-DANDREA_ACT={ACT_CODE[precision]}"]
+    jobs, outs = [], []
+    for src in sorted(KERNEL_DIR.glob("*.cu")):
+        key = hashlib.sha256(src.read_bytes() + header + " ".join(flags).encode()).hexdigest()[:16]
+        out = _cache_dir() / f"{src.stem}-{precision}-{arch}-{key}.cubin"
+        outs.append(out)
+        if not out.exists():
+            tmp = Path(tempfile.mkstemp(suffix=".cubin", dir=out.parent)[1])
+            cmd = [nvcc, *flags, "--cubin", "-o", str(tmp), str(src)]
+            jobs.append((subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True), tmp, out, src))
+    for proc, tmp, out, src in jobs:  # in parallel: nvcc is single-threaded
+        _, err = proc.communicate()
+        if proc.returncode != 0:
+            raise RunError(f"nvcc failed on {src.name}:\n{err}")
+        os.replace(tmp, out)
+    return outs
+
+
+class Gpu:
+    """The process's primary context, its stream, and kernel modules per precision."""
+
+    _instance: Gpu | None = None
+
+    def __init__(self) -> None:
+        import pycuda.driver as drv
+
+        drv.init()
+        if drv.Device.count() < 1:
+            raise RunError("no CUDA device found")
+        self.drv = drv
+        self.dev = drv.Device(int(os.environ.get("ANDREA_CUDA_DEVICE", "0")))
+        self.ctx = self.dev.retain_primary_context()
+        self.ctx.push()
+        atexit.register(self._close)
+        self.stream = drv.Stream(flags=1)  # CU_STREAM_NON_BLOCKING: capturable
+        major, minor = self.dev.compute_capability()
+        self.arch = f"sm_{major}{minor}"
+        self.total_mem = self.dev.total_memory()
+        self._kernels: dict[str, dict[str, Any]] = {}
+        self._modules: list[Any] = []
+
+    @classmethod
+    def get(cls) -> Gpu:
+        if cls._instance is None:
+            cls._instance = Gpu()
+        return cls._instance
+
+    def _close(self) -> None:
+        import gc
+
+        gc.collect()  # free allocations (and cuBLAS handles) before the context goes
+        try:
+            self.ctx.pop()
+        except Exception:
+            pass
+
+    def describe(self, precision: str) -> str:
+        major, minor = self.dev.compute_capability()
+        return (f"{self.dev.name()} (sm_{major}{minor}, {self.total_mem / 2**30:.0f} GiB, "
+                f"{precision})")
+
+    def kernels(self, precision: str) -> dict[str, Any]:
+        """name -> prepared PyCUDA function, for one activation precision."""
+        if precision not in self._kernels:
+            funcs: dict[str, Any] = {}
+            for cubin in compile_kernels(precision, self.arch):
+                module = self.drv.module_from_file(str(cubin))
+                self._modules.append(module)
+                for name, sig in SIGNATURES.items():
+                    try:
+                        f = module.get_function(name)
+                    except self.drv.LogicError:
+                        continue
+                    f.prepare(sig)
+                    funcs[name] = f
+            missing = set(SIGNATURES) - set(funcs)
+            if missing:
+                raise RunError(f"kernels missing from the modules: {sorted(missing)}")
+            self._kernels[precision] = funcs
+        return self._kernels[precision]

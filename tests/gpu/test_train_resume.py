@@ -1,0 +1,47 @@
+"""andrea-train on the CUDA backend: SIGTERM at step k and --resume gives, bit for bit, the same
+loss records and final model.ckpt as N steps straight (DESIGN §6)."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import loss_records, micro_config_dict, run_engine, start_engine, wait_for_step
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+
+N, K = 30, 17
+CUDA = ("--backend", "cuda")
+KEYS = ("step", "loss", "grad_norm", "clip_scale", "lr", "tokens", "phase", "weights", "src_loss")
+
+
+def trajectory(run: Path) -> list[tuple]:
+    return [tuple(json.dumps(r[k], sort_keys=True) for k in KEYS) for r in loss_records(run)]
+
+
+def test_sigterm_resume_on_gpu_is_bit_exact(tmp_path: Path, prepared_data: Path) -> None:
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps(micro_config_dict(max_steps=N, precision="bf16")))
+    straight = tmp_path / "straight"
+    r = run_engine(cfg, straight, *CUDA)
+    assert r.returncode == 0, r.stdout + r.stderr
+    state = json.loads((straight / "state.json").read_text())
+    assert "sm_" in state.get("device", ""), state  # it really ran on the GPU
+
+    run = tmp_path / "stopped"
+    proc = start_engine(cfg, run, *CUDA)
+    wait_for_step(run, K, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert json.loads((run / "state.json").read_text())["status"] == "stopped"
+    stopped_at = max(r["step"] for r in loss_records(run))
+    assert stopped_at < N
+    r = run_engine(cfg, run, "--resume", *CUDA)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert trajectory(run) == trajectory(straight)
+    ckpt = f"checkpoints/step_{N:08d}/model.ckpt"
+    assert (run / ckpt).read_bytes() == (straight / ckpt).read_bytes()
