@@ -27,11 +27,11 @@ from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
-from textual.timer import Timer
 from textual.widgets import Footer, Static
 
 from andrea_tui import panels
 from andrea_tui.charts import GradNormChart, LossChart
+from andrea_tui.linepanel import LinePanel
 from andrea_tui.runreader import RunReader
 from andrea_tui.runstate import LossHistory, RunState
 from andrea_tui.screens import ForceStopScreen, HelpScreen, LogScreen
@@ -39,8 +39,8 @@ from engine.control import ControlRefused, engine_alive, signal_engine
 from engine.runfiles import tail_text
 
 LAST_N = 500
-PANEL_MIN_INTERVAL = 0.15  # seconds between text-panel frames while data streams in
-CHART_CPU_SHARE = 0.015  # redraw charts no more often than this share of a core allows
+PANEL_MIN_INTERVAL = 0.18  # seconds between text-panel frames while data streams in
+CHART_CPU_SHARE = 0.01  # redraw charts no more often than this share of a core allows
 
 
 class AndreaApp(App[str]):
@@ -91,12 +91,12 @@ class AndreaApp(App[str]):
         self._drawn_key: tuple | None = None
         self._charts_drawn_at = -math.inf
         self._panels_at = -math.inf
-        self._panel_timer: Timer | None = None
+        self._panel_timer: asyncio.TimerHandle | None = None
         self._ckpt_seen = 0
         self._snapshot_pending = False
         self._stop_event = asyncio.Event()
         self._panel_text: dict[str, tuple] = {}  # panel id -> (text, spans) on screen
-        self._statics: dict[str, Static] = {}
+        self._statics: dict[str, Static | LinePanel] = {}
         self._slow_panels_key: tuple | None = None
         self._log_key: tuple | None = None
         self._log_lines = Text("")
@@ -104,15 +104,15 @@ class AndreaApp(App[str]):
     # ------------------------------------------------------------ layout
 
     def compose(self) -> ComposeResult:
-        yield Static(id="header")
+        yield LinePanel(id="header")
         yield Static(id="banner")
         with Horizontal(id="main"):
             with Vertical(id="charts"):
                 yield LossChart(id="loss")
                 yield GradNormChart(id="gradnorm")
             with Vertical(id="side"):
-                yield Static(id="training", classes="panel")
-                yield Static(id="bandit", classes="panel")
+                yield LinePanel(id="training", classes="panel")
+                yield LinePanel(id="bandit", classes="panel")
                 yield Static(id="memory", classes="panel")
         with Horizontal(id="bottom"):
             yield Static(id="events", classes="panel")
@@ -180,7 +180,9 @@ class AndreaApp(App[str]):
         if wait <= 0:
             self._update_panels()
         else:
-            self._panel_timer = self.set_timer(wait, self._update_panels)
+            # A bare loop callback: a Textual Timer is a task of its own, several times dearer,
+            # and this runs up to 1/PANEL_MIN_INTERVAL times a second.
+            self._panel_timer = asyncio.get_running_loop().call_later(wait, self._update_panels)
 
     async def action_quit(self) -> None:
         self._stop_event.set()
@@ -188,13 +190,17 @@ class AndreaApp(App[str]):
 
     def exit(self, result: str | None = None, *args, **kwargs) -> None:  # type: ignore[override]
         self._stop_event.set()  # lets awatch return promptly instead of after rust_timeout
+        if self._panel_timer is not None:
+            self._panel_timer.cancel()  # a loop callback, not a Textual timer: not auto-stopped
+            self._panel_timer = None
         super().exit(result, *args, **kwargs)
 
     # ------------------------------------------------------------ drawing
 
     def _set(self, wid: str, content: Text | str) -> None:
         """Update a panel only when its text changed; re-layout only when its height did
-        (layout passes cost more than the rest of a frame)."""
+        (layout passes cost more than the rest of a frame). A LinePanel (the panels that change
+        with every step) repaints only its changed lines and decides on layout itself."""
         plain = content.plain if isinstance(content, Text) else content
         # Styles matter too (the bandit panel highlights a fresh phase change, then stops).
         key = (plain, tuple(content.spans)) if isinstance(content, Text) else (plain, ())
@@ -205,8 +211,11 @@ class AndreaApp(App[str]):
         relayout = old is None or old[0].count("\n") != plain.count("\n")
         widget = self._statics.get(wid)
         if widget is None:  # looked up once: query_one walks the DOM on every call
-            widget = self._statics[wid] = self.query_one(f"#{wid}", Static)
-        widget.update(content, layout=relayout)
+            widget = self._statics[wid] = self.query_one(f"#{wid}")
+        if isinstance(widget, LinePanel):
+            widget.update(content)
+        else:
+            widget.update(content, layout=relayout)
 
     def _log_stat(self) -> tuple | None:
         try:
@@ -226,7 +235,7 @@ class AndreaApp(App[str]):
 
     def _update_panels(self) -> None:
         if self._panel_timer is not None:
-            self._panel_timer.stop()
+            self._panel_timer.cancel()
             self._panel_timer = None
         self._panels_at = time.monotonic()
         st = self.state

@@ -206,6 +206,30 @@ def latest_by_step(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     return [by_step[s] for s in sorted(by_step)]
 
 
+def drop_abandoned(records: Iterable[dict[str, Any]],
+                   events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Drop loss records of an abandoned timeline.
+
+    After a crash the engine resumes from its newest checkpoint, at step k, and the records it
+    had written past k (before the `resume` event) describe a future that never happened. Steps
+    it trains again are replaced anyway (`latest_by_step`); this also removes those it never
+    reaches again, e.g. when the resumed run is stopped early.
+    """
+    resumes = [(e["t"], e["step"]) for e in events
+               if e.get("event") == "resume" and isinstance(e.get("t"), (int, float))
+               and isinstance(e.get("step"), int)]
+    if not resumes:
+        return list(records)
+    out = []
+    for r in records:
+        t, step = r.get("t"), r.get("step")
+        if isinstance(t, (int, float)) and isinstance(step, int) and any(
+                t < tr and step > k for tr, k in resumes):
+            continue
+        out.append(r)
+    return out
+
+
 def tail_text(path: Path, n_lines: int, max_bytes: int = 65536) -> list[str]:
     """The last `n_lines` lines of a text file (the engine log), read from its end."""
     try:

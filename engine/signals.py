@@ -17,6 +17,8 @@ class SignalFlags:
     def __init__(self) -> None:
         self.snapshot_requests = 0
         self.stop_signal: int | None = None
+        # While starting up (data prep can take a while) a second stop signal aborts at once.
+        self.starting = True
         self._seen_snapshots = 0
         self._installed = False
 
@@ -38,6 +40,8 @@ class SignalFlags:
     def _on_stop(self, signum: int, frame: FrameType | None) -> None:
         if self.stop_signal is None:
             self.stop_signal = signum
+        elif self.starting:
+            raise KeyboardInterrupt  # nothing trained yet, nothing to save: give up now
 
     def take_snapshot_requests(self) -> int:
         """How many SIGUSR1 arrived since the last call."""

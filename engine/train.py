@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.checkpoint import cleanup_tmp
 from engine.errors import RunError, UserError, cli_entry
 from engine.signals import SignalFlags
 
@@ -64,6 +65,11 @@ def _config_diff(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list
     return out
 
 
+def _public(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The config as written to disk: without loader bookkeeping such as `_path`."""
+    return {k: v for k, v in cfg.items() if not k.startswith("_")}
+
+
 def _fmt_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
@@ -89,7 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     if _has_checkpoints(ckpt_root) and not args.resume:
         raise UserError(f"{run_dir}: already holds checkpoints; pass --resume to continue this "
                         "run, or choose another --run-dir (nothing was changed)")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--run-dir {run_dir}: cannot create it: {e.strerror or e}") from None
     return Engine(cfg, run_dir, args, flags, argv if argv is not None else sys.argv).run()
 
 
@@ -108,6 +117,11 @@ class Engine:
         from engine.rundir import RunWriter
 
         self.out = RunWriter(run_dir)
+        self.writer: Any = None
+        self.steps_run = 0  # optimizer steps taken by this process
+        self.inflight: list[str] = []  # reasons of checkpoints submitted, not yet collected
+        self.snapshot_pending = False
+        self.last_write_failed = False
 
     # -- start-up -----------------------------------------------------------------------
 
@@ -116,24 +130,41 @@ class Engine:
 
         write_engine_json(self.run_dir, self.argv, self.run_id)
         try:
-            resume = self._pick_resume()
-            self._start(resume)
-        except (UserError, RunError) as e:
-            self.out.log(f"error: {e}")
-            self.out.event("error", message=str(e))
-            self.out.set_status(status="failed")
-            raise
-        try:
-            return self._loop()
-        except Exception as e:
-            self.out.log("error: " + "".join(traceback.format_exception(e)).rstrip())
-            self.out.event("error", message=f"{type(e).__name__}: {e}")
-            self.out.set_status(status="failed")
-            print(f"error: {type(e).__name__}: {e} (traceback in {self.out.paths.log})",
-                  file=sys.stderr)
-            return 1
+            try:
+                cleanup_tmp(self.ckpt_root)  # half-written dirs of writers that died
+                resume = self._pick_resume()
+                self._start(resume)
+            except (UserError, RunError) as e:
+                self.out.log(f"error: {e}")
+                self.out.event("error", message=str(e))
+                self.out.set_status(status="failed")
+                raise
+            except KeyboardInterrupt:  # a second SIGINT/SIGTERM while starting up
+                self.out.log("interrupted during start-up; nothing was trained")
+                self.out.event("stop", step=0, status="stopped")
+                self.out.set_status(status="stopped")
+                raise
+            except Exception as e:
+                return self._crashed(e)
+            self.flags.starting = False
+            try:
+                return self._loop()
+            except Exception as e:
+                return self._crashed(e)
+            finally:
+                if self.writer is not None:
+                    self.writer.wait()  # never leave a write half done on the way out
+                    self._collect_writes()
         finally:
             self.out.close()
+
+    def _crashed(self, e: BaseException) -> int:
+        self.out.log("error: " + "".join(traceback.format_exception(e)).rstrip())
+        self.out.event("error", message=f"{type(e).__name__}: {e}")
+        self.out.set_status(status="failed")
+        print(f"error: {type(e).__name__}: {e} (traceback in {self.out.paths.log})",
+              file=sys.stderr)
+        return 1
 
     def _pick_resume(self) -> Any:
         from engine.checkpoint import find_resume_checkpoint, load_checkpoint
@@ -155,10 +186,14 @@ class Engine:
         if diff:
             self.out.log("resume: the checkpoint's config wins over the given one for: "
                          + ", ".join(diff))
-        max_steps = self.cfg["train"]["max_steps"]
         self.cfg = saved
-        self.cfg["train"]["max_steps"] = max_steps
+        if self.args.max_steps is not None and self.args.max_steps != saved["train"]["max_steps"]:
+            self.out.log(f"resume: --max-steps {self.args.max_steps} replaces the run's "
+                         f"{saved['train']['max_steps']} (the lr schedule changes with it)")
+            self.cfg["train"]["max_steps"] = self.args.max_steps
         self.out.log(f"resume: from {path} (step {ck.step})")
+        self.out.set_status(last_checkpoint={"path": str(path), "step": ck.step,
+                                             "reason": ck.state.get("reason")})
         self.out.event("resume", step=ck.step, path=str(path),
                        skipped=[{"path": str(p), "reason": str(w)} for p, w in skipped])
         return ck
@@ -172,7 +207,7 @@ class Engine:
         from engine.trainer import Trainer
 
         cfg = self.cfg
-        write_json_atomic(self.out.paths.config, cfg)
+        write_json_atomic(self.out.paths.config, _public(cfg))
         backend, why = resolve_backend(self.args.backend)
         self.out.log(f"andrea-train {cfg['name']} pid {os.getpid()} run {self.run_id}: {why}")
         self.out.set_status(status="starting", step=0, max_steps=cfg["train"]["max_steps"],
@@ -189,6 +224,12 @@ class Engine:
         self.data = load_prepared(cfg)
         self.tokenizer = self.data.tokenizer
         self.source_names = [s["name"] for s in cfg["data"]["sources"]]
+        self.data_identity = {
+            "tokenizer_sha256": self.tokenizer.sha256,
+            "tokens": {n: len(sh) for n, sh in zip(self.source_names, self.data.shards, strict=True)},
+        }
+        if resume is not None and "data" in resume.state:
+            self._check_same_data(resume.state["data"])
 
         self.out.log(f"building the {backend} trainer")
         self.trainer = Trainer(cfg, backend)
@@ -219,6 +260,20 @@ class Engine:
                        step=self.trainer.step_count, max_steps=cfg["train"]["max_steps"],
                        tokens_per_step=tokens_per_step)
 
+    def _check_same_data(self, saved: dict[str, Any]) -> None:
+        """Bit-exact resume needs the very tokens the run trained on: refuse when they changed."""
+        now = self.data_identity
+        problems = []
+        if saved.get("tokenizer_sha256") != now["tokenizer_sha256"]:
+            problems.append(f"tokenizer sha256 {str(saved.get('tokenizer_sha256'))[:12]} -> "
+                            f"{now['tokenizer_sha256'][:12]}")
+        for name, n in saved.get("tokens", {}).items():
+            if now["tokens"].get(name) != n:
+                problems.append(f"source {name}: {n} tokens -> {now['tokens'].get(name)}")
+        if problems:
+            raise UserError(f"{self.cfg['data']['dir']}: the data changed since the checkpoint "
+                            f"({'; '.join(problems)}); restore it, or start a new run")
+
     # -- the loop -----------------------------------------------------------------------
 
     def _loop(self) -> int:
@@ -239,6 +294,7 @@ class Engine:
                 tr.forward_backward(tokens)
                 srcs.append(src)
             rec = tr.step()
+            self.steps_run += 1
             step_s = time.perf_counter() - t0
             src_loss = self._src_loss(tr.row_losses, np.concatenate(srcs))
             change = self.bandit.observe(src_loss)
@@ -268,9 +324,9 @@ class Engine:
             if every_sample and step % every_sample == 0:
                 self._sample(step)
             self._collect_writes()
-            if step % every_ckpt == 0 and step != max_steps:
+            periodic_due = step % every_ckpt == 0 and step != max_steps
+            if not self._handle_snapshot_requests(periodic_due) and periodic_due:
                 self._checkpoint("periodic", wait=False)
-            self._handle_snapshot_requests()
         return self._finish(max_steps)
 
     def _by_source(self, values: Any) -> dict[str, float]:
@@ -297,7 +353,8 @@ class Engine:
     def _state(self, reason: str) -> dict[str, Any]:
         tr = self.trainer
         return {
-            "config": self.cfg,
+            "config": _public(self.cfg),
+            "data": self.data_identity,
             "trainer": tr.state_dict(),
             "sampler": self.sampler.state_dict(),
             "bandit": self.bandit.state_dict(),
@@ -323,6 +380,7 @@ class Engine:
             self.writer.wait()  # one set of copy buffers: never overwrite one being written
             self._collect_writes()
         self._copy_state()
+        self.inflight.append(reason)
         self.writer.submit(self.trainer.step_count, self.snap["params"], self.snap["m"],
                            self.snap["v"], self._state(reason), reason, self.trainer.tensor_table)
         if wait:
@@ -333,6 +391,8 @@ class Engine:
         from engine.checkpoint import prune_periodic
 
         for res in self.writer.poll():
+            if res.reason in self.inflight:
+                self.inflight.remove(res.reason)
             if res.error is not None:
                 self.out.log(f"checkpoint ({res.reason}, step {res.step}) failed: {res.error}")
                 self.out.event("checkpoint_error", step=res.step, reason=res.reason,
@@ -348,24 +408,34 @@ class Engine:
             self.out.set_status(last_checkpoint={"path": str(info.path), "step": info.step,
                                                  "reason": info.reason})
             if info.reason == "periodic":
-                prune_periodic(self.ckpt_root, self.cfg["checkpoint"]["keep"])
+                # Structure checks only: hashing every checkpoint here would stall training.
+                prune_periodic(self.ckpt_root, self.cfg["checkpoint"]["keep"], check_hash=False)
 
-    def _handle_snapshot_requests(self) -> None:
+    def _handle_snapshot_requests(self, periodic_due: bool = False) -> bool:
+        """SIGUSR1 → a snapshot at this step boundary. Requests that arrive while a snapshot is
+        pending or being written coalesce into it; one that arrives while another kind of
+        checkpoint is being written waits for it (a periodic one may be pruned later). A
+        snapshot due with a periodic one is written once, as the snapshot. True when written."""
         n = self.flags.take_snapshot_requests()
-        if not n:
-            return
         step = self.trainer.step_count
-        if self.writer.busy:
-            self.out.event("signal", signal="SIGUSR1", step=step, action="coalesced", count=n)
-            self.out.log(f"SIGUSR1 x{n}: a checkpoint is being written, coalesced")
-            return
-        self.out.event("signal", signal="SIGUSR1", step=step, action="snapshot", count=n)
-        self.out.log(f"SIGUSR1 x{n}: snapshot at step {step}")
-        self._checkpoint("snapshot", wait=False)
+        if n:
+            if self.snapshot_pending or "snapshot" in self.inflight:
+                self.out.event("signal", signal="SIGUSR1", step=step, action="coalesced", count=n)
+                self.out.log(f"SIGUSR1 x{n}: a snapshot is already pending, coalesced")
+            else:
+                self.out.event("signal", signal="SIGUSR1", step=step, action="snapshot", count=n)
+                self.out.log(f"SIGUSR1 x{n}: snapshot at step {step}")
+                self.snapshot_pending = True
+        if self.snapshot_pending and (periodic_due or not self.writer.busy):
+            self.snapshot_pending = False
+            self._checkpoint("snapshot", wait=False)
+            return True
+        return False
 
     def _coalesce_pending_snapshots(self, into: str) -> None:
         """A snapshot asked for at the last step is covered by the stop or final checkpoint."""
-        n = self.flags.take_snapshot_requests()
+        n = self.flags.take_snapshot_requests() + int(self.snapshot_pending)
+        self.snapshot_pending = False
         if n:
             self.out.event("signal", signal="SIGUSR1", step=self.trainer.step_count,
                            action="coalesced", count=n)
@@ -374,7 +444,12 @@ class Engine:
     def _finish(self, max_steps: int) -> int:
         step = self.trainer.step_count
         self.last_write_failed = False
-        if self.flags.stop_requested:
+        if self.flags.stop_requested and self.steps_run == 0:
+            sig = self.flags.stop_name
+            self.out.event("signal", signal=sig, step=step, action="stop")
+            self.out.log(f"{sig} before any step: stopping without a new checkpoint")
+            status = "stopped"
+        elif self.flags.stop_requested and step < max_steps:
             sig = self.flags.stop_name
             self.out.event("signal", signal=sig, step=step, action="stop")
             self.out.log(f"{sig}: writing a stop checkpoint at step {step}")
@@ -400,7 +475,7 @@ class Engine:
         from engine.checkpoint import list_checkpoints
 
         return any(e.step == step and e.reason in ("final", "stop") and e.valid
-                   for e in list_checkpoints(self.ckpt_root))
+                   for e in list_checkpoints(self.ckpt_root, check_hash=False))
 
 
 if __name__ == "__main__":

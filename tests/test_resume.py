@@ -149,14 +149,19 @@ def test_kill_9_during_checkpoint_writes_then_resume(straight: dict, tmp_path: P
     """Checkpoint every step, SIGKILL at random moments; the newest valid checkpoint loads and
     the resumed trajectory is the straight one. (The 20+ trial kill -9 test of the writer
     itself is in test_checkpoint.py.)"""
-    from engine.checkpoint import find_resume_checkpoint, list_checkpoints
+    from engine.checkpoint import (
+        CheckpointInvalid,
+        find_resume_checkpoint,
+        list_checkpoints,
+        verify_checkpoint,
+    )
 
     cfg_d = micro_config_dict(max_steps=N)
     cfg_d["checkpoint"].update(every=1, keep=3)
     cfg = tmp_path / "every1.json"
     cfg.write_text(json.dumps(cfg_d))
     rng = random.Random(1234)
-    trials = 5
+    trials, torn = 5, 0
     for trial in range(trials):
         run = tmp_path / f"run{trial}"
         proc = start_engine(cfg, run)
@@ -165,12 +170,22 @@ def test_kill_9_during_checkpoint_writes_then_resume(straight: dict, tmp_path: P
         proc.kill()
         proc.wait()
         path, _skipped = find_resume_checkpoint(run / "checkpoints")
-        assert path is not None
-        for e in list_checkpoints(run):
-            assert not e.path.name.startswith(".tmp") or not e.valid
+        assert path is not None and path.name.startswith("step_")
+        assert all(e.valid for e in list_checkpoints(run))
+        leftovers = [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".tmp")]
+        listed = {e.path.name for e in list_checkpoints(run)}
+        for p in leftovers:  # an uncommitted directory is never a candidate, complete or not
+            assert p.name not in listed
+            try:
+                verify_checkpoint(p)
+            except CheckpointInvalid:
+                torn += 1
         r = run_engine(cfg, run, "--resume")
         assert r.returncode == 0, r.stdout + r.stderr
         assert trajectory(run) == straight[1]["traj"], f"trial {trial}"
+        # the resumed engine removed the dead writer's temporary directory
+        assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".tmp")]
+    print(f"kill -9 trials: {trials}, {torn} left a half-written directory")
 
 
 def _limit_file_size(limit: int):
@@ -188,8 +203,8 @@ def test_full_disk_periodic_failure_goes_on_final_failure_fails(tmp_path: Path, 
     r = run_engine(cfg, run, "--max-steps", "10")
     assert r.returncode == 0
     ok_before = sorted(p.name for p in (run / "checkpoints").iterdir())
-    r = subprocess.run(engine_cmd(cfg, run, "--resume"), capture_output=True, text=True,
-                       timeout=300, preexec_fn=_limit_file_size(1 << 20))
+    r = subprocess.run(engine_cmd(cfg, run, "--resume", "--max-steps", "25"), capture_output=True,
+                       text=True, timeout=300, preexec_fn=_limit_file_size(1 << 20))
     assert r.returncode == 1, r.stdout + r.stderr
     evs = events(run)
     errors = [e for e in evs if e["event"] == "checkpoint_error"]
@@ -240,3 +255,77 @@ def test_resume_falls_back_past_a_corrupt_checkpoint(straight: dict, tmp_path: P
     assert resume["step"] == 20 and resume["skipped"][0]["path"].endswith("step_00000030")
     assert trajectory(run) == ref["traj"]
     assert final_bytes(run) == ref["bytes"]
+
+
+@pytest.mark.slow
+def test_snapshot_requested_during_a_periodic_write_is_not_lost(tmp_path: Path, write_config) -> None:
+    """A checkpoint every step keeps the writer busy; each SIGUSR1 must still give a snapshot
+    (written once the periodic one is done), never vanish into a periodic that is pruned."""
+    cfg_d = micro_config_dict(max_steps=400)
+    cfg_d["checkpoint"].update(every=1, keep=1)
+    cfg = write_config(cfg_d)
+    run = tmp_path / "run"
+    proc = start_engine(cfg, run)
+    wait_for_step(run, 5, proc)
+    for i in range(5):
+        proc.send_signal(signal.SIGUSR1)
+        wait_for_step(run, 10 + 5 * i, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    evs = events(run)
+    asked = [e for e in evs if e["event"] == "signal" and e.get("action") == "snapshot"]
+    snaps = [e for e in evs if e["event"] == "checkpoint" and e["reason"] == "snapshot"]
+    assert len(asked) == 5 and len(snaps) == 5
+    for e in snaps:
+        assert Path(e["path"]).is_dir()  # never pruned
+
+
+@pytest.mark.slow
+def test_resume_keeps_the_runs_max_steps(tmp_path: Path, write_config) -> None:
+    cfg = write_config(micro_config_dict(max_steps=N))
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    assert run_engine(cfg, ref, "--max-steps", "24").returncode == 0
+    proc = start_engine(cfg, run, "--max-steps", "24")
+    wait_for_step(run, 8, proc)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 0
+    r = run_engine(cfg, run, "--resume")  # no --max-steps: the run's 24, not the file's 40
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert trajectory(run) == trajectory(ref)
+    assert final_bytes(run, 24) == final_bytes(ref, 24)
+
+
+@pytest.mark.slow
+def test_resume_refuses_when_the_data_changed(tmp_path: Path, prepared_data: Path) -> None:
+    data = tmp_path / "data"
+    shutil.copytree(prepared_data, data)
+    text = tmp_path / "mine.txt"
+    text.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog\n"
+                            for i in range(400)))
+    c = micro_config_dict(max_steps=N)
+    c["data"]["dir"] = str(data)
+    c["data"]["sources"].append({"name": "mine", "paths": [str(text)]})
+    c["bandit"]["floor"] = 0.05
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps(c))
+    run = tmp_path / "run"
+    assert run_engine(cfg, run, "--max-steps", "10").returncode == 0
+    with text.open("a") as f:
+        f.write("one more line that changes the shard\n")
+    r = run_engine(cfg, run, "--resume", "--max-steps", "20")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "the data changed since the checkpoint" in r.stderr and "source mine:" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert [r["step"] for r in loss_records(run)][-1] == 10
+
+
+def test_bad_paths_are_one_line_errors(tmp_path: Path, write_config) -> None:
+    cfg_d = micro_config_dict(max_steps=5)
+    (tmp_path / "afile").write_text("x")
+    r = run_engine(write_config(cfg_d), tmp_path / "afile" / "sub")
+    assert r.returncode == 2 and "--run-dir" in r.stderr and "Traceback" not in r.stderr
+    cfg_d["data"]["dir"] = str(tmp_path / "afile")
+    r = run_engine(write_config(cfg_d, "bad.json"), tmp_path / "run")
+    assert r.returncode == 2, r.stderr
+    assert "data.dir" in r.stderr and "Traceback" not in r.stderr

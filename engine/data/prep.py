@@ -64,7 +64,7 @@ def _read_manifest(path: Path) -> dict:
 
 
 def _write_manifest(path: Path, manifest: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")  # unique: preps may overlap
     tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     os.replace(tmp, path)
 
@@ -199,7 +199,11 @@ def prepare(config: dict, progress: Progress = print, force: bool = False) -> Pr
     sources = data["sources"]
     if not sources:
         raise UserError("data.sources: expected at least one source, got none")
-    data_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"{config.get('_path', 'config')}: data.dir: cannot create {data_dir}: "
+                        f"{e.strerror or e}") from None
     manifest_path = data_dir / "manifest.json"
     manifest = _read_manifest(manifest_path)
     manifest["version"] = MANIFEST_VERSION

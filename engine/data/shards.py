@@ -57,7 +57,7 @@ def write_shard(
     path.parent.mkdir(parents=True, exist_ok=True)
     sha = _sha_bytes(tok_sha)
     chunks = [tokens] if isinstance(tokens, np.ndarray) else tokens
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")  # unique: preps may overlap
     count = 0
     try:
         with open(tmp, "wb") as f:

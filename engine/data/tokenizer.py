@@ -104,7 +104,7 @@ def _build(merges: list[tuple[str, str]]) -> HFTokenizer:
 
 def _write_atomic(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")  # unique: preps may overlap
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()

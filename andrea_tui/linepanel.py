@@ -1,0 +1,144 @@
+"""A text panel that repaints only the lines whose text changed.
+
+A `Static` re-renders all of its content on every update, and Textual then re-styles every row
+of it. The per-step panels (header, training, data mixture) change a few lines per step, several
+times a second while following a run, so this widget keeps each logical line's rendered strips
+and hands Textual only the rows of the lines that changed: a frame costs a few line renders
+instead of whole panels. Lines are rendered by Textual's own Content path (the widget's CSS:
+colours, wrapping, text-overflow), so what is drawn is what a Static would draw.
+"""
+
+from __future__ import annotations
+
+from rich.segment import Segment
+from rich.text import Text
+from textual.content import Content
+from textual.geometry import Region, Size
+from textual.strip import Strip
+from textual.style import Style as TStyle
+from textual.visual import Visual
+from textual.widget import Widget
+
+
+class LinePanel(Widget):
+    """Shows a Rich Text; `update()` repaints only the changed lines (re-layout only when the
+    number of rows changes)."""
+
+    DEFAULT_CSS = """
+    LinePanel {
+        height: auto;
+    }
+    """
+
+    def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
+        super().__init__(id=id, classes=classes)
+        self._keys: list[tuple] = []  # (plain, spans, style) of each logical line
+        self._lines: list[Content] = []
+        self._rows: list[list[Strip] | None] = []  # rendered rows of each line, None = stale
+        self._rows_for: tuple | None = None  # (width, style) the rendered rows are valid for
+
+    # ------------------------------------------------------------ content
+
+    def update(self, text: Text | str) -> None:
+        """Show `text` (a str is taken as plain text)."""
+        if isinstance(text, str):
+            text = Text(text)
+        lines = text.split("\n", allow_blank=True)
+        keys = [(ln.plain, tuple(ln.spans), str(ln.style)) for ln in lines]
+        if len(keys) != len(self._keys):
+            self._keys = keys
+            self._lines = [self._content(ln) for ln in lines]
+            self._rows = [None] * len(lines)
+            self.refresh(layout=True)
+            return
+        changed = [i for i, (a, b) in enumerate(zip(self._keys, keys, strict=True)) if a != b]
+        if not changed:
+            return
+        self._keys = keys
+        valid = self._rows_for == self._render_key()
+        old_rows = [len(r) if r is not None else -1 for r in self._rows]
+        for i in changed:
+            self._lines[i] = self._content(lines[i])
+            self._rows[i] = self._render(i) if valid else None
+        if not valid or any(len(self._rows[i] or ()) != old_rows[i] for i in changed):
+            self.refresh(layout=True)  # a line now wraps to a different number of rows
+            return
+        width = self.size.width
+        starts = self._row_starts()
+        self.refresh(*(Region(0, starts[i], width, old_rows[i]) for i in changed))
+
+    def _content(self, line: Text) -> Content:
+        return Content.from_rich_text(line, console=self.app.console)
+
+    # ------------------------------------------------------------ rendering
+
+    def _render_key(self) -> tuple:
+        return self.size.width, self.visual_style
+
+    def _render(self, i: int, width: int | None = None) -> list[Strip]:
+        line = self._lines[i]
+        width = self.size.width if width is None else width
+        fast = self._render_fitting(line, width, i)
+        if fast is not None:
+            return [fast]
+        strips = Visual.to_strips(self, line, width, None, self.visual_style)
+        return strips or [Strip.blank(width, self.visual_style.rich_style)]
+
+    def _render_fitting(self, line: Content, width: int, y: int) -> Strip | None:
+        """The strip Textual's Content path draws for a left-aligned line that fits the width
+        (no wrapping, cropping, tabs, links or selection), at a fraction of its cost; None for
+        any other line. Each segment carries its (x, y) offset, as Textual's do, for mouse text
+        selection (y is the line number: exact while no line above wraps)."""
+        if (line.cell_length > width or "\t" in line.plain or self.text_selection is not None
+                or self.styles.content_align_horizontal != "left"):
+            return None
+        if any(not isinstance(span.style, TStyle) or span.style.link for span in line.spans):
+            return None
+        style = self.visual_style
+        segments, x = [], 0
+        for text, text_style in line.render(style, end="", parse_style=self._get_style):
+            segments.append(Segment(text, (style + text_style).rich_style_with_offset(x, y)))
+            x += len(text)
+        return Strip(segments, line.cell_length)
+
+    def _ensure_rows(self, width: int | None = None) -> list[list[Strip]]:
+        key = (self.size.width if width is None else width, self.visual_style)
+        if key != self._rows_for:
+            self._rows = [None] * len(self._lines)
+            self._rows_for = key
+        for i, rows in enumerate(self._rows):
+            if rows is None:
+                self._rows[i] = self._render(i, key[0])
+        return self._rows  # type: ignore[return-value]
+
+    def _row_starts(self) -> list[int]:
+        starts, y = [], 0
+        for rows in self._ensure_rows():
+            starts.append(y)
+            y += len(rows)
+        return starts
+
+    def render_line(self, y: int) -> Strip:
+        for rows in self._ensure_rows():
+            if y < len(rows):
+                return rows[y]
+            y -= len(rows)
+        return Strip.blank(self.size.width, self.visual_style.rich_style)
+
+    def render(self) -> Content:
+        """The whole text, for Textual's text selection (drawing goes through render_line)."""
+        return Content("\n").join(self._lines)
+
+    def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
+        return sum(len(rows) for rows in self._ensure_rows(width))
+
+    def get_content_width(self, container: Size, viewport: Size) -> int:
+        return max((line.cell_length for line in self._lines), default=0)
+
+    def notify_style_update(self) -> None:
+        self._rows_for = None  # colours come from CSS: render again with the new style
+        super().notify_style_update()
+
+    def selection_updated(self, selection) -> None:
+        self._rows_for = None
+        super().selection_updated(selection)
