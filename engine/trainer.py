@@ -167,4 +167,6 @@ class Trainer:
         self.adam_t = int(state["adam_t"])
         self.tokens = int(state["tokens"])
         self.skipped_steps = int(state["skipped_steps"])
-        self.scaler.load_state_dict(state["loss_scale"])
+        if self.scaler.enabled and state["loss_scale"].get("enabled"):
+            # fp16 on both sides; a checkpoint from another backend or precision starts afresh.
+            self.scaler.load_state_dict(state["loss_scale"])
