@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import ClassVar
 
+from rich.markup import escape
 from rich.text import Text
 from textual import work
 from textual.app import App, ComposeResult
@@ -120,11 +121,32 @@ class AndreaApp(App[str]):
         yield Static(id="sample", classes="panel")
         yield Footer()
 
+    @property
+    def dashboard(self):
+        """The screen the dashboard widgets live on (the default screen, at the bottom of the
+        stack), whatever screen is on top: `self.query_one` would search the top one."""
+        return self.screen_stack[0]
+
+    def _widget(self, wid: str):
+        widget = self._statics.get(wid)
+        if widget is None:  # looked up once: a query walks the DOM on every call
+            widget = self._statics[wid] = self.dashboard.query_one(f"#{wid}")
+        return widget
+
+    @property
+    def exit_status(self) -> int:
+        """The status `andrea-tui` exits with: 1 when the engine this app launched failed."""
+        if self.proc is not None and self.engine_exit is None:
+            code = self.proc.poll()
+            if code is not None:
+                self.engine_exit = code
+        return 1 if self.proc is not None and self.engine_exit not in (None, 0) else 0
+
     def on_mount(self) -> None:
         for wid, title in (("training", "training"), ("bandit", "data mixture (bandit)"),
                            ("memory", "memory plan"), ("events", "events"),
                            ("logtail", "engine.log"), ("sample", "latest sample")):
-            self.query_one(f"#{wid}").border_title = title
+            self._widget(wid).border_title = title
         # First frame from the end of loss.jsonl; the whole history follows from a thread.
         self.state.set_history(LossHistory.build(self.reader.read_preview()))
         self.reader.poll(include_loss=False)
@@ -209,9 +231,7 @@ class AndreaApp(App[str]):
             return
         self._panel_text[wid] = key
         relayout = old is None or old[0].count("\n") != plain.count("\n")
-        widget = self._statics.get(wid)
-        if widget is None:  # looked up once: query_one walks the DOM on every call
-            widget = self._statics[wid] = self.query_one(f"#{wid}")
+        widget = self._widget(wid)
         if isinstance(widget, LinePanel):
             widget.update(content)
         else:
@@ -242,6 +262,8 @@ class AndreaApp(App[str]):
         note = ""
         if self.stopping_since is not None:
             note = "stopping… (waiting for the stop checkpoint)"
+        elif self.engine_exit is not None and self.proc is not None:
+            note = f"engine ended: {self._exit_how()}"
         elif not self.history_loaded:
             note = f"{st.status} (loading history…)"
         self._set("header", panels.header(st, self.clock(), note))
@@ -260,7 +282,7 @@ class AndreaApp(App[str]):
             self.call_after_refresh(self.on_frame, st.series.last_step)
 
     def _charts(self) -> tuple[LossChart, GradNormChart]:
-        return self.query_one(LossChart), self.query_one(GradNormChart)
+        return self._widget("loss"), self._widget("gradnorm")
 
     def _chart_key(self) -> tuple:
         loss, grad = self._charts()
@@ -288,7 +310,7 @@ class AndreaApp(App[str]):
         if self._panel_text.get("banner") == (text, ()):
             return
         self._panel_text["banner"] = (text, ())
-        b = self.query_one("#banner", Static)
+        b = self._widget("banner")
         b.update(text)
         b.set_class(bool(text), "shown")
         b.set_class(error, "error")
@@ -310,9 +332,9 @@ class AndreaApp(App[str]):
             self._banner("")
         elif self.proc is not None:
             self._banner("engine starting…" if self.state.status == "starting"
-                         else f"engine not reachable: {self.control_reason}")
+                         else f"engine not reachable: {escape(self.control_reason)}")
         else:
-            self._banner(f"read-only: {self._readonly_why(self.control_reason)}; "
+            self._banner(f"read-only: {escape(self._readonly_why(self.control_reason))}; "
                          "s and q are off")
 
     def _readonly_why(self, reason: str) -> str:
@@ -321,14 +343,21 @@ class AndreaApp(App[str]):
             return f"this run is {status} (step {self.state.step})"
         return reason
 
+    def _exit_how(self) -> str:
+        code = self.engine_exit
+        if code is None:
+            return "running"
+        return f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+
     def _engine_exited(self, code: int) -> None:
         self.engine_exit = code
-        how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
         if self.stopping_since is not None:
             return  # the expected end of `q`; _tick exits the app
         lines = tail_text(self.reader.paths.log, 10)
-        self._banner(f"[b]engine ended: {how}[/b] (status {self.state.status}); last log lines:\n"
-                     + "\n".join(lines), error=code != 0)
+        after = "; q quits (andrea-tui exits 1)" if code != 0 else ""
+        self._banner(f"[b]engine ended: {self._exit_how()}[/b] (status {self.state.status})"
+                     f"{after}; last log lines:\n" + "\n".join(escape(x) for x in lines), error=code != 0)
+        self._update_panels()
 
     def _tick(self) -> None:
         self.poll_now()
@@ -427,11 +456,11 @@ class AndreaApp(App[str]):
         self.push_screen(HelpScreen(LAST_N))
 
     def action_toggle_log_y(self) -> None:
-        chart = self.query_one(LossChart)
+        chart = self._widget("loss")
         chart.log_y = not chart.log_y
         self._redraw_charts()
 
     def action_toggle_window(self) -> None:
-        for chart in (self.query_one(LossChart), self.query_one(GradNormChart)):
+        for chart in self._charts():
             chart.last_n = None if chart.last_n else LAST_N
         self._redraw_charts()

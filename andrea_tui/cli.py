@@ -35,24 +35,28 @@ def _run_app(app) -> int:
     result = app.run()
     if result:
         print(result)
-    return 0
+    return app.exit_status
+
+
+def require_dir(path: Path, what: str) -> Path:
+    """`path` when it is a directory; else a UserError that says what it is instead."""
+    if path.is_dir():
+        return path
+    if not path.exists():
+        raise UserError(f"{path}: no such {what}")
+    raise UserError(f"{path}: not a directory, expected a {what}")
 
 
 def attach(run_dir: str) -> int:
     from andrea_tui.app import AndreaApp
 
-    path = Path(run_dir)
-    if not path.is_dir():
-        raise UserError(f"{path}: not a run directory (it does not exist)")
-    return _run_app(AndreaApp(path))
+    return _run_app(AndreaApp(require_dir(Path(run_dir), "run directory")))
 
 
 def ckpt(path: str) -> int:
     from andrea_tui.ckpt_screens import CheckpointApp
 
-    p = Path(path)
-    if not p.exists():
-        raise UserError(f"{p}: no such run directory or checkpoint")
+    p = require_dir(Path(path), "run directory, checkpoints directory or checkpoint directory")
     CheckpointApp(p).run()
     return 0
 
@@ -61,14 +65,19 @@ def launch(argv: list[str]) -> int:
     from andrea_tui.app import AndreaApp
     from andrea_tui.launcher import default_run_dir, train_argv
     from andrea_tui.launcher import launch as start
+    from engine import load_config
 
     args = _launch_parser().parse_args(argv)
     config = Path(args.config)
-    if not config.is_file():
-        raise UserError(f"{config}: no such config file")
     if args.max_steps is not None and args.max_steps < 1:
         raise UserError(f"--max-steps: expected an integer >= 1, got {args.max_steps}")
-    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(config)
+    # Validate before anything starts: a bad config is a one-line error (UserError, exit 2), not
+    # a dead engine, and the run directory comes from the validated name (never an unchecked
+    # path). load_config reads and checks JSON only; it builds nothing.
+    cfg = load_config(str(config))
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"{run_dir}: not a directory, expected a run directory")
     proc = start(train_argv(config, run_dir, args.resume, args.max_steps, args.backend), run_dir)
     return _run_app(AndreaApp(run_dir, proc=proc))
 

@@ -8,26 +8,20 @@ PATH and in the same interpreter as the TUI.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from engine.errors import UserError
 from engine.runfiles import LOG
 
 
-def default_run_dir(config_path: Path) -> Path:
-    """`runs/<experiment name>`, the same default andrea-train uses (DESIGN §7)."""
-    try:
-        name = json.loads(Path(config_path).read_text()).get("name")
-    except (OSError, ValueError, AttributeError) as e:
-        raise UserError(f"{config_path}: cannot read the experiment config ({e})") from None
-    if not isinstance(name, str) or not name:
-        raise UserError(f"{config_path}: name: expected a non-empty string, got {name!r}")
-    return Path("runs") / name
+def default_run_dir(config: dict[str, Any]) -> Path:
+    """`runs/<experiment name>` of a config validated by engine.load_config (whose name pattern
+    admits no path separator), the same default andrea-train uses (DESIGN §7)."""
+    return Path("runs") / config["name"]
 
 
 def train_argv(config: Path, run_dir: Path, resume: bool = False, max_steps: int | None = None,

@@ -14,16 +14,20 @@ from rich.markup import escape
 from rich.text import Text
 
 from andrea_tui.runstate import RunState
-from andrea_tui.textfmt import bar, fmt_bytes, fmt_duration, fmt_int, fmt_num
+from andrea_tui.textfmt import as_number, bar, fmt_bytes, fmt_duration, fmt_int, fmt_num
 
 STATUS_STYLE = {"starting": "yellow", "running": "green", "stopping": "yellow",
                 "stopped": "blue", "finished": "blue", "failed": "bold red"}
 
 
 def clock(t: Any) -> str:
-    if not isinstance(t, (int, float)) or not math.isfinite(t):
+    t = as_number(t)
+    if t is None or not math.isfinite(t):
         return "--:--:--"
-    return time.strftime("%H:%M:%S", time.localtime(t))
+    try:
+        return time.strftime("%H:%M:%S", time.localtime(t))
+    except (OverflowError, OSError, ValueError):  # a time no calendar holds
+        return "--:--:--"
 
 
 def header(st: RunState, now: float, note: str = "") -> Text:

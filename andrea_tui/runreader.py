@@ -58,7 +58,7 @@ class RunReader:
         """Everything in loss.jsonl so far, prepared for `RunState.set_history` (thread-safe:
         touches only the loss tail, which nothing else reads until this returns)."""
         records = self.loss.read_new()
-        return LossHistory.build(records, self.state.series.ema_alpha)
+        return LossHistory.build(records, self.state.series.ema_alpha, list(self.state.resumes))
 
     # ------------------------------------------------------------ following
 
@@ -83,12 +83,13 @@ class RunReader:
         st = self.state
         before = st.version
         self.poll_small_files()
+        # Events first: a resume event must be known before the records that follow it.
+        st.add_events(self.events.read_new())
         if include_loss:
             recs = self.loss.read_new()
             if self.loss.reset:
                 st.reset_loss()
             st.add_loss(recs)
-        st.add_events(self.events.read_new())
         st.add_samples(self.samples.read_new())
         st.bad_lines = self.loss.bad_lines + self.events.bad_lines + self.samples.bad_lines
         return st.version != before

@@ -13,14 +13,21 @@ import numpy as np
 
 # Column name -> dtype. `skipped` is kept as float 0/1 so one growable float block serves all.
 FLOAT_COLUMNS = ("loss", "grad_norm", "clip_scale", "lr", "tokens", "tok_s", "step_ms", "t")
+STEP_MAX = 2**63 - 1  # steps live in an int64 column; a larger one is a corrupt record
+
+
+def valid_step(x: Any) -> bool:
+    """A usable step number: an int (not bool) in [0, 2**63)."""
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= STEP_MAX
 
 
 def _num(x: Any) -> float:
     """A record field as float; missing, null or non-numeric becomes NaN (never raises)."""
-    if isinstance(x, bool):
-        return float(x)
-    if isinstance(x, (int, float)):
-        return float(x)
+    if isinstance(x, (int, float)):  # bool included: `skipped`-like flags read as 0/1
+        try:
+            return float(x)
+        except OverflowError:  # an int beyond float range
+            return math.inf if x > 0 else -math.inf
     return math.nan
 
 
@@ -61,7 +68,7 @@ class StepSeries:
         used = 0
         for rec in records:
             step = rec.get("step")
-            if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            if not valid_step(step):
                 continue
             used += 1
             n = self.n
@@ -85,9 +92,7 @@ class StepSeries:
     @classmethod
     def from_records(cls, records: list[dict[str, Any]], ema_alpha: float = 0.9) -> StepSeries:
         """Build from a whole history at once (vectorised; the later record for a step wins)."""
-        ok = [r for r in records
-              if isinstance(r.get("step"), int) and not isinstance(r.get("step"), bool)
-              and r["step"] >= 0]
+        ok = [r for r in records if valid_step(r.get("step"))]
         out = cls(ema_alpha, capacity=max(1024, len(ok)))
         if not ok:
             return out
@@ -108,6 +113,23 @@ class StepSeries:
     def clear(self) -> None:
         self.n = 0
         self._ema_valid = 0
+
+    def drop_abandoned(self, resume_step: int, resume_t: float) -> int:
+        """Remove rows of an abandoned timeline: step > resume_step and t < resume_t (the rule of
+        engine.runfiles.drop_abandoned, applied to rows already held). Returns rows removed."""
+        n = self.n
+        t = self._cols["t"][:n]
+        drop = (self._steps[:n] > resume_step) & (t < resume_t)  # NaN t is kept, as there
+        if not drop.any():
+            return 0
+        keep = ~drop
+        first = int(np.argmax(drop))
+        m = int(np.count_nonzero(keep))
+        for arr in (self._steps, self._skipped, *self._cols.values()):
+            arr[:m] = arr[:n][keep]
+        self.n = m
+        self._ema_valid = min(self._ema_valid, first)
+        return n - m
 
     # ------------------------------------------------------------ views
 

@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 
-def fmt_num(x: float | int | None, digits: int = 3) -> str:
-    """Compact number: 1234567 -> '1.23M', 0.000123 -> '1.23e-04', None/NaN -> '–'."""
-    if x is None:
-        return "–"
-    x = float(x)
-    if math.isnan(x):
+def as_number(x: Any) -> float | None:
+    """`x` as a float when it is a real number (bool excluded; ints too large for a float are
+    infinities), else None. Run files are written by another process and may hold anything."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    try:
+        return float(x)
+    except OverflowError:
+        return math.inf if x > 0 else -math.inf
+
+
+def fmt_num(x: Any, digits: int = 3) -> str:
+    """Compact number: 1234567 -> '1.23M', 0.000123 -> '1.23e-04'; None/NaN/non-number -> '–'."""
+    x = as_number(x)
+    if x is None or math.isnan(x):
         return "–"
     if math.isinf(x):
         return "inf" if x > 0 else "-inf"
@@ -26,14 +36,19 @@ def fmt_num(x: float | int | None, digits: int = 3) -> str:
     return f"{x:.{digits}g}"
 
 
-def fmt_int(x: int | float | None) -> str:
-    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+def fmt_int(x: Any) -> str:
+    """'1,234'; None, non-finite and non-numbers -> '–'."""
+    if isinstance(x, int) and not isinstance(x, bool):
+        return f"{x:,}"
+    f = as_number(x)
+    if f is None or not math.isfinite(f):
         return "–"
-    return f"{int(x):,}"
+    return f"{int(f):,}"
 
 
-def fmt_duration(seconds: float | None) -> str:
-    """'1h02m03s', '4m05s', '9s'; None -> '–'."""
+def fmt_duration(seconds: Any) -> str:
+    """'1h02m03s', '4m05s', '9s'; None or non-number -> '–'."""
+    seconds = as_number(seconds)
     if seconds is None or not math.isfinite(seconds):
         return "–"
     s = round(seconds)
@@ -46,10 +61,10 @@ def fmt_duration(seconds: float | None) -> str:
     return f"{s}s"
 
 
-def fmt_bytes(n: float | int | None) -> str:
-    if n is None or not isinstance(n, (int, float)) or not math.isfinite(n):
+def fmt_bytes(n: Any) -> str:
+    n = as_number(n)
+    if n is None or not math.isfinite(n):
         return "–"
-    n = float(n)
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -57,9 +72,10 @@ def fmt_bytes(n: float | int | None) -> str:
     return f"{n:.1f} TiB"
 
 
-def bar(frac: float, width: int) -> str:
+def bar(frac: Any, width: int) -> str:
     """A horizontal bar of `width` cells filled to `frac` (eighth-cell resolution)."""
-    if not math.isfinite(frac):
+    frac = as_number(frac)
+    if frac is None or not math.isfinite(frac):
         frac = 0.0
     frac = min(1.0, max(0.0, frac))
     eighths = round(frac * width * 8)
