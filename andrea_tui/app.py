@@ -1,10 +1,12 @@
 """The dashboard app: live view of one run directory, and the keys that steer its engine.
 
-Data flow: watchfiles wakes `_follow` when the run directory changes (a 1 s timeout doubles as a
-fallback poll); `RunReader.poll()` reads only new bytes into the RunState. What it costs to follow
-a live run is mostly Textual frames and plotext builds, so:
+Data flow: watchfiles (in a thread of its own) reports which files of the run directory changed;
+the next frame reads just those, and only their new bytes, into the RunState (`RunReader.poll`);
+the 1 s control tick reads every file as a fallback. What it costs to follow a live run is mostly
+Textual frames and plotext builds, so:
 - text panels update at once, but at most one frame per PANEL_MIN_INTERVAL (later changes wait
-  for the end of that interval: a run logging 10 steps/s costs ~7 frames/s, not 10+);
+  for the end of that interval: a run logging 10 steps/s costs 5 frames/s, not 10+); reading
+  waits for the frame too, so one frame reads what several wake-ups reported;
 - charts redraw on a timer, only when the dashboard is the screen shown, only when their data
   changed, and no more often than keeps plotext under CHART_CPU_SHARE of a core.
 Signals go through engine.control (the verified path of DESIGN §8); the app never signals a pid
@@ -17,6 +19,7 @@ import asyncio
 import math
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,8 +43,9 @@ from engine.control import ControlRefused, engine_alive, signal_engine
 from engine.runfiles import tail_text
 
 LAST_N = 500
-PANEL_MIN_INTERVAL = 0.18  # seconds between text-panel frames while data streams in
-CHART_CPU_SHARE = 0.01  # redraw charts no more often than this share of a core allows
+PANEL_MIN_INTERVAL = 0.2  # seconds between text-panel frames while data streams in
+SOURCE_LOSS_INTERVAL = 1.0  # seconds between updates of the per-source losses (3+ lines)
+CHART_CPU_SHARE = 0.006  # redraw charts no more often than this share of a core allows
 
 
 class AndreaApp(App[str]):
@@ -95,7 +99,11 @@ class AndreaApp(App[str]):
         self._panel_timer: asyncio.TimerHandle | None = None
         self._ckpt_seen = 0
         self._snapshot_pending = False
-        self._stop_event = asyncio.Event()
+        self._stop_event = threading.Event()  # ends the watchfiles thread
+        self._pending_files: set[str] | None = set()  # changed since the last read; None: all
+        self._panels_due = False  # the state changed (or time passed) since the panels were built
+        self._src_loss_shown: dict[str, float] = {}
+        self._src_loss_at = -math.inf
         self._panel_text: dict[str, tuple] = {}  # panel id -> (text, spans) on screen
         self._statics: dict[str, Static | LinePanel] = {}
         self._slow_panels_key: tuple | None = None
@@ -170,48 +178,91 @@ class AndreaApp(App[str]):
         self.reader.poll()
         self._update_panels()
         self._redraw_charts()
-        if self.follow:
-            self._follow()
+        if self.follow and not self._stop_event.is_set():
+            # A daemon thread, not a Textual thread worker: those run in the loop's default
+            # executor, which asyncio.run() joins at exit.
+            threading.Thread(target=self._watch, args=(asyncio.get_running_loop(),),
+                             name="andrea-watch", daemon=True).start()
 
-    @work(exclusive=True, group="follow", exit_on_error=False)
-    async def _follow(self) -> None:
-        from watchfiles import awatch
+    def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Hand each set of changed file names to the UI loop (runs in its own thread). The
+        synchronous watcher costs the UI loop one callback per wake-up; `awatch` costs a task
+        group and a worker-thread round trip each time. No timeout wake-ups: the control tick
+        polls every file anyway."""
+        from watchfiles import watch
 
-        # The directory, not the files: files that appear later or are replaced are still seen.
-        async for _changes in awatch(
-            self.run_dir, recursive=False, watch_filter=None, stop_event=self._stop_event,
-            step=20, debounce=200, rust_timeout=1000, yield_on_timeout=True,
-        ):
-            self.poll_now()
+        try:
+            # The directory, not the files: files that appear later or are replaced are seen.
+            for changes in watch(self.run_dir, recursive=False, watch_filter=None,
+                                 stop_event=self._stop_event, step=20, debounce=200,
+                                 rust_timeout=0, raise_interrupt=False):
+                names = {Path(path).name for _, path in changes}
+                loop.call_soon_threadsafe(self._files_changed, names)
+        except Exception:  # a traceback from this thread would garble the screen
+            # The loop closed (the app has gone), or the directory cannot be watched (e.g. it
+            # was removed): the control tick's poll still follows whatever is left.
+            return
 
-    def poll_now(self) -> bool:
-        """Read what was appended; update the text panels at once if anything changed."""
+    def on_unmount(self) -> None:
+        self._stop_event.set()  # however the app ends (run_test does not call exit)
+
+    def _files_changed(self, names: set[str]) -> None:
+        """watchfiles saw `names` change: read them in the next frame (now, if one is allowed)."""
+        if self._pending_files is not None:
+            self._pending_files |= names
+        self._schedule_frame()
+
+    def _read_pending(self) -> bool:
+        """Read the files reported changed since the last read; True if the state changed."""
         if not self.history_loaded:
             return False
-        changed = self.reader.poll()
+        files, self._pending_files = self._pending_files, set()
+        if files is not None and not files:
+            return False
+        changed = self.reader.poll(changed=files)
+        if changed:
+            self._panels_due = True
+            self._announce_checkpoints()
+        return changed
+
+    def poll_now(self) -> bool:
+        """Read every file for what was appended; update the text panels soon if anything
+        changed (at once, if a frame is allowed now)."""
+        self._pending_files = None
+        changed = self._read_pending()
         if changed:
             self._request_panels()
-            self._announce_checkpoints()
         return changed
 
     def _request_panels(self) -> None:
         """Update the text panels now, or at the end of the current PANEL_MIN_INTERVAL."""
+        self._panels_due = True
+        self._schedule_frame()
+
+    def _schedule_frame(self) -> None:
         if self._panel_timer is not None:
-            return  # an update is already due; it will show this change too
+            return  # a frame is already due; it will read and show this change too
         wait = self._panels_at + PANEL_MIN_INTERVAL - time.monotonic()
         if wait <= 0:
-            self._update_panels()
+            self._frame()
         else:
             # A bare loop callback: a Textual Timer is a task of its own, several times dearer,
             # and this runs up to 1/PANEL_MIN_INTERVAL times a second.
-            self._panel_timer = asyncio.get_running_loop().call_later(wait, self._update_panels)
+            self._panel_timer = asyncio.get_running_loop().call_later(wait, self._frame)
+
+    def _frame(self) -> None:
+        """Read what changed; rebuild the panels if the state moved or an update was asked for."""
+        self._panel_timer = None
+        self._read_pending()
+        if self._panels_due:
+            self._update_panels()
 
     async def action_quit(self) -> None:
         self._stop_event.set()
         await super().action_quit()
 
     def exit(self, result: str | None = None, *args, **kwargs) -> None:  # type: ignore[override]
-        self._stop_event.set()  # lets awatch return promptly instead of after rust_timeout
+        self._stop_event.set()  # the watchfiles thread ends within one step
         if self._panel_timer is not None:
             self._panel_timer.cancel()  # a loop callback, not a Textual timer: not auto-stopped
             self._panel_timer = None
@@ -257,6 +308,8 @@ class AndreaApp(App[str]):
         if self._panel_timer is not None:
             self._panel_timer.cancel()
             self._panel_timer = None
+        self._read_pending()  # show the freshest state there is
+        self._panels_due = False
         self._panels_at = time.monotonic()
         st = self.state
         note = ""
@@ -268,7 +321,7 @@ class AndreaApp(App[str]):
             note = f"{st.status} (loading history…)"
         self._set("header", panels.header(st, self.clock(), note))
         self._set("training", panels.training(st))
-        self._set("bandit", panels.bandit(st))
+        self._set("bandit", panels.bandit(st, src_loss=self._source_losses()))
         # These change with events, samples or the log, not with every step: build them only then.
         slow_key = (id(st.ready), id(st.last_sample), len(st.events),
                     st.events[-1] if st.events else None, self._log_stat())
@@ -280,6 +333,17 @@ class AndreaApp(App[str]):
             self._set("logtail", self._log_tail())
         if self.on_frame is not None:
             self.call_after_refresh(self.on_frame, st.series.last_step)
+
+    def _source_losses(self) -> dict[str, float]:
+        """The per-source losses to show: refreshed at most every SOURCE_LOSS_INTERVAL (they
+        change with every step, on one line per source; the step itself shows at once)."""
+        latest = self.state.src_loss
+        now = time.monotonic()
+        if (now - self._src_loss_at >= SOURCE_LOSS_INTERVAL
+                or latest.keys() != self._src_loss_shown.keys()):
+            self._src_loss_shown = dict(latest)
+            self._src_loss_at = now
+        return self._src_loss_shown
 
     def _charts(self) -> tuple[LossChart, GradNormChart]:
         return self._widget("loss"), self._widget("gradnorm")

@@ -74,7 +74,10 @@ def training(st: RunState) -> Text:
     return text
 
 
-def bandit(st: RunState, bar_width: int = 10) -> Text:
+def bandit(st: RunState, bar_width: int = 10, src_loss: dict[str, float] | None = None) -> Text:
+    """Phase, mixture weights and per-source loss (`src_loss`: the values to show, if not the
+    latest ones)."""
+    src_loss = st.src_loss if src_loss is None else src_loss
     r = st.last_record
     phase, pstep, plen = r.get("phase"), r.get("phase_step"), r.get("phase_len")
     text = Text.from_markup(
@@ -89,7 +92,7 @@ def bandit(st: RunState, bar_width: int = 10) -> Text:
     name_w = max((len(str(n)) for n in weights), default=0)
     for name, w in weights.items():
         wf = float(w) if isinstance(w, (int, float)) else math.nan
-        loss = st.src_loss.get(str(name))
+        loss = src_loss.get(str(name))
         text.append(f"\n{str(name)[:18]:<{min(name_w, 18)}} ")
         text.append(bar(wf, bar_width), style="cyan")
         text.append(f" {fmt_num(wf, 2):>4} {fmt_num(loss, 4):>6}")

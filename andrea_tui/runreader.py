@@ -2,12 +2,14 @@
 
 Headless: no Textual. Built on engine.runfiles (JsonlTail tolerates torn lines, corrupt lines,
 truncation and replacement). The app calls `poll()` whenever watchfiles reports a change in the
-run directory (or on a fallback timer); `poll()` only reads bytes that are new.
+run directory (or on a fallback timer); `poll()` only reads bytes that are new, and with
+`changed` (the file names watchfiles reported) only looks at those files.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -62,11 +64,14 @@ class RunReader:
 
     # ------------------------------------------------------------ following
 
-    def poll_small_files(self) -> bool:
-        """Re-read config/engine/state JSON when they changed; True if the state changed."""
+    def poll_small_files(self, changed: Collection[str] | None = None) -> bool:
+        """Re-read config/engine/state JSON when they changed (only those named in `changed`,
+        when given); True if the state changed."""
         values: dict[str, dict | None] = {}
         for name, path in (("config", self.paths.config), ("engine", self.paths.engine),
                            ("state", self.paths.state)):
+            if changed is not None and path.name not in changed:
+                continue
             key = _stat_key(path)
             if key is not None and key != self._json_keys.get(name):
                 values[name] = read_json(path)
@@ -78,18 +83,27 @@ class RunReader:
         self.state.set_files(values.get("config"), values.get("engine"), values.get("state"))
         return self.state.version != before
 
-    def poll(self, include_loss: bool = True) -> bool:
-        """Read what was appended since the last poll; True if anything changed."""
+    def poll(self, include_loss: bool = True, changed: Collection[str] | None = None) -> bool:
+        """Read what was appended since the last poll; True if anything changed.
+
+        `changed`: names of the files known to have changed (from watchfiles); the others are
+        not even stat'ed. None looks at every file (the fallback poll)."""
         st = self.state
         before = st.version
-        self.poll_small_files()
+
+        def wanted(tail: JsonlTail) -> bool:
+            return changed is None or tail.path.name in changed
+
+        self.poll_small_files(changed)
         # Events first: a resume event must be known before the records that follow it.
-        st.add_events(self.events.read_new())
-        if include_loss:
+        if wanted(self.events):
+            st.add_events(self.events.read_new())
+        if include_loss and wanted(self.loss):
             recs = self.loss.read_new()
             if self.loss.reset:
                 st.reset_loss()
             st.add_loss(recs)
-        st.add_samples(self.samples.read_new())
+        if wanted(self.samples):
+            st.add_samples(self.samples.read_new())
         st.bad_lines = self.loss.bad_lines + self.events.bad_lines + self.samples.bad_lines
         return st.version != before

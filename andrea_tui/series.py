@@ -208,6 +208,26 @@ def window(x: np.ndarray, y: np.ndarray, last_n: int | None) -> tuple[np.ndarray
     return x[-last_n:], y[-last_n:]
 
 
+def column_ranges(
+    x: np.ndarray, y: np.ndarray, columns: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per column bucket: its first x, its min and its max (NaN ignored; spikes never dropped).
+
+    At most `columns` buckets of equal row counts; buckets with no finite value are left out. A
+    series of at most 2*columns points is returned point by point (min == max == y).
+    """
+    n = len(x)
+    finite = np.isfinite(y)
+    if n <= 2 * columns:
+        xs, ys = x[finite].astype(float), y[finite].astype(float)
+        return xs, ys, ys
+    edges = np.linspace(0, n, columns + 1).astype(np.int64)[:-1]
+    ymin = np.fmin.reduceat(np.where(finite, y, np.inf), edges)
+    ymax = np.fmax.reduceat(np.where(finite, y, -np.inf), edges)
+    keep = np.isfinite(ymin)
+    return x[edges].astype(float)[keep], ymin[keep], ymax[keep]
+
+
 def downsample_minmax(
     x: np.ndarray, y: np.ndarray, columns: int
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -217,17 +237,10 @@ def downsample_minmax(
     column as a vertical bar covering the bucket's whole range. NaN values are ignored; buckets
     with no finite value are left out.
     """
-    n = len(x)
-    finite = np.isfinite(y)
-    if n <= 2 * columns:
-        return x[finite].astype(float), y[finite].astype(float)
-    edges = np.linspace(0, n, columns + 1).astype(np.int64)[:-1]
-    ymin = np.fmin.reduceat(np.where(finite, y, np.inf), edges)
-    ymax = np.fmax.reduceat(np.where(finite, y, -np.inf), edges)
-    keep = np.isfinite(ymin)
-    xs = x[edges].astype(float)[keep]
-    out_x = np.repeat(xs, 2)
+    xs, lo, hi = column_ranges(x, y, columns)
+    if len(x) <= 2 * columns:
+        return xs, lo
     out_y = np.empty(2 * len(xs))
-    out_y[0::2] = ymin[keep]
-    out_y[1::2] = ymax[keep]
-    return out_x, out_y
+    out_y[0::2] = lo
+    out_y[1::2] = hi
+    return np.repeat(xs, 2), out_y
