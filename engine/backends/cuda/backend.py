@@ -151,6 +151,22 @@ class CudaBackend:
     def _g32(self, name: str) -> int:
         return self.g + self.off[name] * 4
 
+    def _layer_act(self, b: _Batch, name: str, l: int) -> int:
+        """Device address of layer l's saved activation `name` (one slab per kind, layer-major)."""
+        s, Rm, es = self.shapes, b.R, self.es
+        d, F = s.d_model, s.d_ff
+        per = {"x": Rm * d * es, "ln1": Rm * d * es, "ln1_stats": 2 * Rm * 4,
+               "qkv": 3 * Rm * d * es, "att": Rm * d * es,
+               "probs": b.B * s.n_head * s.seq_len**2 * es, "xmid": Rm * d * es,
+               "ln2": Rm * d * es, "ln2_stats": 2 * Rm * 4, "pre": Rm * F * es,
+               "act": Rm * F * es}[name]
+        return self._plan[b.p + name] + l * per
+
+    def _layer_acts(self, b: _Batch, l: int) -> tuple[int, ...]:
+        """Layer l's saved tensors, in the order forward writes them."""
+        return tuple(self._layer_act(b, n, l) for n in (
+            "ln1", "ln1_stats", "qkv", "att", "probs", "xmid", "ln2", "ln2_stats", "pre", "act"))
+
     def _io(self, b: _Batch) -> dict[str, int]:
         base, R = self._plan[b.p + "io"], b.R
         return {"tokens": base, "targets": base + R * 4, "n_unique": base + 2 * R * 4,
@@ -161,19 +177,13 @@ class CudaBackend:
     def _forward(self, b: _Batch, T: int, loss: bool) -> None:
         s, o, P = self.shapes, self.ops, self._plan
         d, F, H, L = s.d_model, s.d_ff, s.n_head, s.n_layer
-        B, R, Rm, es = b.B, b.B * T, b.R, self.es
+        B, R = b.B, b.B * T
         io = self._io(b)
-        act = lambda name, l, per: P[b.p + name] + l * per  # noqa: E731
-        x = lambda l: act("x", l, Rm * d * es)  # noqa: E731
+        x = lambda l: self._layer_act(b, "x", l)  # noqa: E731
         o.embed_fwd(io["tokens"], self._p32("wte"), self._p32("wpe"), x(0), B, T, d)
         for l in range(L):
             h = f"h.{l}."
-            ln1, st1 = act("ln1", l, Rm * d * es), act("ln1_stats", l, 2 * Rm * 4)
-            qkv, att = act("qkv", l, 3 * Rm * d * es), act("att", l, Rm * d * es)
-            probs = act("probs", l, B * H * s.seq_len**2 * es)
-            xmid, ln2 = act("xmid", l, Rm * d * es), act("ln2", l, Rm * d * es)
-            st2 = act("ln2_stats", l, 2 * Rm * 4)
-            pre, gel = act("pre", l, Rm * F * es), act("act", l, Rm * F * es)
+            ln1, st1, qkv, att, probs, xmid, ln2, st2, pre, gel = self._layer_acts(b, l)
             tmp = P[b.p + "tmp"]
             o.layernorm_fwd(x(l), self._p32(h + "ln1.gamma"), self._p32(h + "ln1.beta"), ln1,
                             st1, st1 + R * 4, R, d)
@@ -196,10 +206,9 @@ class CudaBackend:
     def _backward(self, b: _Batch, T: int) -> None:
         s, o, P = self.shapes, self.ops, self._plan
         d, F, H, L = s.d_model, s.d_ff, s.n_head, s.n_layer
-        B, R, Rm, es = b.B, b.B * T, b.R, self.es
+        B, R = b.B, b.B * T
         io = self._io(b)
-        act = lambda name, l, per: P[b.p + name] + l * per  # noqa: E731
-        x = lambda l: act("x", l, Rm * d * es)  # noqa: E731
+        x = lambda l: self._layer_act(b, "x", l)  # noqa: E731
         dres, dln, datt = P[b.p + "dres"], P[b.p + "dln"], P[b.p + "datt"]
         dqkv, dpre, part = P[b.p + "dqkv"], P[b.p + "dpre"], P[b.p + "ln_partial"]
         o.loss_bwd(P[b.p + "lnf"], self._w("wte"), io["targets"], P[b.p + "logits"],
@@ -210,12 +219,7 @@ class CudaBackend:
                         self._g32("lnf.gamma"), part, R, d, accumulate=False)
         for l in reversed(range(L)):
             h = f"h.{l}."
-            ln1, st1 = act("ln1", l, Rm * d * es), act("ln1_stats", l, 2 * Rm * 4)
-            qkv, att = act("qkv", l, 3 * Rm * d * es), act("att", l, Rm * d * es)
-            probs = act("probs", l, B * H * s.seq_len**2 * es)
-            xmid, ln2 = act("xmid", l, Rm * d * es), act("ln2", l, Rm * d * es)
-            st2 = act("ln2_stats", l, 2 * Rm * 4)
-            pre, gel = act("pre", l, Rm * F * es), act("act", l, Rm * F * es)
+            ln1, st1, qkv, att, probs, xmid, ln2, st2, pre, gel = self._layer_acts(b, l)
             # x[l+1] = xmid + mlp(ln2(xmid)); dres holds d x[l+1]
             o.mlp_bwd(dres, ln2, self._w(h + "mlp.W_1"), self._w(h + "mlp.W_2"), pre, gel, dln,
                       self._g32(h + "mlp.W_1"), self._g32(h + "mlp.W_2"), dpre, R, d, F)
