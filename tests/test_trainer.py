@@ -1,0 +1,68 @@
+"""The optimizer step of DESIGN §4 through the `engine.Trainer` API (numpy backend)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import engine
+from engine.config import parse_config
+from tests.conftest import ROOT, micro_config_dict
+
+
+@pytest.fixture
+def trainer() -> engine.Trainer:
+    cfg = parse_config(micro_config_dict(max_steps=50), "micro", ROOT)
+    return engine.Trainer(cfg, backend="numpy")
+
+
+def batch(tr: engine.Trainer, seed: int = 0) -> np.ndarray:
+    B, T = tr.config["train"]["batch_size"], tr.config["model"]["seq_len"]
+    return np.random.default_rng(seed).integers(0, 8449, size=(B, T + 1), dtype=np.int32)
+
+
+def snapshot(tr: engine.Trainer) -> tuple[np.ndarray, ...]:
+    m, v = tr.backend.read_optimizer()
+    return tr.params.copy(), m.copy(), v.copy()
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_non_finite_gradient_skips_the_update(trainer: engine.Trainer, poison: float) -> None:
+    tr = trainer
+    tr.zero_grads()
+    tr.forward_backward(batch(tr))
+    first = tr.step()
+    assert first["skipped"] is False and math.isfinite(first["grad_norm"])
+    before = snapshot(tr)
+    tr.zero_grads()
+    tr.forward_backward(batch(tr, 1))
+    tr.backend.scale_grads(poison)  # every gradient becomes non-finite
+    rec = tr.step()
+    assert rec["skipped"] is True and not math.isfinite(rec["grad_norm"])
+    assert rec["step"] == 2 and tr.skipped_steps == 1 and tr.adam_t == 1
+    for a, b in zip(before, snapshot(tr), strict=True):
+        assert np.array_equal(a, b)  # params, m and v untouched, bit for bit
+    tr.zero_grads()
+    tr.forward_backward(batch(tr, 2))
+    third = tr.step()
+    assert third["skipped"] is False and tr.adam_t == 2
+    assert not np.array_equal(before[0], tr.params)
+
+
+def test_step_record_and_counters(trainer: engine.Trainer) -> None:
+    tr = trainer
+    tr.zero_grads()
+    losses = [tr.forward_backward(batch(tr, s)) for s in range(2)]  # two micro-batches
+    rec = tr.step()
+    B, T = tr.config["train"]["batch_size"], tr.config["model"]["seq_len"]
+    assert rec["tokens"] == 2 * B * T == tr.tokens
+    assert rec["loss"] == pytest.approx(np.mean(losses), rel=1e-12)
+    assert rec["lr"] == pytest.approx(tr.config["optim"]["lr"] / tr.config["optim"]["warmup_steps"])
+    assert 0 < rec["clip_scale"] <= 1.0
+    if rec["grad_norm"] > tr.config["optim"]["max_grad_norm"]:
+        assert rec["clip_scale"] == pytest.approx(tr.config["optim"]["max_grad_norm"] / rec["grad_norm"])
+    with pytest.raises(RuntimeError):
+        tr.zero_grads()
+        tr.step()  # no micro-batch since zero_grads
