@@ -24,6 +24,7 @@ from engine.backends.cuda.runtime import ACT_BYTES, Gpu
 from engine.errors import RunError, UserError
 from engine.model_layout import ModelShapes, n_params, tensor_table
 
+ADAMW_MAX_SEGS = 1024  # the same cap as kernels/optim.cu
 SAFETY_BYTES = 256 << 20  # left free for the driver, cuBLAS's own state and graph instantiation
 
 
@@ -97,6 +98,9 @@ class CudaBackend:
         self.train.plan(plan)
         self.sample.plan(plan)
         nseg = len(self.table)
+        if nseg > ADAMW_MAX_SEGS:  # k_adamw keeps the tensor table in shared memory
+            raise UserError(f"model.n_layer: the CUDA backend handles at most "
+                            f"{(ADAMW_MAX_SEGS - 4) // 10} layers, got {shapes.n_layer}")
         for name, nbytes in (("cublas_ws", WORKSPACE_BYTES), ("norm_partials", NORM_BLOCKS * 4),
                              ("norm", 4), ("seg_start", (nseg + 1) * 8), ("seg_decay", nseg * 4)):
             plan.add("scratch", name, nbytes)
@@ -121,6 +125,7 @@ class CudaBackend:
         decay = np.array([len(t.shape) == 2 for t in self.table], dtype=np.int32)
         drv.memcpy_htod(plan["seg_start"], starts)
         drv.memcpy_htod(plan["seg_decay"], decay)
+        drv.Context.synchronize()  # pageable copies may still be in flight for our stream
         self.nseg = nseg
         # page-locked host staging for the per-call inputs and outputs
         self.h_io = {b.p: drv.pagelocked_zeros(b.scratch["io"] // 4, np.int32)
@@ -336,6 +341,9 @@ class CudaBackend:
             raise UserError(f"{what}: expected a flat float32 array of {self.n}, got {a.shape}")
         self.stream.synchronize()
         self.drv.memcpy_htod(ptr, a)
+        # A pageable copy can return before its DMA lands, and our stream does not wait for the
+        # legacy stream: make sure the kernels launched next read the new values.
+        self.drv.Context.synchronize()
 
     def _get(self, ptr: int) -> np.ndarray:
         out = np.empty(self.n, dtype=np.float32)

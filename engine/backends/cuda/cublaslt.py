@@ -132,10 +132,14 @@ class CublasLt:
         self._set(self._lib.cublasLtMatmulDescSetAttribute, desc, DESC_AUX_POINTER,
                   C.c_void_p(aux))
         vp = C.c_void_p
-        self._check(self._lib.cublasLtMatmul(
+        status = self._lib.cublasLtMatmul(
             self.handle, desc, C.byref(self._one), vp(a), la, vp(b), lb, C.byref(self._zero),
-            vp(d), ld, vp(d), ld, C.byref(algo), self._ws, self._ws_bytes, self._stream),
-            f"cublasLtMatmul (epilogue {epilogue}, m={m} n={n} k={k})")
+            vp(d), ld, vp(d), ld, C.byref(algo), self._ws, self._ws_bytes, self._stream)
+        if status != 0:
+            # The algorithm was chosen without these pointers' alignment; when it refuses them
+            # nothing was launched, so the unfused kernels can run instead (from now on).
+            self._plans[(epilogue, transa, m, n, k, lda, ldb, m, dtype)] = None
+            return False
         return True
 
     def close(self) -> None:
