@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from collections.abc import Callable
 from typing import TypeVar
@@ -39,6 +40,12 @@ def cli_entry(main: Callable[..., int | None]) -> Callable[..., int]:
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
             sys.exit(130)
+        except BrokenPipeError:
+            # The reader went away (`andrea-ckpt inspect RUN | head`): not an error of ours.
+            # Point stdout at /dev/null so the interpreter's final flush stays quiet.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            sys.exit(141)
         sys.exit(status or 0)
 
     return wrapper

@@ -37,11 +37,11 @@ class RunWriter:
         self.status: dict[str, Any] = {"status": "starting", "step": 0, "last_checkpoint": None}
         self._status_written = 0.0
 
-    def log(self, msg: str) -> None:
+    def log(self, msg: str, *, echo: bool = True) -> None:
         """One human-readable line, to engine.log and (unless that is our stdout) the terminal."""
         line = f"{time.strftime('%H:%M:%S')} {msg}"
         self._log.write(line + "\n")
-        if self._echo:
+        if self._echo and echo:
             print(line, flush=True)
 
     def event(self, kind: str, **fields: Any) -> None:

@@ -135,7 +135,7 @@ class Engine:
                 resume = self._pick_resume()
                 self._start(resume)
             except (UserError, RunError) as e:
-                self.out.log(f"error: {e}")
+                self.out.log(f"error: {e}", echo=False)  # cli_entry prints it on stderr
                 self.out.event("error", message=str(e))
                 self.out.set_status(status="failed")
                 raise
@@ -187,6 +187,9 @@ class Engine:
             self.out.log("resume: the checkpoint's config wins over the given one for: "
                          + ", ".join(diff))
         self.cfg = saved
+        if self.args.max_steps is not None and self.args.max_steps < ck.step:
+            raise UserError(f"--max-steps {self.args.max_steps}: the run is already at step "
+                            f"{ck.step} ({path.name}); give a larger number")
         if self.args.max_steps is not None and self.args.max_steps != saved["train"]["max_steps"]:
             self.out.log(f"resume: --max-steps {self.args.max_steps} replaces the run's "
                          f"{saved['train']['max_steps']} (the lr schedule changes with it)")

@@ -139,3 +139,33 @@ def test_tiny_learns_in_300_steps(tmp_path: Path, write_config) -> None:
     assert recs[0]["loss"] == pytest.approx(math.log(8449), abs=0.3)
     last = sum(x["loss"] for x in recs[-20:]) / 20
     assert last < 7.0, last
+
+
+def test_resume_refuses_max_steps_below_the_run(tmp_path: Path, write_config) -> None:
+    cfg = write_config(micro_config_dict(max_steps=12))
+    run = tmp_path / "run"
+    assert run_engine(cfg, run).returncode == 0
+    state = (run / "state.json").read_text()
+    r = run_engine(cfg, run, "--resume", "--max-steps", "5")
+    assert r.returncode == 2
+    assert "--max-steps 5: the run is already at step 12" in r.stderr
+    assert r.stderr.count("already at step 12") == 1 and "Traceback" not in r.stderr
+    assert json.loads(state)["status"] == "finished"
+
+
+def test_a_closed_pipe_is_not_a_traceback(tmp_path: Path, write_config) -> None:
+    import subprocess
+    import sys
+
+    c = micro_config_dict(max_steps=4)
+    c["checkpoint"].update(every=1, keep=4)  # 4 checkpoints: --json output well over a pipe's 64 KiB
+    cfg = write_config(c)
+    run = tmp_path / "run"
+    assert run_engine(cfg, run).returncode == 0
+    p = subprocess.Popen([sys.executable, "-m", "engine.ckpt_cli", "inspect", "--json", str(run)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout is not None
+    p.stdout.readline()
+    p.stdout.close()  # like `| head -1`
+    _, err = p.communicate(timeout=60)
+    assert b"Traceback" not in err and b"BrokenPipe" not in err
