@@ -40,12 +40,13 @@ from andrea_tui.runreader import RunReader
 from andrea_tui.runstate import LossHistory, RunState
 from andrea_tui.screens import ForceStopScreen, HelpScreen, LogScreen
 from engine.control import ControlRefused, engine_alive, signal_engine
-from engine.runfiles import tail_text
+from engine.runfiles import read_json, tail_text
 
 LAST_N = 500
 PANEL_MIN_INTERVAL = 0.2  # seconds between text-panel frames while data streams in
 SOURCE_LOSS_INTERVAL = 1.0  # seconds between updates of the per-source losses (3+ lines)
 CHART_CPU_SHARE = 0.006  # redraw charts no more often than this share of a core allows
+COMPACT_BELOW = (100, 30)  # columns, rows: smaller terminals drop events/log/sample rows
 
 
 class AndreaApp(App[str]):
@@ -93,6 +94,8 @@ class AndreaApp(App[str]):
         self.stopping_since: float | None = None
         self.force_asked = False
         self.engine_exit: int | None = None
+        self.engine_error: str | None = None  # the launched engine's error line when it refused
+        self._stop_deferred = False  # `q` came before the launched engine could take a signal
         self._drawn_key: tuple | None = None
         self._charts_drawn_at = -math.inf
         self._panels_at = -math.inf
@@ -148,9 +151,23 @@ class AndreaApp(App[str]):
             code = self.proc.poll()
             if code is not None:
                 self.engine_exit = code
+        if self.engine_error is not None:
+            return 2  # the engine refused its input before it started: a usage error
         return 1 if self.proc is not None and self.engine_exit not in (None, 0) else 0
 
+    def _fit_layout(self) -> None:
+        """On a small terminal the bottom rows would squeeze the charts to ~2 rows and push
+        the side panels out: hide them (the `l` key still shows the log) and keep the charts
+        readable (andrea.tcss `.compact`)."""
+        width, height = self.size
+        compact = width < COMPACT_BELOW[0] or height < COMPACT_BELOW[1]
+        self.dashboard.set_class(compact, "compact")
+
+    def on_resize(self) -> None:
+        self._fit_layout()
+
     def on_mount(self) -> None:
+        self._fit_layout()
         for wid, title in (("training", "training"), ("bandit", "data mixture (bandit)"),
                            ("memory", "memory plan"), ("events", "events"),
                            ("logtail", "engine.log"), ("sample", "latest sample")):
@@ -258,8 +275,9 @@ class AndreaApp(App[str]):
             self._update_panels()
 
     async def action_quit(self) -> None:
-        self._stop_event.set()
-        await super().action_quit()
+        # Ctrl+Q (also what Ctrl+C points to) must not quietly leave a launched engine behind:
+        # it is `d`, which says the engine keeps running and how to reattach.
+        self.action_detach()
 
     def exit(self, result: str | None = None, *args, **kwargs) -> None:  # type: ignore[override]
         self._stop_event.set()  # the watchfiles thread ends within one step
@@ -313,13 +331,17 @@ class AndreaApp(App[str]):
         self._panels_at = time.monotonic()
         st = self.state
         note = ""
-        if self.stopping_since is not None:
+        if self._stop_deferred:
+            note = "stopping… (waiting for the engine to start)"
+        elif self.stopping_since is not None:
             note = "stopping… (waiting for the stop checkpoint)"
         elif self.engine_exit is not None and self.proc is not None:
             note = f"engine ended: {self._exit_how()}"
+        elif self.engine_dead:
+            note = f"dead (state.json says {st.status})"
         elif not self.history_loaded:
             note = f"{st.status} (loading history…)"
-        self._set("header", panels.header(st, self.clock(), note))
+        self._set("header", panels.header(st, self.clock(), note, dead=self.engine_dead))
         self._set("training", panels.training(st))
         self._set("bandit", panels.bandit(st, src_loss=self._source_losses()))
         # These change with events, samples or the log, not with every step: build them only then.
@@ -381,13 +403,40 @@ class AndreaApp(App[str]):
 
     # ------------------------------------------------------------ the engine
 
+    @property
+    def engine_dead(self) -> bool:
+        """The run's files say it is live but no engine is: attach mode with no verified
+        engine, or the launched process has exited."""
+        if not self.state.live:
+            return False
+        if self.proc is not None:
+            return self.engine_exit is not None
+        return not self.controllable and self.history_loaded
+
+    def _engine_json_pid(self) -> object:
+        return (read_json(self.reader.paths.engine) or {}).get("pid")
+
+    def _ours(self) -> bool:
+        """Launch mode: the engine of this run directory is the process we started and it is
+        still alive (a refused launch must never steer somebody else's engine)."""
+        return (self.proc is not None and self.proc.poll() is None
+                and self._engine_json_pid() == self.proc.pid)
+
     def _check_engine(self) -> None:
         alive, reason = engine_alive(self.run_dir)
         if self.proc is not None and self.engine_exit is None:
             code = self.proc.poll()
             if code is not None:
                 self._engine_exited(code)
+        if self.proc is not None and alive and not self._ours():
+            alive = False
+            reason = (f"the engine running here is not the one this app started (pid "
+                      f"{self.proc.pid})")
         self.controllable = alive
+        if self._stop_deferred and alive:
+            self._stop_deferred = False  # its handlers exist now: stop it the verified way
+            if self._send(signal.SIGTERM, "stop"):
+                self.stopping_since = time.monotonic()
         # Messages name files by full path; inside this run directory the file name is enough.
         self.control_reason = reason.replace(f"{self.run_dir}/", "")
         if self.engine_exit is not None:
@@ -415,6 +464,14 @@ class AndreaApp(App[str]):
 
     def _engine_exited(self, code: int) -> None:
         self.engine_exit = code
+        if code == 2 and self._engine_json_pid() != self.proc.pid:
+            # Refused before it wrote engine.json (bad input, lock held...): nothing to watch.
+            lines = tail_text(self.reader.paths.log, 10)
+            errors = [x for x in lines if x.startswith("error: ")]
+            self.engine_error = (errors or lines or [
+                "error: the engine exited with status 2 before it started"])[-1]
+            self.exit(None)
+            return
         if self.stopping_since is not None:
             return  # the expected end of `q`; _tick exits the app
         lines = tail_text(self.reader.paths.log, 10)
@@ -442,6 +499,9 @@ class AndreaApp(App[str]):
 
     def _stop_summary(self) -> str:
         st = self.state
+        if self.proc is not None and self._engine_json_pid() != self.proc.pid:
+            return (f"engine stopped before it started ({self._exit_how()}); "
+                    f"see {self.reader.paths.log}")
         lc = st.last_checkpoint
         code = "" if self.engine_exit is None else f", engine exit status {self.engine_exit}"
         ck = f"; last checkpoint {lc.get('path')} (step {lc.get('step')})" if lc else ""
@@ -452,9 +512,16 @@ class AndreaApp(App[str]):
             self.force_asked = False
             self.stopping_since = time.monotonic()  # wait another full timeout
             return
+        if self._stop_deferred and self.proc is not None and self.engine_exit is None:
+            self.proc.kill()  # our unreaped child, never verified: Popen cannot hit another pid
+            return
         self._send(signal.SIGKILL, "force stop")
 
     def _send(self, sig: int, what: str) -> bool:
+        if self.proc is not None and not self._ours():
+            self.notify(f"{what}: not sent: the engine of {self.run_dir} is not the one this app "
+                        "started", severity="error")
+            return False
         try:
             signal_engine(self.run_dir, sig)
         except ControlRefused as e:
@@ -475,7 +542,14 @@ class AndreaApp(App[str]):
 
     # ------------------------------------------------------------ keys
 
+    def _recheck(self) -> None:
+        """A key came before the next control tick: the engine may have become reachable
+        since the last one (steps show up before the tick notices engine.json)."""
+        if not self.controllable and self.engine_exit is None:
+            self._check_engine()
+
     def action_snapshot(self) -> None:
+        self._recheck()
         if not self.controllable:
             self.notify(f"snapshot is off: {self._readonly_why(self.control_reason)}",
                         severity="warning")
@@ -488,11 +562,13 @@ class AndreaApp(App[str]):
         if self.stopping_since is not None:
             self.notify("already stopping; waiting for the stop checkpoint")
             return
+        self._recheck()
         if not self.controllable:
             if self.proc is not None and self.engine_exit is None:
-                # Our own child, not yet verifiable (still starting): Popen cannot hit a
-                # recycled pid because we have not reaped it.
-                self.proc.send_signal(signal.SIGTERM)
+                # Our own child, still starting: a SIGTERM now could come before its handlers
+                # exist and kill it without a checkpoint. Send it once engine.json names it.
+                self._stop_deferred = True
+                self.notify("stop requested: sent as soon as the engine has started")
             else:
                 self.exit(f"closed {self.run_dir} (read-only: "
                           f"{self._readonly_why(self.control_reason)})")

@@ -11,7 +11,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from engine.control import engine_alive
 from engine.errors import UserError, cli_entry
+from engine.runfiles import RunPaths, read_json
 
 
 class _Parser(argparse.ArgumentParser):
@@ -33,7 +35,10 @@ def _launch_parser() -> argparse.ArgumentParser:
 
 def _run_app(app) -> int:
     result = app.run()
-    if result:
+    if getattr(app, "engine_error", None):
+        # The launched engine refused to start (bad input, exit 2): its one line is the answer.
+        print(app.engine_error, file=sys.stderr)
+    elif result:
         print(result)
     return app.exit_status
 
@@ -61,6 +66,23 @@ def ckpt(path: str) -> int:
     return 0
 
 
+def refuse_busy_run_dir(run_dir: Path, resume: bool) -> None:
+    """Refuse, before anything starts, what andrea-train would refuse after we had opened a
+    dashboard on it: another engine on this directory (whose keys the dashboard would then
+    steer), or an old run's checkpoints without --resume (same words as the engine)."""
+    if not run_dir.is_dir():
+        return
+    alive, _ = engine_alive(run_dir)
+    if alive:
+        info = read_json(RunPaths(run_dir).engine) or {}
+        raise UserError(f"an engine (pid {info.get('pid', '?')}) is already running on {run_dir}; "
+                        f"use `andrea-tui attach {run_dir}`")
+    ckpts = run_dir / "checkpoints"
+    if not resume and ckpts.is_dir() and any(p.name.startswith("step_") for p in ckpts.iterdir()):
+        raise UserError(f"{run_dir}: already holds checkpoints; pass --resume to continue this "
+                        "run, or choose another --run-dir")
+
+
 def launch(argv: list[str]) -> int:
     from andrea_tui.app import AndreaApp
     from andrea_tui.launcher import default_run_dir, train_argv
@@ -78,6 +100,7 @@ def launch(argv: list[str]) -> int:
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"{run_dir}: not a directory, expected a run directory")
+    refuse_busy_run_dir(run_dir, args.resume)
     proc = start(train_argv(config, run_dir, args.resume, args.max_steps, args.backend), run_dir)
     return _run_app(AndreaApp(run_dir, proc=proc))
 

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from engine.errors import UserError
 from engine.runfiles import LOG
 
 
@@ -51,7 +52,10 @@ def _child_env() -> dict[str, str]:
 def launch(argv: Sequence[str], run_dir: Path, cwd: Path | None = None) -> subprocess.Popen:
     """Start `argv` detached from the terminal, logging into RUN_DIR/engine.log."""
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # bad input (a file in the path, /proc, no permission): one line, exit 2
+        raise UserError(f"--run-dir {run_dir}: cannot create it: {e.strerror or e}") from None
     with open(run_dir / LOG, "ab") as log, open("/dev/null", "rb") as devnull:
         return subprocess.Popen(
             list(argv), stdin=devnull, stdout=log, stderr=subprocess.STDOUT,

@@ -30,9 +30,14 @@ def clock(t: Any) -> str:
         return "--:--:--"
 
 
-def header(st: RunState, now: float, note: str = "") -> Text:
+def header(st: RunState, now: float, note: str = "", dead: bool = False) -> Text:
+    """`dead`: no engine behind a run its files call live: elapsed stops at the last record
+    and there is no ETA."""
     status = note or st.status
-    style = STATUS_STYLE.get(st.status, "bold")
+    if dead:
+        last_t = as_number(st.series.last("t")) if st.series.n else None
+        now = last_t if last_t is not None else as_number(st.state.get("updated")) or now
+    style = "bold red" if dead else STATUS_STYLE.get(st.status, "bold")
     step = st.step
     parts = [
         f"[bold]{escape(st.name)}[/]",
@@ -42,7 +47,7 @@ def header(st: RunState, now: float, note: str = "") -> Text:
         f"tokens {fmt_num(st.tokens)}",
         f"{fmt_num(st.tok_s)} tok/s",
         f"elapsed {fmt_duration(st.elapsed(now))}",
-        f"ETA {fmt_duration(st.eta())}",
+        f"ETA {fmt_duration(None if dead else st.eta())}",
     ]
     return Text.from_markup(" · ".join(parts))
 

@@ -4,9 +4,11 @@ the engine dying, and the checkpoint browser on real checkpoints."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -325,5 +327,167 @@ def test_q_in_pushed_screens_closes_them_not_the_engine(engine_proc) -> None:
             assert app.stopping_since is not None
             await wait_until(pilot, lambda: proc.poll() is not None, timeout=20)
         assert proc.returncode == 0
+
+    run(go())
+
+
+# ---------------------------------------------------------------- launch guards (review fixes)
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "experiments" / "ANDREA-tiny-TRAIN.json"
+
+
+def cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "andrea_tui.cli", *args], env=env, cwd=cwd,
+                          capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
+
+
+def signals_seen(run_dir: Path) -> list[str]:
+    events, _ = read_jsonl(run_dir / "events.jsonl")
+    return [e["signal"] for e in events if e.get("event") == "signal"]
+
+
+def test_launch_on_a_run_dir_with_a_live_engine_is_refused(engine_proc, tmp_path: Path) -> None:
+    run_dir, proc = engine_proc
+    log_before = (run_dir / "engine.log").stat().st_size
+    r = cli([str(TINY), "--run-dir", str(run_dir)], tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr == (f"error: an engine (pid {proc.pid}) is already running on {run_dir}; "
+                        f"use `andrea-tui attach {run_dir}`\n")
+    assert (run_dir / "engine.log").stat().st_size == log_before  # nothing was started
+    assert proc.poll() is None and signals_seen(run_dir) == []
+
+
+def test_launch_on_old_checkpoints_without_resume_is_refused(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "step_00000100").mkdir(parents=True)
+    r = cli([str(TINY), "--run-dir", str(run_dir)], tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr == (f"error: {run_dir}: already holds checkpoints; pass --resume to continue "
+                        "this run, or choose another --run-dir\n")
+    assert not (run_dir / "engine.log").exists()
+
+
+@pytest.mark.parametrize("where", ["file", "proc"])
+def test_uncreatable_run_dir_is_one_line(tmp_path: Path, where: str) -> None:
+    f = tmp_path / "plain.txt"
+    f.write_text("x")
+    bad = f / "sub" if where == "file" else Path("/proc/andrea-no-such/sub")
+    r = cli([str(TINY), "--run-dir", str(bad)], tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith(f"error: --run-dir {bad}: cannot create it: ")
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+    if where == "file":
+        assert r.stderr.endswith(f"cannot create it: {os.strerror(errno.ENOTDIR)}\n")
+
+
+def test_refused_launch_never_steers_the_other_engine(engine_proc) -> None:
+    """A launched child that is not the engine of the run dir (the real one refused and exits
+    2, as andrea-train does on a held lock): s/q must not reach the other engine, and the
+    app ends with the child's error line and status 2."""
+    run_dir, other = engine_proc
+    child = launch([sys.executable, "-c", "import time; time.sleep(1.0); "
+                    "print('error: engine.lock: held by another engine'); raise SystemExit(2)"],
+                   run_dir)
+
+    async def go() -> AndreaApp:
+        app = AndreaApp(run_dir, proc=child, control_interval=0.1)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_until(pilot, lambda: app.history_loaded)
+            await pilot.pause(0.3)
+            assert not app.controllable  # the live engine here is not ours
+            await pilot.press("s")
+            await wait_until(pilot, lambda: app.return_value is not None or not app.is_running)
+        return app
+
+    app = asyncio.run(go())
+    child.wait(timeout=10)
+    assert app.engine_error == "error: engine.lock: held by another engine"
+    assert app.exit_status == 2
+    assert other.poll() is None and signals_seen(run_dir) == []
+
+
+def test_dead_engine_in_attach_is_shown_dead_with_frozen_clock(tmp_path: Path) -> None:
+    """kill -9 leaves state.json at "running" and the lock free."""
+    t0, dt, n = 1_700_000_000.0, 0.1, 300
+    paths = write_run(tmp_path / "run", n, t0=t0, dt=dt, status="running")
+
+    async def go() -> None:
+        app = AndreaApp(paths.root, clock=lambda: t0 + 10_000.0, follow=False)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_until(pilot, lambda: app.history_loaded)
+            await pilot.pause()
+            head = screen_text(app).splitlines()[0]
+            assert "dead (state.json says running)" in head, head
+            # elapsed stops at the last record's t (t0 + n*dt = 30 s), not the clock's 10000 s
+            assert "elapsed 30s" in head and "ETA –" in head, head
+
+    run(go())
+
+
+def test_ctrl_q_in_launch_mode_detaches_and_says_so(engine_proc) -> None:
+    run_dir, proc = engine_proc
+
+    async def go() -> AndreaApp:
+        app = AndreaApp(run_dir, proc=proc)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_until(pilot, lambda: app.history_loaded and app.controllable)
+            await pilot.press("ctrl+c")
+            await pilot.press("ctrl+q")
+            await wait_until(pilot, lambda: app.return_value is not None)
+        return app
+
+    app = asyncio.run(go())
+    assert "engine keeps running" in app.return_value
+    assert f"andrea-tui attach {run_dir}" in app.return_value
+    assert proc.poll() is None
+
+
+def test_q_before_the_engine_started_stops_it_cleanly(tmp_path: Path) -> None:
+    """`q` before engine.json exists: the stop waits until the engine can take it, so the
+    engine writes its stop checkpoint and exits 0 (not killed by SIGTERM at startup)."""
+    run_dir = tmp_path / "run"
+    proc = launch([sys.executable, "-c", "import time, sys; time.sleep(1.5); "
+                   "from andrea_tui.fakerun import main; sys.exit(main(sys.argv[1:]))",
+                   str(run_dir)], run_dir)
+
+    async def go() -> AndreaApp:
+        app = AndreaApp(run_dir, proc=proc, control_interval=0.1)
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.press("q")
+            assert "stopping" in screen_text(app)
+            await wait_until(pilot, lambda: app.return_value is not None, timeout=20)
+        return app
+
+    try:
+        app = asyncio.run(go())
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert signals_seen(run_dir) == ["SIGTERM"]
+    assert "stopped" in app.return_value and "engine exit status 0" in app.return_value
+
+
+@pytest.mark.parametrize("size", [(80, 24), (140, 45)])
+def test_small_terminal_keeps_charts_and_side_panels(tmp_path: Path, size) -> None:
+    paths = write_run(tmp_path / "run", 300, status="finished")
+
+    async def go() -> None:
+        app = AndreaApp(paths.root, follow=False)
+        async with app.run_test(size=size) as pilot:
+            await wait_until(pilot, lambda: app.history_loaded)
+            await pilot.pause()
+            dash = app.dashboard
+            small = size == (80, 24)
+            for wid in ("loss", "gradnorm"):
+                assert dash.query_one(f"#{wid}").size.height >= (8 if small else 10)
+            training = dash.query_one("#training")
+            assert training.size.height >= 6 and training.size.width >= 30
+            for wid in ("bottom", "sample"):  # events + engine.log rows, latest sample
+                assert dash.query_one(f"#{wid}").display is not small
+            assert "loss" in screen_text(app)
 
     run(go())
