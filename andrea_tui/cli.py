@@ -13,7 +13,7 @@ from pathlib import Path
 
 from engine.control import engine_alive
 from engine.errors import UserError, cli_entry
-from engine.runfiles import RunPaths, read_json
+from engine.runfiles import RunPaths, read_json, refuse_overwrite
 
 
 class _Parser(argparse.ArgumentParser):
@@ -77,10 +77,7 @@ def refuse_busy_run_dir(run_dir: Path, resume: bool) -> None:
         info = read_json(RunPaths(run_dir).engine) or {}
         raise UserError(f"an engine (pid {info.get('pid', '?')}) is already running on {run_dir}; "
                         f"use `andrea-tui attach {run_dir}`")
-    ckpts = run_dir / "checkpoints"
-    if not resume and ckpts.is_dir() and any(p.name.startswith("step_") for p in ckpts.iterdir()):
-        raise UserError(f"{run_dir}: already holds checkpoints; pass --resume to continue this "
-                        "run, or choose another --run-dir")
+    refuse_overwrite(run_dir, resume)
 
 
 def launch(argv: list[str]) -> int:

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.errors import UserError
+
 CONFIG = "config.json"
 ENGINE = "engine.json"
 LOCK = "engine.lock"
@@ -70,6 +72,19 @@ class RunPaths:
     @property
     def checkpoints(self) -> Path:
         return self.root / CHECKPOINTS
+
+
+def has_checkpoints(run_dir: Path) -> bool:
+    """True when the run directory holds at least one checkpoint directory (committed or not)."""
+    root = Path(run_dir) / CHECKPOINTS
+    return root.is_dir() and any(p.name.startswith("step_") for p in root.iterdir())
+
+
+def refuse_overwrite(run_dir: Path, resume: bool) -> None:
+    """A run directory that holds checkpoints is never trained over without --resume (§10)."""
+    if not resume and has_checkpoints(run_dir):
+        raise UserError(f"{run_dir}: already holds checkpoints; pass --resume to continue this "
+                        "run, or choose another --run-dir (nothing was changed)")
 
 
 # ---------------------------------------------------------------- writing (engine side)

@@ -21,6 +21,7 @@ import numpy as np
 
 from engine.checkpoint import cleanup_tmp
 from engine.errors import RunError, UserError, cli_entry
+from engine.runfiles import has_checkpoints, refuse_overwrite
 from engine.signals import SignalFlags
 
 
@@ -45,10 +46,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     if args.max_steps is not None and args.max_steps < 1:
         raise UserError(f"--max-steps: must be >= 1, got {args.max_steps}")
     return args
-
-
-def _has_checkpoints(ckpt_root: Path) -> bool:
-    return ckpt_root.is_dir() and any(p.name.startswith("step_") for p in ckpt_root.iterdir())
 
 
 def _config_diff(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[str]:
@@ -91,10 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args.run_dir or Path("runs") / cfg["name"])
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"{run_dir}: exists and is not a directory")
-    ckpt_root = run_dir / "checkpoints"
-    if _has_checkpoints(ckpt_root) and not args.resume:
-        raise UserError(f"{run_dir}: already holds checkpoints; pass --resume to continue this "
-                        "run, or choose another --run-dir (nothing was changed)")
+    refuse_overwrite(run_dir, args.resume)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -169,7 +163,7 @@ class Engine:
     def _pick_resume(self) -> Any:
         from engine.checkpoint import find_resume_checkpoint, load_checkpoint
 
-        if not (self.args.resume and _has_checkpoints(self.ckpt_root)):
+        if not (self.args.resume and has_checkpoints(self.run_dir)):
             if self.args.resume:
                 self.out.log(f"--resume: no checkpoint in {self.ckpt_root}, starting fresh")
             return None
@@ -371,11 +365,7 @@ class Engine:
         }
 
     def _copy_state(self) -> None:
-        be = self.trainer.backend
-        m, v = be.read_optimizer()
-        np.copyto(self.snap["params"], be.read_params())
-        np.copyto(self.snap["m"], m)
-        np.copyto(self.snap["v"], v)
+        self.trainer.backend.copy_state_into(self.snap["params"], self.snap["m"], self.snap["v"])
 
     def _checkpoint(self, reason: str, wait: bool) -> None:
         """Copy the state (the only stall) and hand it to the background writer."""

@@ -66,3 +66,16 @@ def test_step_record_and_counters(trainer: engine.Trainer) -> None:
     with pytest.raises(RuntimeError):
         tr.zero_grads()
         tr.step()  # no micro-batch since zero_grads
+
+
+def test_copy_state_into_gives_the_checkpoint_arrays(trainer: engine.Trainer) -> None:
+    tr = trainer
+    tr.zero_grads()
+    tr.forward_backward(batch(tr))
+    tr.step()
+    out = [np.full(tr.n_params, np.nan, dtype=np.float32) for _ in range(3)]
+    tr.backend.copy_state_into(*out)
+    m, v = tr.backend.read_optimizer()
+    for got, want in zip(out, (tr.params, m, v), strict=True):
+        assert np.array_equal(got, want)
+    assert np.any(out[1] != 0)  # after a step Adam's m is not all zeros

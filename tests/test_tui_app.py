@@ -365,7 +365,7 @@ def test_launch_on_old_checkpoints_without_resume_is_refused(tmp_path: Path) -> 
     r = cli([str(TINY), "--run-dir", str(run_dir)], tmp_path)
     assert r.returncode == 2, r.stderr
     assert r.stderr == (f"error: {run_dir}: already holds checkpoints; pass --resume to continue "
-                        "this run, or choose another --run-dir\n")
+                        "this run, or choose another --run-dir (nothing was changed)\n")
     assert not (run_dir / "engine.log").exists()
 
 

@@ -49,6 +49,10 @@ class Backend(Protocol):
     def read_optimizer(self) -> tuple[np.ndarray, np.ndarray]:
         """Adam (m, v) as flat host arrays (numpy: read-only views)."""
 
+    def copy_state_into(self, params: np.ndarray, m: np.ndarray, v: np.ndarray) -> None:
+        """Copy weights, Adam m and v into caller-owned flat float32 host arrays: the one copy a
+        checkpoint costs the training loop (no temporary host arrays)."""
+
     def zero_grads(self) -> None:
         """grads = 0."""
 

@@ -233,3 +233,18 @@ def test_memory_plan_adds_up():
     assert plan["weights"] >= 6 * n
     assert plan["total"] == sum(v for k, v in plan.items() if k != "total")
     gpu.close()
+
+
+def test_copy_state_into_matches_the_reads(rng):
+    be = make(TINY, 2, "bf16")
+    n = n_params(TINY)
+    be.load_params(init_params(TINY, 3))
+    m0 = rng.standard_normal(n).astype(np.float32)
+    v0 = np.abs(rng.standard_normal(n)).astype(np.float32)
+    be.load_optimizer(m0, v0)
+    out = [np.full(n, np.nan, dtype=np.float32) for _ in range(3)]
+    be.copy_state_into(*out)
+    m, v = be.read_optimizer()
+    for got, want in zip(out, (be.read_params(), m, v), strict=True):
+        assert np.array_equal(got, want)
+    assert np.array_equal(out[1], m0) and np.array_equal(out[2], v0)

@@ -371,6 +371,13 @@ class CudaBackend:
     def read_optimizer(self) -> tuple[np.ndarray, np.ndarray]:
         return self._get(self.m), self._get(self.v)
 
+    def copy_state_into(self, params: np.ndarray, m: np.ndarray, v: np.ndarray) -> None:
+        self.stream.synchronize()
+        for out, ptr in ((params, self.p), (m, self.m), (v, self.v)):
+            if out.dtype != np.float32 or out.shape != (self.n,) or not out.flags.c_contiguous:
+                raise ValueError(f"copy_state_into: expected contiguous float32 [{self.n}]")
+            self.drv.memcpy_dtoh(out, ptr)
+
     def zero_grads(self) -> None:
         self.drv.memset_d32_async(self.g, 0, self.n, self.stream)
         self._pending_scale = 1.0

@@ -186,6 +186,11 @@ class NumpyBackend:
         """Read-only VIEWS of Adam m and v (no copies)."""
         return self._readonly(self._m), self._readonly(self._v)
 
+    def copy_state_into(self, params: np.ndarray, m: np.ndarray, v: np.ndarray) -> None:
+        np.copyto(params, self._params)
+        np.copyto(m, self._m)
+        np.copyto(v, self._v)
+
     def zero_grads(self) -> None:
         self._grads.fill(0.0)
 
