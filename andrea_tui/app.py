@@ -9,7 +9,7 @@ Textual frames and plotext builds, so:
   waits for the frame too, so one frame reads what several wake-ups reported;
 - charts redraw on a timer, only when the dashboard is the screen shown, only when their data
   changed, and no more often than keeps plotext under CHART_CPU_SHARE of a core.
-Signals go through engine.control (the verified path of DESIGN §8); the app never signals a pid
+Signals go through engine.run.control (the verified path of DESIGN §8); the app never signals a pid
 it has not verified.
 """
 
@@ -39,7 +39,7 @@ from andrea_tui.linepanel import LinePanel
 from andrea_tui.runreader import RunReader
 from andrea_tui.runstate import LossHistory, RunState
 from andrea_tui.screens import ForceStopScreen, HelpScreen, LogScreen
-from engine.control import ControlRefused, engine_alive, signal_engine
+from engine.run.control import ControlRefused, engine_alive, signal_engine
 from engine.runfiles import read_json, tail_text
 
 LAST_N = 500

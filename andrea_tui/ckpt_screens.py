@@ -28,7 +28,7 @@ def _when(t: float | None) -> str:
 
 
 def is_single_checkpoint(path: Path) -> bool:
-    from engine.checkpoint import MODEL_FILE
+    from engine.run.checkpoint import MODEL_FILE
 
     return (Path(path) / MODEL_FILE).exists()
 
@@ -37,7 +37,7 @@ def relative_changes(a: Any, b: Any) -> list[dict[str, Any]]:
     """Per tensor of `a`'s table: ||w_b - w_a|| / ||w_a|| (both checkpoints loaded)."""
     import numpy as np
 
-    from engine.checkpoint import normalize_tensor_table
+    from engine.run.checkpoint import normalize_tensor_table
 
     tb = {t["name"]: t for t in normalize_tensor_table(b.tensor_table)}
     out = []
@@ -99,7 +99,7 @@ class CheckpointListScreen(Screen[None]):
 
     @work(thread=True, exclusive=True, group="ckpt-list", exit_on_error=False)
     def _load(self) -> None:
-        from engine.checkpoint import list_checkpoints
+        from engine.run.checkpoint import list_checkpoints
 
         entries = list_checkpoints(self.path)
         self.app.call_from_thread(self._show, entries)
@@ -182,8 +182,8 @@ class CheckpointDetailScreen(Screen[None]):
 
     @work(thread=True, exclusive=True, group="ckpt-detail", exit_on_error=False)
     def _load(self) -> None:
-        from engine.checkpoint import load_checkpoint, tensor_stats
         from engine.errors import UserError
+        from engine.run.checkpoint import load_checkpoint, tensor_stats
 
         try:
             ck = load_checkpoint(self.path)
@@ -265,8 +265,8 @@ class CompareScreen(Screen[None]):
 
     @work(thread=True, exclusive=True, group="ckpt-compare", exit_on_error=False)
     def _load(self) -> None:
-        from engine.checkpoint import load_checkpoint
         from engine.errors import UserError
+        from engine.run.checkpoint import load_checkpoint
 
         try:
             a, b = load_checkpoint(self.a), load_checkpoint(self.b)

@@ -11,8 +11,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from engine.control import engine_alive
 from engine.errors import UserError, cli_entry
+from engine.run.control import engine_alive
 from engine.runfiles import RunPaths, read_json, refuse_overwrite
 
 

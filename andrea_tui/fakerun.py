@@ -105,7 +105,7 @@ class FakeEngine:
     """The control-facing behaviour of andrea-train, with no training."""
 
     def __init__(self, run_dir: Path, rate: float, steps: int, start: int) -> None:
-        from engine.identity import EngineLock
+        from engine.run.identity import EngineLock
 
         self.paths = RunPaths(Path(run_dir))
         self.paths.root.mkdir(parents=True, exist_ok=True)
@@ -140,7 +140,7 @@ class FakeEngine:
         import os
         import sys
 
-        from engine.identity import write_engine_json
+        from engine.run.identity import write_engine_json
 
         if not self.paths.config.exists():
             write_json_atomic(self.paths.config, CONFIG, durable=False)

@@ -2,7 +2,7 @@
 
 The child gets its own session (a dropped SSH connection's SIGHUP does not reach it), stdin from
 /dev/null (it must never fight the TUI for the keyboard) and stdout+stderr appended to
-`RUN_DIR/engine.log` (the TUI owns the terminal). `sys.executable -m engine.train` works with no
+`RUN_DIR/engine.log` (the TUI owns the terminal). `sys.executable -m engine.run.cli` works with no
 PATH and in the same interpreter as the TUI.
 """
 
@@ -28,7 +28,7 @@ def default_run_dir(config: dict[str, Any]) -> Path:
 def train_argv(config: Path, run_dir: Path, resume: bool = False, max_steps: int | None = None,
                backend: str | None = None) -> list[str]:
     """The andrea-train command line (run dir always explicit, so both sides agree on it)."""
-    argv = [sys.executable, "-m", "engine.train", str(config), "--run-dir", str(run_dir)]
+    argv = [sys.executable, "-m", "engine.run.cli", str(config), "--run-dir", str(run_dir)]
     if resume:
         argv.append("--resume")
     if max_steps is not None:
@@ -39,7 +39,7 @@ def train_argv(config: Path, run_dir: Path, resume: bool = False, max_steps: int
 
 
 def _child_env() -> dict[str, str]:
-    """Our environment with the project root on PYTHONPATH, so `-m engine.train` resolves even
+    """Our environment with the project root on PYTHONPATH, so `-m engine.run.cli` resolves even
     when the project is not installed (a plain checkout)."""
     import engine
 

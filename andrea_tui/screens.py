@@ -22,7 +22,7 @@ HELP = """[b]ANDREA keys[/b]
   ?   this help          ctrl+p  command palette
 
 Keys s and q are off when no live engine can be verified (finished or dead run):
-the banner says why. Signals go through engine.control, which checks the pid,
+the banner says why. Signals go through engine.run.control, which checks the pid,
 its start time, boot id and engine.lock before every signal.
 
 [dim]escape / ? closes this help[/dim]"""

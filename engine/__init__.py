@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from engine.errors import RunError, UserError
 
 if TYPE_CHECKING:
-    from engine.trainer import Trainer
+    from engine.model.trainer import Trainer
 
 __all__ = ["RunError", "Trainer", "UserError", "load_config"]
 
@@ -24,7 +24,7 @@ def load_config(path: str) -> dict[str, Any]:
 
 def __getattr__(name: str) -> Any:
     if name == "Trainer":
-        from engine.trainer import Trainer
+        from engine.model.trainer import Trainer
 
         return Trainer
     raise AttributeError(name)

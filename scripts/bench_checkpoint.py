@@ -22,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.checkpoint import CheckpointWriter, load_checkpoint, write_checkpoint
+from engine.run.checkpoint import CheckpointWriter, load_checkpoint, write_checkpoint
 
 SHAPE = {"n_layer": 6, "d_model": 384, "d_ff": 1536, "vocab_size": 8449, "seq_len": 1024}
 

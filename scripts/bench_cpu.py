@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.p
 
 from engine.backends.numpy import NumpyBackend
 from engine.backends.numpy.model import blas_threads
-from engine.model_layout import ModelShapes, init_params, tensor_table
-from engine.optim import clip_scale
+from engine.model.layout import ModelShapes, init_params, tensor_table
+from engine.model.optim import clip_scale
 
 TINY = ModelShapes(n_layer=4, d_model=128, n_head=4, d_ff=512, vocab_size=8449, seq_len=128)
 B = 8

@@ -23,8 +23,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.model_layout import ModelShapes, init_params, n_params
-from engine.optim import clip_scale
+from engine.model.layout import ModelShapes, init_params, n_params
+from engine.model.optim import clip_scale
 
 PEAK_BF16 = 989e12
 MODELS = {

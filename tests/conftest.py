@@ -60,7 +60,7 @@ def write_config(tmp_path: Path, prepared_data: Path) -> Callable[[dict[str, Any
 
 
 def engine_cmd(config: Path, run_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "engine.train", str(config), "--run-dir", str(run_dir),
+    return [sys.executable, "-m", "engine.run.cli", str(config), "--run-dir", str(run_dir),
             "--backend", "numpy", *extra]
 
 

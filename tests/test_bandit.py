@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from engine.bandit import Bandit, progress_score
+from engine.data.bandit import Bandit, progress_score
 from engine.errors import UserError
 
 NAMES = ["docs", "prose", "chat"]

@@ -21,8 +21,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine import checkpoint as ck
-from engine.checkpoint import (
+from engine.errors import UserError
+from engine.run import checkpoint as ck
+from engine.run.checkpoint import (
     CheckpointInvalid,
     CheckpointWriteError,
     CheckpointWriter,
@@ -35,7 +36,6 @@ from engine.checkpoint import (
     verify_checkpoint,
     write_checkpoint,
 )
-from engine.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
 TABLE = [
@@ -323,7 +323,7 @@ def test_writer_reports_errors_without_raising(tmp_path: Path) -> None:
 KILL_CHILD = textwrap.dedent("""
     import sys, numpy as np
     from pathlib import Path
-    from engine.checkpoint import write_checkpoint, prune_periodic, list_checkpoints
+    from engine.run.checkpoint import write_checkpoint, prune_periodic, list_checkpoints
     root, n = Path(sys.argv[1]), int(sys.argv[2])
     table = [{"name": "w", "shape": [n], "offset": 0}]
     entries = list_checkpoints(root, check_hash=False)
@@ -375,7 +375,7 @@ def test_kill9_at_random_moments_never_yields_a_bad_checkpoint(tmp_path: Path) -
 FULL_DISK_CHILD = textwrap.dedent("""
     import json, resource, signal, sys, numpy as np
     from pathlib import Path
-    from engine.checkpoint import CheckpointWriter, CheckpointWriteError, write_checkpoint
+    from engine.run.checkpoint import CheckpointWriter, CheckpointWriteError, write_checkpoint
     root, n = Path(sys.argv[1]), 4096
     table = [{"name": "w", "shape": [n], "offset": 0}]
     p = np.ones(n, np.float32)

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.checkpoint import write_checkpoint
-from engine.ckpt_cli import main
+from engine.run.checkpoint import write_checkpoint
+from engine.run.ckpt_cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 TABLE = [{"name": "wte", "shape": [6, 5], "offset": 0}, {"name": "lnf.gamma", "shape": [5],
@@ -123,14 +123,14 @@ def test_inspect_text_and_run_dir(tmp_path: Path, capsys) -> None:
 def test_console_exit_status_through_python_m(tmp_path: Path) -> None:
     run = make_run(tmp_path)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    ok = subprocess.run([sys.executable, "-m", "engine.ckpt_cli", "verify", str(run)],
+    ok = subprocess.run([sys.executable, "-m", "engine.run.ckpt_cli", "verify", str(run)],
                         capture_output=True, text=True, env=env)
     assert ok.returncode == 0, ok.stderr
     (run / "checkpoints" / "step_00000020" / "state.json").write_text("{")
-    bad = subprocess.run([sys.executable, "-m", "engine.ckpt_cli", "verify", str(run)],
+    bad = subprocess.run([sys.executable, "-m", "engine.run.ckpt_cli", "verify", str(run)],
                          capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and "unparsable JSON" in bad.stdout
     assert "Traceback" not in bad.stderr
-    usage = subprocess.run([sys.executable, "-m", "engine.ckpt_cli"], capture_output=True,
+    usage = subprocess.run([sys.executable, "-m", "engine.run.ckpt_cli"], capture_output=True,
                            text=True, env=env)
     assert usage.returncode == 2

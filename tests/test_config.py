@@ -196,7 +196,7 @@ def test_cli_exit_status_2_and_no_traceback(tmp_path: Path, mutate, expect: str)
     c = base()
     mutate(c)
     p = write(tmp_path, c)
-    r = subprocess.run([sys.executable, "-m", "engine.train", str(p)], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "engine.run.cli", str(p)], capture_output=True,
                        text=True, cwd=tmp_path, timeout=60)
     assert r.returncode == 2, r.stderr
     assert expect in r.stderr
@@ -206,7 +206,7 @@ def test_cli_exit_status_2_and_no_traceback(tmp_path: Path, mutate, expect: str)
 
 def test_cli_malformed_json_exit_2(tmp_path: Path) -> None:
     p = write(tmp_path, '{"name": "x",\n  "model": }')
-    r = subprocess.run([sys.executable, "-m", "engine.train", str(p)], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "engine.run.cli", str(p)], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2
     assert f"{p}: line 2 column 12: invalid JSON" in r.stderr

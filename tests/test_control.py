@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.control import ControlRefused, engine_alive, signal_engine
 from engine.errors import UserError
-from engine.identity import EngineLock, boot_id, proc_start_time, write_engine_json
+from engine.run.control import ControlRefused, engine_alive, signal_engine
+from engine.run.identity import EngineLock, boot_id, proc_start_time, write_engine_json
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,7 +32,7 @@ CHILD = textwrap.dedent("""
     signal.signal(signal.SIGUSR1, record)
     signal.signal(signal.SIGTERM, record)
     if mode in ("engine", "exit"):
-        from engine.identity import EngineLock, write_engine_json
+        from engine.run.identity import EngineLock, write_engine_json
         lock = EngineLock().acquire(run_dir)
         write_engine_json(run_dir, sys.argv, "run-1")
     print("ready", flush=True)

@@ -162,7 +162,7 @@ def test_a_closed_pipe_is_not_a_traceback(tmp_path: Path, write_config) -> None:
     cfg = write_config(c)
     run = tmp_path / "run"
     assert run_engine(cfg, run).returncode == 0
-    p = subprocess.Popen([sys.executable, "-m", "engine.ckpt_cli", "inspect", "--json", str(run)],
+    p = subprocess.Popen([sys.executable, "-m", "engine.run.ckpt_cli", "inspect", "--json", str(run)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert p.stdout is not None
     p.stdout.readline()

@@ -10,7 +10,7 @@ from engine.backends import get_backend, resolve_backend
 from engine.backends.base import Backend
 from engine.backends.numpy import NumpyBackend
 from engine.errors import UserError
-from engine.model_layout import ModelShapes, init_params, n_params, tensor_table, views
+from engine.model.layout import ModelShapes, init_params, n_params, tensor_table, views
 
 SMALL = ModelShapes(n_layer=2, d_model=8, n_head=2, d_ff=16, vocab_size=11, seq_len=6)
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from engine.errors import UserError
-from engine.model_layout import (
+from engine.model.layout import (
     ModelShapes,
     decay_mask,
     init_params,

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from engine.backends.numpy import NumpyBackend, ops
-from engine.model_layout import ModelShapes, decay_mask, init_params, n_params, tensor_table
-from engine.optim import clip_scale, lr_at
+from engine.model.layout import ModelShapes, decay_mask, init_params, n_params, tensor_table
+from engine.model.optim import clip_scale, lr_at
 
 S = ModelShapes(n_layer=2, d_model=16, n_head=2, d_ff=32, vocab_size=37, seq_len=8)
 

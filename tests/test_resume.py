@@ -149,7 +149,7 @@ def test_kill_9_during_checkpoint_writes_then_resume(straight: dict, tmp_path: P
     """Checkpoint every step, SIGKILL at random moments; the newest valid checkpoint loads and
     the resumed trajectory is the straight one. (The 20+ trial kill -9 test of the writer
     itself is in test_checkpoint.py.)"""
-    from engine.checkpoint import (
+    from engine.run.checkpoint import (
         CheckpointInvalid,
         find_resume_checkpoint,
         list_checkpoints,
@@ -211,7 +211,7 @@ def test_full_disk_periodic_failure_goes_on_final_failure_fails(tmp_path: Path, 
     assert [e["reason"] for e in errors] == ["periodic", "final"]
     assert [r["step"] for r in loss_records(run)][-1] == 25  # training went on past the failure
     assert json.loads((run / "state.json").read_text())["status"] == "failed"
-    from engine.checkpoint import list_checkpoints, verify_checkpoint
+    from engine.run.checkpoint import list_checkpoints, verify_checkpoint
 
     names = sorted(p.name for p in (run / "checkpoints").iterdir() if not p.name.startswith("."))
     assert names == ok_before

@@ -21,7 +21,7 @@ from andrea_tui.app import AndreaApp
 from andrea_tui.fakerun import loss_record, write_run
 from andrea_tui.launcher import launch
 from andrea_tui.screentext import screen_text
-from engine.control import engine_alive
+from engine.run.control import engine_alive
 from engine.runfiles import read_jsonl
 
 SIZE = (140, 45)
@@ -231,7 +231,7 @@ def test_stop_timeout_offers_force(tmp_path: Path) -> None:
 
 
 def write_checkpoints(run_dir: Path) -> list[Path]:
-    from engine.checkpoint import write_checkpoint
+    from engine.run.checkpoint import write_checkpoint
 
     table = [{"name": "wte", "shape": [8, 4], "offset": 0},
              {"name": "h0.w", "shape": [4, 4], "offset": 32}]

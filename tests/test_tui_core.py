@@ -189,7 +189,7 @@ def test_history_build_from_records() -> None:
 
 def test_train_argv() -> None:
     argv = train_argv(Path("c.json"), Path("runs/x"), resume=True, max_steps=5, backend="numpy")
-    assert argv[:3] == [sys.executable, "-m", "engine.train"]
+    assert argv[:3] == [sys.executable, "-m", "engine.run.cli"]
     assert argv[3:] == ["c.json", "--run-dir", "runs/x", "--resume", "--max-steps", "5",
                         "--backend", "numpy"]
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.control import engine_alive, signal_engine
+from engine.run.control import engine_alive, signal_engine
 from engine.runfiles import read_json, read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -112,7 +112,7 @@ def test_attach_to_headless_engine_in_tmux(tmp_path: Path, session: str) -> None
     cfg = tiny_config(tmp_path)
     run_dir = tmp_path / "run"
     with open(tmp_path / "train.log", "wb") as log:
-        engine = subprocess.Popen([PY, "-m", "engine.train", str(cfg), "--run-dir", str(run_dir),
+        engine = subprocess.Popen([PY, "-m", "engine.run.cli", str(cfg), "--run-dir", str(run_dir),
                                    "--max-steps", "100000", "--backend", "numpy"], cwd=ROOT,
                                   stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                   start_new_session=True)

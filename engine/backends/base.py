@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from engine.model_layout import ModelShapes
+from engine.model.layout import ModelShapes
 
 
 @runtime_checkable

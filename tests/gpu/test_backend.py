@@ -9,8 +9,8 @@ from devarrays import MEASURED, check_close, rel_err
 
 from engine.backends.numpy import NumpyBackend
 from engine.errors import RunError
-from engine.model_layout import ModelShapes, init_params, n_params, tensor_table
-from engine.optim import clip_scale, lr_at
+from engine.model.layout import ModelShapes, init_params, n_params, tensor_table
+from engine.model.optim import clip_scale, lr_at
 
 pytestmark = pytest.mark.gpu
 

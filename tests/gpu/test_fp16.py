@@ -8,7 +8,7 @@ import pytest
 import engine
 from engine.config import parse_config
 from engine.errors import UserError
-from engine.model_layout import ModelShapes
+from engine.model.layout import ModelShapes
 from tests.conftest import ROOT, micro_config_dict
 
 pytestmark = pytest.mark.gpu

@@ -22,7 +22,7 @@ from engine.backends.cuda.memory import Plan, format_plan
 from engine.backends.cuda.ops import LN_ROWS_PER_CHUNK, NORM_BLOCKS, Ops
 from engine.backends.cuda.runtime import ACT_BYTES, Gpu
 from engine.errors import RunError, UserError
-from engine.model_layout import ModelShapes, n_params, tensor_table
+from engine.model.layout import ModelShapes, n_params, tensor_table
 
 ADAMW_MAX_SEGS = 1024  # the same cap as kernels/optim.cu
 SAFETY_BYTES = 256 << 20  # left free for the driver, cuBLAS's own state and graph instantiation

@@ -16,7 +16,7 @@ import numpy as np
 
 from engine.backends.numpy import ops
 from engine.errors import UserError
-from engine.model_layout import ModelShapes, decay_mask, n_params, tensor_table, views
+from engine.model.layout import ModelShapes, decay_mask, n_params, tensor_table, views
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 

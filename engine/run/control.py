@@ -14,7 +14,7 @@ import signal
 from pathlib import Path
 
 from engine.errors import UserError
-from engine.identity import boot_id, proc_start_time
+from engine.run.identity import boot_id, proc_start_time
 from engine.runfiles import RunPaths, read_json
 
 

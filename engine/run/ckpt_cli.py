@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from engine.checkpoint import (
+from engine.errors import UserError, cli_entry
+from engine.run.checkpoint import (
     MODEL_FILE,
     STATE_FILE,
     CheckpointInvalid,
@@ -25,7 +26,6 @@ from engine.checkpoint import (
     tensor_stats,
     verify_checkpoint,
 )
-from engine.errors import UserError, cli_entry
 
 _CORE = (
     "format_version", "step", "n_params", "model_ckpt", "tensor_table", "reason", "wall_time",

@@ -1,13 +1,12 @@
-"""`andrea-train CONFIG.json [--run-dir DIR] [--resume] [--max-steps N] [--backend auto|numpy|cuda]`
+"""The training run: one process bound to one run directory (`andrea-train`, engine.run.cli).
 
-The training loop: data → trainer step → records → bandit → samples → checkpoints, with the
+The loop: data → trainer step → records → bandit → samples → checkpoints, with the
 signals of DESIGN §8 acted on between steps. Everything the loop writes goes to the run directory
 (DESIGN §7); everything it needs to continue goes into each checkpoint (DESIGN §6).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import sys
@@ -19,33 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from engine.checkpoint import cleanup_tmp
-from engine.errors import RunError, UserError, cli_entry
-from engine.runfiles import has_checkpoints, refuse_overwrite
-from engine.signals import SignalFlags
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="andrea-train", description=__doc__.splitlines()[0])
-    p.add_argument("config", help="experiment config (JSON), e.g. experiments/ANDREA-tiny-TRAIN.json")
-    p.add_argument("--run-dir", help="run directory (default: runs/<experiment name>)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the newest valid checkpoint in the run directory "
-                        "(starts fresh when there is none)")
-    p.add_argument("--max-steps", type=int, help="override train.max_steps (the lr schedule too)")
-    p.add_argument("--backend", default="auto", choices=("auto", "numpy", "cuda"))
-    return p
-
-
-def _parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:  # argparse exits 2 on usage errors already, 0 on --help
-        raise SystemExit(e.code) from None
-    if args.max_steps is not None and args.max_steps < 1:
-        raise UserError(f"--max-steps: must be >= 1, got {args.max_steps}")
-    return args
+from engine.errors import RunError, UserError
+from engine.run.checkpoint import cleanup_tmp
+from engine.run.signals import SignalFlags
+from engine.runfiles import has_checkpoints
 
 
 def _config_diff(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[str]:
@@ -75,40 +51,19 @@ def _fmt_bytes(n: int) -> str:
     return str(n)
 
 
-@cli_entry
-def main(argv: list[str] | None = None) -> int:
-    flags = SignalFlags()
-    flags.install()  # first: SIGUSR1's default action would kill us
-    args = _parse(argv)
-    from engine.config import load_config
-
-    cfg = load_config(args.config)
-    if args.max_steps is not None:
-        cfg["train"]["max_steps"] = args.max_steps
-    run_dir = Path(args.run_dir or Path("runs") / cfg["name"])
-    if run_dir.exists() and not run_dir.is_dir():
-        raise UserError(f"{run_dir}: exists and is not a directory")
-    refuse_overwrite(run_dir, args.resume)
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"--run-dir {run_dir}: cannot create it: {e.strerror or e}") from None
-    return Engine(cfg, run_dir, args, flags, argv if argv is not None else sys.argv).run()
-
-
-class Engine:
+class TrainingRun:
     """One training process bound to one run directory."""
 
-    def __init__(self, cfg: dict[str, Any], run_dir: Path, args: argparse.Namespace,
+    def __init__(self, cfg: dict[str, Any], run_dir: Path, args: Any,
                  flags: SignalFlags, argv: list[str]) -> None:
-        from engine.identity import EngineLock
+        from engine.run.identity import EngineLock
 
         self.cfg, self.run_dir, self.args, self.flags = cfg, run_dir, args, flags
         self.ckpt_root = run_dir / "checkpoints"
         self.lock = EngineLock().acquire(run_dir)  # refuses when another engine holds the run
         self.run_id = uuid.uuid4().hex[:12]
         self.argv = list(argv)
-        from engine.rundir import RunWriter
+        from engine.run.writer import RunWriter
 
         self.out = RunWriter(run_dir)
         self.writer: Any = None
@@ -120,7 +75,7 @@ class Engine:
     # -- start-up -----------------------------------------------------------------------
 
     def run(self) -> int:
-        from engine.identity import write_engine_json
+        from engine.run.identity import write_engine_json
 
         write_engine_json(self.run_dir, self.argv, self.run_id)
         try:
@@ -161,7 +116,7 @@ class Engine:
         return 1
 
     def _pick_resume(self) -> Any:
-        from engine.checkpoint import find_resume_checkpoint, load_checkpoint
+        from engine.run.checkpoint import find_resume_checkpoint, load_checkpoint
 
         if not (self.args.resume and has_checkpoints(self.run_dir)):
             if self.args.resume:
@@ -197,11 +152,11 @@ class Engine:
 
     def _start(self, resume: Any) -> None:
         from engine.backends import resolve_backend
-        from engine.bandit import Bandit
+        from engine.data.bandit import Bandit
         from engine.data.prep import load_prepared, prepare
         from engine.data.sampler import Sampler
+        from engine.model.trainer import Trainer
         from engine.runfiles import write_json_atomic
-        from engine.trainer import Trainer
 
         cfg = self.cfg
         write_json_atomic(self.out.paths.config, _public(cfg))
@@ -243,7 +198,7 @@ class Engine:
         n = self.trainer.n_params
         # Host buffers for checkpoint copies, allocated once: the loop stalls only to fill them.
         self.snap = {k: np.empty(n, dtype=np.float32) for k in ("params", "m", "v")}
-        from engine.checkpoint import CheckpointWriter
+        from engine.run.checkpoint import CheckpointWriter
 
         self.writer = CheckpointWriter(self.ckpt_root)
         plan = dict(be.memory_plan())
@@ -337,7 +292,7 @@ class Engine:
         return out
 
     def _sample(self, step: int) -> None:
-        from engine.samples import generate
+        from engine.model.sampling import generate
 
         prompts = self.cfg["samples"]["prompts"]
         prompt = prompts[(step // self.cfg["samples"]["every_steps"]) % len(prompts)]
@@ -381,7 +336,7 @@ class Engine:
             self._collect_writes()
 
     def _collect_writes(self) -> None:
-        from engine.checkpoint import prune_periodic
+        from engine.run.checkpoint import prune_periodic
 
         for res in self.writer.poll():
             if res.reason in self.inflight:
@@ -465,11 +420,7 @@ class Engine:
         return 0 if status in ("stopped", "finished") else 1
 
     def _has_final(self, step: int) -> bool:
-        from engine.checkpoint import list_checkpoints
+        from engine.run.checkpoint import list_checkpoints
 
         return any(e.step == step and e.reason in ("final", "stop") and e.valid
                    for e in list_checkpoints(self.ckpt_root, check_hash=False))
-
-
-if __name__ == "__main__":
-    main()

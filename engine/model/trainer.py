@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from engine.backends import get_backend
-from engine.model_layout import ModelShapes, init_params, n_params, tensor_table
-from engine.optim import clip_scale, lr_at
+from engine.model.layout import ModelShapes, init_params, n_params, tensor_table
+from engine.model.optim import clip_scale, lr_at
 
 
 class LossScaler:

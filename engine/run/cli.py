@@ -1,0 +1,66 @@
+"""`andrea-train CONFIG.json [--run-dir DIR] [--resume] [--max-steps N] [--backend auto|numpy|cuda]`
+
+The engine's command line: parse, validate the config, pick the run directory, hand over to
+`TrainingRun` (engine.run.loop). Bad input ends here with one line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from engine.errors import UserError, cli_entry
+from engine.run.loop import TrainingRun
+from engine.run.signals import SignalFlags
+from engine.runfiles import refuse_overwrite
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="andrea-train", description=__doc__.splitlines()[0])
+    p.add_argument("config", help="experiment config (JSON), e.g. experiments/ANDREA-tiny-TRAIN.json")
+    p.add_argument("--run-dir", help="run directory (default: runs/<experiment name>)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest valid checkpoint in the run directory "
+                        "(starts fresh when there is none)")
+    p.add_argument("--max-steps", type=int, help="override train.max_steps (the lr schedule too)")
+    p.add_argument("--backend", default="auto", choices=("auto", "numpy", "cuda"))
+    return p
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse exits 2 on usage errors already, 0 on --help
+        raise SystemExit(e.code) from None
+    if args.max_steps is not None and args.max_steps < 1:
+        raise UserError(f"--max-steps: must be >= 1, got {args.max_steps}")
+    return args
+
+
+@cli_entry
+def main(argv: list[str] | None = None) -> int:
+    flags = SignalFlags()
+    flags.install()  # first: SIGUSR1's default action would kill us
+    args = _parse(argv)
+    from engine.config import load_config
+
+    cfg = load_config(args.config)
+    if args.max_steps is not None:
+        cfg["train"]["max_steps"] = args.max_steps
+    run_dir = Path(args.run_dir or Path("runs") / cfg["name"])
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"{run_dir}: exists and is not a directory")
+    refuse_overwrite(run_dir, args.resume)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--run-dir {run_dir}: cannot create it: {e.strerror or e}") from None
+    return TrainingRun(cfg, run_dir, args, flags, argv if argv is not None else sys.argv).run()
+
+
+
+
+if __name__ == "__main__":
+    main()
