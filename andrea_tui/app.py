@@ -504,7 +504,7 @@ class AndreaApp(App[str]):
                     f"see {self.reader.paths.log}")
         lc = st.last_checkpoint
         code = "" if self.engine_exit is None else f", engine exit status {self.engine_exit}"
-        ck = f"; last checkpoint {lc.get('path')} (step {lc.get('step')})" if lc else ""
+        ck = f"; last checkpoint {lc.path} (step {lc.step})" if lc else ""
         return f"{st.name}: {st.status} at step {st.step}{code}{ck}"
 
     def _force_answer(self, force: bool | None) -> None:
@@ -532,11 +532,11 @@ class AndreaApp(App[str]):
     def _announce_checkpoints(self) -> None:
         cks = self.state.checkpoints
         for ev in cks[self._ckpt_seen:]:
-            if ev.get("reason") in ("snapshot", "stop") or self._snapshot_pending:
-                self.notify(f"checkpoint step {ev.get('step')} ({ev.get('reason')}): "
-                            f"{ev.get('path')} in {panels.fmt_num(ev.get('seconds'))} s",
+            if ev.reason in ("snapshot", "stop") or self._snapshot_pending:
+                self.notify(f"checkpoint step {ev.step} ({ev.reason}): "
+                            f"{ev.path} in {panels.fmt_num(ev.seconds)} s",
                             title="checkpoint written")
-            if ev.get("reason") == "snapshot":
+            if ev.reason == "snapshot":
                 self._snapshot_pending = False
         self._ckpt_seen = len(cks)
 

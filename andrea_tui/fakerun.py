@@ -12,11 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from engine import records as rec
 from engine.runfiles import JsonlWriter, RunPaths, write_json_atomic
 
 SOURCES = ("python-reference", "stdlib-docstrings", "stdlib-code")
@@ -30,36 +33,35 @@ CONFIG = {
               "seed": 1},
     "optim": {"lr": 1e-3, "warmup_steps": 10, "min_lr_frac": 0.1, "betas": [0.9, 0.95],
               "eps": 1e-8, "weight_decay": 0.1, "max_grad_norm": 1.0},
+    "data": {"dir": "/nonexistent/fake-data",
+             "tokenizer": {"path": "tokenizer.json", "vocab_size": 8449, "train_bytes": 1024},
+             "sources": [{"name": s, "builtin": s} for s in SOURCES]},
+    "bandit": {"phase_lengths": [PHASE_LEN], "eta": 0.5, "floor": 0.05, "seed": 1},
     "checkpoint": {"every": 100, "keep": 3},
+    "samples": {"every_steps": 50, "prompts": ["def "], "length": 8, "top_k": 40,
+                "temperature": 0.9},
 }
 TOKENS_PER_STEP = 256
 
 
 def loss_record(step: int, t: float) -> dict[str, Any]:
-    """A deterministic loss.jsonl record for `step` (every 97th step is a skipped one)."""
+    """A deterministic loss.jsonl record for `step` (every 97th step is a skipped one), as the
+    JSON object the engine writes (engine.records.StepRecord.to_json)."""
     phase = step // PHASE_LEN
     skipped = step % 97 == 96
     grad = 0.6 + 0.8 * abs(math.sin(step * 0.37))
     loss = 9.0 * math.exp(-step / 400.0) + 2.0 + 0.1 * math.sin(step * 0.9)
     w = [0.2 + 0.1 * ((phase + i) % 3) for i in range(3)]
     tot = sum(w)
-    return {
-        "step": step,
-        "loss": math.nan if skipped else round(loss, 6),
-        "grad_norm": math.inf if skipped else round(grad, 6),
-        "clip_scale": round(min(1.0, 1.0 / grad), 6),
-        "lr": 1e-3,
-        "tokens": step * TOKENS_PER_STEP,
-        "tok_s": 5120.0,
-        "step_ms": 50.0,
-        "phase": phase,
-        "phase_step": step % PHASE_LEN + 1,
-        "phase_len": PHASE_LEN,
-        "weights": {s: round(x / tot, 4) for s, x in zip(SOURCES, w, strict=True)},
-        "src_loss": {s: round(loss + 0.1 * i, 4) for i, s in enumerate(SOURCES)},
-        "skipped": skipped,
-        "t": t,
-    }
+    return rec.StepRecord(
+        step=step, loss=math.nan if skipped else round(loss, 6),
+        grad_norm=math.inf if skipped else round(grad, 6),
+        clip_scale=round(min(1.0, 1.0 / grad), 6), lr=1e-3, tokens=step * TOKENS_PER_STEP,
+        tok_s=5120.0, step_ms=50.0, phase=phase, phase_step=step % PHASE_LEN + 1,
+        phase_len=PHASE_LEN,
+        weights={s: round(x / tot, 4) for s, x in zip(SOURCES, w, strict=True)},
+        src_loss={s: round(loss + 0.1 * i, 4) for i, s in enumerate(SOURCES)},
+        skipped=skipped, t=t).to_json()
 
 
 def write_run(run_dir: Path, n_steps: int, *, t0: float = 1_700_000_000.0, dt: float = 0.1,
@@ -73,31 +75,29 @@ def write_run(run_dir: Path, n_steps: int, *, t0: float = 1_700_000_000.0, dt: f
         for s in range(1, n_steps + 1):
             f.write(json.dumps(loss_record(s, t0 + s * dt), separators=(",", ":")) + "\n")
     ev = JsonlWriter(paths.events)
-    ev.write({"t": t0, "event": "start", "pid": 4242, "argv": ["andrea-train"],
-              "name": cfg["name"], "backend": "numpy", "device": "cpu", "run_id": "fake",
-              "resumed": False})
-    ev.write({"t": t0, "event": "ready", "memory_plan": {
+    ev.write(rec.StartEvent(t=t0, pid=4242, argv=["andrea-train"], name=cfg["name"],
+                            backend="numpy", device="cpu", run_id="fake").to_json())
+    ev.write(rec.ReadyEvent(t=t0, memory_plan={
         "weights": 4 << 20, "grads": 4 << 20, "adam_m": 4 << 20, "adam_v": 4 << 20,
         "activations": 12 << 20, "scratch": 1 << 20, "total": 29 << 20},
-        "n_params": 1048576, "backend": "numpy", "device": "cpu", "step": 0,
-        "max_steps": max_steps, "tokens_per_step": TOKENS_PER_STEP})
+        n_params=1048576, backend="numpy", device="cpu", step=0, max_steps=max_steps,
+        tokens_per_step=TOKENS_PER_STEP).to_json())
     for s in range(100, n_steps + 1, 100):
-        ev.write({"t": t0 + s * dt, "event": "checkpoint", "step": s, "reason": "periodic",
-                  "path": str(paths.checkpoints / f"step_{s:08d}"), "bytes": 12_582_920,
-                  "seconds": 0.25})
+        ev.write(rec.CheckpointEvent(t=t0 + s * dt, step=s, reason="periodic",
+                                     path=str(paths.checkpoints / f"step_{s:08d}"),
+                                     bytes=12_582_920, seconds=0.25).to_json())
     ev.close()
     smp = JsonlWriter(paths.samples)
     for s in range(50, n_steps + 1, 50):
-        smp.write({"step": s, "t": t0 + s * dt, "prompt": "def ",
-                   "text": f"def f{s}(x):\n    return x + {s}"})
+        smp.write(rec.Sample(step=s, t=t0 + s * dt, prompt="def ",
+                             text=f"def f{s}(x):\n    return x + {s}").to_json())
     smp.close()
     with open(paths.log, "w") as f:
         for s in range(0, n_steps + 1, max(1, n_steps // 5)):
             f.write(f"12:00:{s % 60:02d} step {s} loss ok\n")
-    write_json_atomic(paths.state, {
-        "status": status, "step": n_steps, "max_steps": max_steps, "backend": "numpy",
-        "device": "cpu", "pid": 4242, "last_checkpoint": None, "updated": t0 + n_steps * dt,
-    }, durable=False)
+    write_json_atomic(paths.state, rec.RunStatus(
+        rec.Status(status), step=n_steps, max_steps=max_steps, backend="numpy", device="cpu",
+        pid=4242, updated=t0 + n_steps * dt).to_json(), durable=False)
     return paths
 
 
@@ -122,54 +122,51 @@ class FakeEngine:
     def _on_term(self, *_: object) -> None:
         self.stop = True
 
-    def _status(self, status: str, last: dict | None = None) -> None:
-        write_json_atomic(self.paths.state, {
-            "status": status, "step": self.step, "max_steps": self.steps, "backend": "numpy",
-            "device": "cpu", "pid": __import__("os").getpid(), "last_checkpoint": last,
-            "updated": time.time()}, durable=False)
+    def _status(self, status: rec.Status, last: rec.CheckpointRef | None = None) -> None:
+        write_json_atomic(self.paths.state, rec.RunStatus(
+            status, step=self.step, max_steps=self.steps, backend="numpy", device="cpu",
+            pid=os.getpid(), last_checkpoint=last, updated=time.time()).to_json(), durable=False)
 
-    def _checkpoint(self, ev: JsonlWriter, reason: str) -> dict:
+    def _checkpoint(self, ev: JsonlWriter, reason: str) -> rec.CheckpointRef:
         path = self.paths.checkpoints / f"step_{self.step:08d}"
         path.mkdir(parents=True, exist_ok=True)
         (path / "fake").write_text(reason)
-        rec = {"step": self.step, "reason": reason, "path": str(path), "bytes": 4, "seconds": 0.01}
-        ev.write({"t": time.time(), "event": "checkpoint", **rec})
-        return rec
+        ev.write(rec.CheckpointEvent(t=time.time(), step=self.step, reason=reason,
+                                     path=str(path), bytes=4, seconds=0.01).to_json())
+        return rec.CheckpointRef(str(path), self.step, reason)
 
     def run(self) -> int:
-        import os
-        import sys
-
         from engine.run.identity import write_engine_json
 
         if not self.paths.config.exists():
             write_json_atomic(self.paths.config, CONFIG, durable=False)
         write_engine_json(self.paths.root, sys.argv, "fake")
         ev, loss = JsonlWriter(self.paths.events), JsonlWriter(self.paths.loss)
-        ev.write({"t": time.time(), "event": "start", "pid": os.getpid(), "argv": sys.argv,
-                  "name": CONFIG["name"], "backend": "numpy", "device": "cpu",
-                  "run_id": "fake", "resumed": False})
-        self._status("running")
+        ev.write(rec.StartEvent(t=time.time(), pid=os.getpid(), argv=sys.argv,
+                                name=CONFIG["name"], backend="numpy", device="cpu",
+                                run_id="fake").to_json())
+        self._status(rec.Status.RUNNING)
         last = None
         while not self.stop and self.step < self.steps:
             time.sleep(1.0 / self.rate)
             self.step += 1
             loss.write(loss_record(self.step, time.time()))
             if self.usr1:
-                ev.write({"t": time.time(), "event": "signal", "signal": "SIGUSR1",
-                          "step": self.step, "action": "snapshot"})
+                ev.write(rec.SignalEvent(t=time.time(), signal="SIGUSR1", step=self.step,
+                                         action="snapshot", count=self.usr1).to_json())
                 self.usr1 = 0
                 last = self._checkpoint(ev, "snapshot")
-            self._status("running", last)
+            self._status(rec.Status.RUNNING, last)
         if self.stop:
-            ev.write({"t": time.time(), "event": "signal", "signal": "SIGTERM",
-                      "step": self.step, "action": "stop"})
+            ev.write(rec.SignalEvent(t=time.time(), signal="SIGTERM", step=self.step,
+                                     action="stop").to_json())
             last = self._checkpoint(ev, "stop")
-            ev.write({"t": time.time(), "event": "stop", "step": self.step, "status": "stopped"})
-            self._status("stopped", last)
+            ev.write(rec.StopEvent(t=time.time(), step=self.step, status="stopped").to_json())
+            self._status(rec.Status.STOPPED, last)
         else:
-            ev.write({"t": time.time(), "event": "finished", "step": self.step})
-            self._status("finished", last)
+            ev.write(rec.FinishedEvent(t=time.time(), step=self.step,
+                                       status="finished").to_json())
+            self._status(rec.Status.FINISHED, last)
         return 0
 
 

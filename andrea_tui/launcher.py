@@ -13,16 +13,16 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
+from engine.config import Config
 from engine.errors import UserError
 from engine.runfiles import LOG
 
 
-def default_run_dir(config: dict[str, Any]) -> Path:
+def default_run_dir(config: Config) -> Path:
     """`runs/<experiment name>` of a config validated by engine.load_config (whose name pattern
     admits no path separator), the same default andrea-train uses (DESIGN §7)."""
-    return Path("runs") / config["name"]
+    return Path("runs") / config.name
 
 
 def train_argv(config: Path, run_dir: Path, resume: bool = False, max_steps: int | None = None,

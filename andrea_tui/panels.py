@@ -15,6 +15,7 @@ from rich.text import Text
 
 from andrea_tui.runstate import RunState
 from andrea_tui.textfmt import as_number, bar, fmt_bytes, fmt_duration, fmt_int, fmt_num
+from engine import records as rec
 
 STATUS_STYLE = {"starting": "yellow", "running": "green", "stopping": "yellow",
                 "stopped": "blue", "finished": "blue", "failed": "bold red"}
@@ -36,7 +37,7 @@ def header(st: RunState, now: float, note: str = "", dead: bool = False) -> Text
     status = note or st.status
     if dead:
         last_t = as_number(st.series.last("t")) if st.series.n else None
-        now = last_t if last_t is not None else as_number(st.state.get("updated")) or now
+        now = last_t if last_t is not None else st.updated or now
     style = "bold red" if dead else STATUS_STYLE.get(st.status, "bold")
     step = st.step
     parts = [
@@ -71,10 +72,9 @@ def training(st: RunState) -> Text:
                 style="bold red" if skipped else "")
     lc = st.last_checkpoint
     if lc:
-        text.append(f"\nckpt      step {fmt_int(lc.get('step'))} {lc.get('reason', '')} "
-                    f"{Path(str(lc.get('path', ''))).name}")
-    if st.bad_lines:
-        text.append(f"\n{st.bad_lines} corrupt line(s) skipped", style="yellow")
+        text.append(f"\nckpt      step {fmt_int(lc.step)} {lc.reason} {Path(lc.path).name}")
+    if st.bad_lines or st.unreadable:
+        text.append(f"\n{st.bad_lines + st.unreadable} corrupt line(s) skipped", style="yellow")
     text.no_wrap, text.overflow = True, "ellipsis"
     return text
 
@@ -84,7 +84,7 @@ def bandit(st: RunState, bar_width: int = 10, src_loss: dict[str, float] | None 
     latest ones)."""
     src_loss = st.src_loss if src_loss is None else src_loss
     r = st.last_record
-    phase, pstep, plen = r.get("phase"), r.get("phase_step"), r.get("phase_len")
+    phase, pstep, plen = (r.phase, r.phase_step, r.phase_len) if r else (None, None, None)
     text = Text.from_markup(
         f"[bold]phase {fmt_int(phase)}[/] · step {fmt_int(pstep)}/{fmt_int(plen)}"
     )
@@ -93,14 +93,13 @@ def bandit(st: RunState, bar_width: int = 10, src_loss: dict[str, float] | None 
         recent = st.step is not None and st.step - pc.step < 3
         text.append(f" · began at step {pc.step}",
                     style="bold reverse magenta" if recent else "magenta")
-    weights = r.get("weights") if isinstance(r.get("weights"), dict) else {}
-    name_w = max((len(str(n)) for n in weights), default=0)
+    weights = r.weights if r else {}
+    name_w = max((len(n) for n in weights), default=0)
     for name, w in weights.items():
-        wf = float(w) if isinstance(w, (int, float)) else math.nan
-        loss = src_loss.get(str(name))
-        text.append(f"\n{str(name)[:18]:<{min(name_w, 18)}} ")
-        text.append(bar(wf, bar_width), style="cyan")
-        text.append(f" {fmt_num(wf, 2):>4} {fmt_num(loss, 4):>6}")
+        loss = src_loss.get(name)
+        text.append(f"\n{name[:18]:<{min(name_w, 18)}} ")
+        text.append(bar(w, bar_width), style="cyan")
+        text.append(f" {fmt_num(w, 2):>4} {fmt_num(loss, 4):>6}")
     text.no_wrap, text.overflow = True, "ellipsis"
     return text
 
@@ -109,7 +108,7 @@ def memory(st: RunState) -> Text:
     plan = st.memory_plan
     if not plan:
         return Text("memory plan: not yet reported", style="dim")
-    lines = [f"params {fmt_int(st.ready.get('n_params'))}"]
+    lines = [f"params {fmt_int(st.ready.n_params if st.ready else None)}"]
     for k in ("weights", "grads", "adam_m", "adam_v", "activations", "scratch", "total"):
         if k in plan:
             lines.append(f"{k:<12}{fmt_bytes(plan[k]):>10}")
@@ -120,30 +119,27 @@ def sample(st: RunState) -> Text:
     s = st.last_sample
     if not s:
         return Text("no sample yet", style="dim")
-    text = Text(f"step {fmt_int(s.get('step'))} · ", style="bold")
-    text.append(repr(s.get("prompt", "")), style="cyan")
+    text = Text(f"step {fmt_int(s.step)} · ", style="bold")
+    text.append(repr(s.prompt), style="cyan")
     text.append(" → ")
-    text.append(str(s.get("text", "")).replace("\n", "⏎ "))
+    text.append(s.text.replace("\n", "⏎ "))
     return text
 
 
-def event_line(e: dict[str, Any]) -> str:
-    kind = e.get("event")
-    rest = {k: v for k, v in e.items() if k not in ("t", "event")}
-    if kind == "checkpoint":
-        detail = (f"step {rest.get('step')} {rest.get('reason')} "
-                  f"{Path(str(rest.get('path'))).name} "
-                  f"({fmt_bytes(rest.get('bytes'))}, {fmt_num(rest.get('seconds'))} s)")
-    elif kind == "ready":
-        detail = f"{rest.get('backend')}/{rest.get('device')} params {fmt_int(rest.get('n_params'))}"
-    elif kind == "start":
-        detail = f"pid {rest.get('pid')} resumed={rest.get('resumed')}"
-    elif kind in ("prep", "error"):
-        detail = str(rest.get("message", ""))
+def event_line(e: rec.Event) -> str:
+    if isinstance(e, rec.CheckpointEvent):
+        detail = (f"step {e.step} {e.reason} {Path(e.path).name} "
+                  f"({fmt_bytes(e.bytes)}, {fmt_num(e.seconds)} s)")
+    elif isinstance(e, rec.ReadyEvent):
+        detail = f"{e.backend}/{e.device} params {fmt_int(e.n_params)}"
+    elif isinstance(e, rec.StartEvent):
+        detail = f"pid {e.pid} resumed={e.resumed}"
+    elif isinstance(e, (rec.PrepEvent, rec.ErrorEvent)):
+        detail = e.message
     else:
-        detail = " ".join(f"{k}={v}" for k, v in rest.items()
+        detail = " ".join(f"{k}={v}" for k, v in e.details().items()
                           if not isinstance(v, (dict, list)))
-    return f"{clock(e.get('t'))} {kind} {detail}"
+    return f"{clock(e.t)} {e.kind} {detail}"
 
 
 def events(st: RunState, n: int) -> Text:

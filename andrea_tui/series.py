@@ -7,28 +7,14 @@ earlier one (a resumed run re-logs steps), so rows stay sorted by step with no d
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
-# Column name -> dtype. `skipped` is kept as float 0/1 so one growable float block serves all.
-FLOAT_COLUMNS = ("loss", "grad_norm", "clip_scale", "lr", "tokens", "tok_s", "step_ms", "t")
-STEP_MAX = 2**63 - 1  # steps live in an int64 column; a larger one is a corrupt record
+from engine.records import ResumeEvent, StepRecord, abandoned
 
-
-def valid_step(x: Any) -> bool:
-    """A usable step number: an int (not bool) in [0, 2**63)."""
-    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= STEP_MAX
-
-
-def _num(x: Any) -> float:
-    """A record field as float; missing, null or non-numeric becomes NaN (never raises)."""
-    if isinstance(x, (int, float)):  # bool included: `skipped`-like flags read as 0/1
-        try:
-            return float(x)
-        except OverflowError:  # an int beyond float range
-            return math.inf if x > 0 else -math.inf
-    return math.nan
+# The numeric fields of a step record, one float column each (the step is an int64 column).
+FLOAT_COLUMNS = StepRecord.NUMERIC
 
 
 class StepSeries:
@@ -58,19 +44,15 @@ class StepSeries:
         for c in FLOAT_COLUMNS:
             self._cols[c] = np.resize(self._cols[c], new)
 
-    def _set_row(self, i: int, rec: dict[str, Any]) -> None:
+    def _set_row(self, i: int, rec: StepRecord) -> None:
         for c in FLOAT_COLUMNS:
-            self._cols[c][i] = _num(rec.get(c))
-        self._skipped[i] = bool(rec.get("skipped"))
+            self._cols[c][i] = rec.number(c)
+        self._skipped[i] = rec.skipped
 
-    def add(self, records: list[dict[str, Any]]) -> int:
-        """Add loss records (any order, duplicates allowed); returns how many had a valid step."""
-        used = 0
+    def add(self, records: Sequence[StepRecord]) -> None:
+        """Add step records (any order, duplicates allowed: the later one for a step wins)."""
         for rec in records:
-            step = rec.get("step")
-            if not valid_step(step):
-                continue
-            used += 1
+            step = rec.step
             n = self.n
             if n == 0 or step > self._steps[n - 1]:
                 self._grow(n + 1)
@@ -87,25 +69,24 @@ class StepSeries:
                 self.n = n + 1
             self._set_row(i, rec)
             self._ema_valid = min(self._ema_valid, i)
-        return used
 
     @classmethod
-    def from_records(cls, records: list[dict[str, Any]], ema_alpha: float = 0.9) -> StepSeries:
+    def from_records(cls, records: Sequence[StepRecord], ema_alpha: float = 0.9) -> StepSeries:
         """Build from a whole history at once (vectorised; the later record for a step wins)."""
-        ok = [r for r in records if valid_step(r.get("step"))]
+        ok = records
         out = cls(ema_alpha, capacity=max(1024, len(ok)))
         if not ok:
             return out
-        steps = np.fromiter((r["step"] for r in ok), dtype=np.int64, count=len(ok))
+        steps = np.fromiter((r.step for r in ok), dtype=np.int64, count=len(ok))
         # Keep the last occurrence of each step: unique on the reversed array gives first hits.
         _, first_rev = np.unique(steps[::-1], return_index=True)
         keep = len(ok) - 1 - first_rev  # indices into ok, sorted by step (unique sorts)
         n = len(keep)
         out._steps[:n] = steps[keep]
         for c in FLOAT_COLUMNS:
-            vals = np.fromiter((_num(r.get(c)) for r in ok), dtype=float, count=len(ok))
+            vals = np.fromiter((r.number(c) for r in ok), dtype=float, count=len(ok))
             out._cols[c][:n] = vals[keep]
-        sk = np.fromiter((bool(r.get("skipped")) for r in ok), dtype=bool, count=len(ok))
+        sk = np.fromiter((r.skipped for r in ok), dtype=bool, count=len(ok))
         out._skipped[:n] = sk[keep]
         out.n = n
         return out
@@ -114,12 +95,11 @@ class StepSeries:
         self.n = 0
         self._ema_valid = 0
 
-    def drop_abandoned(self, resume_step: int, resume_t: float) -> int:
-        """Remove rows of an abandoned timeline: step > resume_step and t < resume_t (the rule of
-        engine.runfiles.drop_abandoned, applied to rows already held). Returns rows removed."""
+    def drop_abandoned(self, resume: ResumeEvent) -> int:
+        """Remove the rows of the timeline `resume` abandoned (engine.records.abandoned, applied
+        to all rows at once). Returns rows removed."""
         n = self.n
-        t = self._cols["t"][:n]
-        drop = (self._steps[:n] > resume_step) & (t < resume_t)  # NaN t is kept, as there
+        drop = abandoned(self._steps[:n], self._cols["t"][:n], resume.step, resume.t)
         if not drop.any():
             return 0
         keep = ~drop

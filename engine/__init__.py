@@ -10,12 +10,13 @@ from typing import TYPE_CHECKING, Any
 from engine.errors import RunError, UserError
 
 if TYPE_CHECKING:
+    from engine.config import Config
     from engine.model.trainer import Trainer
 
 __all__ = ["RunError", "Trainer", "UserError", "load_config"]
 
 
-def load_config(path: str) -> dict[str, Any]:
+def load_config(path: str) -> Config:
     """Load and validate an experiment config (see engine.config)."""
     from engine.config import load_config as _load
 

@@ -1,19 +1,23 @@
-"""Experiment configs: load, validate against a small schema, resolve paths.
+"""Experiment configs: typed, validated, with resolved paths.
 
-Every message names the file and the JSON path, e.g.
-`experiments/x.json: optim.lr: must be > 0, got -1`. Unknown keys are errors, so a typo such as
-`lerning_rate` is never silently ignored. The result is a plain nested dict (JSON-serialisable, so
-it is written as the run's `config.json` and into every checkpoint) with absolute paths.
+A config is a tree of frozen dataclasses (`Config` at the root). Each field declares its type and
+its range once, beside its name (`spec(...)`); the loader walks those declarations, so every
+message names the file and the JSON path, e.g. `experiments/x.json: optim.lr: must be > 0, got
+-1`. Unknown keys are errors, so a typo such as `lerning_rate` is never silently ignored. Paths
+come out absolute. `Config.to_json()` gives the JSON written as the run's `config.json` and into
+every checkpoint; that JSON loads back into an equal `Config`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import glob
 import json
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -23,202 +27,256 @@ BUILTIN_SOURCES = ("python-reference", "stdlib-docstrings", "stdlib-code")
 PRECISIONS = ("fp32", "bf16", "fp16")
 SOURCE_FORMATS = ("auto", "text", "jsonl")
 BANDIT_SCORES = ("progress", "loss")
+DESCRIPTION_MAX = 4096  # characters: a description travels into every checkpoint's state.json
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+Fail = Callable[[str, str], None]
 
 
 class ConfigError(UserError):
     """A config problem, already formatted as `file: json.path: message`."""
 
 
-# ---------------------------------------------------------------- the schema language
+# ---------------------------------------------------------------- value checks
 
 
-@dataclass
+@dataclass(frozen=True)
 class Num:
     kind: type  # int or float
     gt: float | None = None
     ge: float | None = None
     lt: float | None = None
     le: float | None = None
-    default: Any = None
 
-    def check(self, value: Any, where: str, fail: Callable[[str, str], None]) -> Any:
+    def check(self, value: Any, where: str, fail: Fail) -> Any:
         orig = value
         is_bool = isinstance(value, bool)
         if self.kind is int and (is_bool or not isinstance(value, int)):
-            fail(where, f"must be an integer, got {value!r}")
+            fail(where, f"must be an integer, got {_short(value)}")
         if self.kind is float:
             if is_bool or not isinstance(value, (int, float)):
-                fail(where, f"must be a number, got {value!r}")
+                fail(where, f"must be a number, got {_short(value)}")
+            try:
+                value = float(value)
+            except OverflowError:
+                fail(where, f"must be finite, got {_short(orig)}")
             if not math.isfinite(value):
-                fail(where, f"must be finite, got {value!r}")
-            value = float(value)
-        for bound, ok, word in (
-            (self.gt, lambda b: value > b, ">"),
-            (self.ge, lambda b: value >= b, ">="),
-            (self.lt, lambda b: value < b, "<"),
-            (self.le, lambda b: value <= b, "<="),
-        ):
-            if bound is not None and not ok(bound):
-                fail(where, f"must be {word} {bound:g}, got {orig!r}")
+                fail(where, f"must be finite, got {_short(orig)}")
+        for bound, word in ((self.gt, ">"), (self.ge, ">="), (self.lt, "<"), (self.le, "<=")):
+            if bound is None:
+                continue
+            ok = {">": value > bound, ">=": value >= bound, "<": value < bound,
+                  "<=": value <= bound}[word]
+            if not ok:
+                fail(where, f"must be {word} {bound:g}, got {_short(orig)}")
         return value
 
 
-@dataclass
+@dataclass(frozen=True)
 class Str:
     choices: tuple[str, ...] | None = None
     pattern: re.Pattern[str] | None = None
     nonempty: bool = True
-    default: Any = None
+    max_len: int = 4096
 
-    def check(self, value: Any, where: str, fail: Callable[[str, str], None]) -> Any:
+    def check(self, value: Any, where: str, fail: Fail) -> Any:
         if not isinstance(value, str):
-            fail(where, f"must be a string, got {value!r}")
+            fail(where, f"must be a string, got {_short(value)}")
         if self.nonempty and not value:
             fail(where, "must not be empty")
+        if len(value) > self.max_len:
+            fail(where, f"must be at most {self.max_len} characters, got {len(value)}")
         if self.choices is not None and value not in self.choices:
-            fail(where, f"must be one of {', '.join(self.choices)}; got {value!r}")
+            fail(where, f"must be one of {', '.join(self.choices)}; got {_short(value)}")
         if self.pattern is not None and not self.pattern.match(value):
-            fail(where, f"must match {self.pattern.pattern}, got {value!r}")
+            fail(where, f"must match {self.pattern.pattern}, got {_short(value)}")
         return value
 
 
-@dataclass
+@dataclass(frozen=True)
 class List:
     item: Any
     min_len: int = 0
-    max_len: int | None = None
-    default: Any = None
+    max_len: int = 4096
 
-    def check(self, value: Any, where: str, fail: Callable[[str, str], None]) -> Any:
+    def check(self, value: Any, where: str, fail: Fail) -> Any:
         if not isinstance(value, list):
             fail(where, f"must be a list, got {type(value).__name__}")
         if len(value) < self.min_len:
             fail(where, f"must have at least {self.min_len} item(s), got {len(value)}")
-        if self.max_len is not None and len(value) > self.max_len:
+        if len(value) > self.max_len:
             fail(where, f"must have at most {self.max_len} items, got {len(value)}")
-        return [self.item.check(v, f"{where}[{i}]", fail) for i, v in enumerate(value)]
+        return tuple(self.item.check(v, f"{where}[{i}]", fail) for i, v in enumerate(value))
 
 
-@dataclass
-class Obj:
-    fields: dict[str, Any]
-    optional: frozenset[str] = field(default_factory=frozenset)
-    default: Any = None
+@dataclass(frozen=True)
+class Section:
+    """A nested object read into the dataclass `cls` (its fields declare their own checks)."""
 
-    def check(self, value: Any, where: str, fail: Callable[[str, str], None]) -> Any:
-        if not isinstance(value, dict):
-            fail(where, f"must be an object, got {type(value).__name__}")
-        for key in value:
-            if key not in self.fields:
-                near = _closest(key, self.fields)
-                hint = f" (did you mean {near!r}?)" if near else ""
-                fail(_join(where, key), f"unknown key{hint}; allowed: {', '.join(self.fields)}")
-        out = {}
-        for key, spec in self.fields.items():
-            if key in value:
-                out[key] = spec.check(value[key], _join(where, key), fail)
-            elif key in self.optional:
-                if spec.default is not None:
-                    out[key] = spec.default
-            else:
-                fail(_join(where, key), "missing (required)")
-        return out
+    cls: type
+
+    def check(self, value: Any, where: str, fail: Fail) -> Any:
+        return _build(self.cls, value, where, fail)
+
+
+def spec(check: Any, default: Any = MISSING) -> Any:
+    """A config field: its check (type and range) and, for an optional key, its default."""
+    return field(default=default, metadata={"check": check})
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _join(where: str, key: str) -> str:
     return f"{where}.{key}" if where else key
 
 
-def _closest(key: str, options: dict[str, Any]) -> str | None:
-    import difflib
+def _build(cls: type, value: Any, where: str, fail: Fail) -> Any:
+    """Check `value` (a JSON object) against the fields of dataclass `cls` and build it."""
+    if not isinstance(value, dict):
+        fail(where, f"must be an object, got {type(value).__name__}")
+    declared = {f.name: f for f in fields(cls)}
+    for key in value:
+        if key not in declared:
+            near = difflib.get_close_matches(str(key), list(declared), n=1, cutoff=0.6)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            fail(_join(where, str(key)[:60]),
+                 f"unknown key{hint}; allowed: {', '.join(declared)}")
+    kwargs = {}
+    for name, f in declared.items():
+        if name in value:
+            kwargs[name] = f.metadata["check"].check(value[name], _join(where, name), fail)
+        elif f.default is MISSING:
+            fail(_join(where, name), "missing (required)")
+    return cls(**kwargs)
 
-    match = difflib.get_close_matches(key, list(options), n=1, cutoff=0.6)
-    return match[0] if match else None
+
+def _to_json(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_json(getattr(obj, f.name)) for f in fields(obj)
+                if getattr(obj, f.name) is not None}
+    if isinstance(obj, tuple):
+        return [_to_json(x) for x in obj]
+    return obj
 
 
-# ---------------------------------------------------------------- the experiment schema
+# ---------------------------------------------------------------- the experiment config
 
-SOURCE = Obj(
-    {
-        "name": Str(pattern=_NAME_RE),
-        "builtin": Str(choices=BUILTIN_SOURCES),
-        "paths": List(Str(), min_len=1),
-        "format": Str(choices=SOURCE_FORMATS, default="auto"),
-    },
-    optional=frozenset({"builtin", "paths", "format"}),
-)
 
-SCHEMA = Obj(
-    {
-        "name": Str(pattern=_NAME_RE),
-        "description": Str(nonempty=False, default=""),
-        "model": Obj(
-            {
-                "n_layer": Num(int, ge=1, le=256),
-                "d_model": Num(int, ge=1, le=65536),
-                "n_head": Num(int, ge=1, le=1024),
-                "d_ff": Num(int, ge=1, le=262144),
-                "vocab_size": Num(int, ge=2, le=65536),
-                "seq_len": Num(int, ge=1, le=65536),
-            }
-        ),
-        "train": Obj(
-            {
-                "batch_size": Num(int, ge=1, le=65536),
-                "grad_accum": Num(int, ge=1, le=65536),
-                "max_steps": Num(int, ge=1, le=2**31 - 1),
-                "precision": Str(choices=PRECISIONS),
-                "seed": Num(int, ge=0, le=2**63 - 1),
-            }
-        ),
-        "optim": Obj(
-            {
-                "lr": Num(float, gt=0, le=10),
-                "warmup_steps": Num(int, ge=0),
-                "min_lr_frac": Num(float, ge=0, le=1),
-                "betas": List(Num(float, ge=0, lt=1), min_len=2, max_len=2),
-                "eps": Num(float, gt=0, lt=1),
-                "weight_decay": Num(float, ge=0, lt=10),
-                "max_grad_norm": Num(float, gt=0),
-            }
-        ),
-        "data": Obj(
-            {
-                "dir": Str(),
-                "tokenizer": Obj(
-                    {
-                        "path": Str(),
-                        "vocab_size": Num(int, ge=257, le=65536),
-                        "train_bytes": Num(int, ge=1024),
-                    }
-                ),
-                "sources": List(SOURCE, min_len=1, max_len=64),
-            }
-        ),
-        "bandit": Obj(
-            {
-                "phase_lengths": List(Num(int, ge=1, le=100000), min_len=1),
-                "eta": Num(float, ge=0, le=100),
-                "floor": Num(float, ge=0, lt=1),
-                "score": Str(choices=BANDIT_SCORES, default="progress"),
-                "seed": Num(int, ge=0, le=2**63 - 1),
-            },
-            optional=frozenset({"score"}),
-        ),
-        "checkpoint": Obj({"every": Num(int, ge=1), "keep": Num(int, ge=1)}),
-        "samples": Obj(
-            {
-                "every_steps": Num(int, ge=0),
-                "prompts": List(Str(), min_len=1),
-                "length": Num(int, ge=1, le=65536),
-                "top_k": Num(int, ge=1),
-                "temperature": Num(float, gt=0, le=100),
-            }
-        ),
-    },
-    optional=frozenset({"description"}),
-)
+@dataclass(frozen=True)
+class ModelConfig:
+    n_layer: int = spec(Num(int, ge=1, le=256))
+    d_model: int = spec(Num(int, ge=1, le=65536))
+    n_head: int = spec(Num(int, ge=1, le=1024))
+    d_ff: int = spec(Num(int, ge=1, le=262144))
+    vocab_size: int = spec(Num(int, ge=2, le=65536))
+    seq_len: int = spec(Num(int, ge=1, le=65536))
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    batch_size: int = spec(Num(int, ge=1, le=65536))
+    grad_accum: int = spec(Num(int, ge=1, le=65536))
+    max_steps: int = spec(Num(int, ge=1, le=2**31 - 1))
+    precision: str = spec(Str(choices=PRECISIONS))
+    seed: int = spec(Num(int, ge=0, le=2**63 - 1))
+
+    @property
+    def rows_per_step(self) -> int:
+        return self.batch_size * self.grad_accum
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = spec(Num(float, gt=0, le=10))
+    warmup_steps: int = spec(Num(int, ge=0, le=2**31 - 1))
+    min_lr_frac: float = spec(Num(float, ge=0, le=1))
+    betas: tuple[float, float] = spec(List(Num(float, ge=0, lt=1), min_len=2, max_len=2))
+    eps: float = spec(Num(float, gt=0, lt=1))
+    weight_decay: float = spec(Num(float, ge=0, lt=10))
+    max_grad_norm: float = spec(Num(float, gt=0))
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    path: str = spec(Str())
+    vocab_size: int = spec(Num(int, ge=257, le=65536))
+    train_bytes: int = spec(Num(int, ge=1024, le=2**40))
+
+
+@dataclass(frozen=True)
+class SourceConfig:
+    """A named data arm: a built-in one, or local files (`paths`) in `format`."""
+
+    name: str = spec(Str(pattern=_NAME_RE, max_len=64))
+    builtin: str | None = spec(Str(choices=BUILTIN_SOURCES), None)
+    paths: tuple[str, ...] | None = spec(List(Str(), min_len=1), None)
+    format: str = spec(Str(choices=SOURCE_FORMATS), "auto")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    dir: str = spec(Str())
+    tokenizer: TokenizerConfig = spec(Section(TokenizerConfig))
+    sources: tuple[SourceConfig, ...] = spec(List(Section(SourceConfig), min_len=1, max_len=64))
+
+    @property
+    def source_names(self) -> list[str]:
+        return [s.name for s in self.sources]
+
+
+@dataclass(frozen=True)
+class BanditConfig:
+    phase_lengths: tuple[int, ...] = spec(List(Num(int, ge=1, le=100000), min_len=1, max_len=64))
+    eta: float = spec(Num(float, ge=0, le=100))
+    floor: float = spec(Num(float, ge=0, lt=1))
+    seed: int = spec(Num(int, ge=0, le=2**63 - 1))
+    score: str = spec(Str(choices=BANDIT_SCORES), "progress")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = spec(Num(int, ge=1, le=2**31 - 1))
+    keep: int = spec(Num(int, ge=1, le=100000))
+
+
+@dataclass(frozen=True)
+class SamplesConfig:
+    every_steps: int = spec(Num(int, ge=0, le=2**31 - 1))
+    prompts: tuple[str, ...] = spec(List(Str(max_len=1024), min_len=1, max_len=64))
+    length: int = spec(Num(int, ge=1, le=65536))
+    top_k: int = spec(Num(int, ge=1, le=65536))
+    temperature: float = spec(Num(float, gt=0, le=100))
+
+
+@dataclass(frozen=True)
+class Config:
+    """One experiment: the model, how to train it, on what data, and what to record."""
+
+    name: str = spec(Str(pattern=_NAME_RE, max_len=128))
+    model: ModelConfig = spec(Section(ModelConfig))
+    train: TrainConfig = spec(Section(TrainConfig))
+    optim: OptimConfig = spec(Section(OptimConfig))
+    data: DataConfig = spec(Section(DataConfig))
+    bandit: BanditConfig = spec(Section(BanditConfig))
+    checkpoint: CheckpointConfig = spec(Section(CheckpointConfig))
+    samples: SamplesConfig = spec(Section(SamplesConfig))
+    description: str = spec(Str(nonempty=False, max_len=DESCRIPTION_MAX), "")
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object of this config (what config.json and checkpoints hold)."""
+        return _to_json(self)
+
+    def with_max_steps(self, max_steps: int) -> Config:
+        """The same experiment trained to `max_steps` (the lr schedule follows)."""
+        return dataclasses.replace(self, train=dataclasses.replace(self.train,
+                                                                   max_steps=max_steps))
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.train.rows_per_step * self.model.seq_len
 
 
 # ---------------------------------------------------------------- loading
@@ -233,19 +291,21 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def parse_config(raw: Any, origin: str, base_dir: Path) -> dict[str, Any]:
-    """Validate an already-parsed config object; `origin` names it in messages."""
+def parse_config(raw: Any, origin: str, base_dir: Path | str, *,
+                 check_paths: bool = True) -> Config:
+    """Validate an already-parsed config object; `origin` names it in messages, relative paths
+    are taken from `base_dir`. `check_paths=False` reads a config for display only (a run
+    directory copied from another machine): its data paths need not exist here."""
 
     def fail(where: str, msg: str) -> None:
         raise ConfigError(f"{origin}: {where}: {msg}" if where else f"{origin}: {msg}")
 
-    cfg = SCHEMA.check(raw, "", fail)
+    cfg = _build(Config, raw, "", fail)
     _check_relations(cfg, fail)
-    _resolve_paths(cfg, base_dir, fail)
-    return cfg
+    return _resolve_paths(cfg, Path(base_dir), fail) if check_paths else cfg
 
 
-def load_config(path: str | Path) -> dict[str, Any]:
+def load_config(path: str | Path) -> Config:
     """Read, validate and resolve an experiment config; raises ConfigError (exit status 2)."""
     p = Path(path)
     try:
@@ -262,62 +322,62 @@ def load_config(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: line {e.lineno} column {e.colno}: invalid JSON: {e.msg}") from None
     except ValueError as e:
         raise ConfigError(f"{path}: invalid JSON: {e}") from None
-    cfg = parse_config(raw, str(path), p.resolve().parent)
-    cfg["_path"] = str(p.resolve())
-    return cfg
+    return parse_config(raw, str(path), p.resolve().parent)
 
 
-def _check_relations(cfg: dict[str, Any], fail: Callable[[str, str], None]) -> None:
-    m = cfg["model"]
-    if m["d_model"] % m["n_head"] != 0:
-        fail("model.n_head", f"must divide d_model ({m['d_model']}), got {m['n_head']}")
-    tok_v = cfg["data"]["tokenizer"]["vocab_size"]
-    if m["vocab_size"] != tok_v:
-        fail("model.vocab_size", f"must equal data.tokenizer.vocab_size ({tok_v}), got {m['vocab_size']}")
-    sources = cfg["data"]["sources"]
+def _check_relations(cfg: Config, fail: Fail) -> None:
+    m = cfg.model
+    if m.d_model % m.n_head != 0:
+        fail("model.n_head", f"must divide d_model ({m.d_model}), got {m.n_head}")
+    tok_v = cfg.data.tokenizer.vocab_size
+    if m.vocab_size != tok_v:
+        fail("model.vocab_size", f"must equal data.tokenizer.vocab_size ({tok_v}), got {m.vocab_size}")
     seen: set[str] = set()
-    for i, src in enumerate(sources):
+    for i, src in enumerate(cfg.data.sources):
         where = f"data.sources[{i}]"
-        if ("builtin" in src) == ("paths" in src):
+        if (src.builtin is None) == (src.paths is None):
             fail(where, "needs exactly one of 'builtin' or 'paths'")
-        if src["name"] in seen:
-            fail(f"{where}.name", f"duplicate source name {src['name']!r}")
-        seen.add(src["name"])
-        if "builtin" in src and src.get("format", "auto") != "auto":
+        if src.name in seen:
+            fail(f"{where}.name", f"duplicate source name {src.name!r}")
+        seen.add(src.name)
+        if src.builtin is not None and src.format != "auto":
             fail(f"{where}.format", "applies only to 'paths' sources")
-    b = cfg["bandit"]
-    if len(sources) * b["floor"] >= 1:
-        fail("bandit.floor", f"times the number of sources ({len(sources)}) must be < 1, got {b['floor']}")
-    if len(set(b["phase_lengths"])) != len(b["phase_lengths"]):
-        fail("bandit.phase_lengths", f"must not repeat a length, got {b['phase_lengths']}")
-    s = cfg["samples"]
-    if s["top_k"] > m["vocab_size"]:
-        fail("samples.top_k", f"must be <= model.vocab_size ({m['vocab_size']}), got {s['top_k']}")
+    b = cfg.bandit
+    n_src = len(cfg.data.sources)
+    if n_src * b.floor >= 1:
+        fail("bandit.floor", f"times the number of sources ({n_src}) must be < 1, got {b.floor}")
+    if len(set(b.phase_lengths)) != len(b.phase_lengths):
+        fail("bandit.phase_lengths", f"must not repeat a length, got {list(b.phase_lengths)}")
+    if cfg.samples.top_k > m.vocab_size:
+        fail("samples.top_k", f"must be <= model.vocab_size ({m.vocab_size}), got {cfg.samples.top_k}")
 
 
-def _resolve_paths(cfg: dict[str, Any], base: Path, fail: Callable[[str, str], None]) -> None:
-    data = cfg["data"]
-    data_dir = (base / data["dir"]).resolve()
-    data["dir"] = str(data_dir)
-    tok = data["tokenizer"]
-    tok["path"] = str((data_dir / tok["path"]).resolve())
-    if Path(tok["path"]).is_file():
-        n = tokenizer_vocab_size(Path(tok["path"]))
+def _resolve_paths(cfg: Config, base: Path, fail: Fail) -> Config:
+    data = cfg.data
+    data_dir = (base / data.dir).resolve()
+    tok = dataclasses.replace(data.tokenizer, path=str((data_dir / data.tokenizer.path).resolve()))
+    if Path(tok.path).is_file():
+        n = tokenizer_vocab_size(Path(tok.path))
         if n is None:
-            fail("data.tokenizer.path", f"{tok['path']} is not a tokenizer JSON file")
-        elif n != tok["vocab_size"]:
-            fail("data.tokenizer.vocab_size", f"tokenizer at {tok['path']} has {n} ids, config says {tok['vocab_size']}")
-    for i, src in enumerate(data["sources"]):
-        if "paths" not in src:
-            continue
-        resolved = []
-        for j, raw in enumerate(src["paths"]):
-            p = Path(raw).expanduser()
-            full = str(p if p.is_absolute() else base / p)
-            if not (Path(full).exists() or glob.glob(full, recursive=True)):
-                fail(f"data.sources[{i}].paths[{j}]", f"{raw!r} matches no file (looked for {full})")
-            resolved.append(full)
-        src["paths"] = resolved
+            fail("data.tokenizer.path", f"{tok.path} is not a tokenizer JSON file")
+        elif n != tok.vocab_size:
+            fail("data.tokenizer.vocab_size",
+                 f"tokenizer at {tok.path} has {n} ids, config says {tok.vocab_size}")
+    sources = []
+    for i, src in enumerate(data.sources):
+        if src.paths is not None:
+            resolved = []
+            for j, raw in enumerate(src.paths):
+                p = Path(raw).expanduser()
+                full = str(p if p.is_absolute() else base / p)
+                if not (Path(full).exists() or glob.glob(full, recursive=True)):
+                    fail(f"data.sources[{i}].paths[{j}]",
+                         f"{raw!r} matches no file (looked for {full})")
+                resolved.append(full)
+            src = dataclasses.replace(src, paths=tuple(resolved))
+        sources.append(src)
+    new_data = dataclasses.replace(data, dir=str(data_dir), tokenizer=tok, sources=tuple(sources))
+    return dataclasses.replace(cfg, data=new_data)
 
 
 def tokenizer_vocab_size(path: Path) -> int | None:
@@ -326,6 +386,21 @@ def tokenizer_vocab_size(path: Path) -> int | None:
         obj = json.loads(path.read_text(encoding="utf-8"))
         ids = set(obj["model"]["vocab"].values())
         ids.update(t["id"] for t in obj.get("added_tokens", []))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return None
     return len(ids)
+
+
+def config_diff(old: Config, new: Config) -> list[tuple[str, Any, Any]]:
+    """(dotted key, old value, new value) for every leaf that differs between two configs."""
+    out: list[tuple[str, Any, Any]] = []
+
+    def walk(a: Any, b: Any, prefix: str) -> None:
+        if isinstance(a, dict) and isinstance(b, dict):
+            for k in sorted(set(a) | set(b)):
+                walk(a.get(k), b.get(k), f"{prefix}{k}.")
+        elif a != b:
+            out.append((prefix[:-1], a, b))
+
+    walk(old.to_json(), new.to_json(), "")
+    return out

@@ -1,9 +1,9 @@
-"""The run-directory protocol (DESIGN §7): file names, writers for the engine, readers for the TUI.
+"""The run directory on disk (DESIGN §7): file names, safe writes for the engine, tails for the app.
 
-One module shared by both sides so the format lives in one place. Writers append whole lines and
-replace JSON files atomically; readers tolerate a torn last line, corrupt lines, truncation,
-replacement of a file, and repeated steps (after a resume the later record for a step wins).
-This module imports only the standard library: the TUI reads run directories through it.
+Where each file lives and how it is written and read safely; what a record holds is
+engine.records. Writers append whole lines and replace JSON files atomically; readers tolerate a
+torn last line, corrupt lines, truncation and replacement of a file. Standard library only: the
+app reads run directories through it.
 """
 
 from __future__ import annotations
@@ -16,6 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import UserError
+from engine.records import (
+    Event,
+    ResumeEvent,
+    StepRecord,
+    drop_abandoned,
+    latest_by_step,
+    parse_all,
+)
 
 CONFIG = "config.json"
 ENGINE = "engine.json"
@@ -211,38 +219,22 @@ def read_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
     return records, tail.bad_lines
 
 
-def latest_by_step(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One record per step, the later one winning (a resumed run re-logs steps), sorted by step."""
-    by_step: dict[int, dict[str, Any]] = {}
-    for r in records:
-        step = r.get("step")
-        if isinstance(step, int) and not isinstance(step, bool):
-            by_step[step] = r
-    return [by_step[s] for s in sorted(by_step)]
+def read_steps(path: Path) -> tuple[list[StepRecord], int]:
+    """The step records of a `loss.jsonl`, one per step (the later one wins, abandoned
+    timelines dropped when `events.jsonl` beside it says so), and the count of lines skipped."""
+    path = Path(path)
+    raw, bad = read_jsonl(path)
+    steps, unreadable = parse_all(StepRecord, raw)
+    events, _ = read_events(path.with_name(EVENTS))
+    resumes = [e for e in events if isinstance(e, ResumeEvent)]
+    return latest_by_step(drop_abandoned(steps, resumes)), bad + unreadable
 
 
-def drop_abandoned(records: Iterable[dict[str, Any]],
-                   events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Drop loss records of an abandoned timeline.
-
-    After a crash the engine resumes from its newest checkpoint, at step k, and the records it
-    had written past k (before the `resume` event) describe a future that never happened. Steps
-    it trains again are replaced anyway (`latest_by_step`); this also removes those it never
-    reaches again, e.g. when the resumed run is stopped early.
-    """
-    resumes = [(e["t"], e["step"]) for e in events
-               if e.get("event") == "resume" and isinstance(e.get("t"), (int, float))
-               and isinstance(e.get("step"), int)]
-    if not resumes:
-        return list(records)
-    out = []
-    for r in records:
-        t, step = r.get("t"), r.get("step")
-        if isinstance(t, (int, float)) and isinstance(step, int) and any(
-                t < tr and step > k for tr, k in resumes):
-            continue
-        out.append(r)
-    return out
+def read_events(path: Path) -> tuple[list[Event], int]:
+    """The events of an `events.jsonl`, typed, and the count of lines skipped."""
+    raw, bad = read_jsonl(path)
+    events, unreadable = parse_all(Event, raw)
+    return events, bad + unreadable
 
 
 def tail_text(path: Path, n_lines: int, max_bytes: int = 65536) -> list[str]:

@@ -23,6 +23,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.data.builtin import BUILTINS
+from engine.config import SourceConfig
 from engine.data.prep import BATCH_BYTES, training_texts
 from engine.data.sampler import Sampler
 from engine.data.shards import open_shard, write_shard
@@ -39,16 +40,16 @@ def main() -> None:
     ap.add_argument("--train-bytes", type=int, default=8_000_000)
     ap.add_argument("--batches", type=int, default=500)
     args = ap.parse_args()
-    sources = [{"name": n, "builtin": n} for n in BUILTINS]
+    sources = [SourceConfig(name=n, builtin=n) for n in BUILTINS]
     lines = [f"cores: {os.cpu_count()}", "", row("source", "docs", "bytes", "extract s"),
              row("---", "---:", "---:", "---:")]
     docs: dict[str, list[str]] = {}
     for s in sources:
         t0 = time.perf_counter()
-        docs[s["name"]] = list(iter_documents(s))
+        docs[s.name] = list(iter_documents(s))
         dt = time.perf_counter() - t0
-        size = sum(len(d.encode()) for d in docs[s["name"]])
-        lines.append(row(s["name"], len(docs[s["name"]]), f"{size:,}", f"{dt:.2f}"))
+        size = sum(len(d.encode()) for d in docs[s.name])
+        lines.append(row(s.name, len(docs[s.name]), f"{size:,}", f"{dt:.2f}"))
 
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()

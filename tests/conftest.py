@@ -38,6 +38,13 @@ def micro_config_dict(**train: Any) -> dict[str, Any]:
     return c
 
 
+def as_source(d: dict[str, Any]) -> Any:
+    """A data source written as the config's JSON object, as a typed engine.config.SourceConfig."""
+    from engine.config import SourceConfig
+
+    return SourceConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+
+
 @pytest.fixture(scope="session")
 def prepared_data() -> Path:
     """Prepare the built-in tokenizer and shards once (idempotent: skipped when up to date)."""
@@ -75,10 +82,11 @@ def start_engine(config: Path, run_dir: Path, *extra: str, **kw: Any) -> subproc
                             stderr=subprocess.STDOUT, text=True, **kw)
 
 
-def loss_records(run_dir: Path) -> list[dict[str, Any]]:
-    from engine.runfiles import latest_by_step, read_jsonl
+def loss_records(run_dir: Path) -> list[Any]:
+    """The run's step records (engine.records.StepRecord), one per step."""
+    from engine.runfiles import read_steps
 
-    return latest_by_step(read_jsonl(run_dir / "loss.jsonl")[0])
+    return read_steps(run_dir / "loss.jsonl")[0]
 
 
 def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen[str] | None = None,

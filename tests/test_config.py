@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import json
 import subprocess
 import sys
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import ConfigError, load_config
+from engine.config import ConfigError, load_config, parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "experiments" / "ANDREA-tiny-TRAIN.json"
@@ -38,17 +38,19 @@ def bad(tmp_path: Path, obj: dict | str) -> str:
 @pytest.mark.parametrize("name", ["tiny", "12M", "120M"])
 def test_shipped_configs_load(name: str) -> None:
     cfg = load_config(ROOT / "experiments" / f"ANDREA-{name}-TRAIN.json")
-    assert cfg["model"]["vocab_size"] == 8449
-    assert cfg["bandit"]["phase_lengths"] == [7, 14, 21, 28, 42]
-    assert Path(cfg["data"]["dir"]).is_absolute()
-    assert cfg["optim"]["max_grad_norm"] == 1.0
+    assert cfg.model.vocab_size == 8449
+    assert cfg.bandit.phase_lengths == (7, 14, 21, 28, 42)
+    assert Path(cfg.data.dir).is_absolute()
+    assert cfg.optim.max_grad_norm == 1.0
+    # what config.json and checkpoints hold loads back into the same config
+    assert parse_config(cfg.to_json(), "again", ROOT) == cfg
 
 
 def test_120m_recipe() -> None:
     cfg = load_config(ROOT / "experiments" / "ANDREA-120M-TRAIN.json")
-    assert cfg["optim"]["lr"] == 3e-4 and cfg["optim"]["warmup_steps"] == 2000
-    m = cfg["model"]
-    assert (m["n_layer"], m["d_model"], m["n_head"], m["d_ff"]) == (12, 768, 12, 3072)
+    assert cfg.optim.lr == 3e-4 and cfg.optim.warmup_steps == 2000
+    m = cfg.model
+    assert (m.n_layer, m.d_model, m.n_head, m.d_ff) == (12, 768, 12, 3072)
 
 
 def test_negative_lr(tmp_path: Path) -> None:
@@ -132,7 +134,7 @@ def test_source_path_that_exists_is_resolved(tmp_path: Path) -> None:
     c = base()
     c["data"]["sources"].append({"name": "mine", "paths": ["corpus"], "format": "text"})
     cfg = load_config(write(tmp_path, c))
-    assert cfg["data"]["sources"][3]["paths"] == [str(tmp_path / "corpus")]
+    assert cfg.data.sources[3].paths == (str(tmp_path / "corpus"),)
 
 
 def test_unknown_builtin_and_duplicate_names(tmp_path: Path) -> None:
@@ -176,12 +178,12 @@ def test_top_level_not_an_object(tmp_path: Path) -> None:
     assert bad(tmp_path, "[1, 2]").endswith("must be an object, got list")
 
 
-def test_loaded_config_is_not_shared(tmp_path: Path) -> None:
+def test_loaded_config_is_immutable(tmp_path: Path) -> None:
     a = load_config(TINY)
-    b = load_config(TINY)
-    a["optim"]["lr"] = 5.0
-    assert b["optim"]["lr"] == base()["optim"]["lr"]
-    assert copy.deepcopy(b) == b
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.optim.lr = 5.0  # type: ignore[misc]
+    assert a.with_max_steps(7).train.max_steps == 7 and a.train.max_steps != 7
+    assert load_config(TINY) == a
 
 
 @pytest.mark.parametrize(

@@ -8,30 +8,20 @@ from pathlib import Path
 
 import pytest
 
+from engine import records
+from engine.config import parse_config
 from tests.conftest import loss_records, micro_config_dict, run_engine, tiny_config_dict
 
-LOSS_FIELDS = {
-    "step": int, "loss": float, "grad_norm": float, "clip_scale": float, "lr": float,
-    "tokens": int, "tok_s": float, "step_ms": float, "phase": int, "phase_step": int,
-    "phase_len": int, "weights": dict, "src_loss": dict, "skipped": bool, "t": float,
-}
-EVENT_FIELDS = {
-    "start": {"pid", "argv", "name", "backend", "device", "run_id", "resumed"},
-    "ready": {"memory_plan", "n_params", "backend", "device", "step", "max_steps",
-              "tokens_per_step"},
-    "checkpoint": {"step", "reason", "path", "bytes", "seconds"},
-    "phase": {"step", "phase", "phase_len", "weights", "scores"},
-    "finished": {"step", "status"},
-}
 SOURCES = {"python-reference", "stdlib-docstrings", "stdlib-code"}
 
 
-def _check_type(value: object, kind: type) -> bool:
-    if kind is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if kind is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, kind)
+def lines(path: Path) -> list[dict]:
+    return [json.loads(ln) for ln in path.read_text().splitlines()]
+
+
+def same_json(a: object, b: object) -> bool:
+    """Equal as JSON, ints and floats told apart (a float field written as 1 would differ)."""
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
 
 
 def test_run_directory_matches_design(tmp_path: Path, write_config) -> None:
@@ -43,38 +33,45 @@ def test_run_directory_matches_design(tmp_path: Path, write_config) -> None:
     assert {"config.json", "engine.json", "engine.lock", "engine.log", "loss.jsonl",
             "events.jsonl", "samples.jsonl", "state.json", "checkpoints"} <= names
 
+    # Every file holds exactly what the typed records of engine.records write: each line read
+    # through its record class and written back gives the same JSON, field for field.
     config = json.loads((run / "config.json").read_text())
+    assert config == parse_config(config, "config.json", run).to_json()
     assert config["model"]["d_model"] == 64 and config["train"]["max_steps"] == 40
-
     eng = json.loads((run / "engine.json").read_text())
-    assert {"pid", "start_time", "boot_id", "host", "run_id", "argv"} <= set(eng)
+    assert same_json(records.EngineInfo.from_json(eng).to_json(), eng)
+    state = json.loads((run / "state.json").read_text())
+    assert same_json(records.RunStatus.from_json(state).to_json(), state)
+    assert state["status"] == "finished" and state["step"] == 40
 
+    raw_steps = lines(run / "loss.jsonl")
+    for raw in raw_steps:
+        assert same_json(records.StepRecord.from_json(raw).to_json(), raw), raw
     recs = loss_records(run)
-    assert [r["step"] for r in recs] == list(range(1, 41))
+    assert [r.step for r in recs] == list(range(1, 41))
     for rec in recs:
-        assert set(rec) == set(LOSS_FIELDS), set(rec) ^ set(LOSS_FIELDS)
-        for k, kind in LOSS_FIELDS.items():
-            assert _check_type(rec[k], kind), (k, rec[k])
-        assert set(rec["weights"]) == SOURCES and set(rec["src_loss"]) == SOURCES
-        assert math.isclose(sum(rec["weights"].values()), 1.0, rel_tol=1e-9)
-        assert 1 <= rec["phase_step"] <= rec["phase_len"] and rec["phase_len"] in (7, 14, 21, 28, 42)
-        assert 0 < rec["clip_scale"] <= 1.0 and rec["skipped"] is False
-    assert recs[-1]["tokens"] == 40 * 4 * 32
-    assert recs[0]["lr"] == pytest.approx(1e-3 / 5)
+        assert set(rec.weights) == SOURCES and set(rec.src_loss) == SOURCES
+        assert math.isclose(sum(rec.weights.values()), 1.0, rel_tol=1e-9)
+        assert 1 <= rec.phase_step <= rec.phase_len and rec.phase_len in (7, 14, 21, 28, 42)
+        assert 0 < rec.clip_scale <= 1.0 and rec.skipped is False and rec.tok_s > 0
+    assert recs[-1].tokens == 40 * 4 * 32
+    assert recs[0].lr == pytest.approx(1e-3 / 5)
 
-    events = [json.loads(ln) for ln in (run / "events.jsonl").read_text().splitlines()]
-    kinds = [e["event"] for e in events]
-    assert kinds[0] == "start" and "ready" in kinds and kinds[-1] == "finished"
-    for e in events:
-        assert isinstance(e["t"], float)
-        assert EVENT_FIELDS.get(e["event"], set()) <= set(e), e
-    ready = next(e for e in events if e["event"] == "ready")
-    plan = ready["memory_plan"]
+    raw_events = lines(run / "events.jsonl")
+    events = [records.Event.from_json(e) for e in raw_events]
+    for raw, ev in zip(raw_events, events, strict=True):
+        assert type(ev) is records.Event.KINDS[raw["event"]], raw  # a known kind, readable
+        assert same_json(ev.to_json(), raw), raw
+    assert isinstance(events[0], records.StartEvent) and type(events[-1]) is records.FinishedEvent
+    ready = next(e for e in events if isinstance(e, records.ReadyEvent))
+    plan = ready.memory_plan
     assert {"weights", "grads", "adam_m", "adam_v", "activations", "scratch", "total"} <= set(plan)
-    assert plan["weights"] == 4 * ready["n_params"]
-    ckpts = [e for e in events if e["event"] == "checkpoint"]
-    assert [(c["step"], c["reason"]) for c in ckpts] == [(10, "periodic"), (20, "periodic"),
-                                                         (30, "periodic"), (40, "final")]
+    assert plan["weights"] == 4 * ready.n_params
+    ckpts = [e for e in events if isinstance(e, records.CheckpointEvent)]
+    assert [(c.step, c.reason) for c in ckpts] == [(10, "periodic"), (20, "periodic"),
+                                                   (30, "periodic"), (40, "final")]
+    for raw in lines(run / "samples.jsonl"):
+        assert same_json(records.Sample.from_json(raw).to_json(), raw)
     # keep=2: the oldest periodic one was pruned after a newer one was committed
     on_disk = sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_"))
     assert on_disk == ["step_00000020", "step_00000030", "step_00000040"]
@@ -98,7 +95,7 @@ def test_two_runs_with_one_seed_write_identical_losses(tmp_path: Path, write_con
         assert r.returncode == 0, r.stderr
     keys = ("loss", "grad_norm", "clip_scale", "lr", "tokens", "phase", "weights", "src_loss")
     ra, rb = loss_records(a), loss_records(b)
-    assert [[x[k] for k in keys] for x in ra] == [[x[k] for k in keys] for x in rb]
+    assert [[getattr(x, k) for k in keys] for x in ra] == [[getattr(x, k) for k in keys] for x in rb]
     assert (a / "checkpoints/step_00000025/model.ckpt").read_bytes() == \
         (b / "checkpoints/step_00000025/model.ckpt").read_bytes()
 
@@ -136,8 +133,8 @@ def test_tiny_learns_in_300_steps(tmp_path: Path, write_config) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
     recs = loss_records(run)
     assert len(recs) == 300
-    assert recs[0]["loss"] == pytest.approx(math.log(8449), abs=0.3)
-    last = sum(x["loss"] for x in recs[-20:]) / 20
+    assert recs[0].loss == pytest.approx(math.log(8449), abs=0.3)
+    last = sum(x.loss for x in recs[-20:]) / 20
     assert last < 7.0, last
 
 

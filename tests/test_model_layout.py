@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 
+from engine.config import ModelConfig
 from engine.errors import UserError
 from engine.model.layout import (
     ModelShapes,
@@ -76,11 +77,9 @@ def test_decay_mask_is_true_exactly_on_2d_tensors() -> None:
 
 def test_from_config_and_bad_shapes() -> None:
     cfg = {"n_layer": 4, "d_model": 128, "n_head": 4, "d_ff": 512, "vocab_size": 8449,
-           "seq_len": 128, "extra": "ignored"}
-    assert ModelShapes.from_config(cfg) == TINY
-    with pytest.raises(UserError, match="model/seq_len"):
-        ModelShapes.from_config({k: v for k, v in cfg.items() if k != "seq_len"})
-    with pytest.raises(UserError, match="model/n_head"):
-        ModelShapes.from_config(cfg | {"n_head": 3})
-    with pytest.raises(UserError, match="model/d_ff"):
-        ModelShapes.from_config(cfg | {"d_ff": 0})
+           "seq_len": 128}
+    assert ModelShapes.from_config(ModelConfig(**cfg)) == TINY
+    with pytest.raises(UserError, match=r"model\.n_head"):
+        ModelShapes(**cfg | {"n_head": 3})
+    with pytest.raises(UserError, match=r"model\.d_ff"):
+        ModelShapes(**cfg | {"d_ff": 0})

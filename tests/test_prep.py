@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from engine.config import parse_config
 from engine.data.builtin import stdlib_code_docs
 from engine.data.prep import (
     load_prepared,
@@ -20,20 +21,26 @@ from engine.data.prep import (
 from engine.data.shards import open_shard
 from engine.data.sources import iter_documents
 from engine.errors import UserError
+from tests.conftest import as_source, tiny_config_dict
+
+
+def config_dict(tmp_path, sources, seq_len=64, train_bytes=1_200_000):
+    """An experiment config (JSON object) for `sources` with its data under tmp_path."""
+    data_dir = tmp_path / "data"
+    c = tiny_config_dict()
+    c["name"] = "prep-test"
+    c["model"].update(n_layer=1, d_model=8, n_head=1, d_ff=16, seq_len=seq_len)
+    c["data"] = {"dir": str(data_dir),
+                 "tokenizer": {"path": str(data_dir / "tokenizer.json"), "vocab_size": 8449,
+                               "train_bytes": train_bytes},
+                 "sources": sources}
+    return c
 
 
 def make_config(tmp_path, sources, seq_len=64, train_bytes=1_200_000):
-    """A config dict of the shape engine.config.load_config returns (absolute paths)."""
-    data_dir = tmp_path / "data"
-    return {
-        "name": "prep-test",
-        "model": {"n_layer": 1, "d_model": 8, "n_head": 1, "d_ff": 16, "vocab_size": 8449,
-                  "seq_len": seq_len},
-        "data": {"dir": str(data_dir),
-                 "tokenizer": {"path": str(data_dir / "tokenizer.json"), "vocab_size": 8449,
-                               "train_bytes": train_bytes},
-                 "sources": sources},
-    }
+    """The validated config (absolute paths) for `sources` with its data under tmp_path."""
+    return parse_config(config_dict(tmp_path, sources, seq_len, train_bytes), "prep-test",
+                        tmp_path)
 
 
 @pytest.fixture(scope="module")
@@ -85,13 +92,13 @@ def test_first_run_trains_and_writes_every_shard(prepared):
 
 
 def tmp_dir(cfg):
-    return Path(cfg["data"]["dir"])
+    return Path(cfg.data.dir)
 
 
 def test_shard_is_documents_encoded_and_separated_by_eot(prepared):
     cfg, _, _ = prepared
     tok, shards = load_prepared(cfg)
-    docs = list(iter_documents(cfg["data"]["sources"][2]))
+    docs = list(iter_documents(cfg.data.sources[2]))
     expected = np.concatenate([np.append(tok.encode(d), tok.eot_id) for d in docs])
     np.testing.assert_array_equal(shards[2].tokens, expected)
     first = shards[2].tokens[: list(shards[2].tokens).index(tok.eot_id)]
@@ -151,10 +158,10 @@ def test_source_too_small_for_a_window(corpus, tmp_path):
 
 
 def test_vocab_mismatch(corpus, tmp_path):
-    cfg = make_config(tmp_path, sources_for(corpus))
-    cfg["model"]["vocab_size"] = 50257
-    with pytest.raises(UserError, match=r"model\.vocab_size: expected data\.tokenizer\.vocab_size"):
-        prepare(cfg, progress=lambda m: None)
+    c = config_dict(tmp_path, sources_for(corpus))
+    c["model"]["vocab_size"] = 50257
+    with pytest.raises(UserError, match=r"model\.vocab_size: must equal data\.tokenizer\.vocab_size"):
+        parse_config(c, "prep-test", tmp_path)
 
 
 def test_load_prepared_before_prep(tmp_path):
@@ -169,9 +176,7 @@ def test_main_runs_prep_from_a_config_file(prepared, tmp_path, capsys):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with open(os.path.join(root, "experiments", "ANDREA-tiny-TRAIN.json")) as f:
         raw = json.load(f)
-    raw["data"]["dir"] = cfg["data"]["dir"]
-    raw["data"]["sources"] = cfg["data"]["sources"]
-    raw["data"]["tokenizer"]["train_bytes"] = cfg["data"]["tokenizer"]["train_bytes"]
+    raw["data"] = cfg.to_json()["data"]
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps(raw))
     with pytest.raises(SystemExit) as e:
@@ -198,7 +203,7 @@ def test_training_budgets_give_small_sources_share_to_others():
 
 
 def test_training_texts_respect_the_budget(corpus):
-    sources = sources_for(corpus)
+    sources = [as_source(s) for s in sources_for(corpus)]
     texts = list(training_texts(sources, 300_000))
     assert 270_000 < sum(len(t.encode()) for t in texts) <= 300_000
     assert texts == list(training_texts(sources, 300_000))  # deterministic

@@ -29,7 +29,7 @@ N = 40
 
 
 def trajectory(run: Path) -> list[tuple]:
-    return [tuple(json.dumps(r[k], sort_keys=True) for k in KEYS) for r in loss_records(run)]
+    return [tuple(json.dumps(getattr(r, k), sort_keys=True) for k in KEYS) for r in loss_records(run)]
 
 
 def final_bytes(run: Path, step: int = N) -> bytes:
@@ -70,9 +70,9 @@ def stop_at(cfg: Path, run: Path, k: int) -> int:
     return stops[-1]["step"]
 
 
-def phase_boundary(recs: list[dict]) -> int:
+def phase_boundary(recs: list) -> int:
     """A step that ends a bandit phase (the next step starts a new one), not too close to N."""
-    return next(r["step"] for r in recs if r["phase_step"] == r["phase_len"] and 3 < r["step"] < N - 3)
+    return next(r.step for r in recs if r.phase_step == r.phase_len and 3 < r.step < N - 3)
 
 
 @pytest.mark.slow
@@ -83,17 +83,17 @@ def test_sigterm_and_resume_is_bit_exact(case: str, straight: dict, tmp_path: Pa
     if case == "phase-boundary":
         target = phase_boundary(ref["recs"])
     else:
-        target = next(r["step"] for r in ref["recs"] if r["step"] > 12 and r["phase_step"] < r["phase_len"] - 1)
+        target = next(r.step for r in ref["recs"] if r.step > 12 and r.phase_step < r.phase_len - 1)
     for _attempt in range(3):  # the stop lands at the step in flight when SIGTERM arrives
         run = tmp_path / f"run{_attempt}"
         k = stop_at(ref["cfg"], run, target)
         if k == target:
             break
-    rec_k = next(r for r in ref["recs"] if r["step"] == k)
+    rec_k = next(r for r in ref["recs"] if r.step == k)
     if case == "phase-boundary":
-        assert rec_k["phase_step"] == rec_k["phase_len"], "did not stop on a phase boundary"
+        assert rec_k.phase_step == rec_k.phase_len, "did not stop on a phase boundary"
     elif case == "inside-phase":
-        assert rec_k["phase_step"] < rec_k["phase_len"]
+        assert rec_k.phase_step < rec_k.phase_len
     assert 0 < k < N
     r = run_engine(ref["cfg"], run, "--resume")
     assert r.returncode == 0, r.stdout + r.stderr
@@ -209,7 +209,7 @@ def test_full_disk_periodic_failure_goes_on_final_failure_fails(tmp_path: Path, 
     evs = events(run)
     errors = [e for e in evs if e["event"] == "checkpoint_error"]
     assert [e["reason"] for e in errors] == ["periodic", "final"]
-    assert [r["step"] for r in loss_records(run)][-1] == 25  # training went on past the failure
+    assert [r.step for r in loss_records(run)][-1] == 25  # training went on past the failure
     assert json.loads((run / "state.json").read_text())["status"] == "failed"
     from engine.run.checkpoint import list_checkpoints, verify_checkpoint
 
@@ -242,7 +242,7 @@ def test_resume_falls_back_past_a_corrupt_checkpoint(straight: dict, tmp_path: P
     shutil.copytree(ref["run"], run)
     shutil.rmtree(run / "checkpoints" / f"step_{N:08d}")
     (run / "loss.jsonl").write_text("".join(
-        json.dumps(r) + "\n" for r in loss_records(ref["run"]) if r["step"] <= 30))
+        json.dumps(r.to_json()) + "\n" for r in loss_records(ref["run"]) if r.step <= 30))
     newest = run / "checkpoints" / "step_00000030" / "model.ckpt"
     data = bytearray(newest.read_bytes())
     data[1000] ^= 0xFF
@@ -317,7 +317,7 @@ def test_resume_refuses_when_the_data_changed(tmp_path: Path, prepared_data: Pat
     assert r.returncode == 2, r.stdout + r.stderr
     assert "the data changed since the checkpoint" in r.stderr and "source mine:" in r.stderr
     assert "Traceback" not in r.stderr
-    assert [r["step"] for r in loss_records(run)][-1] == 10
+    assert [r.step for r in loss_records(run)][-1] == 10
 
 
 def test_bad_paths_are_one_line_errors(tmp_path: Path, write_config) -> None:

@@ -1,26 +1,10 @@
-"""The run-directory reader rules of DESIGN §7: torn lines, repeated steps, abandoned timelines."""
+"""Reading run files as another process appends to them: torn lines, corrupt lines, truncation."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from engine.runfiles import JsonlTail, JsonlWriter, drop_abandoned, latest_by_step, read_jsonl
-
-
-def test_later_record_for_a_step_wins() -> None:
-    recs = [{"step": 1, "loss": 9.0}, {"step": 2, "loss": 8.0}, {"step": 2, "loss": 7.5}]
-    assert [r["loss"] for r in latest_by_step(recs)] == [9.0, 7.5]
-
-
-def test_abandoned_timeline_is_dropped() -> None:
-    # Trained to 27, crashed, resumed from the checkpoint at 20 and stopped at 22.
-    before = [{"step": s, "t": 100.0 + s} for s in range(1, 28)]
-    after = [{"step": s, "t": 200.0 + s} for s in (21, 22)]
-    events = [{"event": "resume", "step": 20, "t": 150.0}]
-    kept = latest_by_step(drop_abandoned(before + after, events))
-    assert [r["step"] for r in kept] == list(range(1, 23))
-    assert all(r["t"] > 200 for r in kept if r["step"] > 20)
-    assert drop_abandoned(before, []) == before
+from engine.runfiles import JsonlTail, JsonlWriter, read_jsonl
 
 
 def test_torn_line_waits_for_its_end_and_corrupt_lines_are_counted(tmp_path: Path) -> None:

@@ -12,10 +12,11 @@ import pytest
 from engine.data import builtin
 from engine.data.sources import iter_documents, source_fingerprint
 from engine.errors import UserError
+from tests.conftest import as_source
 
 
 def _docs(source):
-    return list(iter_documents(source))
+    return list(iter_documents(as_source(source)))
 
 
 @pytest.fixture(scope="module")
@@ -175,11 +176,6 @@ def test_directory_without_text_files(tmp_path):
         _docs({"name": "mine", "paths": [str(tmp_path)]})
 
 
-def test_bad_format(tree):
-    with pytest.raises(UserError, match=r"format: expected one of auto, text, jsonl, got 'csv'"):
-        _docs({"name": "t", "paths": [str(tree / "a.txt")], "format": "csv"})
-
-
 def test_non_utf8_text(tmp_path):
     p = tmp_path / "latin.txt"
     p.write_bytes(b"caf\xe9\n")
@@ -188,7 +184,7 @@ def test_non_utf8_text(tmp_path):
 
 
 def test_fingerprint_follows_file_changes(tree):
-    src = {"name": "t", "paths": [str(tree)]}
+    src = as_source({"name": "t", "paths": [str(tree)]})
     first = source_fingerprint(src)
     assert source_fingerprint(src) == first
     (tree / "a.txt").write_text("alpha text, longer now\n")
@@ -196,5 +192,5 @@ def test_fingerprint_follows_file_changes(tree):
 
 
 def test_builtin_fingerprints_differ_per_arm():
-    fps = {source_fingerprint({"name": n, "builtin": n}) for n in builtin.BUILTINS}
+    fps = {source_fingerprint(as_source({"name": n, "builtin": n})) for n in builtin.BUILTINS}
     assert len(fps) == len(builtin.BUILTINS)

@@ -13,11 +13,12 @@ from tokenizers import models, pre_tokenizers
 from engine.data.prep import training_texts
 from engine.data.tokenizer import EOT, load_tokenizer, train_tokenizer
 from engine.errors import UserError
+from tests.conftest import as_source
 
 # About 1 MB of built-in text: enough distinct pairs for 8192 merges, trains in well under 1 s.
 SOURCES = [
-    {"name": "ref", "builtin": "python-reference"},
-    {"name": "code", "builtin": "stdlib-code"},
+    as_source({"name": "ref", "builtin": "python-reference"}),
+    as_source({"name": "code", "builtin": "stdlib-code"}),
 ]
 TRAIN_BYTES = 1_000_000
 

@@ -19,7 +19,7 @@ def trainer() -> engine.Trainer:
 
 
 def batch(tr: engine.Trainer, seed: int = 0) -> np.ndarray:
-    B, T = tr.config["train"]["batch_size"], tr.config["model"]["seq_len"]
+    B, T = tr.config.train.batch_size, tr.config.model.seq_len
     return np.random.default_rng(seed).integers(0, 8449, size=(B, T + 1), dtype=np.int32)
 
 
@@ -34,20 +34,20 @@ def test_non_finite_gradient_skips_the_update(trainer: engine.Trainer, poison: f
     tr.zero_grads()
     tr.forward_backward(batch(tr))
     first = tr.step()
-    assert first["skipped"] is False and math.isfinite(first["grad_norm"])
+    assert first.skipped is False and math.isfinite(first.grad_norm)
     before = snapshot(tr)
     tr.zero_grads()
     tr.forward_backward(batch(tr, 1))
     tr.backend.scale_grads(poison)  # every gradient becomes non-finite
     rec = tr.step()
-    assert rec["skipped"] is True and not math.isfinite(rec["grad_norm"])
-    assert rec["step"] == 2 and tr.skipped_steps == 1 and tr.adam_t == 1
+    assert rec.skipped is True and not math.isfinite(rec.grad_norm)
+    assert rec.step == 2 and tr.skipped_steps == 1 and tr.adam_t == 1
     for a, b in zip(before, snapshot(tr), strict=True):
         assert np.array_equal(a, b)  # params, m and v untouched, bit for bit
     tr.zero_grads()
     tr.forward_backward(batch(tr, 2))
     third = tr.step()
-    assert third["skipped"] is False and tr.adam_t == 2
+    assert third.skipped is False and tr.adam_t == 2
     assert not np.array_equal(before[0], tr.params)
 
 
@@ -56,13 +56,13 @@ def test_step_record_and_counters(trainer: engine.Trainer) -> None:
     tr.zero_grads()
     losses = [tr.forward_backward(batch(tr, s)) for s in range(2)]  # two micro-batches
     rec = tr.step()
-    B, T = tr.config["train"]["batch_size"], tr.config["model"]["seq_len"]
-    assert rec["tokens"] == 2 * B * T == tr.tokens
-    assert rec["loss"] == pytest.approx(np.mean(losses), rel=1e-12)
-    assert rec["lr"] == pytest.approx(tr.config["optim"]["lr"] / tr.config["optim"]["warmup_steps"])
-    assert 0 < rec["clip_scale"] <= 1.0
-    if rec["grad_norm"] > tr.config["optim"]["max_grad_norm"]:
-        assert rec["clip_scale"] == pytest.approx(tr.config["optim"]["max_grad_norm"] / rec["grad_norm"])
+    B, T = tr.config.train.batch_size, tr.config.model.seq_len
+    assert rec.tokens == 2 * B * T == tr.tokens
+    assert rec.loss == pytest.approx(np.mean(losses), rel=1e-12)
+    assert rec.lr == pytest.approx(tr.config.optim.lr / tr.config.optim.warmup_steps)
+    assert 0 < rec.clip_scale <= 1.0
+    if rec.grad_norm > tr.config.optim.max_grad_norm:
+        assert rec.clip_scale == pytest.approx(tr.config.optim.max_grad_norm / rec.grad_norm)
     with pytest.raises(RuntimeError):
         tr.zero_grads()
         tr.step()  # no micro-batch since zero_grads

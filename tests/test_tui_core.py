@@ -18,6 +18,7 @@ from andrea_tui.runreader import RunReader
 from andrea_tui.runstate import LossHistory, RunState
 from andrea_tui.series import StepSeries, downsample_minmax, eta_seconds
 from andrea_tui.textfmt import bar, fmt_duration, fmt_num
+from engine.records import StepRecord, parse_all
 
 
 def ema_reference(xs: list[float], a: float) -> list[float]:
@@ -35,9 +36,14 @@ def ema_reference(xs: list[float], a: float) -> list[float]:
     return out
 
 
-def recs(losses: list[float], start: int = 1) -> list[dict]:
-    return [{"step": start + i, "loss": v, "grad_norm": 1.0, "clip_scale": 1.0, "t": float(i)}
-            for i, v in enumerate(losses)]
+def typed(objects: list[dict]) -> list[StepRecord]:
+    """Loss-file JSON objects read as the app reads them (unusable ones left out)."""
+    return parse_all(StepRecord, objects)[0]
+
+
+def recs(losses: list[float], start: int = 1) -> list[StepRecord]:
+    return typed([{"step": start + i, "loss": v, "grad_norm": 1.0, "clip_scale": 1.0,
+                   "t": float(i)} for i, v in enumerate(losses)])
 
 
 def test_ema_matches_closed_form_and_holds_over_nan() -> None:
@@ -61,15 +67,16 @@ def test_later_record_wins_and_ema_recomputes() -> None:
     assert s.steps.tolist() == [1, 2, 3, 4]
     assert s.col("loss").tolist() == [5.0, 4.0, 9.0, 8.0]
     np.testing.assert_allclose(s.ema(), ema_reference([5.0, 4.0, 9.0, 8.0], 0.5))
-    s.add([{"step": 0, "loss": 7.0}])  # a missing earlier step is inserted in order
+    s.add(typed([{"step": 0, "loss": 7.0}]))  # a missing earlier step is inserted in order
     assert s.steps.tolist() == [0, 1, 2, 3, 4]
     np.testing.assert_allclose(s.ema(), ema_reference([7.0, 5.0, 4.0, 9.0, 8.0], 0.5))
 
 
 def test_from_records_equals_incremental() -> None:
-    records = recs([float(i % 7) for i in range(300)]) + recs([1.5, 2.5], start=100)
-    records.append({"step": "bad"})
-    records.append({"step": True, "loss": 1.0})
+    objects = [r.to_json() for r in recs([float(i % 7) for i in range(300)])
+               + recs([1.5, 2.5], start=100)]
+    records = typed([*objects, {"step": "bad"}, {"step": True, "loss": 1.0}])
+    assert len(records) == len(objects)
     a = StepSeries.from_records(records, 0.9)
     b = StepSeries(0.9)
     b.add(records)
@@ -102,7 +109,7 @@ def test_clip_share_skipped_rate_and_eta() -> None:
     s = StepSeries()
     rows = [{"step": i, "loss": 1.0, "clip_scale": 0.5 if i % 4 == 0 else 1.0,
              "skipped": i == 7, "t": 100.0 + 0.5 * i} for i in range(1, 201)]
-    s.add(rows)
+    s.add(typed(rows))
     last100 = rows[-100:]
     assert s.clip_share(100) == sum(r["clip_scale"] < 1 for r in last100) / 100
     assert s.skipped_count() == 1
@@ -132,7 +139,7 @@ def test_reader_history_and_appends(tmp_path: Path) -> None:
     assert st.series.n == 300 and st.step == 300 and st.name == "ANDREA-fake"
     assert st.max_grad_norm == 1.0
     assert st.series.skipped_count() == sum(loss_record(s, 0)["skipped"] for s in range(1, 301))
-    assert st.last_sample["step"] == 300 and st.memory_plan["total"] == 29 << 20
+    assert st.last_sample.step == 300 and st.memory_plan["total"] == 29 << 20
     assert [c.phase for c in st.phase_changes][-1] == 300 // 14
 
     with open(paths.loss, "ab") as f:  # a torn line, completed later
@@ -179,7 +186,7 @@ def test_reader_truncation_replacement_late_files(tmp_path: Path) -> None:
 def test_history_build_from_records() -> None:
     records = [loss_record(s, float(s)) for s in range(1, 60)]
     h = LossHistory.build(records)
-    assert h.last_record["step"] == 59
+    assert h.last_record.step == 59
     assert [c.step for c in h.phase_changes] == [14, 28, 42, 56]
     assert h.src_loss["stdlib-code"] == records[-1]["src_loss"]["stdlib-code"]
 

@@ -69,7 +69,7 @@ def test_abandoned_timeline_dropped_when_read_at_once(tmp_path: Path) -> None:
     stopped_at_resume(paths, t_resume)
     st = load_like_the_app(paths)
     assert st.series.steps.tolist() == list(range(1, 21))
-    assert st.step == 20 and st.last_record["step"] == 20
+    assert st.step == 20 and st.last_record.step == 20
     assert "step 20/2,000" in panels.header(st, T0 + 100).plain
 
 
@@ -88,7 +88,7 @@ def test_abandoned_timeline_dropped_when_resume_arrives_while_following(tmp_path
     reader.poll()
     assert st.series.steps.tolist() == list(range(1, 23))
     assert st.series.col("loss")[-2:].tolist() == [121.0, 122.0]
-    assert st.last_record["step"] == 22 and st.step == 22
+    assert st.last_record.step == 22 and st.step == 22
     # EMA recomputed over the rebuilt rows: equal to a fresh build of the same records.
     fresh = RunState()
     fresh.add_loss([loss_record(s, T0 + s * DT) for s in range(1, 21)] + new)
@@ -102,7 +102,7 @@ def test_resume_event_read_after_the_new_records_still_drops_the_old_ones(tmp_pa
     st.add_loss([loss_record(21, t_resume + 1)])
     st.add_events([{"t": t_resume, "event": "resume", "step": 20}])
     assert st.series.steps.tolist() == list(range(1, 22))
-    assert st.last_record["step"] == 21 and st.last_record["t"] == t_resume + 1
+    assert st.last_record.step == 21 and st.last_record.t == t_resume + 1
 
 
 def test_formats_are_total() -> None:

@@ -11,13 +11,14 @@ import argparse
 import json
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 
+from engine.config import Config, SourceConfig, load_config
 from engine.data.builtin import even_selection
 from engine.data.shards import Shard, open_shard, write_shard
 from engine.data.sources import iter_documents, source_fingerprint
@@ -41,11 +42,10 @@ class PrepResult:
     skipped: list[str] = field(default_factory=list)
 
 
-def data_paths(config: dict) -> tuple[Path, Path]:
+def data_paths(config: Config) -> tuple[Path, Path]:
     """(data dir, tokenizer path); a relative tokenizer path is taken inside the data dir."""
-    data = config["data"]
-    data_dir = Path(data["dir"])
-    tok_path = Path(data["tokenizer"]["path"])
+    data_dir = Path(config.data.dir)
+    tok_path = Path(config.data.tokenizer.path)
     if not tok_path.is_absolute():
         tok_path = data_dir / tok_path
     return data_dir, tok_path
@@ -81,7 +81,7 @@ def training_budgets(totals: list[int], train_bytes: int) -> list[int]:
     return budgets
 
 
-def training_texts(sources: list[dict], train_bytes: int) -> Iterator[str]:
+def training_texts(sources: Sequence[SourceConfig], train_bytes: int) -> Iterator[str]:
     """A balanced, deterministic slice of every source for tokenizer training, at most
     train_bytes in all, chosen evenly over each source's documents."""
     sizes = [[len(d.encode("utf-8")) for d in iter_documents(s)] for s in sources]
@@ -116,10 +116,10 @@ def _batches(docs: Iterator[str]) -> Iterator[list[str]]:
 
 
 def _encode_source(
-    tok: Tokenizer, source: dict, path: Path, progress: Progress
+    tok: Tokenizer, source: SourceConfig, path: Path, progress: Progress
 ) -> tuple[int, int, int, float]:
     """Encode a source into its shard; returns (tokens, bytes, docs, seconds)."""
-    name = source["name"]
+    name = source.name
     eot = np.array([tok.eot_id], dtype=np.uint16)
     stats = {"bytes": 0, "docs": 0}
     t0 = time.perf_counter()
@@ -144,22 +144,21 @@ def _encode_source(
 
 
 def _get_tokenizer(
-    config: dict, manifest: dict, force: bool, progress: Progress
+    config: Config, manifest: dict, force: bool, progress: Progress
 ) -> tuple[Tokenizer, bool]:
     """Load the existing tokenizer, or train one when there is none (or with --force).
 
     An existing tokenizer is kept even when the sources changed since it was trained: a new one
     would make every shard and checkpoint made with the old one unusable. (tok, trained)
     """
-    data = config["data"]
     _, tok_path = data_paths(config)
-    vocab_size = int(data["tokenizer"]["vocab_size"])
-    train_bytes = int(data["tokenizer"]["train_bytes"])
-    sources = data["sources"]
+    vocab_size = config.data.tokenizer.vocab_size
+    train_bytes = config.data.tokenizer.train_bytes
+    sources = config.data.sources
     recipe = {
         "vocab_size": vocab_size,
         "train_bytes": train_bytes,
-        "sources": {s["name"]: source_fingerprint(s) for s in sources},
+        "sources": {s.name: source_fingerprint(s) for s in sources},
     }
     recorded = manifest.get("tokenizer", {})
     if tok_path.exists() and not force:
@@ -185,25 +184,16 @@ def _get_tokenizer(
     return tok, True
 
 
-def prepare(config: dict, progress: Progress = print, force: bool = False) -> PrepResult:
-    """Train or load the tokenizer, then encode every source into its shard (skip unchanged)."""
-    data = config["data"]
+def prepare(config: Config, progress: Progress = print, force: bool = False) -> PrepResult:
+    """Train or load the tokenizer, then encode every source into its shard (skip unchanged).
+    The config is a validated one (engine.config): vocab sizes agree, sources exist."""
     data_dir, _ = data_paths(config)
-    seq_len = int(config["model"]["seq_len"])
-    model_vocab = int(config["model"]["vocab_size"])
-    if model_vocab != int(data["tokenizer"]["vocab_size"]):
-        raise UserError(
-            f"model.vocab_size: expected data.tokenizer.vocab_size "
-            f"({data['tokenizer']['vocab_size']}), got {model_vocab}"
-        )
-    sources = data["sources"]
-    if not sources:
-        raise UserError("data.sources: expected at least one source, got none")
+    seq_len = config.model.seq_len
+    sources = config.data.sources
     try:
         data_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise UserError(f"{config.get('_path', 'config')}: data.dir: cannot create {data_dir}: "
-                        f"{e.strerror or e}") from None
+        raise UserError(f"data.dir: cannot create {data_dir}: {e.strerror or e}") from None
     manifest_path = data_dir / "manifest.json"
     manifest = _read_manifest(manifest_path)
     manifest["version"] = MANIFEST_VERSION
@@ -213,7 +203,7 @@ def prepare(config: dict, progress: Progress = print, force: bool = False) -> Pr
     result = PrepResult(tok.path, tok.sha256, trained)
     shard_records = manifest.setdefault("shards", {})
     for source in sources:
-        name = source["name"]
+        name = source.name
         path = shard_path(data_dir, name)
         fp = source_fingerprint(source)
         rec = shard_records.get(name, {})
@@ -258,13 +248,13 @@ class Prepared(NamedTuple):
     shards: list[Shard]  # in config source order
 
 
-def load_prepared(config: dict) -> Prepared:
+def load_prepared(config: Config) -> Prepared:
     """The tokenizer and the shards that `prepare` wrote, checked against each other."""
     data_dir, tok_path = data_paths(config)
-    tok = load_tokenizer(tok_path, int(config["data"]["tokenizer"]["vocab_size"]))
+    tok = load_tokenizer(tok_path, config.data.tokenizer.vocab_size)
     shards = [
-        open_shard(shard_path(data_dir, s["name"]), tok.vocab_size, tok.sha256)
-        for s in config["data"]["sources"]
+        open_shard(shard_path(data_dir, s.name), tok.vocab_size, tok.sha256)
+        for s in config.data.sources
     ]
     return Prepared(tok, shards)
 
@@ -277,10 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config", help="experiment config (JSON)")
     parser.add_argument("--force", action="store_true", help="retrain and re-encode everything")
     args = parser.parse_args(argv)
-    from engine.config import load_config  # the lead's module; imported late on purpose
-
     config = load_config(args.config)
     result = prepare(config, force=args.force)
     total = sum(result.tokens.values())
-    print(f"done: {len(result.tokens)} sources, {total:,} tokens in {config['data']['dir']}")
+    print(f"done: {len(result.tokens)} sources, {total:,} tokens in {config.data.dir}")
     return 0

@@ -1,7 +1,7 @@
 """Documents of a configured source: a built-in arm, or local text / markdown / JSONL files.
 
-A config source is `{"name": ..., "builtin": ARM}` or `{"name": ..., "paths": [...],
-"format": "auto"|"text"|"jsonl"}`. A path is a file, a directory (searched recursively for
+A source is a validated `engine.config.SourceConfig`: a `builtin` arm, or `paths` in a `format`
+("auto" | "text" | "jsonl"). A path is a file, a directory (searched recursively for
 TEXT_SUFFIXES and .jsonl) or a glob. A text file is one document; a JSONL file holds one
 Hermes-3 conversation per line, rendered with role markers (ROLE_MARKERS).
 """
@@ -15,34 +15,25 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from engine.config import SourceConfig
 from engine.data.builtin import builtin_fingerprint, iter_builtin
 from engine.errors import UserError
 
 TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".rst")
 JSONL_SUFFIXES = (".jsonl",)
-FORMATS = ("auto", "text", "jsonl")
 ROLE_MARKERS = {"system": "<|system|>", "human": "<|user|>", "gpt": "<|assistant|>"}
-
-
-def _source_name(source: dict) -> str:
-    return str(source.get("name", "?"))
 
 
 def _is_glob(pattern: str) -> bool:
     return any(c in pattern for c in "*?[")
 
 
-def resolve_paths(source: dict) -> list[Path]:
+def resolve_paths(source: SourceConfig) -> list[Path]:
     """The files of a path-based source, sorted within each configured path, no duplicates."""
-    name = _source_name(source)
-    paths = source.get("paths")
-    if not isinstance(paths, list) or not paths or not all(isinstance(p, str) for p in paths):
-        raise UserError(
-            f"data.sources[{name}].paths: expected a non-empty list of paths, got {paths!r}"
-        )
+    name = source.name
     files: list[Path] = []
     seen: set[Path] = set()
-    for pattern in paths:
+    for pattern in source.paths or ():
         expanded = os.path.expanduser(pattern)
         if _is_glob(expanded):
             matched = [Path(p) for p in sorted(glob.glob(expanded, recursive=True))]
@@ -65,13 +56,8 @@ def resolve_paths(source: dict) -> list[Path]:
     return files
 
 
-def _file_format(source: dict, path: Path) -> str:
-    fmt = source.get("format", "auto")
-    if fmt not in FORMATS:
-        raise UserError(
-            f"data.sources[{_source_name(source)}].format: expected one of "
-            f"{', '.join(FORMATS)}, got {fmt!r}"
-        )
+def _file_format(source: SourceConfig, path: Path) -> str:
+    fmt = source.format
     if fmt == "auto":
         return "jsonl" if path.suffix in JSONL_SUFFIXES else "text"
     return fmt
@@ -138,16 +124,11 @@ def _iter_jsonl(path: Path) -> Iterator[str]:
             yield render_conversation(record, f"{path}:{lineno}")
 
 
-def iter_documents(source: dict) -> Iterator[str]:
+def iter_documents(source: SourceConfig) -> Iterator[str]:
     """Every document of a config source, in a fixed order."""
-    if "builtin" in source:
-        yield from iter_builtin(source["builtin"])
+    if source.builtin is not None:
+        yield from iter_builtin(source.builtin)
         return
-    if "paths" not in source:
-        raise UserError(
-            f"data.sources[{_source_name(source)}]: expected 'builtin' or 'paths', got "
-            f"keys {sorted(source)}"
-        )
     for path in resolve_paths(source):
         if _file_format(source, path) == "jsonl":
             yield from _iter_jsonl(path)
@@ -157,13 +138,13 @@ def iter_documents(source: dict) -> Iterator[str]:
                 yield text
 
 
-def source_fingerprint(source: dict) -> str:
+def source_fingerprint(source: SourceConfig) -> str:
     """A hash that changes when the source's content may have changed (for idempotent prep)."""
     h = hashlib.sha256()
-    if "builtin" in source:
-        h.update(builtin_fingerprint(str(source["builtin"])).encode())
+    if source.builtin is not None:
+        h.update(builtin_fingerprint(source.builtin).encode())
     else:
-        h.update(f"format={source.get('format', 'auto')}\n".encode())
+        h.update(f"format={source.format}\n".encode())
         for path in resolve_paths(source):
             st = path.stat()
             h.update(f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
+from engine.config import ModelConfig
 from engine.errors import UserError
 
 INIT_STD = 0.02
@@ -35,10 +35,10 @@ class ModelShapes:
         for field in ("n_layer", "d_model", "n_head", "d_ff", "vocab_size", "seq_len"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise UserError(f"model/{field}: expected a positive integer, got {value!r}")
+                raise UserError(f"model.{field}: expected a positive integer, got {value!r}")
         if self.d_model % self.n_head:
             raise UserError(
-                f"model/n_head: d_model ({self.d_model}) must be divisible by n_head, "
+                f"model.n_head: d_model ({self.d_model}) must be divisible by n_head, "
                 f"got {self.n_head}"
             )
 
@@ -47,13 +47,9 @@ class ModelShapes:
         return self.d_model // self.n_head
 
     @classmethod
-    def from_config(cls, cfg_model: dict[str, Any]) -> ModelShapes:
-        """Build from the config's `model` section (extra keys are ignored)."""
-        names = ("n_layer", "d_model", "n_head", "d_ff", "vocab_size", "seq_len")
-        missing = [n for n in names if n not in cfg_model]
-        if missing:
-            raise UserError(f"model/{missing[0]}: required field is missing")
-        return cls(**{n: cfg_model[n] for n in names})
+    def from_config(cls, m: ModelConfig) -> ModelShapes:
+        """The shapes of the config's `model` section."""
+        return cls(m.n_layer, m.d_model, m.n_head, m.d_ff, m.vocab_size, m.seq_len)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from engine.config import Config
+
 
 class _Logits(Protocol):
     def logits_last(self, tokens: np.ndarray) -> np.ndarray: ...
@@ -36,14 +38,14 @@ def sample_tokens(model: _Logits, prompt_ids: np.ndarray, length: int, seq_len: 
     return out
 
 
-def generate(model: _Logits, tokenizer: Any, prompt: str, cfg: dict[str, Any], seed: int,
+def generate(model: _Logits, tokenizer: Any, prompt: str, cfg: Config, seed: int,
              step: int) -> str:
     """The text generated after `prompt` at `step` (deterministic in seed and step)."""
     rng = np.random.Generator(np.random.PCG64([seed, step, 0x5A4D]))
     prompt_ids = tokenizer.encode(prompt)
     if len(prompt_ids) == 0:
         prompt_ids = np.asarray([tokenizer.eot_id], dtype=np.int32)
-    ids = sample_tokens(model, prompt_ids, cfg["samples"]["length"], cfg["model"]["seq_len"],
-                        cfg["samples"]["top_k"], cfg["samples"]["temperature"], rng,
-                        stop_id=tokenizer.eot_id)
+    s = cfg.samples
+    ids = sample_tokens(model, prompt_ids, s.length, cfg.model.seq_len, s.top_k, s.temperature,
+                        rng, stop_id=tokenizer.eot_id)
     return tokenizer.decode(ids)

@@ -11,13 +11,32 @@ loss scale; the backend owns the buffers. Nothing here allocates per step beyond
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from engine.backends import get_backend
+from engine.config import Config
 from engine.model.layout import ModelShapes, init_params, n_params, tensor_table
 from engine.model.optim import clip_scale, lr_at
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One optimizer step as the trainer saw it: the step number (1-based), the mean loss of its
+    micro-batches, the global gradient norm before clipping, the clip scale (1.0, or
+    max_norm/grad_norm), the learning rate, cumulative tokens, and whether the update was skipped
+    (a non-finite norm). The run loop adds timing and the data mixture (engine.records.StepRecord).
+    """
+
+    step: int
+    loss: float
+    grad_norm: float
+    clip_scale: float
+    lr: float
+    tokens: int
+    skipped: bool
 
 
 class LossScaler:
@@ -55,26 +74,26 @@ class LossScaler:
 class Trainer:
     """`Trainer(config, backend="numpy"|"cuda")`: the model, its optimizer and one step at a time."""
 
-    def __init__(self, config: dict[str, Any], backend: str = "numpy", *,
+    def __init__(self, config: Config, backend: str = "numpy", *,
                  dtype: Any = np.float32) -> None:
         self.config = config
-        self.shapes = ModelShapes.from_config(config["model"])
-        train = config["train"]
+        self.shapes = ModelShapes.from_config(config.model)
+        train = config.train
         cls = get_backend(backend)
-        kwargs: dict[str, Any] = {"precision": train["precision"]}
+        kwargs: dict[str, Any] = {"precision": train.precision}
         if backend == "numpy":
             kwargs["dtype"] = dtype
-        self.backend = cls(self.shapes, train["batch_size"], **kwargs)
+        self.backend = cls(self.shapes, train.batch_size, **kwargs)
         self.tensor_table = [
             {"name": t.name, "shape": list(t.shape), "offset": t.offset}
             for t in tensor_table(self.shapes)
         ]
         self.n_params = n_params(self.shapes)
-        self.backend.load_params(init_params(self.shapes, train["seed"]))
+        self.backend.load_params(init_params(self.shapes, train.seed))
         zeros = np.zeros(self.n_params, dtype=np.float32)
         self.backend.load_optimizer(zeros, zeros)
         # fp16 needs loss scaling; the numpy backend always computes in fp32 or fp64.
-        self.scaler = LossScaler(enabled=(train["precision"] == "fp16" and backend != "numpy"))
+        self.scaler = LossScaler(enabled=(train.precision == "fp16" and backend != "numpy"))
         self.step_count = 0  # completed optimizer steps (skipped ones included)
         self.adam_t = 0  # applied updates, for Adam's bias correction
         self.tokens = 0
@@ -114,16 +133,15 @@ class Trainer:
         return np.concatenate(self._row_losses) if self._row_losses else np.zeros(0)
 
     def lr_at(self, step: int) -> float:
-        o = self.config["optim"]
-        return lr_at(step, o["lr"], o["warmup_steps"], self.config["train"]["max_steps"],
-                     o["min_lr_frac"])
+        o = self.config.optim
+        return lr_at(step, o.lr, o.warmup_steps, self.config.train.max_steps, o.min_lr_frac)
 
-    def step(self) -> dict[str, Any]:
-        """Clip + AdamW over the gradients accumulated since `zero_grads`; returns the record."""
+    def step(self) -> StepResult:
+        """Clip + AdamW over the gradients accumulated since `zero_grads`; what happened."""
         n_micro = len(self._row_losses)
         if n_micro == 0:
             raise RuntimeError("step() without forward_backward() since zero_grads()")
-        o = self.config["optim"]
+        o = self.config.optim
         step = self.step_count + 1
         lr = self.lr_at(step)
         self.backend.scale_grads(1.0 / (n_micro * self.scaler.scale))
@@ -132,25 +150,18 @@ class Trainer:
         self.scaler.update(finite)
         scale = 1.0
         if finite:
-            scale = clip_scale(norm, o["max_grad_norm"])
+            scale = clip_scale(norm, o.max_grad_norm)
             if scale < 1.0:
                 self.backend.grad_scale(scale)
             self.adam_t += 1
-            b1, b2 = o["betas"]
-            self.backend.adamw(lr, b1, b2, o["eps"], o["weight_decay"], self.adam_t)
+            b1, b2 = o.betas
+            self.backend.adamw(lr, b1, b2, o.eps, o.weight_decay, self.adam_t)
         else:
             self.skipped_steps += 1
         self.step_count = step
         self.tokens += self._micro_tokens
-        return {
-            "step": step,
-            "loss": float(np.mean(self.row_losses)),
-            "grad_norm": norm,
-            "clip_scale": scale,
-            "lr": lr,
-            "tokens": self.tokens,
-            "skipped": not finite,
-        }
+        return StepResult(step=step, loss=float(np.mean(self.row_losses)), grad_norm=norm,
+                          clip_scale=scale, lr=lr, tokens=self.tokens, skipped=not finite)
 
     # -- state for checkpoints -------------------------------------------------------------
 

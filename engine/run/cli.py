@@ -10,8 +10,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from engine.config import load_config
 from engine.errors import UserError, cli_entry
-from engine.run.loop import TrainingRun
+from engine.run.loop import RunOptions, TrainingRun
 from engine.run.signals import SignalFlags
 from engine.runfiles import refuse_overwrite
 
@@ -44,12 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     flags = SignalFlags()
     flags.install()  # first: SIGUSR1's default action would kill us
     args = _parse(argv)
-    from engine.config import load_config
-
     cfg = load_config(args.config)
     if args.max_steps is not None:
-        cfg["train"]["max_steps"] = args.max_steps
-    run_dir = Path(args.run_dir or Path("runs") / cfg["name"])
+        cfg = cfg.with_max_steps(args.max_steps)
+    run_dir = Path(args.run_dir or Path("runs") / cfg.name)
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"{run_dir}: exists and is not a directory")
     refuse_overwrite(run_dir, args.resume)
@@ -57,9 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"--run-dir {run_dir}: cannot create it: {e.strerror or e}") from None
-    return TrainingRun(cfg, run_dir, args, flags, argv if argv is not None else sys.argv).run()
-
-
+    options = RunOptions(resume=args.resume, max_steps=args.max_steps, backend=args.backend)
+    return TrainingRun(cfg, run_dir, options, flags,
+                       argv if argv is not None else sys.argv).run()
 
 
 if __name__ == "__main__":

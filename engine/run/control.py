@@ -14,7 +14,8 @@ import signal
 from pathlib import Path
 
 from engine.errors import UserError
-from engine.run.identity import boot_id, proc_start_time
+from engine.records import EngineInfo, Unreadable
+from engine.run.identity import boot_id, proc_start_time, read_engine_info
 from engine.runfiles import RunPaths, read_json
 
 
@@ -38,40 +39,42 @@ def _lock_free(lock_path: Path) -> bool:
     return True
 
 
-def _checked_pid(run_dir: Path) -> int:
-    """The engine's pid after the checks that need no pidfd; raises ControlRefused."""
+def _checked_engine(run_dir: Path) -> EngineInfo:
+    """The engine's identity after the checks that need no pidfd; raises ControlRefused."""
     paths = RunPaths(Path(run_dir))
-    info = read_json(paths.engine)
-    if info is None:
-        raise ControlRefused(f"{paths.engine}: missing or unreadable: no engine to signal")
-    pid = info.get("pid")
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 1:
-        raise ControlRefused(f"{paths.engine}: pid: expected an integer > 1, got {pid!r}")
-    if info.get("boot_id") != boot_id():
+    info = read_engine_info(paths.root)
+    if isinstance(info, Unreadable):
+        if read_json(paths.engine) is None:
+            raise ControlRefused(f"{paths.engine}: missing or unreadable: no engine to signal")
+        raise ControlRefused(f"{paths.engine}: {info.reason}")
+    if info.pid <= 1:
+        raise ControlRefused(f"{paths.engine}: pid: expected an integer > 1, got {info.pid!r}")
+    if info.boot_id != boot_id():
         raise ControlRefused(f"{paths.engine}: written before the last reboot or on another host")
     if _lock_free(paths.lock):
         raise ControlRefused(f"{paths.lock}: engine not running (lock free)")
-    return pid
+    return info
 
 
-def _check_identity(run_dir: Path, pid: int) -> None:
-    info = read_json(RunPaths(Path(run_dir)).engine) or {}
+def _check_identity(info: EngineInfo) -> None:
+    pid = info.pid
     started = proc_start_time(pid)
     if started is None:
         raise ControlRefused(f"engine pid {pid} is not running")
-    if started != info.get("start_time"):
+    if started != info.start_time:
         raise ControlRefused(
             f"pid {pid} now belongs to another process (start time {started}, "
-            f"engine.json says {info.get('start_time')!r})"
+            f"engine.json says {info.start_time!r})"
         )
 
 
 def signal_engine(run_dir: Path, sig: int) -> None:
     """Send `sig` to the engine of `run_dir`, or raise ControlRefused having sent nothing."""
-    pid = _checked_pid(run_dir)
+    info = _checked_engine(run_dir)
+    pid = info.pid
     if not hasattr(os, "pidfd_open"):
         # No pidfd (old kernel / not Linux): same checks, then kill at once; a tiny race remains.
-        _check_identity(run_dir, pid)
+        _check_identity(info)
         try:
             os.kill(pid, sig)
         except ProcessLookupError:
@@ -84,7 +87,7 @@ def signal_engine(run_dir: Path, sig: int) -> None:
     try:
         # Read /proc only after pinning: if the pid was recycled in between, the start time
         # differs; if the pinned process dies after this read, the pidfd send fails (ESRCH).
-        _check_identity(run_dir, pid)
+        _check_identity(info)
         try:
             signal.pidfd_send_signal(pidfd, sig)
         except ProcessLookupError:
@@ -96,8 +99,8 @@ def signal_engine(run_dir: Path, sig: int) -> None:
 def engine_alive(run_dir: Path) -> tuple[bool, str]:
     """(True, 'running (pid N)') when the engine could be signalled, else (False, why). Sends nothing."""
     try:
-        pid = _checked_pid(run_dir)
-        _check_identity(run_dir, pid)
+        info = _checked_engine(run_dir)
+        _check_identity(info)
     except ControlRefused as e:
         return False, str(e)
-    return True, f"running (pid {pid})"
+    return True, f"running (pid {info.pid})"

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from engine.errors import UserError
+from engine.records import EngineInfo, Unreadable
 from engine.runfiles import LOCK, RunPaths, read_json, write_json_atomic
 
 BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
@@ -69,8 +70,8 @@ class EngineLock:
             except BlockingIOError:
                 if time.monotonic() >= deadline:
                     os.close(fd)
-                    info = read_json(RunPaths(Path(run_dir)).engine) or {}
-                    holder = info.get("pid", "unknown")
+                    info = read_engine_info(Path(run_dir))
+                    holder = info.pid if info else "unknown"
                     raise UserError(
                         f"{path}: held by engine pid {holder}: another engine is running on "
                         f"this run directory"
@@ -85,17 +86,20 @@ class EngineLock:
             self._fd = None
 
 
-def write_engine_json(run_dir: Path, argv: list[str], run_id: str) -> dict[str, object]:
+def write_engine_json(run_dir: Path, argv: list[str], run_id: str) -> EngineInfo:
     """Write `engine.json` atomically (after the lock is taken and signal handlers installed)."""
     pid = os.getpid()
-    info: dict[str, object] = {
-        "pid": pid,
-        "start_time": proc_start_time(pid),
-        "boot_id": boot_id(),
-        "host": socket.gethostname(),
-        "run_id": run_id,
-        "argv": list(argv),
-        "started_at": time.time(),
-    }
-    write_json_atomic(RunPaths(Path(run_dir)).engine, info)
+    info = EngineInfo(pid=pid, start_time=proc_start_time(pid), boot_id=boot_id(),
+                      host=socket.gethostname(), run_id=run_id, argv=list(argv),
+                      started_at=time.time())
+    write_json_atomic(RunPaths(Path(run_dir)).engine, info.to_json())
     return info
+
+
+def read_engine_info(run_dir: Path) -> EngineInfo | Unreadable:
+    """`engine.json` of a run directory, or why it cannot be used."""
+    path = RunPaths(Path(run_dir)).engine
+    obj = read_json(path)
+    if obj is None:
+        return Unreadable("engine.json", f"{path}: missing or unreadable")
+    return EngineInfo.from_json(obj)

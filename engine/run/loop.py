@@ -13,34 +13,19 @@ import sys
 import time
 import traceback
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from engine import records as rec
+from engine.config import Config, config_diff, parse_config
 from engine.errors import RunError, UserError
+from engine.records import Status
 from engine.run.checkpoint import cleanup_tmp
 from engine.run.signals import SignalFlags
 from engine.runfiles import has_checkpoints
-
-
-def _config_diff(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ between two configs (for a resume warning)."""
-    out = []
-    for k in sorted(set(a) | set(b)):
-        if k.startswith("_"):
-            continue
-        va, vb = a.get(k), b.get(k)
-        if isinstance(va, dict) and isinstance(vb, dict):
-            out += _config_diff(va, vb, f"{prefix}{k}.")
-        elif va != vb:
-            out.append(f"{prefix}{k}")
-    return out
-
-
-def _public(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The config as written to disk: without loader bookkeeping such as `_path`."""
-    return {k: v for k, v in cfg.items() if not k.startswith("_")}
 
 
 def _fmt_bytes(n: int) -> str:
@@ -51,10 +36,19 @@ def _fmt_bytes(n: int) -> str:
     return str(n)
 
 
+@dataclass(frozen=True)
+class RunOptions:
+    """What the command line asks of a run beyond its config."""
+
+    resume: bool = False
+    max_steps: int | None = None  # overrides train.max_steps (and so the lr schedule)
+    backend: str = "auto"
+
+
 class TrainingRun:
     """One training process bound to one run directory."""
 
-    def __init__(self, cfg: dict[str, Any], run_dir: Path, args: Any,
+    def __init__(self, cfg: Config, run_dir: Path, args: RunOptions,
                  flags: SignalFlags, argv: list[str]) -> None:
         from engine.run.identity import EngineLock
 
@@ -85,13 +79,13 @@ class TrainingRun:
                 self._start(resume)
             except (UserError, RunError) as e:
                 self.out.log(f"error: {e}", echo=False)  # cli_entry prints it on stderr
-                self.out.event("error", message=str(e))
-                self.out.set_status(status="failed")
+                self.out.event(rec.ErrorEvent(message=str(e)))
+                self.out.set_status(status=Status.FAILED)
                 raise
             except KeyboardInterrupt:  # a second SIGINT/SIGTERM while starting up
                 self.out.log("interrupted during start-up; nothing was trained")
-                self.out.event("stop", step=0, status="stopped")
-                self.out.set_status(status="stopped")
+                self.out.event(rec.StopEvent(step=0, status=Status.STOPPED.value))
+                self.out.set_status(status=Status.STOPPED)
                 raise
             except Exception as e:
                 return self._crashed(e)
@@ -109,8 +103,8 @@ class TrainingRun:
 
     def _crashed(self, e: BaseException) -> int:
         self.out.log("error: " + "".join(traceback.format_exception(e)).rstrip())
-        self.out.event("error", message=f"{type(e).__name__}: {e}")
-        self.out.set_status(status="failed")
+        self.out.event(rec.ErrorEvent(message=f"{type(e).__name__}: {e}"))
+        self.out.set_status(status=Status.FAILED)
         print(f"error: {type(e).__name__}: {e} (traceback in {self.out.paths.log})",
               file=sys.stderr)
         return 1
@@ -129,25 +123,24 @@ class TrainingRun:
             raise UserError(f"{self.ckpt_root}: no checkpoint verifies (see engine.log); "
                             "nothing to resume from")
         ck = load_checkpoint(path)
-        saved = ck.state["config"]
-        diff = _config_diff(saved, self.cfg)
-        diff = [d for d in diff if d != "train.max_steps"]
+        saved = parse_config(ck.state["config"], f"{path / 'state.json'}: config", path)
+        diff = [d for d in config_diff(saved, self.cfg) if d[0] != "train.max_steps"]
         if diff:
             self.out.log("resume: the checkpoint's config wins over the given one for: "
-                         + ", ".join(diff))
+                         + ", ".join(d[0] for d in diff))
         self.cfg = saved
         if self.args.max_steps is not None and self.args.max_steps < ck.step:
             raise UserError(f"--max-steps {self.args.max_steps}: the run is already at step "
                             f"{ck.step} ({path.name}); give a larger number")
-        if self.args.max_steps is not None and self.args.max_steps != saved["train"]["max_steps"]:
+        if self.args.max_steps is not None and self.args.max_steps != saved.train.max_steps:
             self.out.log(f"resume: --max-steps {self.args.max_steps} replaces the run's "
-                         f"{saved['train']['max_steps']} (the lr schedule changes with it)")
-            self.cfg["train"]["max_steps"] = self.args.max_steps
+                         f"{saved.train.max_steps} (the lr schedule changes with it)")
+            self.cfg = saved.with_max_steps(self.args.max_steps)
         self.out.log(f"resume: from {path} (step {ck.step})")
-        self.out.set_status(last_checkpoint={"path": str(path), "step": ck.step,
-                                             "reason": ck.state.get("reason")})
-        self.out.event("resume", step=ck.step, path=str(path),
-                       skipped=[{"path": str(p), "reason": str(w)} for p, w in skipped])
+        self.out.set_status(last_checkpoint=rec.CheckpointRef(
+            str(path), ck.step, str(ck.state.get("reason"))))
+        self.out.event(rec.ResumeEvent(step=ck.step, path=str(path), skipped=[
+            rec.SkippedCheckpoint(str(p), str(w)) for p, w in skipped]))
         return ck
 
     def _start(self, resume: Any) -> None:
@@ -159,23 +152,23 @@ class TrainingRun:
         from engine.runfiles import write_json_atomic
 
         cfg = self.cfg
-        write_json_atomic(self.out.paths.config, _public(cfg))
+        write_json_atomic(self.out.paths.config, cfg.to_json())
         backend, why = resolve_backend(self.args.backend)
-        self.out.log(f"andrea-train {cfg['name']} pid {os.getpid()} run {self.run_id}: {why}")
-        self.out.set_status(status="starting", step=0, max_steps=cfg["train"]["max_steps"],
+        self.out.log(f"andrea-train {cfg.name} pid {os.getpid()} run {self.run_id}: {why}")
+        self.out.set_status(status=Status.STARTING, step=0, max_steps=cfg.train.max_steps,
                             backend=backend, device="", pid=os.getpid(), run_id=self.run_id)
-        self.out.event("start", pid=os.getpid(), argv=self.argv, name=cfg["name"],
-                       backend=backend, device="", run_id=self.run_id,
-                       resumed=resume is not None)
+        self.out.event(rec.StartEvent(pid=os.getpid(), argv=self.argv, name=cfg.name,
+                                      backend=backend, device="", run_id=self.run_id,
+                                      resumed=resume is not None))
 
         def progress(msg: str) -> None:
             self.out.log(f"prep: {msg}")
-            self.out.event("prep", message=msg)
+            self.out.event(rec.PrepEvent(message=msg))
 
         prepare(cfg, progress=progress)
         self.data = load_prepared(cfg)
         self.tokenizer = self.data.tokenizer
-        self.source_names = [s["name"] for s in cfg["data"]["sources"]]
+        self.source_names = cfg.data.source_names
         self.data_identity = {
             "tokenizer_sha256": self.tokenizer.sha256,
             "tokens": {n: len(sh) for n, sh in zip(self.source_names, self.data.shards, strict=True)},
@@ -186,10 +179,10 @@ class TrainingRun:
         self.out.log(f"building the {backend} trainer")
         self.trainer = Trainer(cfg, backend)
         be = self.trainer.backend
-        self.sampler = Sampler(self.data.shards, cfg["model"]["seq_len"], cfg["train"]["seed"])
-        b = cfg["bandit"]
-        self.bandit = Bandit(self.source_names, b["phase_lengths"], b["eta"], b["floor"],
-                             b["seed"], score=b.get("score", "progress"))
+        self.sampler = Sampler(self.data.shards, cfg.model.seq_len, cfg.train.seed)
+        b = cfg.bandit
+        self.bandit = Bandit(self.source_names, list(b.phase_lengths), b.eta, b.floor, b.seed,
+                             score=b.score)
         if resume is not None:
             st = resume.state
             self.trainer.load_state(resume.params, resume.m, resume.v, st["trainer"])
@@ -203,14 +196,14 @@ class TrainingRun:
         self.writer = CheckpointWriter(self.ckpt_root)
         plan = dict(be.memory_plan())
         plan["host_checkpoint_copy"] = 3 * 4 * n
-        B, T = cfg["train"]["batch_size"], cfg["model"]["seq_len"]
-        tokens_per_step = B * T * cfg["train"]["grad_accum"]
-        self.out.log(f"model {cfg['name']}: {n:,} parameters; backend {be.name} on {be.device}")
+        self.out.log(f"model {cfg.name}: {n:,} parameters; backend {be.name} on {be.device}")
         self.out.log("memory plan: " + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in plan.items()))
-        self.out.set_status(status="running", step=self.trainer.step_count, device=be.device)
-        self.out.event("ready", memory_plan=plan, n_params=n, backend=be.name, device=be.device,
-                       step=self.trainer.step_count, max_steps=cfg["train"]["max_steps"],
-                       tokens_per_step=tokens_per_step)
+        self.out.set_status(status=Status.RUNNING, step=self.trainer.step_count,
+                            device=be.device)
+        self.out.event(rec.ReadyEvent(memory_plan=plan, n_params=n, backend=be.name,
+                                      device=be.device, step=self.trainer.step_count,
+                                      max_steps=cfg.train.max_steps,
+                                      tokens_per_step=cfg.tokens_per_step))
 
     def _check_same_data(self, saved: dict[str, Any]) -> None:
         """Bit-exact resume needs the very tokens the run trained on: refuse when they changed."""
@@ -223,17 +216,17 @@ class TrainingRun:
             if now["tokens"].get(name) != n:
                 problems.append(f"source {name}: {n} tokens -> {now['tokens'].get(name)}")
         if problems:
-            raise UserError(f"{self.cfg['data']['dir']}: the data changed since the checkpoint "
+            raise UserError(f"{self.cfg.data.dir}: the data changed since the checkpoint "
                             f"({'; '.join(problems)}); restore it, or start a new run")
 
     # -- the loop -----------------------------------------------------------------------
 
     def _loop(self) -> int:
         cfg, tr = self.cfg, self.trainer
-        max_steps = cfg["train"]["max_steps"]
-        n_micro, B = cfg["train"]["grad_accum"], cfg["train"]["batch_size"]
-        every_ckpt = cfg["checkpoint"]["every"]
-        every_sample = cfg["samples"]["every_steps"]
+        max_steps = cfg.train.max_steps
+        n_micro, B = cfg.train.grad_accum, cfg.train.batch_size
+        every_ckpt = cfg.checkpoint.every
+        every_sample = cfg.samples.every_steps
         last_print = 0.0
         while tr.step_count < max_steps and not self.flags.stop_requested:
             t0 = time.perf_counter()
@@ -245,34 +238,35 @@ class TrainingRun:
                 tokens, src = self.sampler.sample(B, weights)
                 tr.forward_backward(tokens)
                 srcs.append(src)
-            rec = tr.step()
+            done = tr.step()
             self.steps_run += 1
             step_s = time.perf_counter() - t0
             src_loss = self._src_loss(tr.row_losses, np.concatenate(srcs))
             change = self.bandit.observe(src_loss)
-            tokens_step = n_micro * B * cfg["model"]["seq_len"]
-            rec.update(tok_s=tokens_step / step_s, step_ms=step_s * 1e3, phase=phase[0],
-                       phase_step=phase[1], phase_len=phase[2],
-                       weights=self._by_source(weights),
-                       src_loss=src_loss, t=time.time())
-            self.out.loss.write(rec)
-            step = rec["step"]
-            if rec["skipped"]:
-                self.out.event("skipped", step=step, grad_norm=rec["grad_norm"])
+            record = rec.StepRecord(
+                step=done.step, loss=done.loss, grad_norm=done.grad_norm,
+                clip_scale=done.clip_scale, lr=done.lr, tokens=done.tokens,
+                tok_s=cfg.tokens_per_step / step_s, step_ms=step_s * 1e3, phase=phase[0],
+                phase_step=phase[1], phase_len=phase[2], weights=self._by_source(weights),
+                src_loss=src_loss, skipped=done.skipped, t=time.time())
+            self.out.step(record)
+            step = record.step
+            if record.skipped:
+                self.out.event(rec.SkippedEvent(step=step, grad_norm=record.grad_norm))
                 self.out.log(f"step {step}: non-finite gradient norm, update skipped")
             if change is not None:
-                self.out.event("phase", step=step, phase=change.new_phase,
-                               phase_len=change.new_length,
-                               weights=self._by_source(change.new_weights),
-                               scores=self._by_source(change.scores))
+                self.out.event(rec.PhaseEvent(
+                    step=step, phase=change.new_phase, phase_len=change.new_length,
+                    weights=self._by_source(change.new_weights),
+                    scores=self._by_source(change.scores)))
             now = time.time()
             if now - last_print >= 1.0 or step == max_steps:
                 last_print = now
-                self.out.log(f"step {step}/{max_steps} loss {rec['loss']:.4f} "
-                             f"gnorm {rec['grad_norm']:.3f} clip {rec['clip_scale']:.3f} "
-                             f"lr {rec['lr']:.2e} tok/s {rec['tok_s']:,.0f} "
+                self.out.log(f"step {step}/{max_steps} loss {record.loss:.4f} "
+                             f"gnorm {record.grad_norm:.3f} clip {record.clip_scale:.3f} "
+                             f"lr {record.lr:.2e} tok/s {record.tok_s:,.0f} "
                              f"phase {phase[0]} ({phase[1]}/{phase[2]})")
-            self.out.set_status(durable=False, status="running", step=step)
+            self.out.set_status(durable=False, status=Status.RUNNING, step=step)
             if every_sample and step % every_sample == 0:
                 self._sample(step)
             self._collect_writes()
@@ -294,25 +288,25 @@ class TrainingRun:
     def _sample(self, step: int) -> None:
         from engine.model.sampling import generate
 
-        prompts = self.cfg["samples"]["prompts"]
-        prompt = prompts[(step // self.cfg["samples"]["every_steps"]) % len(prompts)]
+        prompts = self.cfg.samples.prompts
+        prompt = prompts[(step // self.cfg.samples.every_steps) % len(prompts)]
         text = generate(self.trainer.backend, self.tokenizer, prompt, self.cfg,
-                        self.cfg["train"]["seed"], step)
-        self.out.samples.write({"step": step, "t": time.time(), "prompt": prompt, "text": text})
+                        self.cfg.train.seed, step)
+        self.out.sample(rec.Sample(step=step, t=time.time(), prompt=prompt, text=text))
 
     # -- checkpoints and signals -------------------------------------------------------------
 
     def _state(self, reason: str) -> dict[str, Any]:
         tr = self.trainer
         return {
-            "config": _public(self.cfg),
+            "config": self.cfg.to_json(),
             "data": self.data_identity,
             "trainer": tr.state_dict(),
             "sampler": self.sampler.state_dict(),
             "bandit": self.bandit.state_dict(),
             "schedule": {"step": tr.step_count, "lr": tr.lr_at(max(tr.step_count, 1)),
-                         "warmup_steps": self.cfg["optim"]["warmup_steps"],
-                         "max_steps": self.cfg["train"]["max_steps"]},
+                         "warmup_steps": self.cfg.optim.warmup_steps,
+                         "max_steps": self.cfg.train.max_steps},
             "tokens": tr.tokens,
             "run_id": self.run_id,
             "backend": tr.backend.name,
@@ -343,21 +337,22 @@ class TrainingRun:
                 self.inflight.remove(res.reason)
             if res.error is not None:
                 self.out.log(f"checkpoint ({res.reason}, step {res.step}) failed: {res.error}")
-                self.out.event("checkpoint_error", step=res.step, reason=res.reason,
-                               error=str(res.error))
+                self.out.event(rec.CheckpointErrorEvent(step=res.step, reason=res.reason,
+                                                        error=str(res.error)))
                 self.last_write_failed = True
                 continue
             self.last_write_failed = False
             info = res.info
             self.out.log(f"checkpoint {info.reason} step {info.step}: {info.path} "
                          f"({_fmt_bytes(info.bytes)} in {info.seconds:.2f} s)")
-            self.out.event("checkpoint", step=info.step, reason=info.reason, path=str(info.path),
-                           bytes=info.bytes, seconds=info.seconds)
-            self.out.set_status(last_checkpoint={"path": str(info.path), "step": info.step,
-                                                 "reason": info.reason})
+            self.out.event(rec.CheckpointEvent(step=info.step, reason=info.reason,
+                                               path=str(info.path), bytes=info.bytes,
+                                               seconds=info.seconds))
+            self.out.set_status(last_checkpoint=rec.CheckpointRef(str(info.path), info.step,
+                                                                  info.reason))
             if info.reason == "periodic":
                 # Structure checks only: hashing every checkpoint here would stall training.
-                prune_periodic(self.ckpt_root, self.cfg["checkpoint"]["keep"], check_hash=False)
+                prune_periodic(self.ckpt_root, self.cfg.checkpoint.keep, check_hash=False)
 
     def _handle_snapshot_requests(self, periodic_due: bool = False) -> bool:
         """SIGUSR1 → a snapshot at this step boundary. Requests that arrive while a snapshot is
@@ -368,10 +363,12 @@ class TrainingRun:
         step = self.trainer.step_count
         if n:
             if self.snapshot_pending or "snapshot" in self.inflight:
-                self.out.event("signal", signal="SIGUSR1", step=step, action="coalesced", count=n)
+                self.out.event(rec.SignalEvent(signal="SIGUSR1", step=step, action="coalesced",
+                                               count=n))
                 self.out.log(f"SIGUSR1 x{n}: a snapshot is already pending, coalesced")
             else:
-                self.out.event("signal", signal="SIGUSR1", step=step, action="snapshot", count=n)
+                self.out.event(rec.SignalEvent(signal="SIGUSR1", step=step, action="snapshot",
+                                               count=n))
                 self.out.log(f"SIGUSR1 x{n}: snapshot at step {step}")
                 self.snapshot_pending = True
         if self.snapshot_pending and (periodic_due or not self.writer.busy):
@@ -385,8 +382,8 @@ class TrainingRun:
         n = self.flags.take_snapshot_requests() + int(self.snapshot_pending)
         self.snapshot_pending = False
         if n:
-            self.out.event("signal", signal="SIGUSR1", step=self.trainer.step_count,
-                           action="coalesced", count=n)
+            self.out.event(rec.SignalEvent(signal="SIGUSR1", step=self.trainer.step_count,
+                                           action="coalesced", count=n))
             self.out.log(f"SIGUSR1 x{n}: covered by the {into} checkpoint")
 
     def _finish(self, max_steps: int) -> int:
@@ -394,17 +391,17 @@ class TrainingRun:
         self.last_write_failed = False
         if self.flags.stop_requested and self.steps_run == 0:
             sig = self.flags.stop_name
-            self.out.event("signal", signal=sig, step=step, action="stop")
+            self.out.event(rec.SignalEvent(signal=sig, step=step, action="stop"))
             self.out.log(f"{sig} before any step: stopping without a new checkpoint")
-            status = "stopped"
+            status = Status.STOPPED
         elif self.flags.stop_requested and step < max_steps:
             sig = self.flags.stop_name
-            self.out.event("signal", signal=sig, step=step, action="stop")
+            self.out.event(rec.SignalEvent(signal=sig, step=step, action="stop"))
             self.out.log(f"{sig}: writing a stop checkpoint at step {step}")
-            self.out.set_status(status="stopping")
+            self.out.set_status(status=Status.STOPPING)
             self._coalesce_pending_snapshots("stop")
             self._checkpoint("stop", wait=True)
-            status = "failed" if self.last_write_failed else "stopped"
+            status = Status.FAILED if self.last_write_failed else Status.STOPPED
         else:
             self._coalesce_pending_snapshots("final")
             if self._has_final(step):
@@ -413,11 +410,12 @@ class TrainingRun:
                 self._collect_writes()
             else:
                 self._checkpoint("final", wait=True)
-            status = "failed" if self.last_write_failed else "finished"
-        self.out.event("stop" if status != "finished" else "finished", step=step, status=status)
+            status = Status.FAILED if self.last_write_failed else Status.FINISHED
+        end = rec.FinishedEvent if status is Status.FINISHED else rec.StopEvent
+        self.out.event(end(step=step, status=status.value))
         self.out.set_status(status=status, step=step)
         self.out.log(f"{status} at step {step}")
-        return 0 if status in ("stopped", "finished") else 1
+        return 0 if status in (Status.STOPPED, Status.FINISHED) else 1
 
     def _has_final(self, step: int) -> bool:
         from engine.run.checkpoint import list_checkpoints

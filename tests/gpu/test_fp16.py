@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
 
 
 def tokens(cfg: dict, seed: int) -> np.ndarray:
-    B, T = cfg["train"]["batch_size"], cfg["model"]["seq_len"]
+    B, T = cfg.train.batch_size, cfg.model.seq_len
     return np.random.default_rng(seed).integers(0, 8449, (B, T + 1), dtype=np.int32)
 
 
@@ -31,22 +31,22 @@ def test_fp16_step_tracks_numpy_and_overflow_halves_the_scale() -> None:
     ref = engine.Trainer(cfg, backend="numpy")  # computes in fp32
     assert gpu.scaler.enabled and gpu.scaler.scale == 2.0**16
     a, b = one_step(gpu, 0), one_step(ref, 0)
-    assert a["skipped"] is False
-    assert abs(a["loss"] - b["loss"]) / b["loss"] < 1e-2  # fp16 activations: ~1e-3 measured
-    assert abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"] < 5e-2
+    assert a.skipped is False
+    assert abs(a.loss - b.loss) / b.loss < 1e-2  # fp16 activations: ~1e-3 measured
+    assert abs(a.grad_norm - b.grad_norm) / b.grad_norm < 5e-2
 
     m, v = gpu.backend.read_optimizer()
     before = gpu.params.copy(), m.copy(), v.copy()
     gpu.scaler.scale = 2.0**40  # the scaled loss gradient overflows fp16
     rec = one_step(gpu, 1)
-    assert rec["skipped"] is True and not np.isfinite(rec["grad_norm"])
+    assert rec.skipped is True and not np.isfinite(rec.grad_norm)
     assert gpu.scaler.scale == 2.0**39 and gpu.skipped_steps == 1
     m, v = gpu.backend.read_optimizer()
     for x, y in zip(before, (gpu.params, m, v), strict=True):
         assert np.array_equal(x, y)  # the skipped step changed nothing
     gpu.scaler.scale = 2.0**16
     rec = one_step(gpu, 2)
-    assert rec["skipped"] is False and np.isfinite(rec["grad_norm"])
+    assert rec.skipped is False and np.isfinite(rec.grad_norm)
     assert not np.array_equal(before[0], gpu.params)
 
 

@@ -19,7 +19,7 @@ KEYS = ("step", "loss", "grad_norm", "clip_scale", "lr", "tokens", "phase", "wei
 
 
 def trajectory(run: Path) -> list[tuple]:
-    return [tuple(json.dumps(r[k], sort_keys=True) for k in KEYS) for r in loss_records(run)]
+    return [tuple(json.dumps(getattr(r, k), sort_keys=True) for k in KEYS) for r in loss_records(run)]
 
 
 def test_sigterm_resume_on_gpu_is_bit_exact(tmp_path: Path, prepared_data: Path) -> None:
@@ -38,7 +38,7 @@ def test_sigterm_resume_on_gpu_is_bit_exact(tmp_path: Path, prepared_data: Path)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out
     assert json.loads((run / "state.json").read_text())["status"] == "stopped"
-    stopped_at = max(r["step"] for r in loss_records(run))
+    stopped_at = max(r.step for r in loss_records(run))
     assert stopped_at < N
     r = run_engine(cfg, run, "--resume", *CUDA)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -62,12 +62,12 @@ def test_checkpoint_moves_between_gpu_and_cpu(first: str, then: str, tmp_path: P
     wait_for_step(run2, K, proc)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 0
-    k = max(r["step"] for r in loss_records(run2))
+    k = max(r.step for r in loss_records(run2))
     r = run_engine(cfg, run2, "--resume", "--backend", then)
     assert r.returncode == 0, r.stdout + r.stderr
     state = json.loads((run2 / "state.json").read_text())
     assert state["backend"] == then and state["status"] == "finished"
-    ref = {x["step"]: x["loss"] for x in loss_records(straight)}
-    got = {x["step"]: x["loss"] for x in loss_records(run2)}
+    ref = {x.step: x.loss for x in loss_records(straight)}
+    got = {x.step: x.loss for x in loss_records(run2)}
     assert sorted(got) == list(range(1, N + 1))
     assert max(abs(got[s] - ref[s]) for s in range(k + 1, N + 1)) < 1e-3

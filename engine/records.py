@@ -1,0 +1,597 @@
+"""The run-directory contract as code (DESIGN §7): every record the engine writes and the app reads.
+
+One typed class per record: the `loss.jsonl` step record, each `events.jsonl` event kind, a
+`samples.jsonl` sample, the run's `state.json` and `engine.json`. Each class has one writer-side
+`to_json()` (the exact fields on disk) and one tolerant reader-side `from_json()`: a field that is
+missing, of the wrong type or out of range becomes a neutral value (NaN, None, empty), and a
+record that cannot be used at all (no valid step, not an object, an unknown status) comes back as
+an `Unreadable` value that says why — never an exception. Readers ignore fields they do not know.
+
+The abandoned-timeline rule (`abandoned`) lives here too, once, for every reader.
+
+Standard library only: the engine, the app, the checkpoint tools and the tests all import it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from enum import Enum
+from typing import Any, ClassVar
+
+STEP_MAX = 2**63 - 1  # steps are int64 wherever they are stored
+
+
+# ---------------------------------------------------------------- reading helpers
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """A record the reader could not use; falsy, and says why."""
+
+    what: str
+    reason: str
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __str__(self) -> str:
+        return f"unreadable {self.what}: {self.reason}"
+
+
+def as_int(x: Any, lo: int = -STEP_MAX, hi: int = STEP_MAX) -> int | None:
+    """An int in [lo, hi] (bool is not an int here), else None."""
+    if isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi:
+        return x
+    return None
+
+
+def as_float(x: Any) -> float:
+    """A number as float (NaN and infinities kept: a skipped step logs them); else NaN."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return math.nan
+    try:
+        return float(x)
+    except OverflowError:  # an int beyond float range
+        return math.inf if x > 0 else -math.inf
+
+
+def as_finite(x: Any) -> float | None:
+    """A finite number as float, else None."""
+    f = as_float(x)
+    return f if math.isfinite(f) else None
+
+
+def as_str(x: Any, default: str = "") -> str:
+    return x if isinstance(x, str) else default
+
+
+def as_opt_str(x: Any) -> str | None:
+    return x if isinstance(x, str) else None
+
+
+def as_number_map(x: Any) -> dict[str, float]:
+    """{name: finite float}: entries with other values are left out."""
+    if not isinstance(x, Mapping):
+        return {}
+    out = {}
+    for k, v in x.items():
+        f = as_finite(v)
+        if f is not None:
+            out[str(k)] = f
+    return out
+
+
+def as_optional_number_map(x: Any) -> dict[str, float | None]:
+    """{name: finite float or None} (a source with no sequence this step logs null)."""
+    if not isinstance(x, Mapping):
+        return {}
+    return {str(k): as_finite(v) for k, v in x.items()}
+
+
+def _valid_step(x: Any) -> int | None:
+    return as_int(x, 0, STEP_MAX)
+
+
+# ---------------------------------------------------------------- the step record (loss.jsonl)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One optimizer step (a line of `loss.jsonl`).
+
+    `grad_norm` is the global L2 norm before clipping; `clip_scale` 1.0 or max_norm/grad_norm;
+    `tokens` cumulative; `phase_step` 1-based inside a bandit phase of `phase_len` steps;
+    `weights` source → mixture weight; `src_loss` source → mean loss of its rows this step (None
+    when it had none); `skipped` a non-finite step whose update was skipped; `t` unix time.
+    """
+
+    step: int
+    loss: float
+    grad_norm: float
+    clip_scale: float
+    lr: float
+    tokens: int | None
+    tok_s: float
+    step_ms: float
+    phase: int | None
+    phase_step: int | None
+    phase_len: int | None
+    weights: dict[str, float]
+    src_loss: dict[str, float | None]
+    skipped: bool
+    t: float
+
+    NUMERIC: ClassVar[tuple[str, ...]] = (
+        "loss", "grad_norm", "clip_scale", "lr", "tokens", "tok_s", "step_ms", "t")
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> StepRecord | Unreadable:
+        if not isinstance(obj, Mapping):
+            return Unreadable("step record", f"not an object ({type(obj).__name__})")
+        step = _valid_step(obj.get("step"))
+        if step is None:
+            return Unreadable("step record", f"no valid step ({obj.get('step')!r:.40})")
+        return cls(
+            step=step, loss=as_float(obj.get("loss")), grad_norm=as_float(obj.get("grad_norm")),
+            clip_scale=as_float(obj.get("clip_scale")), lr=as_float(obj.get("lr")),
+            tokens=as_int(obj.get("tokens"), 0), tok_s=as_float(obj.get("tok_s")),
+            step_ms=as_float(obj.get("step_ms")), phase=as_int(obj.get("phase"), 0),
+            phase_step=as_int(obj.get("phase_step"), 0), phase_len=as_int(obj.get("phase_len"), 0),
+            weights=as_number_map(obj.get("weights")),
+            src_loss=as_optional_number_map(obj.get("src_loss")),
+            skipped=obj.get("skipped") is True, t=as_float(obj.get("t")),
+        )
+
+    def number(self, name: str) -> float:
+        """A numeric field as float (an unknown token count reads as NaN)."""
+        v = getattr(self, name)
+        return math.nan if v is None else float(v)
+
+
+# ---------------------------------------------------------------- the abandoned timeline
+
+
+def abandoned(step: Any, t: Any, resume_step: Any, resume_t: Any) -> Any:
+    """The abandoned-timeline rule: after a crash the engine resumes from its newest checkpoint,
+    at step k, at time t_r; records it had written past k before t_r describe a future that never
+    happened. True for such a record (a record with an unknown time, NaN, is kept).
+
+    Written with `&` so it holds for plain numbers and, element-wise, for numpy arrays alike.
+    """
+    return (step > resume_step) & (t < resume_t)
+
+
+def drop_abandoned(records: Iterable[StepRecord],
+                   resumes: Iterable[ResumeEvent]) -> list[StepRecord]:
+    """The step records that belong to the surviving timeline."""
+    points = [(r.step, r.t) for r in resumes if math.isfinite(r.t)]
+    return [r for r in records
+            if not any(abandoned(r.step, r.t, k, tr) for k, tr in points)]
+
+
+def latest_by_step(records: Iterable[StepRecord]) -> list[StepRecord]:
+    """One record per step, the later one winning (a resumed run re-logs steps), by step."""
+    by_step: dict[int, StepRecord] = {}
+    for r in records:
+        by_step[r.step] = r
+    return [by_step[s] for s in sorted(by_step)]
+
+
+# ---------------------------------------------------------------- events (events.jsonl)
+
+
+@dataclass(frozen=True)
+class Event:
+    """An `events.jsonl` record: `t` (unix time) and the kind in `event`, then its fields."""
+
+    KIND: ClassVar[str] = ""
+    KINDS: ClassVar[dict[str, type[Event]]] = {}
+
+    t: float = math.nan  # the writer stamps it (engine.run.writer.RunWriter.event)
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        if cls.KIND:
+            Event.KINDS[cls.KIND] = cls
+
+    @property
+    def kind(self) -> str:
+        return self.KIND
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"t": self.t, "event": self.kind}
+        out.update((f.name, getattr(self, f.name)) for f in fields(self) if f.name != "t")
+        return out
+
+    def details(self) -> dict[str, Any]:
+        """The kind's own fields (everything but `t`)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "t"}
+
+    @classmethod
+    def _read(cls, obj: Mapping[str, Any], t: float) -> Event:
+        raise NotImplementedError  # every kind reads its own fields
+
+    @staticmethod
+    def from_json(obj: Any) -> Event | Unreadable:
+        if not isinstance(obj, Mapping):
+            return Unreadable("event", f"not an object ({type(obj).__name__})")
+        kind = obj.get("event")
+        if not isinstance(kind, str) or not kind:
+            return Unreadable("event", "no `event` kind")
+        t = as_float(obj.get("t"))
+        sub = Event.KINDS.get(kind)
+        if sub is None:
+            return OtherEvent(t, kind[:64], {str(k): v for k, v in obj.items()
+                                             if k not in ("t", "event")})
+        return sub._read(obj, t)
+
+
+@dataclass(frozen=True)
+class OtherEvent(Event):
+    """An event kind this version does not know (a newer engine's): kept for display."""
+
+    name: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def kind(self) -> str:
+        return self.name
+
+    def to_json(self) -> dict[str, Any]:
+        return {"t": self.t, "event": self.name, **self.extra}
+
+    def details(self) -> dict[str, Any]:
+        return dict(self.extra)
+
+
+@dataclass(frozen=True)
+class StartEvent(Event):
+    KIND: ClassVar[str] = "start"
+    pid: int | None = None
+    argv: list[str] = field(default_factory=list)
+    name: str = ""
+    backend: str = ""
+    device: str = ""
+    run_id: str = ""
+    resumed: bool = False
+
+    @classmethod
+    def _read(cls, o: Mapping[str, Any], t: float) -> StartEvent:
+        argv = o.get("argv")
+        return cls(t, as_int(o.get("pid"), 0), [str(a) for a in argv] if isinstance(argv, list)
+                   else [], as_str(o.get("name")), as_str(o.get("backend")),
+                   as_str(o.get("device")), as_str(o.get("run_id")), o.get("resumed") is True)
+
+
+@dataclass(frozen=True)
+class PrepEvent(Event):
+    KIND: ClassVar[str] = "prep"
+    message: str = ""
+
+    @classmethod
+    def _read(cls, o: Mapping[str, Any], t: float) -> PrepEvent:
+        return cls(t, as_str(o.get("message")))
+
+
+@dataclass(frozen=True)
+class ReadyEvent(Event):
+    """The engine built everything and is about to train: the memory plan (bytes per group)."""
+
+    KIND: ClassVar[str] = "ready"
+    memory_plan: dict[str, int] = field(default_factory=dict)
+    n_params: int | None = None
+    backend: str = ""
+    device: str = ""
+    step: int | None = None
+    max_steps: int | None = None
+    tokens_per_step: int | None = None
+
+    @classmethod
+    def _read(cls, o: Mapping[str, Any], t: float) -> ReadyEvent:
+        plan = o.get("memory_plan")
+        plan_ok = ({str(k): v for k, v in plan.items() if as_int(v, 0) is not None}
+                   if isinstance(plan, Mapping) else {})
+        return cls(t, plan_ok, as_int(o.get("n_params"), 0), as_str(o.get("backend")),
+                   as_str(o.get("device")), _valid_step(o.get("step")),
+                   as_int(o.get("max_steps"), 1), as_int(o.get("tokens_per_step"), 1))
+
+
+@dataclass(frozen=True)
+class SkippedCheckpoint:
+    """A checkpoint a resume passed over, and why."""
+
+    path: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class ResumeEvent(Event):
+    """The run continues from checkpoint `path` at `step` (records past it written before `t`
+    are an abandoned timeline)."""
+
+    KIND: ClassVar[str] = "resume"
+    step: int = 0
+    path: str = ""
+    skipped: list[SkippedCheckpoint] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"t": self.t, "event": self.KIND, "step": self.step, "path": self.path,
+                "skipped": [{"path": s.path, "reason": s.reason} for s in self.skipped]}
+
+    @classmethod
+    def _read(cls, o: Mapping[str, Any], t: float) -> ResumeEvent | Unreadable:
+        step = _valid_step(o.get("step"))
+        if step is None or not math.isfinite(t):
+            return Unreadable("resume event", "no valid step or time")
+        sk = o.get("skipped")
+        skipped = [SkippedCheckpoint(as_str(s.get("path")), as_str(s.get("reason")))
+                   for s in sk if isinstance(s, Mapping)] if isinstance(sk, list) else []
+        return cls(t, step, as_str(o.get("path")), skipped)
+
+
+@dataclass(frozen=True)
+class SignalEvent(Event):
+    """A signal the loop acted on: `action` is snapshot, coalesced or stop."""
+
+    KIND: ClassVar[str] = "signal"
+    ACTIONS: ClassVar[tuple[str, ...]] = ("snapshot", "coalesced", "stop")
+    signal: str = ""
+    step: int | None = None
+    action: str = ""
+    count: int | None = None
+
+    @classmethod
+    def _read(cls, o: Mapping[str, Any], t: float) -> SignalEvent:
+        return cls(t, as_str(o.get("signal")), _valid_step(o.get("step")),
+                   as_str(o.get("action")), as_int(o.get("count"), 0))
+
+
+@dataclass(frozen=True)
+class CheckpointEvent(Event):
+    """A checkpoint committed: `reason` periodic, snapshot, stop or final."""
+
+    KIND: ClassVar[str] = "checkpoint"
+    step: int = 0
+    reason: str = ""
+    path: str = ""
+    bytes: int | None = None
+    seconds: float | None = None
+
+    @classmethod
+    def _read(cls, o: Mapping[str, Any], t: float) -> CheckpointEvent | Unreadable:
+        step = _valid_step(o.get("step"))
+        if step is None:
+            return Unreadable("checkpoint event", "no valid step")
+        return cls(t, step, as_str(o.get("reason")), as_str(o.get("path")),
+                   as_int(o.get("bytes"), 0), as_finite(o.get("seconds")))
+
+
+@dataclass(frozen=True)
+class CheckpointErrorEvent(Event):
+    KIND: ClassVar[str] = "checkpoint_error"
+    step: int | None = None
+    reason: str = ""
+    error: str = ""
+
+    @classmethod
+    def _read(cls, o: Mapping[str, Any], t: float) -> CheckpointErrorEvent:
+        return cls(t, _valid_step(o.get("step")), as_str(o.get("reason")), as_str(o.get("error")))
+
+
+@dataclass(frozen=True)
+class PhaseEvent(Event):
+    """The bandit began phase `phase` of `phase_len` steps after `step`, with these weights
+    (and the scores of the phase that ended)."""
+
+    KIND: ClassVar[str] = "phase"
+    step: int = 0
+    phase: int = 0
+    phase_len: int | None = None
+    weights: dict[str, float] = field(default_factory=dict)
+    scores: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def _read(cls, o: Mapping[str, Any], t: float) -> PhaseEvent | Unreadable:
+        step, phase = _valid_step(o.get("step")), as_int(o.get("phase"), 0)
+        if step is None or phase is None:
+            return Unreadable("phase event", "no valid step or phase")
+        return cls(t, step, phase, as_int(o.get("phase_len"), 1), as_number_map(o.get("weights")),
+                   as_number_map(o.get("scores")))
+
+
+@dataclass(frozen=True)
+class SkippedEvent(Event):
+    """A non-finite gradient norm: the update of `step` was skipped."""
+
+    KIND: ClassVar[str] = "skipped"
+    step: int | None = None
+    grad_norm: float = math.nan
+
+    @classmethod
+    def _read(cls, o: Mapping[str, Any], t: float) -> SkippedEvent:
+        return cls(t, _valid_step(o.get("step")), as_float(o.get("grad_norm")))
+
+
+@dataclass(frozen=True)
+class StopEvent(Event):
+    """The run ended before max_steps (stopped, or failed while stopping)."""
+
+    KIND: ClassVar[str] = "stop"
+    step: int | None = None
+    status: str = ""
+
+    @classmethod
+    def _read(cls, o: Mapping[str, Any], t: float) -> StopEvent:
+        return cls(t, _valid_step(o.get("step")), as_str(o.get("status")))
+
+
+@dataclass(frozen=True)
+class FinishedEvent(StopEvent):
+    """The run reached max_steps."""
+
+    KIND: ClassVar[str] = "finished"
+
+
+@dataclass(frozen=True)
+class ErrorEvent(Event):
+    KIND: ClassVar[str] = "error"
+    message: str = ""
+
+    @classmethod
+    def _read(cls, o: Mapping[str, Any], t: float) -> ErrorEvent:
+        return cls(t, as_str(o.get("message")))
+
+
+# ---------------------------------------------------------------- samples (samples.jsonl)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """A text generated at `step` from `prompt`."""
+
+    step: int | None
+    t: float
+    prompt: str
+    text: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "t": self.t, "prompt": self.prompt, "text": self.text}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> Sample | Unreadable:
+        if not isinstance(obj, Mapping) or not isinstance(obj.get("text"), str):
+            return Unreadable("sample", "not an object with a text")
+        return cls(_valid_step(obj.get("step")), as_float(obj.get("t")),
+                   as_str(obj.get("prompt")), obj["text"])
+
+
+# ---------------------------------------------------------------- the run's status (state.json)
+
+
+class Status(str, Enum):
+    """A run's status in `state.json`; `live` ones have (or should have) an engine behind them."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+    @property
+    def live(self) -> bool:
+        return self in LIVE_STATUSES
+
+    def __str__(self) -> str:
+        return self.value
+
+
+LIVE_STATUSES = frozenset({Status.STARTING, Status.RUNNING, Status.STOPPING})
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    """Where the newest checkpoint of a run is."""
+
+    path: str
+    step: int
+    reason: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "step": self.step, "reason": self.reason}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> CheckpointRef | None:
+        if not isinstance(obj, Mapping):
+            return None
+        step = _valid_step(obj.get("step"))
+        if step is None:
+            return None
+        return cls(as_str(obj.get("path")), step, as_str(obj.get("reason")))
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    """`state.json`: replaced atomically by the engine as the run moves on."""
+
+    status: Status
+    step: int = 0
+    max_steps: int | None = None
+    backend: str = ""
+    device: str = ""
+    pid: int | None = None
+    run_id: str = ""
+    last_checkpoint: CheckpointRef | None = None
+    updated: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"status": self.status.value, "step": self.step, "max_steps": self.max_steps,
+                "backend": self.backend, "device": self.device, "pid": self.pid,
+                "run_id": self.run_id,
+                "last_checkpoint": self.last_checkpoint.to_json() if self.last_checkpoint
+                else None, "updated": self.updated}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> RunStatus | Unreadable:
+        if not isinstance(obj, Mapping):
+            return Unreadable("state.json", f"not an object ({type(obj).__name__})")
+        try:
+            status = Status(obj.get("status"))
+        except ValueError:
+            return Unreadable("state.json", f"unknown status {obj.get('status')!r:.40}")
+        step = _valid_step(obj.get("step"))
+        return cls(status, step if step is not None else 0, as_int(obj.get("max_steps"), 1),
+                   as_str(obj.get("backend")), as_str(obj.get("device")),
+                   as_int(obj.get("pid"), 1), as_str(obj.get("run_id")),
+                   CheckpointRef.from_json(obj.get("last_checkpoint")),
+                   as_finite(obj.get("updated")))
+
+
+# ---------------------------------------------------------------- the engine's identity
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """`engine.json`: who the engine of a run directory is, for verified control (DESIGN §8):
+    `start_time` is field 22 of /proc/PID/stat (clock ticks since boot), `boot_id` the kernel's."""
+
+    pid: int
+    start_time: int | None  # None where /proc gave none (then no controller can verify it)
+    boot_id: str
+    host: str = ""
+    run_id: str = ""
+    argv: list[str] = field(default_factory=list)
+    started_at: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> EngineInfo | Unreadable:
+        if not isinstance(obj, Mapping):
+            return Unreadable("engine.json", f"not an object ({type(obj).__name__})")
+        pid, boot = as_int(obj.get("pid"), -(2**31), 2**31 - 1), as_opt_str(obj.get("boot_id"))
+        if pid is None or boot is None:
+            return Unreadable("engine.json", f"pid: expected an integer, got "
+                              f"{obj.get('pid')!r:.40}" if pid is None else "no boot_id")
+        argv = obj.get("argv")
+        return cls(pid, as_int(obj.get("start_time"), 0), boot, as_str(obj.get("host")), as_str(obj.get("run_id")),
+                   [str(a) for a in argv] if isinstance(argv, list) else [],
+                   as_finite(obj.get("started_at")))
+
+
+def parse_all(reader: Any, objects: Iterable[Any]) -> tuple[list[Any], int]:
+    """`reader.from_json` over `objects`: (the readable records, how many were not)."""
+    out, bad = [], 0
+    for o in objects:
+        r = reader.from_json(o)
+        if isinstance(r, Unreadable):
+            bad += 1
+        else:
+            out.append(r)
+    return out, bad
