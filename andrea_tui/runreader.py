@@ -60,6 +60,8 @@ class RunReader:
         """Everything in loss.jsonl so far, prepared for `RunState.set_history` (thread-safe:
         touches only the loss tail, which nothing else reads until this returns)."""
         records = self.loss.read_new()
+        while self.loss.more:
+            records += self.loss.read_new()
         return LossHistory.build(records, self.state.series.ema_alpha, list(self.state.resumes))
 
     # ------------------------------------------------------------ following

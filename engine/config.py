@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import glob
-import json
 import math
 import re
 from collections.abc import Callable
@@ -21,12 +20,14 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from engine import jsonio
 from engine.errors import UserError
 
 BUILTIN_SOURCES = ("python-reference", "stdlib-docstrings", "stdlib-code")
 PRECISIONS = ("fp32", "bf16", "fp16")
 SOURCE_FORMATS = ("auto", "text", "jsonl")
 BANDIT_SCORES = ("progress", "loss")
+TOKENIZER_BYTES = 64 << 20  # an 8449-id BPE tokenizer is about 0.5 MB
 DESCRIPTION_MAX = 4096  # characters: a description travels into every checkpoint's state.json
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -309,19 +310,10 @@ def load_config(path: str | Path) -> Config:
     """Read, validate and resolve an experiment config; raises ConfigError (exit status 2)."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{path}: is a directory, expected a JSON config file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read: {e}") from None
-    try:
-        raw = json.loads(text, object_pairs_hook=_no_duplicate_keys)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: line {e.lineno} column {e.colno}: invalid JSON: {e.msg}") from None
-    except ValueError as e:
-        raise ConfigError(f"{path}: invalid JSON: {e}") from None
+        raw = jsonio.load_file(p, max_bytes=jsonio.CONFIG_BYTES,
+                               object_pairs_hook=_no_duplicate_keys)
+    except jsonio.JsonError as e:
+        raise ConfigError(str(e)) from None
     return parse_config(raw, str(path), p.resolve().parent)
 
 
@@ -383,10 +375,10 @@ def _resolve_paths(cfg: Config, base: Path, fail: Fail) -> Config:
 def tokenizer_vocab_size(path: Path) -> int | None:
     """Number of ids in a HF tokenizer JSON (model vocab plus added tokens), or None if foreign."""
     try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
+        obj = jsonio.load_file(path, max_bytes=TOKENIZER_BYTES)
         ids = set(obj["model"]["vocab"].values())
         ids.update(t["id"] for t in obj.get("added_tokens", []))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+    except (jsonio.JsonError, KeyError, TypeError, AttributeError):
         return None
     return len(ids)
 

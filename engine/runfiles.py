@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine import jsonio
 from engine.errors import UserError
 from engine.records import (
     Event,
@@ -35,8 +36,9 @@ SAMPLES = "samples.jsonl"
 STATE = "state.json"
 CHECKPOINTS = "checkpoints"
 
-STATUSES = ("starting", "running", "stopping", "stopped", "finished", "failed")
-LIVE_STATUSES = ("starting", "running", "stopping")
+SMALL_JSON_BYTES = 1 << 20  # state.json, engine.json, config.json: a few KB each
+MAX_LINE_BYTES = 1 << 20  # a record is a few hundred bytes; a longer line is not one of ours
+CHUNK_BYTES = 4 << 20  # what one read of a growing file takes at most
 
 
 @dataclass(frozen=True)
@@ -143,11 +145,12 @@ class JsonlWriter:
 # ---------------------------------------------------------------- reading (TUI and tools)
 
 
-def read_json(path: Path) -> dict[str, Any] | None:
-    """A JSON object from `path`, or None when it is missing, unreadable or not an object."""
+def read_json(path: Path, max_bytes: int = SMALL_JSON_BYTES) -> dict[str, Any] | None:
+    """A JSON object from `path`, or None when it is missing, unreadable, too large, too deep
+    or not an object."""
     try:
-        obj = json.loads(Path(path).read_bytes())
-    except (OSError, ValueError):
+        obj = jsonio.load_file(Path(path), max_bytes=max_bytes)
+    except jsonio.JsonError:
         return None
     return obj if isinstance(obj, dict) else None
 
@@ -161,7 +164,7 @@ def parse_lines(lines: Iterable[bytes]) -> tuple[list[dict[str, Any]], int]:
             continue
         try:
             obj = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             bad += 1
             continue
         if isinstance(obj, dict):
@@ -172,41 +175,61 @@ def parse_lines(lines: Iterable[bytes]) -> tuple[list[dict[str, Any]], int]:
 
 
 class JsonlTail:
-    """Incremental reader of a JSONL file that another process appends to.
+    """Incremental reader of a JSONL file that another process appends to, in bounded steps.
 
-    `read_new()` returns the records completed since the last call. A torn last line waits for
-    its end; a file that shrank (truncated) or was replaced (new inode) is read again from the
-    start, and `reset` is set so the caller can drop what it had.
+    `read_new()` returns the records completed since the last call, reading at most `max_bytes`
+    of the file (`more` says whether bytes are left). A torn last line waits for its end; a line
+    longer than `max_line` is skipped and counted in `bad_lines` (its bytes are never held); a
+    file that shrank (truncated) or was replaced (new inode) is read again from the start, and
+    `reset` is set so the caller can drop what it had.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, max_line: int = MAX_LINE_BYTES) -> None:
         self.path = Path(path)
+        self.max_line = max_line
         self._ino: int | None = None
         self._offset = 0
         self._partial = b""
+        self._skipping = False  # inside an over-long line: drop bytes up to its newline
         self.bad_lines = 0
         self.reset = False
+        self.more = False
 
-    def read_new(self, max_bytes: int | None = None) -> list[dict[str, Any]]:
+    def read_new(self, max_bytes: int = CHUNK_BYTES) -> list[dict[str, Any]]:
         self.reset = False
+        self.more = False
         try:
             st = os.stat(self.path)
         except OSError:
             return []
         if self._ino is not None and (st.st_ino != self._ino or st.st_size < self._offset):
             self.reset = True
-            self._offset, self._partial = 0, b""
+            self._offset, self._partial, self._skipping = 0, b"", False
         self._ino = st.st_ino
         if st.st_size == self._offset:
             return []
         try:
             with open(self.path, "rb") as f:
                 f.seek(self._offset)
-                data = f.read(max_bytes) if max_bytes else f.read()
+                data = f.read(max_bytes)
         except OSError:
             return []
         self._offset += len(data)
-        *complete, self._partial = (self._partial + data).split(b"\n")
+        self.more = self._offset < st.st_size
+        if self._skipping:
+            cut = data.find(b"\n")
+            if cut < 0:
+                return []
+            data, self._skipping = data[cut + 1 :], False
+        *complete, partial = (self._partial + data).split(b"\n")
+        if len(partial) > self.max_line:
+            self.bad_lines += 1
+            partial, self._skipping = b"", True
+        self._partial = partial
+        long = [ln for ln in complete if len(ln) > self.max_line]
+        if long:
+            self.bad_lines += len(long)
+            complete = [ln for ln in complete if len(ln) <= self.max_line]
         records, bad = parse_lines(complete)
         self.bad_lines += bad
         return records
@@ -216,6 +239,8 @@ def read_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
     """All complete records of a JSONL file and the count of corrupt lines (torn tail ignored)."""
     tail = JsonlTail(path)
     records = tail.read_new()
+    while tail.more:
+        records += tail.read_new()
     return records, tail.bad_lines
 
 

@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from engine import jsonio
 from engine.config import Config, SourceConfig, load_config
 from engine.data.builtin import even_selection
 from engine.data.shards import Shard, open_shard, write_shard
@@ -57,8 +58,8 @@ def shard_path(data_dir: Path, name: str) -> Path:
 
 def _read_manifest(path: Path) -> dict:
     try:
-        m = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        m = jsonio.load_file(path, max_bytes=jsonio.STATE_BYTES)
+    except jsonio.JsonError:
         return {}  # missing or damaged: everything is redone, which is always safe
     return m if isinstance(m, dict) and m.get("version") == MANIFEST_VERSION else {}
 

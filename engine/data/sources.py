@@ -121,6 +121,8 @@ def _iter_jsonl(path: Path) -> Iterator[str]:
                 raise UserError(
                     f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})"
                 ) from None
+            except RecursionError:
+                raise UserError(f"{path}:{lineno}: JSON nested too deeply") from None
             yield render_conversation(record, f"{path}:{lineno}")
 
 

@@ -18,6 +18,8 @@ import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from engine import jsonio
+from engine.config import TOKENIZER_BYTES
 from engine.errors import UserError
 
 EOT = "<|endoftext|>"
@@ -153,13 +155,14 @@ def load_tokenizer(path: str | os.PathLike, vocab_size: int = DEFAULT_VOCAB_SIZE
     if not path.is_file():
         raise UserError(f"{path}: tokenizer file not found (run andrea-prep CONFIG.json)")
     try:
-        spec = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"{path}: not a tokenizer JSON file ({e})") from None
+        spec = jsonio.load_file(path, max_bytes=TOKENIZER_BYTES)
+    except jsonio.JsonError as e:
+        raise UserError(f"not a tokenizer JSON file: {e}") from None
     model = spec.get("model") if isinstance(spec, dict) else None
     if not isinstance(model, dict) or model.get("type") != "BPE":
         raise UserError(f"{path}: model: expected a byte-level BPE tokenizer, got another kind")
-    pre = spec.get("pre_tokenizer") or {}
+    pre = spec.get("pre_tokenizer")
+    pre = pre if isinstance(pre, dict) else {}
     if pre.get("type") != "ByteLevel":
         raise UserError(
             f"{path}: pre_tokenizer: expected ByteLevel, got {pre.get('type', 'none')}"

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from engine import jsonio
 from engine.errors import RunError, UserError
 from engine.runfiles import CHECKPOINTS, fsync_dir
 
@@ -331,9 +332,9 @@ def _check_structure_unguarded(path: Path) -> tuple[dict[str, Any], int]:
         if not f.is_file():
             raise CheckpointInvalid(f"{f}: missing")
     try:
-        doc = json.loads(state_path.read_bytes())
-    except (OSError, ValueError) as e:
-        raise CheckpointInvalid(f"{state_path}: unparsable JSON ({e})") from None
+        doc = jsonio.load_file(state_path, max_bytes=jsonio.STATE_BYTES)
+    except jsonio.JsonError as e:
+        raise CheckpointInvalid(f"unparsable JSON: {e}") from None
     if not isinstance(doc, dict):
         raise CheckpointInvalid(f"{state_path}: expected a JSON object")
     for k in _CORE_FIELDS:
@@ -407,9 +408,9 @@ def _entry(path: Path, check_hash: bool) -> CheckpointEntry:
     mt = _NAME_RE.match(path.name)
     step = int(mt.group(1)) if mt else -1
     try:
-        doc = json.loads((path / STATE_FILE).read_bytes())
+        doc = jsonio.load_file(path / STATE_FILE, max_bytes=jsonio.STATE_BYTES)
         doc = doc if isinstance(doc, dict) else {}
-    except (OSError, ValueError):
+    except jsonio.JsonError:
         doc = {}
     size = 0
     for f in (MODEL_FILE, STATE_FILE):
