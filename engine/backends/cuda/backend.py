@@ -5,7 +5,9 @@ captured once per sequence length as CUDA graphs (graphs.py) and replayed, so a 
 host copies and one graph launch. Precision: float32 master weights, gradients and Adam moments
 always; activations and the GEMM weight copy in `precision` (bf16 default, fp16, or fp32).
 
-Activation rows are time-major (row r = t*B + b): see ops.py for why.
+Activation rows are time-major (row r = t*B + b): see ops.py for why. Buffers are named, sized
+and laid out by buffers.py (the saved activations by engine/backends/activations.py, the
+names the numpy backend uses too).
 """
 
 from __future__ import annotations
@@ -16,46 +18,17 @@ from typing import Any
 import numpy as np
 
 from engine.backends.cuda import graphs
+from engine.backends.cuda.buffers import BatchBuffers, logits_ld, plan_memory
 from engine.backends.cuda.cublas import WORKSPACE_BYTES, Cublas
 from engine.backends.cuda.cublaslt import CublasLt
-from engine.backends.cuda.memory import Plan, format_plan
-from engine.backends.cuda.ops import LN_ROWS_PER_CHUNK, NORM_BLOCKS, Ops
+from engine.backends.cuda.memory import format_plan
+from engine.backends.cuda.ops import Ops
 from engine.backends.cuda.runtime import ACT_BYTES, Gpu
 from engine.errors import RunError, UserError
 from engine.model.layout import ModelShapes, n_params, tensor_table
 
 ADAMW_MAX_SEGS = 1024  # the same cap as kernels/optim.cu
 SAFETY_BYTES = 256 << 20  # left free for the driver, cuBLAS's own state and graph instantiation
-
-
-class _Batch:
-    """Names and sizes of the buffers for one micro-batch size (training, or sampling with B=1)."""
-
-    def __init__(self, prefix: str, B: int, s: ModelShapes, es: int, ldv: int, training: bool):
-        self.p, self.B, self.training = prefix, B, training
-        L, d, F, S, H = s.n_layer, s.d_model, s.d_ff, s.seq_len, s.n_head
-        R = self.R = B * S  # rows at the longest sequence; strides between layers use it
-        self.sizes = {
-            # saved for the backward ("activations")
-            "x": (L + 1) * R * d * es, "ln1": L * R * d * es, "ln1_stats": L * 2 * R * 4,
-            "qkv": L * 3 * R * d * es, "probs": L * B * H * S * S * es, "att": L * R * d * es,
-            "xmid": L * R * d * es, "ln2": L * R * d * es, "ln2_stats": L * 2 * R * 4,
-            "pre": L * R * F * es, "act": L * R * F * es, "lnf": R * d * es,
-            "lnf_stats": 2 * R * 4, "logits": R * ldv * 4, "lse": R * 4, "losses": R * 4,
-        }
-        self.scratch = {"scores": B * H * S * S * es, "tmp": R * d * es,
-                        "io": (2 * R + 1 + R + (R + 1) + R + 1) * 4}
-        if training:
-            self.scratch.update({
-                "dres": R * d * es, "dln": R * d * es, "datt": R * d * es,
-                "dqkv": 3 * R * d * es, "dpre": R * F * es, "dlogits": R * ldv * es,
-                "ln_partial": -(-R // LN_ROWS_PER_CHUNK) * 2 * d * 4})
-
-    def plan(self, plan: Plan) -> None:
-        for name, nbytes in self.sizes.items():
-            plan.add("activations", self.p + name, nbytes)
-        for name, nbytes in self.scratch.items():
-            plan.add("scratch", self.p + name, nbytes)
 
 
 class CudaBackend:
@@ -81,29 +54,17 @@ class CudaBackend:
         self.table = tensor_table(shapes)
         self.n = n = n_params(shapes)
         self.off = {t.name: t.offset for t in self.table}
-        self.es = es = ACT_BYTES[precision]
-        self.ldv = -(-shapes.vocab_size // 64) * 64  # aligned logits rows
+        self.es = ACT_BYTES[precision]
+        self.ldv = logits_ld(shapes.vocab_size)  # aligned logits rows
         self.wte_rows = n // shapes.d_model  # rows readable from wte on (see ops.loss_fwd)
         self.use_graphs = os.environ.get("ANDREA_CUDA_GRAPHS", "1") != "0"
 
-        plan = self._plan = Plan()
-        plan.add("weights", "params", n * 4)
-        if precision != "fp32":
-            plan.add("weights", "params_lp", n * es)
-        plan.add("grads", "grads", n * 4)
-        plan.add("adam_m", "m", n * 4)
-        plan.add("adam_v", "v", n * 4)
-        self.train = _Batch("t.", micro_batch, shapes, es, self.ldv, training=True)
-        self.sample = _Batch("s.", 1, shapes, es, self.ldv, training=False)
-        self.train.plan(plan)
-        self.sample.plan(plan)
+        plan, self.train, self.sample = plan_memory(shapes, micro_batch, precision)
+        self._plan = plan
         nseg = len(self.table)
         if nseg > ADAMW_MAX_SEGS:  # k_adamw keeps the tensor table in shared memory
             raise UserError(f"model.n_layer: the CUDA backend handles at most "
                             f"{(ADAMW_MAX_SEGS - 4) // 10} layers, got {shapes.n_layer}")
-        for name, nbytes in (("cublas_ws", WORKSPACE_BYTES), ("norm_partials", NORM_BLOCKS * 4),
-                             ("norm", 4), ("seg_start", (nseg + 1) * 8), ("seg_decay", nseg * 4)):
-            plan.add("scratch", name, nbytes)
         free, _total = drv.mem_get_info()
         totals = plan.totals()
         if totals["total"] + SAFETY_BYTES > free:
@@ -128,7 +89,7 @@ class CudaBackend:
         drv.Context.synchronize()  # pageable copies may still be in flight for our stream
         self.nseg = nseg
         # page-locked host staging for the per-call inputs and outputs
-        self.h_io = {b.p: drv.pagelocked_zeros(b.scratch["io"] // 4, np.int32)
+        self.h_io = {b.p: drv.pagelocked_zeros(b.io_words, np.int32)
                      for b in (self.train, self.sample)}
         self.h_losses = drv.pagelocked_zeros(self.train.R, np.float32)
         self.h_norm = drv.pagelocked_zeros(1, np.float32)
@@ -156,88 +117,67 @@ class CudaBackend:
     def _g32(self, name: str) -> int:
         return self.g + self.off[name] * 4
 
-    def _layer_act(self, b: _Batch, name: str, l: int) -> int:
-        """Device address of layer l's saved activation `name` (one slab per kind, layer-major)."""
-        s, Rm, es = self.shapes, b.R, self.es
-        d, F = s.d_model, s.d_ff
-        per = {"x": Rm * d * es, "ln1": Rm * d * es, "ln1_stats": 2 * Rm * 4,
-               "qkv": 3 * Rm * d * es, "att": Rm * d * es,
-               "probs": b.B * s.n_head * s.seq_len**2 * es, "xmid": Rm * d * es,
-               "ln2": Rm * d * es, "ln2_stats": 2 * Rm * 4, "pre": Rm * F * es,
-               "act": Rm * F * es}[name]
-        return self._plan[b.p + name] + l * per
-
-    def _layer_acts(self, b: _Batch, l: int) -> tuple[int, ...]:
-        """Layer l's saved tensors, in the order forward writes them."""
-        return tuple(self._layer_act(b, n, l) for n in (
-            "ln1", "ln1_stats", "qkv", "att", "probs", "xmid", "ln2", "ln2_stats", "pre", "act"))
-
-    def _io(self, b: _Batch) -> dict[str, int]:
-        base, R = self._plan[b.p + "io"], b.R
-        return {"tokens": base, "targets": base + R * 4, "n_unique": base + 2 * R * 4,
-                "bucket_tok": base + (2 * R + 1) * 4, "bucket_start": base + (3 * R + 1) * 4,
-                "rows": base + (4 * R + 2) * 4, "scale": base + (5 * R + 2) * 4}
-
     # --- the model --------------------------------------------------------------------------------
-    def _forward(self, b: _Batch, T: int, loss: bool) -> None:
-        s, o, P = self.shapes, self.ops, self._plan
+    def _forward(self, b: BatchBuffers, T: int, loss: bool) -> None:
+        s, o = self.shapes, self.ops
         d, F, H, L = s.d_model, s.d_ff, s.n_head, s.n_layer
         B, R = b.B, b.B * T
-        io = self._io(b)
-        x = lambda l: self._layer_act(b, "x", l)  # noqa: E731
-        o.embed_fwd(io["tokens"], self._p32("wte"), self._p32("wpe"), x(0), B, T, d)
+        io = b.io()
+        proj, scores = b.at("proj"), b.at("scores")
+        o.embed_fwd(io["tokens"], self._p32("wte"), self._p32("wpe"), b.at("x", 0), B, T, d)
         for l in range(L):
             h = f"h.{l}."
-            ln1, st1, qkv, att, probs, xmid, ln2, st2, pre, gel = self._layer_acts(b, l)
-            tmp = P[b.p + "tmp"]
-            o.layernorm_fwd(x(l), self._p32(h + "ln1.gamma"), self._p32(h + "ln1.beta"), ln1,
-                            st1, st1 + R * 4, R, d)
-            o.attn_qkv_fwd(ln1, self._w(h + "attn.W_Q"), qkv, R, d)
-            o.attn_fwd(qkv, H, probs, att, P[b.p + "scores"], B, T, d)
-            o.attn_out_fwd(att, self._w(h + "attn.W_O"), tmp, R, d)
-            o.residual_add(x(l), tmp, xmid, R * d)
-            o.layernorm_fwd(xmid, self._p32(h + "ln2.gamma"), self._p32(h + "ln2.beta"), ln2,
-                            st2, st2 + R * 4, R, d)
-            o.mlp_fwd(ln2, self._w(h + "mlp.W_1"), self._w(h + "mlp.W_2"), pre, gel, tmp, R, d, F)
-            o.residual_add(xmid, tmp, x(l + 1), R * d)
-        stf = P[b.p + "lnf_stats"]
-        o.layernorm_fwd(x(L), self._p32("lnf.gamma"), self._p32("lnf.beta"), P[b.p + "lnf"],
+            a = b.layer(l)  # layer l's saved activations, by name
+            st1, st2 = a["ln1_stats"], a["ln2_stats"]  # mean [R] floats, then rstd [R]
+            o.layernorm_fwd(b.at("x", l), self._p32(h + "ln1.gamma"), self._p32(h + "ln1.beta"),
+                            a["ln1"], st1, st1 + R * 4, R, d)
+            o.attn_qkv_fwd(a["ln1"], self._w(h + "attn.W_Q"), a["qkv"], R, d)
+            o.attn_fwd(a["qkv"], H, a["probs"], a["att"], scores, B, T, d)
+            o.attn_out_fwd(a["att"], self._w(h + "attn.W_O"), proj, R, d)
+            o.residual_add(b.at("x", l), proj, a["xmid"], R * d)
+            o.layernorm_fwd(a["xmid"], self._p32(h + "ln2.gamma"), self._p32(h + "ln2.beta"),
+                            a["ln2"], st2, st2 + R * 4, R, d)
+            o.mlp_fwd(a["ln2"], self._w(h + "mlp.W_1"), self._w(h + "mlp.W_2"), a["pre"],
+                      a["act"], proj, R, d, F)
+            o.residual_add(a["xmid"], proj, b.at("x", l + 1), R * d)
+        stf = b.at("lnf_stats")
+        o.layernorm_fwd(b.at("x", L), self._p32("lnf.gamma"), self._p32("lnf.beta"), b.at("lnf"),
                         stf, stf + R * 4, R, d)
         if loss:
-            o.loss_fwd(P[b.p + "lnf"], self._w("wte"), io["targets"], P[b.p + "logits"],
-                       P[b.p + "lse"], P[b.p + "losses"], B, T, s.vocab_size, self.ldv, d,
-                       self.wte_rows)
+            o.loss_fwd(b.at("lnf"), self._w("wte"), io["targets"], b.at("logits"), b.at("lse"),
+                       b.at("losses"), B, T, s.vocab_size, self.ldv, d, self.wte_rows)
 
-    def _backward(self, b: _Batch, T: int) -> None:
-        s, o, P = self.shapes, self.ops, self._plan
+    def _backward(self, b: BatchBuffers, T: int) -> None:
+        s, o = self.shapes, self.ops
         d, F, H, L = s.d_model, s.d_ff, s.n_head, s.n_layer
         B, R = b.B, b.B * T
-        io = self._io(b)
-        x = lambda l: self._layer_act(b, "x", l)  # noqa: E731
-        dres, dln, datt = P[b.p + "dres"], P[b.p + "dln"], P[b.p + "datt"]
-        dqkv, dpre, part = P[b.p + "dqkv"], P[b.p + "dpre"], P[b.p + "ln_partial"]
-        o.loss_bwd(P[b.p + "lnf"], self._w("wte"), io["targets"], P[b.p + "logits"],
-                   P[b.p + "lse"], io["scale"], dln, self._g32("wte"), P[b.p + "dlogits"], B, T,
-                   s.vocab_size, self.ldv, d, self.wte_rows)
-        stf = P[b.p + "lnf_stats"]
-        o.layernorm_bwd(dln, x(L), self._p32("lnf.gamma"), stf, stf + R * 4, dres,
+        io = b.io()
+        dres, dln, datt = b.at("dres"), b.at("dln"), b.at("datt")
+        dqkv, dpre, part = b.at("dqkv"), b.at("dpre"), b.at("ln_partial")
+        o.loss_bwd(b.at("lnf"), self._w("wte"), io["targets"], b.at("logits"), b.at("lse"),
+                   io["scale"], dln, self._g32("wte"), b.at("dlogits"), B, T, s.vocab_size,
+                   self.ldv, d, self.wte_rows)
+        stf = b.at("lnf_stats")
+        o.layernorm_bwd(dln, b.at("x", L), self._p32("lnf.gamma"), stf, stf + R * 4, dres,
                         self._g32("lnf.gamma"), part, R, d, accumulate=False)
         for l in reversed(range(L)):
             h = f"h.{l}."
-            ln1, st1, qkv, att, probs, xmid, ln2, st2, pre, gel = self._layer_acts(b, l)
+            a = b.layer(l)
+            st1, st2 = a["ln1_stats"], a["ln2_stats"]
             # x[l+1] = xmid + mlp(ln2(xmid)); dres holds d x[l+1]
-            o.mlp_bwd(dres, ln2, self._w(h + "mlp.W_1"), self._w(h + "mlp.W_2"), pre, gel, dln,
-                      self._g32(h + "mlp.W_1"), self._g32(h + "mlp.W_2"), dpre, R, d, F)
-            o.layernorm_bwd(dln, xmid, self._p32(h + "ln2.gamma"), st2, st2 + R * 4, dres,
+            o.mlp_bwd(dres, a["ln2"], self._w(h + "mlp.W_1"), self._w(h + "mlp.W_2"), a["pre"],
+                      a["act"], dln, self._g32(h + "mlp.W_1"), self._g32(h + "mlp.W_2"), dpre, R,
+                      d, F)
+            o.layernorm_bwd(dln, a["xmid"], self._p32(h + "ln2.gamma"), st2, st2 + R * 4, dres,
                             self._g32(h + "ln2.gamma"), part, R, d, accumulate=True)
             # xmid = x[l] + attn(ln1(x[l])); dres now holds d xmid
-            o.attn_out_bwd(dres, att, self._w(h + "attn.W_O"), datt, self._g32(h + "attn.W_O"),
-                           R, d)
-            o.attn_bwd(datt, qkv, probs, H, dqkv, P[b.p + "scores"], B, T, d)
-            o.attn_qkv_bwd(dqkv, ln1, self._w(h + "attn.W_Q"), dln, self._g32(h + "attn.W_Q"),
-                           R, d)
-            o.layernorm_bwd(dln, x(l), self._p32(h + "ln1.gamma"), st1, st1 + R * 4, dres,
-                            self._g32(h + "ln1.gamma"), part, R, d, accumulate=True)
+            o.attn_out_bwd(dres, a["att"], self._w(h + "attn.W_O"), datt,
+                           self._g32(h + "attn.W_O"), R, d)
+            o.attn_bwd(datt, a["qkv"], a["probs"], H, dqkv, b.at("scores"), B, T, d)
+            o.attn_qkv_bwd(dqkv, a["ln1"], self._w(h + "attn.W_Q"), dln,
+                           self._g32(h + "attn.W_Q"), R, d)
+            o.layernorm_bwd(dln, b.at("x", l), self._p32(h + "ln1.gamma"), st1, st1 + R * 4,
+                            dres, self._g32(h + "ln1.gamma"), part, R, d, accumulate=True)
         o.embed_bwd(dres, (io["n_unique"], io["bucket_tok"], io["bucket_start"], io["rows"]),
                     self._g32("wte"), self._g32("wpe"), B, T, d)
 
@@ -254,28 +194,13 @@ class CudaBackend:
                             f"[{a.min()}, {a.max()}]")
         return a.astype(np.int32, copy=False)
 
-    def _stage(self, b: _Batch, inputs: np.ndarray, targets: np.ndarray | None,
+    def _stage(self, b: BatchBuffers, inputs: np.ndarray, targets: np.ndarray | None,
                loss_scale: float) -> int:
         """Fill the page-locked io block (tokens, targets, embedding-gradient buckets, loss
-        scale) and queue its copy to the device. Returns T."""
-        B, T = inputs.shape
-        R, Rm = B * T, b.R
+        scale: buffers.io_fields) and queue its copy to the device. Returns T."""
         h = self.h_io[b.p]
-        h[:R] = inputs.reshape(-1)
-        if targets is not None:
-            h[Rm : Rm + R] = targets.reshape(-1)
-        tok_tm = inputs.T.reshape(-1)  # row r = t*B + b
-        order = np.argsort(tok_tm, kind="stable")
-        sorted_tok = tok_tm[order]
-        starts = np.flatnonzero(np.r_[True, sorted_tok[1:] != sorted_tok[:-1]])
-        nu = starts.size
-        h[2 * Rm] = nu
-        h[2 * Rm + 1 : 2 * Rm + 1 + nu] = sorted_tok[starts]
-        h[3 * Rm + 1 : 3 * Rm + 1 + nu] = starts
-        h[3 * Rm + 1 + nu] = R
-        h[4 * Rm + 2 : 4 * Rm + 2 + R] = order
-        h[5 * Rm + 2 :].view(np.float32)[0] = loss_scale / R
-        self.drv.memcpy_htod_async(self._plan[b.p + "io"], h, self.stream)
+        T = b.stage(h, inputs, targets, loss_scale)
+        self.drv.memcpy_htod_async(b.at("io"), h, self.stream)
         return T
 
     def _run(self, key: tuple[str, int], issue: Any) -> None:
@@ -288,9 +213,9 @@ class CudaBackend:
             graph = self._graphs[key] = graphs.capture(self.stream.handle, issue)
         graph.launch()
 
-    def _row_means(self, b: _Batch, T: int) -> np.ndarray:
+    def _row_means(self, b: BatchBuffers, T: int) -> np.ndarray:
         R = b.B * T
-        self.drv.memcpy_dtoh_async(self.h_losses[:R], self._plan[b.p + "losses"], self.stream)
+        self.drv.memcpy_dtoh_async(self.h_losses[:R], b.at("losses"), self.stream)
         self.stream.synchronize()
         return self.h_losses[:R].reshape(T, b.B).astype(np.float64).mean(axis=0)
 
@@ -327,11 +252,11 @@ class CudaBackend:
         x = self._check_tokens(np.asarray(tokens).reshape(1, -1), "tokens", 1)
         T = self._stage(b, x, None, 1.0)
         self._forward(b, T, loss=False)  # own buffers; no graph: every prompt length differs
-        last = self._plan[b.p + "lnf"] + (T - 1) * s.d_model * self.es
-        self.blas.matmul(self._plan[b.p + "logits"], last, self._w("wte"), 1, s.vocab_size,
+        last = b.at("lnf") + (T - 1) * s.d_model * self.es
+        self.blas.matmul(b.at("logits"), last, self._w("wte"), 1, s.vocab_size,
                          s.d_model, types=(self.ops.act, self.ops.act, 0), tb=True)
         V = s.vocab_size
-        self.drv.memcpy_dtoh_async(self.h_logits[:V], self._plan[b.p + "logits"], self.stream)
+        self.drv.memcpy_dtoh_async(self.h_logits[:V], b.at("logits"), self.stream)
         self.stream.synchronize()
         return self.h_logits[:V].copy()
 

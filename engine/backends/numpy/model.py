@@ -1,19 +1,22 @@
 """NumpyBackend: the DESIGN §2 model on the CPU, calling the op twins of `ops.py` in order.
 
 Every buffer is allocated once in `__init__`: params, grads, Adam m/v (flat), the saved
-activations (views into one flat arena) and scratch. A micro-batch with T < seq_len uses the
-leading part of each buffer. float32 by default; float64 for gradient checks.
+activations (views into one flat arena, named as in engine/backends/activations.py: region "ln1.i"
+is layer i's "ln1", the CUDA backend's slab "ln1" at layer i) and scratch. A micro-batch with
+T < seq_len uses the leading part of each buffer. float32 by default; float64 for gradient checks.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import glob
 import math
 import os
 
 import numpy as np
 
+from engine.backends.activations import BY_NAME, LAYER, MODEL, STREAM, Dims, saved
 from engine.backends.numpy import ops
 from engine.errors import UserError
 from engine.model.layout import ModelShapes, decay_mask, n_params, tensor_table, views
@@ -37,7 +40,8 @@ def blas_threads() -> int:
 
 
 class _Arena:
-    """One flat buffer carved into named regions; `view` reshapes a region's leading part."""
+    """One flat buffer carved into named regions; `view` reshapes a region's leading part.
+    A region kept per layer slot i is named "name.i"."""
 
     def __init__(self, sizes: dict[str, int], dtype: type) -> None:
         self.offsets: dict[str, tuple[int, int]] = {}
@@ -47,37 +51,42 @@ class _Arena:
             total += size
         self.flat = np.zeros(total, dtype=dtype)
 
-    def view(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        start, size = self.offsets[name]
+    def view(self, name: str, shape: tuple[int, ...], slot: int | None = None) -> np.ndarray:
+        """The leading part of region `name` (of layer slot `slot`), reshaped to `shape`."""
+        start, size = self.offsets[name if slot is None else f"{name}.{slot}"]
         need = math.prod(shape)
-        assert need <= size, (name, shape, size)
+        assert need <= size, (name, slot, shape, size)
         return self.flat[start : start + need].reshape(shape)
+
+    def stats(self, name: str, rows: int,
+              slot: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """A LayerNorm's `*_stats` region, [2, rows it was sized for]: its (mean, rstd) for the
+        first `rows` rows."""
+        start, size = self.offsets[name if slot is None else f"{name}.{slot}"]
+        both = self.flat[start : start + size].reshape(2, size // 2)
+        return both[0, :rows], both[1, :rows]
 
     @property
     def nbytes(self) -> int:
         return self.flat.nbytes
 
 
-def _trunk_sizes(s: ModelShapes, B: int, n_slots: int, n_res: int) -> dict[str, int]:
-    """Forward buffers for `n_slots` saved layers (n_layer for training, 1 for sampling)."""
-    N, d, F, H, T = B * s.seq_len, s.d_model, s.d_ff, s.n_head, s.seq_len
-    sizes = {f"res{i}": N * d for i in range(n_res)}
+def _saved_sizes(s: ModelShapes, B: int, sampling: bool) -> dict[str, int]:
+    """Region sizes (elements) of the saved activations numpy keeps (activations.py), plus the
+    "proj" scratch. Training keeps every layer and x[0..L]. Sampling (B = 1) keeps one layer
+    slot, reused, two slots of x, used in turn, and the loss buffers for one row."""
+    dims = Dims(B=B, T=s.seq_len, d=s.d_model, F=s.d_ff, H=s.n_head, V=s.vocab_size)
+    n_slots, n_x = (1, 2) if sampling else (s.n_layer, s.n_layer + 1)
+    loss_dims = dataclasses.replace(dims, B=1, T=1) if sampling else dims
+    sizes = {}
+    for a in saved("numpy", STREAM):
+        sizes |= {f"{a.name}.{i}": a.elems(dims) for i in range(n_x)}
     for i in range(n_slots):
-        sizes |= {
-            f"mid{i}": N * d,
-            f"ln1_{i}": N * d,
-            f"mean1_{i}": N,
-            f"rstd1_{i}": N,
-            f"qkv{i}": 3 * N * d,
-            f"probs{i}": B * H * T * T,
-            f"y{i}": N * d,
-            f"ln2_{i}": N * d,
-            f"mean2_{i}": N,
-            f"rstd2_{i}": N,
-            f"pre{i}": N * F,
-            f"act{i}": N * F,
-        }
-    sizes |= {"lnf": N * d, "meanf": N, "rstdf": N, "proj": N * d}
+        sizes |= {f"{a.name}.{i}": a.elems(dims) for a in saved("numpy", LAYER)}
+    once = saved("numpy", MODEL)
+    sizes |= {a.name: a.elems(dims) for a in once if a.part == "trunk"}
+    sizes["proj"] = BY_NAME["proj"].elems(dims)  # scratch; here so that sampling has its own
+    sizes |= {a.name: a.elems(loss_dims) for a in once if a.part == "loss"}
     return sizes
 
 
@@ -126,18 +135,18 @@ class NumpyBackend:
 
         N = B * s.seq_len
         T = s.seq_len
-        self._acts = _Arena(_trunk_sizes(s, B, L, L + 1) | {"logits": N * V, "row_sum": N,
-                                                              "losses": N}, self.dtype)
+        self._acts = _Arena(_saved_sizes(s, B, sampling=False), self.dtype)
+        dims = Dims(B=B, T=T, d=d, F=F, H=s.n_head, V=V)
         self._scratch = _Arena(
             {
-                "ga": N * d,
+                "ga": N * d,  # ga, gb: the residual stream's gradient, in turn
                 "gb": N * d,
-                "dln": N * d,
+                "dln": BY_NAME["dln"].elems(dims),
                 "xtmp": N * d,
-                "dy": N * d,
-                "dqkv": 3 * N * d,
+                "datt": BY_NAME["datt"].elems(dims),
+                "dqkv": BY_NAME["dqkv"].elems(dims),
                 "dprobs": B * s.n_head * T * T,
-                "dpre": N * F,
+                "dpre": BY_NAME["dpre"].elems(dims),
                 "ftmp": N * F,
                 "gtmp": N * F,
                 "wtmp": max(V * d, d * F, 3 * d * d),
@@ -146,9 +155,7 @@ class NumpyBackend:
             self.dtype,
         )
         # sampling has its own buffers (batch 1, one reusable layer slot, one logits row)
-        self._sample = _Arena(
-            _trunk_sizes(s, 1, 1, 2) | {"logits": V, "row_sum": 1, "losses": 1}, self.dtype
-        )
+        self._sample = _Arena(_saved_sizes(s, 1, sampling=True), self.dtype)
 
     # --- state in and out --------------------------------------------------------------------
 
@@ -221,32 +228,32 @@ class NumpyBackend:
         N, d, F, H = B * T, s.d_model, s.d_ff, s.n_head
         nd, nf = (N, d), (N, F)
 
-        def res(i: int) -> np.ndarray:
-            return ar.view(f"res{i if train else i % 2}", nd)
+        def x(i: int) -> np.ndarray:
+            return ar.view("x", nd, i if train else i % 2)
 
-        ops.embed_fwd(tokens, p["wte"], p["wpe"], res(0).reshape(B, T, d))
+        ops.embed_fwd(tokens, p["wte"], p["wpe"], x(0).reshape(B, T, d))
         proj = ar.view("proj", nd)
         for i in range(s.n_layer):
             j = i if train else 0
             h = f"h.{i}."
-            x, mid, out = res(i), ar.view(f"mid{j}", nd), res(i + 1)
-            ln1, ln2 = ar.view(f"ln1_{j}", nd), ar.view(f"ln2_{j}", nd)
-            qkv, y = ar.view(f"qkv{j}", (3, N, d)), ar.view(f"y{j}", nd)
-            ops.layernorm_fwd(x, p[h + "ln1.gamma"], p[h + "ln1.beta"], ln1,
-                              ar.view(f"mean1_{j}", (N,)), ar.view(f"rstd1_{j}", (N,)))
+            xmid = ar.view("xmid", nd, j)
+            ln1, ln2 = ar.view("ln1", nd, j), ar.view("ln2", nd, j)
+            qkv, att = ar.view("qkv", (3, N, d), j), ar.view("att", nd, j)
+            ops.layernorm_fwd(x(i), p[h + "ln1.gamma"], p[h + "ln1.beta"], ln1,
+                              *ar.stats("ln1_stats", N, j))
             ops.attn_qkv_fwd(ln1, self._wqkv[i], qkv)
-            ops.attn_fwd(qkv.reshape(3, B, T, d), H, ar.view(f"probs{j}", (B, H, T, T)),
-                         y.reshape(B, T, d))
-            ops.attn_out_fwd(y, p[h + "attn.W_O"], proj)
-            ops.residual_add(x, proj, mid)
-            ops.layernorm_fwd(mid, p[h + "ln2.gamma"], p[h + "ln2.beta"], ln2,
-                              ar.view(f"mean2_{j}", (N,)), ar.view(f"rstd2_{j}", (N,)))
-            ops.mlp_fwd(ln2, p[h + "mlp.W_1"], p[h + "mlp.W_2"], ar.view(f"pre{j}", nf),
-                        ar.view(f"act{j}", nf), proj)
-            ops.residual_add(mid, proj, out)
+            ops.attn_fwd(qkv.reshape(3, B, T, d), H, ar.view("probs", (B, H, T, T), j),
+                         att.reshape(B, T, d))
+            ops.attn_out_fwd(att, p[h + "attn.W_O"], proj)
+            ops.residual_add(x(i), proj, xmid)
+            ops.layernorm_fwd(xmid, p[h + "ln2.gamma"], p[h + "ln2.beta"], ln2,
+                              *ar.stats("ln2_stats", N, j))
+            ops.mlp_fwd(ln2, p[h + "mlp.W_1"], p[h + "mlp.W_2"], ar.view("pre", nf, j),
+                        ar.view("act", nf, j), proj)
+            ops.residual_add(xmid, proj, x(i + 1))
         lnf = ar.view("lnf", nd)
-        ops.layernorm_fwd(res(s.n_layer), p["lnf.gamma"], p["lnf.beta"], lnf,
-                          ar.view("meanf", (N,)), ar.view("rstdf", (N,)))
+        ops.layernorm_fwd(x(s.n_layer), p["lnf.gamma"], p["lnf.beta"], lnf,
+                          *ar.stats("lnf_stats", N))
         return lnf
 
     def _forward(self, inputs: np.ndarray, targets: np.ndarray) -> np.ndarray:
@@ -274,7 +281,7 @@ class NumpyBackend:
         B, T = inputs.shape
         N, d, F, H, V = B * T, s.d_model, s.d_ff, s.n_head, s.vocab_size
         nd, nf = (N, d), (N, F)
-        ga, gb, dln, xtmp, dy = (sc.view(k, nd) for k in ("ga", "gb", "dln", "xtmp", "dy"))
+        ga, gb, dln, xtmp, datt = (sc.view(k, nd) for k in ("ga", "gb", "dln", "xtmp", "datt"))
         dqkv = sc.view("dqkv", (3, N, d))
         dprobs = sc.view("dprobs", (B, H, T, T))
         dpre, ftmp, gtmp = (sc.view(k, nf) for k in ("dpre", "ftmp", "gtmp"))
@@ -282,28 +289,27 @@ class NumpyBackend:
 
         ops.loss_bwd(ar.view("lnf", nd), p["wte"], targets.reshape(N), ar.view("logits", (N, V)),
                      ar.view("row_sum", (N,)), loss_scale / N, dln, g["wte"], xtmp, wtmp)
-        ops.layernorm_bwd(dln, ar.view(f"res{s.n_layer}", nd), p["lnf.gamma"],
-                          ar.view("meanf", (N,)), ar.view("rstdf", (N,)), ga, g["lnf.gamma"],
-                          g["lnf.beta"], xtmp)
-        # ga holds dL/d(block output); gb dL/d(mid); they swap roles through each block
+        ops.layernorm_bwd(dln, ar.view("x", nd, s.n_layer), p["lnf.gamma"],
+                          *ar.stats("lnf_stats", N), ga, g["lnf.gamma"], g["lnf.beta"], xtmp)
+        # ga holds dL/d(block output); gb dL/d(xmid); they swap roles through each block
         for i in reversed(range(s.n_layer)):
             h = f"h.{i}."
-            ops.mlp_bwd(ga, ar.view(f"ln2_{i}", nd), p[h + "mlp.W_1"], p[h + "mlp.W_2"],
-                        ar.view(f"pre{i}", nf), ar.view(f"act{i}", nf), dln, g[h + "mlp.W_1"],
+            ops.mlp_bwd(ga, ar.view("ln2", nd, i), p[h + "mlp.W_1"], p[h + "mlp.W_2"],
+                        ar.view("pre", nf, i), ar.view("act", nf, i), dln, g[h + "mlp.W_1"],
                         g[h + "mlp.W_2"], dpre, ftmp, gtmp, wtmp)
-            ops.layernorm_bwd(dln, ar.view(f"mid{i}", nd), p[h + "ln2.gamma"],
-                              ar.view(f"mean2_{i}", (N,)), ar.view(f"rstd2_{i}", (N,)), gb,
-                              g[h + "ln2.gamma"], g[h + "ln2.beta"], xtmp)
+            ops.layernorm_bwd(dln, ar.view("xmid", nd, i), p[h + "ln2.gamma"],
+                              *ar.stats("ln2_stats", N, i), gb, g[h + "ln2.gamma"],
+                              g[h + "ln2.beta"], xtmp)
             ops.residual_add_bwd(ga, gb)
-            ops.attn_out_bwd(gb, ar.view(f"y{i}", nd), p[h + "attn.W_O"], dy, g[h + "attn.W_O"],
-                             wtmp)
-            ops.attn_bwd(dy.reshape(B, T, d), ar.view(f"qkv{i}", (3, B, T, d)),
-                         ar.view(f"probs{i}", (B, H, T, T)), H, dqkv.reshape(3, B, T, d), dprobs)
-            ops.attn_qkv_bwd(dqkv, ar.view(f"ln1_{i}", nd), self._wqkv[i], dln, self._dwqkv[i],
+            ops.attn_out_bwd(gb, ar.view("att", nd, i), p[h + "attn.W_O"], datt,
+                             g[h + "attn.W_O"], wtmp)
+            ops.attn_bwd(datt.reshape(B, T, d), ar.view("qkv", (3, B, T, d), i),
+                         ar.view("probs", (B, H, T, T), i), H, dqkv.reshape(3, B, T, d), dprobs)
+            ops.attn_qkv_bwd(dqkv, ar.view("ln1", nd, i), self._wqkv[i], dln, self._dwqkv[i],
                              xtmp, wtmp)
-            ops.layernorm_bwd(dln, ar.view(f"res{i}", nd), p[h + "ln1.gamma"],
-                              ar.view(f"mean1_{i}", (N,)), ar.view(f"rstd1_{i}", (N,)), ga,
-                              g[h + "ln1.gamma"], g[h + "ln1.beta"], xtmp)
+            ops.layernorm_bwd(dln, ar.view("x", nd, i), p[h + "ln1.gamma"],
+                              *ar.stats("ln1_stats", N, i), ga, g[h + "ln1.gamma"],
+                              g[h + "ln1.beta"], xtmp)
             ops.residual_add_bwd(gb, ga)
         ops.embed_bwd(ga.reshape(B, T, d), inputs, g["wte"], g["wpe"])
         return row_losses

@@ -9,8 +9,17 @@
 
 __device__ __forceinline__ int key_end(int tq, int T, int C) { return min(T, (tq / C + 1) * C); }
 
-// numpy: s = np.where(causal, s, -inf); p = np.exp(s - s.max(-1)); p /= p.sum(-1)
-// Row `row` = bh*T + tq sees keys 0..tq; P is 0 for tq < j < kend so the chunked P @ V is exact.
+// numpy twin: ops.attn_fwd (the softmax between its two matmuls)
+// >   np.copyto(probs, -np.inf, where=_causal_mask(T))
+// >   row_max = probs.max(axis=-1, keepdims=True)
+// >   probs -= row_max
+// >   np.exp(probs, out=probs)
+// >   row_sum = probs.sum(axis=-1, keepdims=True)
+// >   np.divide(1.0, row_sum, out=row_sum)
+// >   probs *= row_sum
+// S = Q Kᵀ/sqrt(hd) before and Y = P V after are cuBLAS GEMMs (Ops.attn_fwd); the 1/sqrt(hd)
+// is the first GEMM's alpha. Row `row` = bh*T + tq sees keys 0..tq; P is 0 for tq < j < kend
+// so the chunked P @ V is exact.
 // P may alias S (each element is read, then written by the same lane).
 // Fast path when rows are whole 16-byte vectors (T % VEC == 0): vector loads and stores.
 extern "C" __global__ void k_attn_fwd(act_t* P, const act_t* S, int BH, int T, int C) {
@@ -63,7 +72,11 @@ extern "C" __global__ void k_attn_fwd(act_t* P, const act_t* S, int BH, int T, i
         p[j] = to_act(j <= tq ? __expf(to_f(s[j]) - mx) * inv : 0.0f);
 }
 
-// numpy: ds = p * (dp - (dp * p).sum(-1, keepdims=True))   (the scale is applied by the GEMMs)
+// numpy twin: ops.attn_bwd (dS from dP and P, between its matmuls)
+// >   row_dot = np.einsum("bhij,bhij->bhi", dprobs, probs)
+// >   dprobs -= row_dot[..., None]
+// >   dprobs *= probs
+// numpy's next line, `dprobs *= scale`, is the alpha of the dQ and dK GEMMs (Ops.attn_bwd).
 // dS may alias P or dP: each element is read and then written by the same lane.
 extern "C" __global__ void k_attn_bwd(act_t* dS, const act_t* P, const act_t* dP, int BH, int T,
                                       int C) {

@@ -4,6 +4,14 @@
 // backend compiles it once per precision with -DANDREA_ACT=0 (fp32), 1 (bf16, default), 2 (fp16).
 // Master weights, gradients, Adam moments and LayerNorm statistics are always float; act_t is the
 // type of activations, activation gradients and the low-precision weight copy used by the GEMMs.
+//
+// Twins: every k_ kernel opens with `// numpy twin: ops.NAME` (engine/backends/numpy/ops.py) and
+// quotes, on lines marked `// >`, the numpy lines it implements; a kernel with no numpy
+// counterpart says `// numpy twin: none — ` and what it is for. tests/test_kernel_twins.py
+// checks that every named twin exists and every quoted line is in it.
+// As in numpy (DESIGN §3): backward kernels ACCUMULATE (+=) into the float32 parameter
+// gradients, so micro-batches add up until zero_grads; activation gradients are overwritten
+// unless a kernel says otherwise (k_layernorm_bwd's `accumulate`).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

@@ -2,7 +2,10 @@
 // Activations are stored time-major: row r = t*B + b (see backend.py for why).
 #include "common.cuh"
 
-// numpy: x = wte[tokens] + wpe[:T]          (tokens [B, T]; x row r = t*B + b)
+// numpy twin: ops.embed_fwd
+// >   np.take(wte, tokens, axis=0, out=out, mode="clip")
+// >   out += wpe[:T]
+// tokens [B, T] as given; x row r = t*B + b (time-major), rounded to act_t.
 extern "C" __global__ void k_embed_fwd(act_t* x, const int* tokens, const float* wte,
                                        const float* wpe, int B, int T, int d) {
     const long n = (long)B * T * d;
@@ -16,10 +19,14 @@ extern "C" __global__ void k_embed_fwd(act_t* x, const int* tokens, const float*
     }
 }
 
-// numpy: np.add.at(dwte, tokens, dx); dwpe[:T] += dx.sum(0)
-// No atomics: blocks [0, R) each own one distinct token id (bucket u of a stable sort of the rows
-// by token, done on the host) and add its rows in ascending row order; blocks [R, R+T) each own
-// one position t and add the B rows of that position in order. Same inputs -> same bits.
+// numpy twin: ops.embed_bwd
+// >   for b in range(B):
+// >       dwpe[:T] += dout[b]
+// >   np.add.at(dwte, tokens.reshape(-1), dout.reshape(B * T, d))
+// += into the float32 dwte and dwpe; numpy's dout is `dx` here (time-major rows).
+// No atomics: blocks [0, R) each own one distinct token id (bucket u of a stable sort of the
+// rows by token, done on the host) and add its rows in ascending row order; blocks [R, R+T) each
+// own one position t and add the B rows of that position in order. Same inputs -> same bits.
 //   n_unique[0]        number of distinct tokens (blocks past it return)
 //   bucket_tok[u]      the token id of bucket u
 //   bucket_start[u]    first index into `rows` of bucket u (bucket_start[n_unique] == R)

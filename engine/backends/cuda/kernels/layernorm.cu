@@ -1,8 +1,18 @@
 // Layer normalisation (DESIGN §3 `layernorm_fwd` / `layernorm_bwd`), eps 1e-5, one warp per row.
 #include "common.cuh"
 
-// numpy: mean = x.mean(-1); rstd = 1/np.sqrt(x.var(-1) + 1e-5)
-//        out = (x - mean) * rstd * gamma + beta
+// numpy twin: ops.layernorm_fwd
+// >   np.mean(x, axis=1, out=mean)
+// >   np.subtract(x, mean[:, None], out=out)
+// >   var = np.einsum("ij,ij->i", out, out)  # [N] row sums of squares
+// >   var *= 1.0 / d
+// >   var += LN_EPS
+// >   np.sqrt(var, out=var)
+// >   np.divide(1.0, var, out=rstd)
+// >   out *= rstd[:, None]
+// >   out *= gamma
+// >   out += beta
+// Here rstd = rsqrtf(var/d + 1e-5) in one step; mean and rstd are saved as float.
 extern "C" __global__ void k_layernorm_fwd(act_t* out, float* mean, float* rstd, const act_t* x,
                                            const float* gamma, const float* beta, int R, int d) {
     const int lane = threadIdx.x & 31;
@@ -28,11 +38,20 @@ extern "C" __global__ void k_layernorm_fwd(act_t* out, float* mean, float* rstd,
 
 #define LN_MAXV 4  // 16-byte vectors cached per lane: rows up to 32*VEC*LN_MAXV elements
 
-// numpy: xhat = (x - mean) * rstd; dnorm = dout * gamma
-//        dx = rstd * (dnorm - dnorm.mean(-1) - xhat * (dnorm * xhat).mean(-1))
-// With accumulate != 0 it is dx += ... instead: the skip path's residual_add_bwd fused in, so
-// one residual-gradient buffer runs down the layers.
-// (dgamma, dbeta come from k_layernorm_bwd_params + k_colsum_reduce: no atomics.)
+// numpy twin: ops.layernorm_bwd (dx; dgamma and dbeta are k_layernorm_bwd_params')
+// >   np.subtract(x, mean[:, None], out=xhat)
+// >   xhat *= rstd[:, None]
+// >   np.multiply(dout, gamma, out=dx)  # g
+// >   mean_g = dx.mean(axis=1)
+// >   mean_gx = np.einsum("ij,ij->i", dx, xhat)
+// >   mean_gx *= 1.0 / d
+// >   xhat *= mean_gx[:, None]
+// >   dx -= xhat
+// >   dx -= mean_g[:, None]
+// >   dx *= rstd[:, None]
+// That is dx = rstd·(g - mean(g) - x̂·mean(g·x̂)), overwritten. With accumulate != 0 it is
+// dx += that instead: numpy's next call in model.py, ops.residual_add_bwd (`dx += dout`, the skip
+// path's gradient), fused in, so one residual-gradient buffer runs down the layers.
 // Fast path: the row's dout and x are read once, as 16-byte vectors kept in registers.
 extern "C" __global__ void k_layernorm_bwd(act_t* dx, const act_t* dout, const act_t* x,
                                            const float* mean, const float* rstd,
@@ -96,7 +115,11 @@ extern "C" __global__ void k_layernorm_bwd(act_t* dx, const act_t* dout, const a
     }
 }
 
-// First pass of numpy: dgamma += (dout * xhat).sum(0); dbeta += dout.sum(0)
+// numpy twin: ops.layernorm_bwd (dgamma and dbeta, first pass)
+// >   dgamma += np.einsum("ij,ij->j", dout, xhat)
+// >   dbeta += dout.sum(axis=0)
+// Column sums in two fixed-order passes, no atomics: this one sums chunks of rows, then
+// k_colsum_reduce adds the chunks (+=) into the gradients.
 // Block (column tile, chunk): each thread owns one column and sums its chunk's rows in order.
 // partial[chunk, c] = dgamma part, partial[chunk, d + c] = dbeta part (gamma and beta are
 // adjacent in the flat gradient buffer, so one k_colsum_reduce over 2*d columns adds both).
@@ -119,7 +142,9 @@ extern "C" __global__ void k_layernorm_bwd_params(float* partial, const act_t* d
     partial[(long)chunk * 2 * d + d + c] = sb;
 }
 
-// Second pass: dst[c] += sum over chunks of partial[chunk, c], chunks in order.
+// numpy twin: none — the second pass of k_layernorm_bwd_params' column sums (numpy sums all rows
+// at once): dst[c] += sum over chunks of partial[chunk, c], chunks in order, into the float32
+// dgamma, dbeta (adjacent in the flat gradient buffer).
 extern "C" __global__ void k_colsum_reduce(float* dst, const float* partial, int nchunk, int n) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= n) return;

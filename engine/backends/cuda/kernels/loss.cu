@@ -3,7 +3,17 @@
 // alignment); these kernels are the softmax cross-entropy, one block per row r = t*B + b.
 #include "common.cuh"
 
-// numpy: lse = logsumexp(logits, -1); losses = lse - logits[r, targets]
+// numpy twin: ops.loss_fwd (after its matmul, per row chunk z = logits[r0:r1])
+// >   m = z.max(axis=1)
+// >   z -= m[:, None]
+// >   zt = z[np.arange(r1 - r0), targets[r0:r1]]  # z_target - m
+// >   np.exp(z, out=z)
+// >   np.sum(z, axis=1, out=s)
+// >   np.log(s, out=losses[r0:r1])
+// >   losses[r0:r1] -= zt
+// The same loss, lse - z_target with lse = m + log s. What is saved differs (activations.py):
+// numpy overwrites logits with E = exp(z - m) and keeps s (row_sum); this kernel leaves z in
+// logits and keeps lse. The logits GEMM z = x @ wteᵀ is cuBLAS (Ops.loss_fwd).
 extern "C" __global__ void k_loss_fwd(float* losses, float* lse, const float* logits,
                                       const int* targets, int B, int T, int V, int ldv) {
     __shared__ float shared[32];
@@ -24,8 +34,13 @@ extern "C" __global__ void k_loss_fwd(float* losses, float* lse, const float* lo
     }
 }
 
-// numpy: dlogits = (softmax(logits) - onehot(targets)) * loss_scale / (B*T)
-// scale[0] holds loss_scale / (B*T) in device memory, so a captured graph reads the current value.
+// numpy twin: ops.loss_bwd
+// >   dz = scale · (softmax(z) - onehot(targets)) = diag(scale/s)·E - scale·onehot;
+// numpy never stores dz: it applies the row factor scale/s to x and dx (`r = scale / row_sum`)
+// and the one-hot part with np.add.at. Here dz is written out (dlogits, rounded to act_t) for
+// the two GEMMs of Ops.loss_bwd: dx = dz @ wte (overwritten), dwte += dzᵀ @ x.
+// scale[0] is numpy's `scale` = loss_scale / (B*T), in device memory so that a captured graph
+// reads the current value.
 // The padding columns V <= j < ldv get 0, so the dx GEMM can run over aligned K = ldv.
 extern "C" __global__ void k_loss_bwd(act_t* dlogits, const float* logits, const float* lse,
                                       const int* targets, const float* scale, int B, int T, int V,

@@ -4,18 +4,30 @@
 
 #define GELU_K 0.7978845608028654f  // sqrt(2/pi)
 
-// numpy: g = 0.5 * h * (1 + np.tanh(sqrt(2/pi) * (h + 0.044715 * h**3)))
+// GELU(u) = ½u(1 + tanh(k(u + 0.044715u³))), k = sqrt(2/π)   (ops.mlp_fwd's docstring)
 __device__ __forceinline__ float gelu(float x) {
     return 0.5f * x * (1.0f + tanhf(GELU_K * (x + 0.044715f * x * x * x)));
 }
 
-// numpy: th = np.tanh(u); GELU'(h) = 0.5 * (1 + th) + 0.5 * h * (1 - th**2) * du/dh
+// With t = tanh(k(u + c·u³)): GELU'(u) = ½(1+t) + ½u(1-t²)·k(1 + 3c·u²)   (ops.mlp_bwd's
+// docstring gives this form and the one numpy computes, ½(1+t)·(1 + (1-t)·u·k(1 + 3c·u²)))
 __device__ __forceinline__ float gelu_grad(float x) {
     const float th = tanhf(GELU_K * (x + 0.044715f * x * x * x));
     const float du = GELU_K * (1.0f + 3.0f * 0.044715f * x * x);
     return 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * du;
 }
 
+// numpy twin: ops.mlp_fwd (the GELU between its two matmuls; pre = u is h here, act is g)
+// >   np.multiply(pre, pre, out=act)
+// >   act *= GELU_K * GELU_C
+// >   act += GELU_K
+// >   act *= pre
+// >   np.tanh(act, out=act)
+// >   act += 1.0
+// >   act *= pre
+// >   act *= 0.5
+// The GEMMs pre = x @ W_1 and out = act @ W_2 are cuBLAS (Ops.mlp_fwd), which runs this kernel
+// only when the cuBLASLt GELU_AUX epilogue is off or unavailable.
 extern "C" __global__ void k_mlp_gelu_fwd(act_t* g, const act_t* h, long n) {
     const long i0 = blockIdx.x * (long)blockDim.x + threadIdx.x, step = (long)gridDim.x * blockDim.x;
     const long nv = (aligned16(g) && aligned16(h)) ? n / VEC : 0;
@@ -29,7 +41,13 @@ extern "C" __global__ void k_mlp_gelu_fwd(act_t* g, const act_t* h, long n) {
     for (long i = nv * VEC + i0; i < n; i += step) g[i] = to_act(gelu(to_f(h[i])));
 }
 
-// numpy: dh = dg * GELU'(h)      (dh may alias dg)
+// numpy twin: ops.mlp_bwd (du from da, between its matmuls; dpre is dh here and da is dg)
+// >   GELU'(u) = ½(1+t) + ½u(1-t²)·k(1 + 3c·u²) = ½(1+t)·(1 + (1-t)·u·k(1 + 3c·u²)).
+// >   np.tanh(ftmp, out=ftmp)  # t
+// >   dpre *= ftmp  # du
+// numpy builds ftmp = GELU'(u) in place from t; here gelu_grad computes the first form.
+// dh may alias dg (numpy: dpre holds da, then du). Run only when the cuBLASLt DGELU epilogue is
+// off or unavailable (Ops.mlp_bwd).
 extern "C" __global__ void k_mlp_gelu_bwd(act_t* dh, const act_t* dg, const act_t* h, long n) {
     const long i0 = blockIdx.x * (long)blockDim.x + threadIdx.x, step = (long)gridDim.x * blockDim.x;
     const long nv = (aligned16(dh) && aligned16(dg) && aligned16(h)) ? n / VEC : 0;

@@ -1,9 +1,13 @@
 // Gradient norm, clipping and AdamW over the flat fp32 buffers (DESIGN §3 utility kernels, §4).
 #include "common.cuh"
 
-// numpy: partials[blk] = sum((g[i] * gs)**2 for i in blk's grid-stride range)
-// gs: a gradient scale not yet applied to the buffer (see CudaBackend.grad_scale); x = g*gs is
-// rounded exactly as a separate k_grad_scale pass would have stored it.
+// numpy twin: ops.grad_norm_partial
+// >   g = grads[j * block : (j + 1) * block]
+// >   partials[j] = np.dot(g, g)
+// numpy's partial j is a contiguous block of 65536 (float64); here partial blk is float and sums
+// block blk's grid-stride share of the elements. gs: a gradient scale not yet applied to the
+// buffer (CudaBackend.grad_scale defers it; numpy's grad_scale has already done `grads *= s`),
+// so x = g*gs is rounded to float exactly as that pass would have stored it.
 // Fixed grid and fixed per-thread order + fixed block tree: the same bits every run.
 extern "C" __global__ void k_grad_norm_partial(float* partials, const float* g, long n,
                                                float gs) {
@@ -18,7 +22,9 @@ extern "C" __global__ void k_grad_norm_partial(float* partials, const float* g, 
     if (threadIdx.x == 0) partials[blockIdx.x] = s;
 }
 
-// numpy: norm = np.sqrt(partials.sum())     (one block; inf/nan propagate)
+// numpy twin: ops.grad_norm_final
+// >   return float(np.sqrt(np.sum(partials)))
+// One block, float sums in a fixed order; inf/nan propagate.
 extern "C" __global__ void k_grad_norm_final(float* norm, const float* partials, int n) {
     __shared__ float shared[32];
     float s = 0.0f;
@@ -27,20 +33,31 @@ extern "C" __global__ void k_grad_norm_final(float* norm, const float* partials,
     if (threadIdx.x == 0) norm[0] = sqrtf(s);
 }
 
-// numpy: g *= s
+// numpy twin: ops.grad_scale
+// >   grads *= s
+// The backend defers it when it can (CudaBackend.grad_scale): k_grad_norm_partial and k_adamw
+// multiply by the pending scale as they read; this pass settles it before anything else reads
+// or adds to the gradients.
 extern "C" __global__ void k_grad_scale(float* g, long n, float s) {
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n;
          i += (long)gridDim.x * blockDim.x)
         g[i] *= s;
 }
 
-// numpy: g = g * gs; m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g*g
-//        p -= lr * (m/bc1 / (np.sqrt(v/bc2) + eps) + wd * p * decay)
-// gs: the clip (or 1/n_micro) scale not yet applied to the gradient buffer, folded in here as
-// llm.c does, saving a pass over the gradients. Tensor i covers [seg_start[i], seg_start[i+1])
-// and decays when seg_decay[i] != 0 (2-D only). p_lp (may be null) receives the rounded
-// low-precision copy the GEMMs read. Four elements per thread (16-byte float loads).
 #define ADAMW_MAX_SEGS 1024
+
+// numpy twin: ops.adamw
+// >   m = β1·m + (1-β1)·g;  v = β2·v + (1-β2)·g²;  m̂ = m/(1-β1ᵗ);  v̂ = v/(1-β2ᵗ);
+// >   p -= lr·(m̂/(sqrt(v̂)+eps) + wd·p·decay)
+// Here bc1 = 1-β1ᵗ, bc2 = 1-β2ᵗ and p -= lr·((m/bc1)/(sqrt(v/bc2)+eps) + wd·p·decay): the same
+// formula, which numpy evaluates in another order (sqrt(v)·(1/sqrt(bc2)) + eps, then ·(1/bc1)).
+// decay is per tensor: tensor i covers [seg_start[i], seg_start[i+1]) and decays (2-D tensors
+// only) when seg_decay[i] != 0. Not in numpy, whose ops.adamw reads g as it is:
+// - gs: a gradient scale (1/n_micro or the clip) that CudaBackend.grad_scale deferred; g*gs is
+//   rounded to float exactly as a k_grad_scale pass (numpy: `grads *= s`) would have stored it,
+//   and the pass over the gradients is saved (llm.c's way).
+// - p_lp (may be null) receives the rounded low-precision copy of p that the GEMMs read.
+// Four elements per thread (16-byte float loads).
 extern "C" __global__ void k_adamw(float* p, act_t* p_lp, const float* g, float* m, float* v,
                                    const long* seg_start, const int* seg_decay, int nseg, long n,
                                    float lr, float b1, float b2, float eps, float wd, float bc1,
@@ -96,7 +113,9 @@ extern "C" __global__ void k_adamw(float* p, act_t* p_lp, const float* g, float*
     }
 }
 
-// numpy: p_lp = p.astype(compute dtype)   (round to nearest even; after load_params)
+// numpy twin: none — numpy computes in its one dtype and keeps no low-precision weights. This
+// rounds (to nearest even) the float32 masters into the act_t copy the GEMMs read, at start and
+// after load_params; k_adamw keeps the copy current after each update.
 extern "C" __global__ void k_params_to_lp(act_t* p_lp, const float* p, long n) {
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n;
          i += (long)gridDim.x * blockDim.x)

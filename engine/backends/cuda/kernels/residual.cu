@@ -2,7 +2,9 @@
 // 16-byte vectors where the buffers allow it, scalars for the tail.
 #include "common.cuh"
 
-// numpy: out = a + b
+// numpy twin: ops.residual_add
+// >   np.add(x, y, out=out)
+// (x, y are a, b here.)
 extern "C" __global__ void k_residual_add(act_t* out, const act_t* a, const act_t* b, long n) {
     const long i0 = blockIdx.x * (long)blockDim.x + threadIdx.x, step = (long)gridDim.x * blockDim.x;
     const long nv = (aligned16(out) && aligned16(a) && aligned16(b)) ? n / VEC : 0;
@@ -16,7 +18,12 @@ extern "C" __global__ void k_residual_add(act_t* out, const act_t* a, const act_
     for (long i = nv * VEC + i0; i < n; i += step) out[i] = to_act(to_f(a[i]) + to_f(b[i]));
 }
 
-// numpy: da += dout; db += dout   (either pointer may be null when that side needs nothing)
+// numpy twin: ops.residual_add_bwd
+// >   dx += dout
+// numpy adds into one buffer, dx (`da` here): the branch output's gradient is dout itself, which
+// the caller hands to the branch. `db` is a second destination that no caller uses
+// (Ops.residual_add_bwd passes null). The backend's step does not launch this kernel at all:
+// k_layernorm_bwd with accumulate=1 does this add (see layernorm.cu).
 extern "C" __global__ void k_residual_add_bwd(act_t* da, act_t* db, const act_t* dout, long n) {
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n;
          i += (long)gridDim.x * blockDim.x) {

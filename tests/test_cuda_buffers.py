@@ -1,0 +1,250 @@
+"""The CUDA buffer table (engine/backends/cuda/buffers.py), checked on the CPU: no GPU, no pycuda.
+
+The plan totals are the bytes the backend planned before the table existed, and every device
+address the forward, backward and sampling paths compute is compared, on a fake allocation, with
+the formulas the backend used then (kept below as the reference, `_OldBatch` and `_old_*`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from engine.backends.activations import LAYER, SAVED, SCRATCH, Dims, saved
+from engine.backends.cuda.buffers import io_fields, logits_ld, plan_memory
+from engine.backends.cuda.cublas import WORKSPACE_BYTES
+from engine.backends.cuda.memory import Plan
+from engine.backends.cuda.ops import LN_ROWS_PER_CHUNK, NORM_BLOCKS
+from engine.backends.cuda.runtime import ACT_BYTES
+from engine.model.layout import ModelShapes, n_params, tensor_table
+
+TINY = ModelShapes(n_layer=4, d_model=128, n_head=4, d_ff=512, vocab_size=8449, seq_len=128)
+M12 = ModelShapes(n_layer=6, d_model=384, n_head=6, d_ff=1536, vocab_size=8449, seq_len=1024)
+M120 = ModelShapes(n_layer=12, d_model=768, n_head=12, d_ff=3072, vocab_size=8449, seq_len=1024)
+ODD = ModelShapes(n_layer=3, d_model=24, n_head=3, d_ff=40, vocab_size=97, seq_len=7)
+
+# Bytes per group at micro-batch 8, as planned before the table (120M bf16: weights 527.8 MiB,
+# grads, m, v 351.9 MiB each, activations 5.4 GiB, scratch 515.4 MiB).
+TOTALS = {
+    ("tiny", "bf16"): dict(weights=11319552, grads=7546368, adam_m=7546368, adam_v=7546368,
+                           activations=63498240, scratch=55128064, total=152584960),
+    ("12M", "bf16"): dict(weights=85586688, grads=57057792, adam_m=57057792, adam_v=57057792,
+                          activations=1687928832, scratch=356837120, total=2301526016),
+    ("120M", "bf16"): dict(weights=553489920, grads=368993280, adam_m=368993280,
+                           adam_v=368993280, activations=5779832832, scratch=540469504,
+                           total=7980772096),
+    ("120M", "fp32"): dict(weights=368993280, grads=368993280, adam_m=368993280,
+                           adam_v=368993280, activations=11243962368, scratch=1046407424,
+                           total=13766342912),
+}
+SHAPES = {"tiny": TINY, "12M": M12, "120M": M120, "odd": ODD}
+
+
+@pytest.mark.parametrize("key", sorted(TOTALS), ids="-".join)
+def test_plan_totals_are_unchanged(key):
+    plan, _, _ = plan_memory(SHAPES[key[0]], 8, key[1])
+    assert plan.totals() == TOTALS[key]
+
+
+# --- the reference: the backend's formulas before the table ----------------------------------
+
+
+class _OldBatch:
+    def __init__(self, prefix, B, s, es, ldv, training):
+        self.p, self.B, self.training = prefix, B, training
+        L, d, F, S, H = s.n_layer, s.d_model, s.d_ff, s.seq_len, s.n_head
+        R = self.R = B * S
+        self.sizes = {
+            "x": (L + 1) * R * d * es, "ln1": L * R * d * es, "ln1_stats": L * 2 * R * 4,
+            "qkv": L * 3 * R * d * es, "probs": L * B * H * S * S * es, "att": L * R * d * es,
+            "xmid": L * R * d * es, "ln2": L * R * d * es, "ln2_stats": L * 2 * R * 4,
+            "pre": L * R * F * es, "act": L * R * F * es, "lnf": R * d * es,
+            "lnf_stats": 2 * R * 4, "logits": R * ldv * 4, "lse": R * 4, "losses": R * 4,
+        }
+        self.scratch = {"scores": B * H * S * S * es, "tmp": R * d * es,
+                        "io": (2 * R + 1 + R + (R + 1) + R + 1) * 4}
+        if training:
+            self.scratch.update({
+                "dres": R * d * es, "dln": R * d * es, "datt": R * d * es,
+                "dqkv": 3 * R * d * es, "dpre": R * F * es, "dlogits": R * ldv * es,
+                "ln_partial": -(-R // LN_ROWS_PER_CHUNK) * 2 * d * 4})
+
+    def plan(self, plan):
+        for name, nbytes in self.sizes.items():
+            plan.add("activations", self.p + name, nbytes)
+        for name, nbytes in self.scratch.items():
+            plan.add("scratch", self.p + name, nbytes)
+
+
+def _old_plan(s, B, precision):
+    n, es, ldv = n_params(s), ACT_BYTES[precision], -(-s.vocab_size // 64) * 64
+    plan = Plan()
+    plan.add("weights", "params", n * 4)
+    if precision != "fp32":
+        plan.add("weights", "params_lp", n * es)
+    plan.add("grads", "grads", n * 4)
+    plan.add("adam_m", "m", n * 4)
+    plan.add("adam_v", "v", n * 4)
+    train = _OldBatch("t.", B, s, es, ldv, training=True)
+    sample = _OldBatch("s.", 1, s, es, ldv, training=False)
+    train.plan(plan)
+    sample.plan(plan)
+    nseg = len(tensor_table(s))
+    for name, nbytes in (("cublas_ws", WORKSPACE_BYTES), ("norm_partials", NORM_BLOCKS * 4),
+                         ("norm", 4), ("seg_start", (nseg + 1) * 8), ("seg_decay", nseg * 4)):
+        plan.add("scratch", name, nbytes)
+    return plan, train, sample
+
+
+def _old_layer_act(P, s, es, b, name, l):
+    Rm = b.R
+    d, F = s.d_model, s.d_ff
+    per = {"x": Rm * d * es, "ln1": Rm * d * es, "ln1_stats": 2 * Rm * 4,
+           "qkv": 3 * Rm * d * es, "att": Rm * d * es,
+           "probs": b.B * s.n_head * s.seq_len**2 * es, "xmid": Rm * d * es,
+           "ln2": Rm * d * es, "ln2_stats": 2 * Rm * 4, "pre": Rm * F * es,
+           "act": Rm * F * es}[name]
+    return P[b.p + name] + l * per
+
+
+def _old_io(P, b):
+    base, R = P[b.p + "io"], b.R
+    return {"tokens": base, "targets": base + R * 4, "n_unique": base + 2 * R * 4,
+            "bucket_tok": base + (2 * R + 1) * 4, "bucket_start": base + (3 * R + 1) * 4,
+            "rows": base + (4 * R + 2) * 4, "scale": base + (5 * R + 2) * 4}
+
+
+def _old_stage(h, b, inputs, targets, loss_scale):
+    B, T = inputs.shape
+    R, Rm = B * T, b.R
+    h[:R] = inputs.reshape(-1)
+    if targets is not None:
+        h[Rm : Rm + R] = targets.reshape(-1)
+    tok_tm = inputs.T.reshape(-1)
+    order = np.argsort(tok_tm, kind="stable")
+    sorted_tok = tok_tm[order]
+    starts = np.flatnonzero(np.r_[True, sorted_tok[1:] != sorted_tok[:-1]])
+    nu = starts.size
+    h[2 * Rm] = nu
+    h[2 * Rm + 1 : 2 * Rm + 1 + nu] = sorted_tok[starts]
+    h[3 * Rm + 1 : 3 * Rm + 1 + nu] = starts
+    h[3 * Rm + 1 + nu] = R
+    h[4 * Rm + 2 : 4 * Rm + 2 + R] = order
+    h[5 * Rm + 2 :].view(np.float32)[0] = loss_scale / R
+    return T
+
+
+class _FakeDrv:
+    """mem_alloc hands out far-apart fake base addresses, one per group, in call order."""
+
+    class Mem(int):
+        def free(self):
+            pass
+
+    def __init__(self):
+        self.next = 0x7F00_0000_0000
+
+    def mem_alloc(self, nbytes):
+        mem = self.Mem(self.next)
+        self.next += (nbytes // 2**30 + 2) * 2**30
+        return mem
+
+
+# --- the table against the reference ---------------------------------------------------------
+
+CASES = [(k, p, B) for k in ("tiny", "120M", "odd") for p in ("fp32", "bf16") for B in (1, 3, 8)]
+
+
+@pytest.mark.parametrize("key, precision, B", CASES)
+def test_every_address_is_the_old_one(key, precision, B):
+    s = SHAPES[key]
+    es = ACT_BYTES[precision]
+    new, train, sample = plan_memory(s, B, precision)
+    old, old_train, old_sample = _old_plan(s, B, precision)
+    new.allocate(_FakeDrv())
+    old.allocate(_FakeDrv())
+    assert new.totals() == old.totals()
+    # every plan entry (the CUDA scratch "tmp" is now the shared name "proj")
+    for b in (old_train, old_sample):
+        for name in (*b.sizes, *b.scratch):
+            assert new[b.p + ("proj" if name == "tmp" else name)] == old[b.p + name], name
+    for name in ("params", "grads", "m", "v", "cublas_ws", "norm_partials", "norm",
+                 "seg_start", "seg_decay") + (("params_lp",) if precision != "fp32" else ()):
+        assert new[name] == old[name], name
+    # every per-layer address the forward and backward compute, and the io fields
+    for b, ob in ((train, old_train), (sample, old_sample)):
+        assert b.R == ob.R and b.B == ob.B
+        for l in range(s.n_layer + 1):
+            assert b.at("x", l) == _old_layer_act(old, s, es, ob, "x", l)
+        for l in range(s.n_layer):
+            got = b.layer(l)
+            assert set(got) == {a.name for a in saved("cuda", LAYER)}
+            for name, addr in got.items():
+                assert addr == _old_layer_act(old, s, es, ob, name, l), (name, l)
+        for name in ("lnf", "lnf_stats", "logits", "lse", "losses", "scores", "proj", "io"):
+            assert b.at(name) == old[ob.p + ("tmp" if name == "proj" else name)], name
+        assert b.io() == _old_io(old, ob)
+        assert b.io_words * 4 == ob.scratch["io"]
+
+
+@pytest.mark.parametrize("key, B", [("tiny", 8), ("odd", 3), ("odd", 1)])
+def test_staging_writes_the_old_io_block(key, B):
+    s = SHAPES[key]
+    _, train, sample = plan_memory(s, B, "bf16")
+    _, old_train, old_sample = _old_plan(s, B, "bf16")
+    rng = np.random.default_rng(5)
+    for b, ob in ((train, old_train), (sample, old_sample)):
+        for T in sorted({1, 2, s.seq_len // 2, s.seq_len}):
+            x = rng.integers(0, 6, size=(b.B, T)).astype(np.int32)  # repeated ids: buckets
+            y = rng.integers(0, s.vocab_size, size=(b.B, T)).astype(np.int32)
+            y = y if b.training else None
+            got = np.full(b.io_words, -7, np.int32)
+            want = np.full(ob.scratch["io"] // 4, -7, np.int32)
+            assert b.stage(got, x, y, 3.0) == _old_stage(want, ob, x, y, 3.0) == T
+            assert np.array_equal(got, want)
+
+
+def test_slots_are_bounded():
+    plan, train, _ = plan_memory(ODD, 2, "bf16")
+    plan.allocate(_FakeDrv())
+    train.at("x", ODD.n_layer)  # the stream has one slot more than there are layers
+    with pytest.raises(IndexError):
+        train.at("ln1", ODD.n_layer)
+    with pytest.raises(IndexError):
+        train.at("lnf", 1)
+
+
+def test_io_fields_cover_the_block():
+    f = io_fields(10)
+    assert list(f) == ["tokens", "targets", "n_unique", "bucket_tok", "bucket_start", "rows",
+                       "scale", "end"]
+    assert f["end"] == 5 * 10 + 3 and logits_ld(8449) == 8512 and logits_ld(64) == 64
+
+
+def test_one_vocabulary():
+    """The CUDA slabs and the numpy arena regions carry the names of engine/backends/activations.py
+    and hold the elements the table says per slot (fp32: 4 bytes each on the GPU)."""
+    from engine.backends.numpy.model import NumpyBackend
+
+    s, B = ODD, 3
+    _, train, _ = plan_memory(s, B, "fp32")
+    be = NumpyBackend(s, B)
+    dims = Dims(B=B, T=s.seq_len, d=s.d_model, F=s.d_ff, H=s.n_head, V=s.vocab_size)
+    cuda_dims = dataclasses.replace(dims, V=logits_ld(s.vocab_size))
+    slabs = {n: sl for n, sl in train.slabs.items() if sl.group == "activations"}
+    assert list(slabs) == [a.name for a in saved("cuda")]
+    regions = {}
+    for key, (_, size) in be._acts.offsets.items():
+        regions.setdefault(key.split(".")[0], []).append(size)
+    assert set(regions) == {a.name for a in saved("numpy")} | {"proj"}
+    for a in SAVED:
+        if a.kept_by("cuda"):
+            assert slabs[a.name].slots == a.slots(s.n_layer), a.name
+            assert slabs[a.name].slot_bytes == 4 * a.elems(cuda_dims), a.name
+        if a.kept_by("numpy"):
+            assert regions[a.name] == [a.elems(dims)] * a.slots(s.n_layer), a.name
+    for a in SCRATCH:
+        assert train.slabs[a.name].slot_bytes == 4 * a.elems(dims), a.name
+        arena = be._acts if a.name == "proj" else be._scratch
+        assert arena.offsets[a.name][1] == a.elems(dims), a.name
