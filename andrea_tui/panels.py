@@ -40,9 +40,11 @@ def header(st: RunState, now: float, note: str = "", dead: bool = False) -> Text
         now = last_t if last_t is not None else st.updated or now
     style = "bold red" if dead else STATUS_STYLE.get(st.status, "bold")
     step = st.step
+    attention = st.ready.attention.split(" ", 1)[0] if st.ready and st.ready.attention else ""
     parts = [
         f"[bold]{escape(st.name)}[/]",
-        f"{escape(st.backend)}/{escape(st.device)}",
+        f"{escape(st.backend)}/{escape(st.device)}" + (f" attn {escape(attention)}"
+                                                       if attention else ""),
         f"[{style}]{escape(status)}[/]",
         f"step [bold]{fmt_int(step)}[/]/{fmt_int(st.max_steps)}",
         f"tokens {fmt_num(st.tokens)}",

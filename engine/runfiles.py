@@ -19,8 +19,10 @@ from engine import jsonio
 from engine.errors import UserError
 from engine.records import (
     Event,
+    GemmPlan,
     ResumeEvent,
     StepRecord,
+    Unreadable,
     drop_abandoned,
     latest_by_step,
     parse_all,
@@ -34,6 +36,7 @@ LOSS = "loss.jsonl"
 EVENTS = "events.jsonl"
 SAMPLES = "samples.jsonl"
 STATE = "state.json"
+GEMM_PLAN = "gemm_plan.json"
 CHECKPOINTS = "checkpoints"
 
 SMALL_JSON_BYTES = 1 << 20  # state.json, engine.json, config.json: a few KB each
@@ -78,6 +81,10 @@ class RunPaths:
     @property
     def state(self) -> Path:
         return self.root / STATE
+
+    @property
+    def gemm_plan(self) -> Path:
+        return self.root / GEMM_PLAN
 
     @property
     def checkpoints(self) -> Path:
@@ -253,6 +260,14 @@ def read_steps(path: Path) -> tuple[list[StepRecord], int]:
     events, _ = read_events(path.with_name(EVENTS))
     resumes = [e for e in events if isinstance(e, ResumeEvent)]
     return latest_by_step(drop_abandoned(steps, resumes)), bad + unreadable
+
+
+def read_gemm_plan(run_dir: Path) -> GemmPlan | Unreadable:
+    """The run directory's gemm_plan.json (the CUDA backend's GEMM algorithms), typed."""
+    obj = read_json(RunPaths(Path(run_dir)).gemm_plan)
+    if obj is None:
+        return Unreadable("gemm_plan.json", "missing, unreadable or not a JSON object")
+    return GemmPlan.from_json(obj)
 
 
 def read_events(path: Path) -> tuple[list[Event], int]:

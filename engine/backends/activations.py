@@ -52,6 +52,7 @@ class Buffer:
     f32: bool = False  # float32 on the GPU whatever the compute precision
     part: str = "trunk"  # "trunk" (embedding, blocks, final LayerNorm) or "loss"
     only: str | None = None  # "numpy" or "cuda" when one backend alone keeps it
+    attention: str | None = None  # "classic" or "cudnn" when one attention alone keeps it
 
     def slots(self, n_layer: int) -> int:
         return {MODEL: 1, LAYER: n_layer, STREAM: n_layer + 1}[self.per]
@@ -60,8 +61,8 @@ class Buffer:
         """Elements in one slot."""
         return math.prod(self.shape(dims))
 
-    def kept_by(self, backend: str) -> bool:
-        return self.only in (None, backend)
+    def kept_by(self, backend: str, attention: str = "classic") -> bool:
+        return self.only in (None, backend) and self.attention in (None, attention)
 
 
 SAVED: tuple[Buffer, ...] = (
@@ -72,7 +73,10 @@ SAVED: tuple[Buffer, ...] = (
            f32=True),
     Buffer("qkv", lambda m: (3, m.R, m.d), "Q, K, V = ln1 @ W_Q, W_K, W_V", per=LAYER),
     Buffer("probs", lambda m: (m.B, m.H, m.T, m.T), "P = causal softmax(Q Kᵀ/sqrt(hd))",
-           per=LAYER),
+           per=LAYER, attention="classic"),
+    Buffer("attn_stats", lambda m: (m.B, m.H, m.T), "cuDNN attention: each row's log-sum-exp "
+           "of the scores (the backward recomputes P from it)", per=LAYER, f32=True, only="cuda",
+           attention="cudnn"),
     Buffer("att", lambda m: (m.R, m.d), "P V, heads side by side: W_O's input", per=LAYER),
     Buffer("xmid", lambda m: (m.R, m.d), "x[l] + att @ W_O: the MLP half's input", per=LAYER),
     Buffer("ln2", lambda m: (m.R, m.d), "ln2(xmid), the MLP's input", per=LAYER),
@@ -103,7 +107,8 @@ SCRATCH: tuple[Buffer, ...] = (
 BY_NAME: dict[str, Buffer] = {b.name: b for b in SAVED + SCRATCH}
 
 
-def saved(backend: str, per: str | None = None) -> tuple[Buffer, ...]:
-    """The saved activations `backend` keeps ("numpy" | "cuda"), in table order; `per` selects
-    one kind of slot count (MODEL, LAYER or STREAM)."""
-    return tuple(b for b in SAVED if b.kept_by(backend) and per in (None, b.per))
+def saved(backend: str, per: str | None = None, attention: str = "classic") -> tuple[Buffer, ...]:
+    """The saved activations `backend` keeps ("numpy" | "cuda") with `attention` ("classic": the
+    probabilities; "cudnn": cuDNN's row statistics), in table order; `per` selects one kind of
+    slot count (MODEL, LAYER or STREAM)."""
+    return tuple(b for b in SAVED if b.kept_by(backend, attention) and per in (None, b.per))

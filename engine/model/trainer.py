@@ -75,12 +75,14 @@ class Trainer:
     """`Trainer(config, backend="numpy"|"cuda")`: the model, its optimizer and one step at a time."""
 
     def __init__(self, config: Config, backend: str = "numpy", *,
-                 dtype: Any = np.float32) -> None:
+                 dtype: Any = np.float32, backend_options: dict[str, Any] | None = None) -> None:
+        """backend_options: keyword arguments for the backend's constructor beyond the shapes,
+        batch and precision (the CUDA backend's attention, fusions, gemm_plan, tune)."""
         self.config = config
         self.shapes = ModelShapes.from_config(config.model)
         train = config.train
         cls = get_backend(backend)
-        kwargs: dict[str, Any] = {"precision": train.precision}
+        kwargs: dict[str, Any] = {"precision": train.precision, **(backend_options or {})}
         if backend == "numpy":
             kwargs["dtype"] = dtype
         self.backend = cls(self.shapes, train.batch_size, **kwargs)
@@ -162,6 +164,41 @@ class Trainer:
         self.tokens += self._micro_tokens
         return StepResult(step=step, loss=float(np.mean(self.row_losses)), grad_norm=norm,
                           clip_scale=scale, lr=lr, tokens=self.tokens, skipped=not finite)
+
+    def train_step(self, tokens: np.ndarray) -> StepResult:
+        """`zero_grads` → `forward_backward(tokens)` → `step()` for one micro-batch: the same
+        step, and on a backend with a fused step (`fused_step`: the CUDA backend's one-graph
+        step) in one backend call with one host read. The numbers it feeds the backend are
+        those `step()` would use (grads·1/loss_scale, the clip, lr and Adam's t)."""
+        be = self.backend
+        if not getattr(be, "fused_step", False):
+            self.zero_grads()
+            self.forward_backward(tokens)
+            return self.step()
+        tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        o = self.config.optim
+        step = self.step_count + 1
+        lr = self.lr_at(step)
+        b1, b2 = o.betas
+        rows, norm, clip = be.train_step(
+            np.ascontiguousarray(inputs), np.ascontiguousarray(targets),
+            loss_scale=self.scaler.scale, grad_mult=1.0 / self.scaler.scale, lr=lr, beta1=b1,
+            beta2=b2, eps=o.eps, weight_decay=o.weight_decay, t=self.adam_t + 1,
+            max_norm=o.max_grad_norm)
+        self._row_losses = [np.asarray(rows, dtype=np.float64)]
+        self._micro_tokens = inputs.size
+        finite = math.isfinite(norm)
+        self.scaler.update(finite)
+        if finite:
+            self.adam_t += 1
+        else:
+            self.skipped_steps += 1
+            clip = 1.0
+        self.step_count = step
+        self.tokens += self._micro_tokens
+        return StepResult(step=step, loss=float(np.mean(self.row_losses)), grad_norm=norm,
+                          clip_scale=clip, lr=lr, tokens=self.tokens, skipped=not finite)
 
     # -- state for checkpoints -------------------------------------------------------------
 

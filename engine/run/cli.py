@@ -1,4 +1,4 @@
-"""`andrea-train CONFIG.json [--run-dir DIR] [--resume] [--max-steps N] [--backend auto|numpy|cuda]`
+"""`andrea-train CONFIG.json [--run-dir DIR] [--resume] [--max-steps N] [--backend auto|numpy|cuda] [--attention auto|cudnn|classic] [--retune]`
 
 The engine's command line: parse, validate the config, pick the run directory, hand over to
 `TrainingRun` (engine.run.loop). Bad input ends here with one line and exit status 2.
@@ -26,6 +26,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(starts fresh when there is none)")
     p.add_argument("--max-steps", type=int, help="override train.max_steps (the lr schedule too)")
     p.add_argument("--backend", default="auto", choices=("auto", "numpy", "cuda"))
+    p.add_argument("--attention", default="auto", choices=("auto", "cudnn", "classic"),
+                   help="CUDA backend: cuDNN's fused attention (auto: when installed and it "
+                        "accepts the model) or the engine's own (classic)")
+    p.add_argument("--retune", action="store_true",
+                   help="CUDA backend: time the GEMM algorithms again instead of using the run "
+                        "directory's gemm_plan.json on --resume (the bits may then differ)")
     return p
 
 
@@ -56,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"--run-dir {run_dir}: cannot create it: {e.strerror or e}") from None
-    options = RunOptions(resume=args.resume, max_steps=args.max_steps, backend=args.backend)
+    options = RunOptions(resume=args.resume, max_steps=args.max_steps, backend=args.backend,
+                         attention=args.attention, retune=args.retune)
     return TrainingRun(cfg, run_dir, options, flags,
                        argv if argv is not None else sys.argv).run()
 

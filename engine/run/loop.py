@@ -43,6 +43,8 @@ class RunOptions:
     resume: bool = False
     max_steps: int | None = None  # overrides train.max_steps (and so the lr schedule)
     backend: str = "auto"
+    attention: str = "auto"  # CUDA backend: auto | cudnn | classic
+    retune: bool = False  # CUDA backend: time the GEMMs again instead of the recorded plan
 
 
 class TrainingRun:
@@ -177,8 +179,10 @@ class TrainingRun:
             self._check_same_data(resume.state["data"])
 
         self.out.log(f"building the {backend} trainer")
-        self.trainer = Trainer(cfg, backend)
+        options = self._backend_options(backend, resume)
+        self.trainer = Trainer(cfg, backend, backend_options=options)
         be = self.trainer.backend
+        attention = self._report_backend(be)
         self.sampler = Sampler(self.data.shards, cfg.model.seq_len, cfg.train.seed)
         b = cfg.bandit
         self.bandit = Bandit(self.source_names, list(b.phase_lengths), b.eta, b.floor, b.seed,
@@ -203,7 +207,49 @@ class TrainingRun:
         self.out.event(rec.ReadyEvent(memory_plan=plan, n_params=n, backend=be.name,
                                       device=be.device, step=self.trainer.step_count,
                                       max_steps=cfg.train.max_steps,
-                                      tokens_per_step=cfg.tokens_per_step))
+                                      tokens_per_step=cfg.tokens_per_step, attention=attention))
+
+    def _backend_options(self, backend: str, resume: Any) -> dict[str, Any]:
+        """The CUDA backend's options: attention, and on a resume the recorded GEMM plan
+        (gemm_plan.json) so the resumed run runs the very same GEMM algorithms."""
+        if backend != "cuda":
+            return {}
+        plan = None
+        path = self.out.paths.gemm_plan
+        if resume is not None and self.args.retune:
+            self.out.log("--retune: timing the GEMMs again (the bits may differ from the run "
+                         "before the checkpoint)")
+        elif resume is not None and path.exists():
+            from engine.runfiles import read_gemm_plan
+
+            got = read_gemm_plan(self.run_dir)
+            if isinstance(got, rec.GemmPlan):
+                plan = got.to_json()
+                self.out.log(f"resume: GEMM algorithms from {path.name} ({len(got.gemms)} "
+                             f"problems)")
+            else:
+                self.out.log(f"resume: {path.name} is not usable ({got}); timing the GEMMs "
+                             f"again (the bits may differ from the run before the checkpoint)")
+        elif resume is not None:
+            self.out.log(f"resume: no {path.name}; timing the GEMMs")
+        return {"attention": self.args.attention, "gemm_plan": plan}
+
+    def _report_backend(self, be: Any) -> str:
+        """Log what the CUDA backend runs (attention, GEMMs, fusions) and keep its GEMM plan in
+        the run directory; returns the attention line for the ready event."""
+        if be.name != "cuda":
+            return ""
+        from engine.runfiles import write_json_atomic
+
+        self.out.log(f"cuda: {be.describe()}")
+        for note in be.notes:
+            self.out.log(f"cuda: {note}")
+        plan = be.gemm_plan
+        if plan is not None:
+            record = rec.GemmPlan.from_json(plan)
+            if isinstance(record, rec.GemmPlan):
+                write_json_atomic(self.out.paths.gemm_plan, record.to_json())
+        return str(be.attention_info)
 
     def _check_same_data(self, saved: dict[str, Any]) -> None:
         """Bit-exact resume needs the very tokens the run trained on: refuse when they changed."""
@@ -228,17 +274,26 @@ class TrainingRun:
         every_ckpt = cfg.checkpoint.every
         every_sample = cfg.samples.every_steps
         last_print = 0.0
+        # step_ms is the loop's whole time per step: from the end of the previous step's
+        # bookkeeping (records, bandit, log) to the end of this step's optimizer update, so it
+        # counts the data, the staging and the host's share too; checkpoint writes and text
+        # samples (restarting the clock) are not counted.
+        t0 = time.perf_counter()
         while tr.step_count < max_steps and not self.flags.stop_requested:
-            t0 = time.perf_counter()
             weights = self.bandit.weights.copy()
             phase = (self.bandit.phase, self.bandit.phase_step + 1, self.bandit.phase_len)
-            tr.zero_grads()
             srcs = []
-            for _ in range(n_micro):
+            if n_micro == 1:  # the fused step where the backend has one
                 tokens, src = self.sampler.sample(B, weights)
-                tr.forward_backward(tokens)
+                done = tr.train_step(tokens)
                 srcs.append(src)
-            done = tr.step()
+            else:
+                tr.zero_grads()
+                for _ in range(n_micro):
+                    tokens, src = self.sampler.sample(B, weights)
+                    tr.forward_backward(tokens)
+                    srcs.append(src)
+                done = tr.step()
             self.steps_run += 1
             step_s = time.perf_counter() - t0
             src_loss = self._src_loss(tr.row_losses, np.concatenate(srcs))
@@ -267,12 +322,15 @@ class TrainingRun:
                              f"lr {record.lr:.2e} tok/s {record.tok_s:,.0f} "
                              f"phase {phase[0]} ({phase[1]}/{phase[2]})")
             self.out.set_status(durable=False, status=Status.RUNNING, step=step)
+            t0 = time.perf_counter()  # the next step's clock starts here ...
             if every_sample and step % every_sample == 0:
                 self._sample(step)
+                t0 = time.perf_counter()  # ... or after a text sample
             self._collect_writes()
             periodic_due = step % every_ckpt == 0 and step != max_steps
             if not self._handle_snapshot_requests(periodic_due) and periodic_due:
                 self._checkpoint("periodic", wait=False)
+                t0 = time.perf_counter()  # ... or after a checkpoint's copy
         return self._finish(max_steps)
 
     def _by_source(self, values: Any) -> dict[str, float]:

@@ -1,9 +1,23 @@
 """CudaBackend: the DESIGN §2 model trained on one NVIDIA GPU (engine/backends/base.py interface).
 
-Everything is allocated in `__init__` (memory.Plan); `forward_backward` and `forward_loss` are
-captured once per sequence length as CUDA graphs (graphs.py) and replayed, so a step costs a few
-host copies and one graph launch. Precision: float32 master weights, gradients and Adam moments
-always; activations and the GEMM weight copy in `precision` (bf16 default, fp16, or fp32).
+Everything is allocated in `__init__` (memory.Plan); `forward_backward`, `forward_loss` and the
+fused `train_step` are captured once per sequence length as CUDA graphs (graphs.py) and
+replayed, so a step costs a few host copies and one graph launch. Precision: float32 master
+weights, gradients and Adam moments always; activations and the GEMM weight copy in `precision`
+(bf16 default, fp16, or fp32).
+
+Two choices, both made at start and said in `attention_info` / `describe()`:
+- attention: "cudnn" (cuDNN's fused flash attention, cudnn_attn.py: no [B,H,T,T] buffers) or
+  "classic" (ops.attn_fwd / attn_bwd: chunked GEMMs and a softmax kernel). "auto" takes cuDNN
+  when the frontend is installed, the precision is bf16/fp16 and cuDNN accepts the shapes; else
+  classic, with the reason.
+- fusions (default on): every GEMM through gemm.LtGemm with algorithms chosen by timing at start
+  (or taken from a recorded plan: `gemm_plan`), weight-gradient GEMMs on a second stream, the
+  fused kernels (residual + LayerNorm, LayerNorm backward with its parameter sums, loss forward
+  and backward in one pass), and `train_step`: zero, forward, backward, gradient norm, clip,
+  non-finite skip and AdamW in one graph with one host read. Off: the path before all this
+  (plain cuBLAS, separate kernels, the optimizer launched from the host), kept for comparison
+  and as the unfused reference (ANDREA_FUSIONS=0 sets the default).
 
 Activation rows are time-major (row r = t*B + b): see ops.py for why. Buffers are named, sized
 and laid out by buffers.py (the saved activations by engine/backends/activations.py, the
@@ -13,6 +27,8 @@ names the numpy backend uses too).
 from __future__ import annotations
 
 import os
+import statistics
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -25,10 +41,23 @@ from engine.backends.cuda.memory import format_plan
 from engine.backends.cuda.ops import Ops
 from engine.backends.cuda.runtime import ACT_BYTES, Gpu
 from engine.errors import RunError, UserError
-from engine.model.layout import ModelShapes, n_params, tensor_table
+from engine.model.layout import ModelShapes, init_params, n_params, tensor_table
 
 ADAMW_MAX_SEGS = 1024  # the same cap as kernels/optim.cu
 SAFETY_BYTES = 256 << 20  # left free for the driver, cuBLAS's own state and graph instantiation
+ATTENTIONS = ("auto", "cudnn", "classic")
+TIMING_REPS = 5
+
+
+def default_attention() -> str:
+    a = os.environ.get("ANDREA_ATTENTION", "auto")
+    if a not in ATTENTIONS:
+        raise UserError(f"ANDREA_ATTENTION: expected auto, cudnn or classic, got {a!r}")
+    return a
+
+
+def default_fusions() -> bool:
+    return os.environ.get("ANDREA_FUSIONS", "1") != "0"
 
 
 class CudaBackend:
@@ -37,13 +66,23 @@ class CudaBackend:
     name = "cuda"
 
     def __init__(self, shapes: ModelShapes, micro_batch: int, precision: str = "bf16",
-                 dtype: type = np.float32) -> None:
+                 dtype: type = np.float32, *, attention: str | None = None,
+                 fusions: bool | None = None, gemm_plan: dict[str, Any] | None = None,
+                 tune: bool = True) -> None:
+        """attention: "auto" | "cudnn" | "classic" (default ANDREA_ATTENTION or auto);
+        fusions: see the module doc (default ANDREA_FUSIONS or on); gemm_plan: a recorded
+        GEMM plan (engine.records.GemmPlan.to_json()) to use instead of timing; tune: time the
+        GEMM candidates at start when no plan covers them (else cuBLASLt's first choice)."""
         if precision not in ACT_BYTES:
             raise UserError(f"train/precision: expected fp32, bf16 or fp16, got {precision!r}")
         if np.dtype(dtype) != np.float32:
             raise UserError("the CUDA backend computes in float32 masters; dtype must be float32")
         if micro_batch < 1:
             raise UserError(f"train/batch_size: expected a positive integer, got {micro_batch}")
+        attention = attention or default_attention()
+        if attention not in ATTENTIONS:
+            raise UserError(f"attention: expected auto, cudnn or classic, got {attention!r}")
+        self.fusions = default_fusions() if fusions is None else bool(fusions)
         self.shapes, self.B, self.precision = shapes, micro_batch, precision
         self.gpu = gpu = Gpu.get()
         self.drv = drv = gpu.drv
@@ -58,8 +97,14 @@ class CudaBackend:
         self.ldv = logits_ld(shapes.vocab_size)  # aligned logits rows
         self.wte_rows = n // shapes.d_model  # rows readable from wte on (see ops.loss_fwd)
         self.use_graphs = os.environ.get("ANDREA_CUDA_GRAPHS", "1") != "0"
+        self.S = shapes.seq_len
+        self.notes: list[str] = []  # what the start-up decided, for the run's log
 
-        plan, self.train, self.sample = plan_memory(shapes, micro_batch, precision)
+        self.cudnn: Any = None
+        self.attention, self.attention_info = self._pick_attention(attention)
+        cudnn_ws = self.cudnn.workspace_bytes() if self.cudnn else 0
+        plan, self.train, self.sample = plan_memory(shapes, micro_batch, precision,
+                                                    self.attention, self.fusions, cudnn_ws)
         self._plan = plan
         nseg = len(self.table)
         if nseg > ADAMW_MAX_SEGS:  # k_adamw keeps the tensor table in shared memory
@@ -73,12 +118,35 @@ class CudaBackend:
                 f"free device memory {free / 2**20:.1f} MiB (of which {SAFETY_BYTES >> 20} MiB "
                 f"is kept in reserve). Use a smaller batch_size, seq_len or model.")
         plan.allocate(drv)
+        if self.cudnn:
+            self.cudnn.set_workspace(plan["cudnn_ws"], max(cudnn_ws, 1))
 
-        self.blas = Cublas(self.stream.handle, plan["cublas_ws"], WORKSPACE_BYTES)
-        # GELU in the MLP GEMMs' epilogues (ANDREA_GELU_FUSION=0: separate GELU kernels)
-        self.lt = (CublasLt(self.stream.handle, plan["cublas_ws"], WORKSPACE_BYTES)
-                   if os.environ.get("ANDREA_GELU_FUSION", "1") != "0" else None)
-        self.ops = Ops(gpu.kernels(precision), self.blas, self.stream, precision, self.lt)
+        self.blas: Cublas | None = None
+        self.lt: CublasLt | None = None
+        self.gemm: Any = None
+        self.side: Any = None
+        if self.fusions:
+            from engine.backends.cuda.gemm import LtGemm
+
+            self.gemm = LtGemm(WORKSPACE_BYTES, self.device)
+            self.gemm.timer = self._time_ms
+            why = self.gemm.import_plan(gemm_plan)
+            if why:
+                self.notes.append(why)
+            self.side = drv.Stream(flags=1)  # the weight-gradient stream (non-blocking)
+            self.ops = Ops(gpu.kernels(precision), None, self.stream, precision,
+                           gemm=self.gemm, ws=plan["cublas_ws"], side=self.side,
+                           ws2=plan["cublas_ws2"], cudnn=self.cudnn,
+                           event=lambda: drv.Event(drv.event_flags.DISABLE_TIMING))
+            self.ops.counter = plan["counters"]
+        else:
+            self.blas = Cublas(self.stream.handle, plan["cublas_ws"], WORKSPACE_BYTES)
+            # GELU in the MLP GEMMs' epilogues (ANDREA_GELU_FUSION=0: separate GELU kernels)
+            self.lt = (CublasLt(self.stream.handle, plan["cublas_ws"], WORKSPACE_BYTES)
+                       if os.environ.get("ANDREA_GELU_FUSION", "1") != "0" else None)
+            self.ops = Ops(gpu.kernels(precision), self.blas, self.stream, precision, self.lt,
+                           cudnn=self.cudnn)
+        self.fused_step = self.fusions
         self.p, self.g = plan["params"], plan["grads"]
         self.plp = plan["params_lp"] if precision != "fp32" else self.p
         self.m, self.v = plan["m"], plan["v"]
@@ -92,19 +160,123 @@ class CudaBackend:
         self.h_io = {b.p: drv.pagelocked_zeros(b.io_words, np.int32)
                      for b in (self.train, self.sample)}
         self.h_losses = drv.pagelocked_zeros(self.train.R, np.float32)
-        self.h_norm = drv.pagelocked_zeros(1, np.float32)
+        self.h_norm = drv.pagelocked_zeros(2, np.float32)  # norm, clip
         self.h_logits = drv.pagelocked_zeros(self.ldv, np.float32)
         self._graphs: dict[tuple[str, int], graphs.CudaGraph] = {}
         # A gradient scale (clip, 1/n_micro) not yet written into the buffer: grad_norm and
         # adamw apply it on the fly, saving a pass over 4·n bytes; anything else settles it.
         self._pending_scale = 1.0
-        drv.memset_d32_async(self.p, 0, n, self.stream)
-        drv.memset_d32_async(self.g, 0, n, self.stream)
-        drv.memset_d32_async(self.m, 0, n, self.stream)
-        drv.memset_d32_async(self.v, 0, n, self.stream)
-        if precision != "fp32":
-            self.ops.params_to_lp(self.plp, self.p, n)
+        # Everything starts at zero: rows past a short sequence are then finite (cuDNN's
+        # full-length graphs read them; see cudnn_attn.py), and the counters of the fused
+        # kernels start at 0.
+        for group in ("activations", "scratch"):
+            base, size = plan.span(group)
+            drv.memset_d8_async(base, 0, size, self.stream)
+        self._zero_state()
+        self._warm_up(tune and self.fusions)
+        self._zero_state()
         self.stream.synchronize()
+
+    # --- start-up ---------------------------------------------------------------------------------
+    def _pick_attention(self, want: str) -> tuple[str, str]:
+        """("cudnn" | "classic", what runs and why), building cuDNN's graphs when it is used."""
+        if want == "classic":
+            return "classic", "classic (requested)"
+        why = ""
+        if self.precision == "fp32":
+            why = "fp32 precision keeps the classic attention"
+        else:
+            from engine.backends.cuda.cudnn_attn import CudnnAttention, cudnn_available
+
+            ok, why = cudnn_available()
+            if ok:
+                s = self.shapes
+                try:
+                    att = CudnnAttention(self.precision, s.n_head, s.d_model // s.n_head,
+                                         self.stream.handle)
+                    att.build(self.B, self.S, backward=True)
+                    att.build(1, self.S, backward=False)  # sampling (logits_last)
+                    self.cudnn = att
+                    return "cudnn", f"cudnn ({att.version}; deterministic backward)"
+                except RunError as e:
+                    why = str(e)
+                except Exception as e:  # a frontend that imports but cannot start
+                    why = f"cuDNN did not start: {type(e).__name__}: {e}"
+        if want == "cudnn":
+            raise UserError(f"attention cudnn: {why}")
+        return "classic", f"classic ({why})"
+
+    def _time_ms(self, fn: Callable[[], None]) -> float:
+        """Median GPU time of fn() on the stream, CUDA events, TIMING_REPS runs."""
+        e0, e1 = self.drv.Event(), self.drv.Event()
+        times = []
+        for _ in range(TIMING_REPS):
+            e0.record(self.stream)
+            fn()
+            e1.record(self.stream)
+            e1.synchronize()
+            times.append(e1.time_since(e0))
+        return statistics.median(times)
+
+    def _zero_state(self) -> None:
+        drv, n = self.drv, self.n
+        for ptr in (self.p, self.g, self.m, self.v):
+            drv.memset_d32_async(ptr, 0, n, self.stream)
+        if self.precision != "fp32":
+            self.ops.params_to_lp(self.plp, self.p, n)
+
+    def _warm_up(self, tune: bool) -> None:
+        """One eager forward + backward at full length (and a sampling forward): cuDNN's first
+        execution of each graph does host set-up that must not happen under graph capture, and,
+        with `tune`, every GEMM's algorithm is chosen by timing (on random weights: timing on
+        zeros is not representative). The caller zeroes the state afterwards."""
+        if tune:
+            w = init_params(self.shapes, seed=12345)
+            self.drv.memcpy_htod(self.p, w)
+            self.drv.Context.synchronize()
+            if self.precision != "fp32":
+                self.ops.params_to_lp(self.plp, self.p, self.n)
+        rng = np.random.default_rng(0)
+        tok = rng.integers(0, self.shapes.vocab_size, (self.B, self.S + 1)).astype(np.int32)
+        b = self.train
+        T = self._stage(b, tok[:, :-1], tok[:, 1:], 1.0)
+        side = self.ops.side
+        if self.gemm is not None:
+            self.gemm.tuning = tune
+            self.ops.side = None  # timed on the main stream (the choice holds for both)
+        try:
+            self.ops.begin_pass()
+            self._forward(b, T, loss=True, train=True)
+            self._backward(b, T)
+            self.ops.join()
+            s = self.sample
+            Ts = self._stage(s, tok[:1, :-1], None, 1.0)
+            self._forward(s, Ts, loss=False)
+            self.stream.synchronize()
+        finally:
+            self.ops.side = side
+            if self.gemm is not None:
+                self.gemm.tuning = False
+        if self.gemm is not None:
+            self.notes.extend(self.gemm.warnings)
+            timed, best, first = self.gemm.timing_summary()
+            if timed:
+                self.notes.append(f"GEMMs: {timed} problems timed ({best:.3f} ms with the "
+                                  f"fastest candidates, {first:.3f} ms with cuBLASLt's first "
+                                  f"choices, once each)")
+
+    @property
+    def gemm_plan(self) -> dict[str, Any] | None:
+        """The GEMM algorithms in use (engine.records.GemmPlan.to_json()), None without
+        fusions: the run directory keeps it so that --resume runs the same ones."""
+        return self.gemm.export_plan() if self.gemm is not None else None
+
+    def describe(self) -> str:
+        """One line: attention, GEMMs and fusions as they run."""
+        gemm = ("cuBLASLt, algorithms timed at start" if self.fusions
+                else "cuBLAS (heuristic choices)")
+        return (f"attention {self.attention_info}; GEMMs {gemm}; fusions "
+                f"{'on' if self.fusions else 'off'}")
 
     # --- pointers ---------------------------------------------------------------------------------
     def _w(self, name: str) -> int:
@@ -118,68 +290,129 @@ class CudaBackend:
         return self.g + self.off[name] * 4
 
     # --- the model --------------------------------------------------------------------------------
-    def _forward(self, b: BatchBuffers, T: int, loss: bool) -> None:
+    def _attention_fwd(self, b: BatchBuffers, a: dict[str, int], T: int) -> None:
         s, o = self.shapes, self.ops
-        d, F, H, L = s.d_model, s.d_ff, s.n_head, s.n_layer
+        d, slab = s.d_model, b.qkv_slab()
+        if self.attention == "cudnn":  # the full-length graph: causal, rows past T unused
+            o.attn_fwd_cudnn(a["qkv"], a["att"], a["attn_stats"], b.B, self.S, d, slab)
+        else:
+            o.attn_fwd(a["qkv"], s.n_head, a["probs"], a["att"], b.at("scores"), b.B, T, d, slab)
+
+    def _forward(self, b: BatchBuffers, T: int, loss: bool, train: bool = False) -> None:
+        """train: a training step's forward (fusions: the loss kernel writes dlogits too)."""
+        s, o = self.shapes, self.ops
+        d, F, L = s.d_model, s.d_ff, s.n_layer
         B, R = b.B, b.B * T
+        fused = self.fusions
         io = b.io()
-        proj, scores = b.at("proj"), b.at("scores")
+        proj = b.at("proj")
         o.embed_fwd(io["tokens"], self._p32("wte"), self._p32("wpe"), b.at("x", 0), B, T, d)
+        a0 = b.layer(0)
+        o.layernorm_fwd(b.at("x", 0), self._p32("h.0.ln1.gamma"), self._p32("h.0.ln1.beta"),
+                        a0["ln1"], a0["ln1_stats"], a0["ln1_stats"] + R * 4, R, d)
         for l in range(L):
             h = f"h.{l}."
             a = b.layer(l)  # layer l's saved activations, by name
-            st1, st2 = a["ln1_stats"], a["ln2_stats"]  # mean [R] floats, then rstd [R]
-            o.layernorm_fwd(b.at("x", l), self._p32(h + "ln1.gamma"), self._p32(h + "ln1.beta"),
-                            a["ln1"], st1, st1 + R * 4, R, d)
-            o.attn_qkv_fwd(a["ln1"], self._w(h + "attn.W_Q"), a["qkv"], R, d)
-            o.attn_fwd(a["qkv"], H, a["probs"], a["att"], scores, B, T, d)
+            st2 = a["ln2_stats"]  # mean [R] floats, then rstd [R]
+            o.attn_qkv_fwd(a["ln1"], self._w(h + "attn.W_Q"), a["qkv"], R, d, b.qkv_slab())
+            self._attention_fwd(b, a, T)
             o.attn_out_fwd(a["att"], self._w(h + "attn.W_O"), proj, R, d)
-            o.residual_add(b.at("x", l), proj, a["xmid"], R * d)
-            o.layernorm_fwd(a["xmid"], self._p32(h + "ln2.gamma"), self._p32(h + "ln2.beta"),
-                            a["ln2"], st2, st2 + R * 4, R, d)
+            g2, b2 = self._p32(h + "ln2.gamma"), self._p32(h + "ln2.beta")
+            if fused:
+                o.residual_layernorm_fwd(b.at("x", l), proj, a["xmid"], g2, b2, a["ln2"], st2,
+                                         st2 + R * 4, R, d)
+            else:
+                o.residual_add(b.at("x", l), proj, a["xmid"], R * d)
+                o.layernorm_fwd(a["xmid"], g2, b2, a["ln2"], st2, st2 + R * 4, R, d)
             o.mlp_fwd(a["ln2"], self._w(h + "mlp.W_1"), self._w(h + "mlp.W_2"), a["pre"],
                       a["act"], proj, R, d, F)
-            o.residual_add(a["xmid"], proj, b.at("x", l + 1), R * d)
-        stf = b.at("lnf_stats")
-        o.layernorm_fwd(b.at("x", L), self._p32("lnf.gamma"), self._p32("lnf.beta"), b.at("lnf"),
-                        stf, stf + R * 4, R, d)
-        if loss:
-            o.loss_fwd(b.at("lnf"), self._w("wte"), io["targets"], b.at("logits"), b.at("lse"),
-                       b.at("losses"), B, T, s.vocab_size, self.ldv, d, self.wte_rows)
+            # x[l+1] = xmid + mlp; then the next LayerNorm: layer l+1's ln1, or lnf
+            if l + 1 < L:
+                nxt = b.layer(l + 1)
+                h1 = f"h.{l + 1}."
+                gn, bn = self._p32(h1 + "ln1.gamma"), self._p32(h1 + "ln1.beta")
+                out, st = nxt["ln1"], nxt["ln1_stats"]
+            else:
+                gn, bn = self._p32("lnf.gamma"), self._p32("lnf.beta")
+                out, st = b.at("lnf"), b.at("lnf_stats")
+            if fused:
+                o.residual_layernorm_fwd(a["xmid"], proj, b.at("x", l + 1), gn, bn, out, st,
+                                         st + R * 4, R, d)
+            else:
+                o.residual_add(a["xmid"], proj, b.at("x", l + 1), R * d)
+                o.layernorm_fwd(b.at("x", l + 1), gn, bn, out, st, st + R * 4, R, d)
+        if not loss:
+            return
+        args = (b.at("lnf"), self._w("wte"), io["targets"], b.at("logits"), b.at("lse"),
+                b.at("losses"))
+        if fused and train:
+            o.loss_fwd_bwd(*args, io["scale"], b.at("dlogits"), B, T, s.vocab_size, self.ldv, d,
+                           self.wte_rows)
+        else:
+            o.loss_fwd(*args, B, T, s.vocab_size, self.ldv, d, self.wte_rows)
 
     def _backward(self, b: BatchBuffers, T: int) -> None:
+        """After `_forward(b, T, loss=True, train=True)`. Fusions: the residual gradient
+        alternates between two buffers (dres, dres2; each LayerNorm backward reads one and
+        writes the other), and dpre, dqkv between two by layer parity, so the weight-gradient
+        GEMMs on the side stream can read one while the main stream writes the other."""
         s, o = self.shapes, self.ops
         d, F, H, L = s.d_model, s.d_ff, s.n_head, s.n_layer
         B, R = b.B, b.B * T
+        fused = self.fusions
         io = b.io()
-        dres, dln, datt = b.at("dres"), b.at("dln"), b.at("datt")
-        dqkv, dpre, part = b.at("dqkv"), b.at("dpre"), b.at("ln_partial")
-        o.loss_bwd(b.at("lnf"), self._w("wte"), io["targets"], b.at("logits"), b.at("lse"),
-                   io["scale"], dln, self._g32("wte"), b.at("dlogits"), B, T, s.vocab_size,
-                   self.ldv, d, self.wte_rows)
+        dln, datt = b.at("dln"), b.at("datt")
+        part = b.at("ln_partial")
+        res = [b.at("dres"), b.at("dres2") if fused else b.at("dres")]
+        dpre = [b.at("dpre"), b.at("dpre2") if fused else b.at("dpre")]
+        dqkv = [b.at("dqkv"), b.at("dqkv2") if fused else b.at("dqkv")]
+        slab = b.qkv_slab()
+        if fused:  # dlogits came with the forward (loss_fwd_bwd)
+            o.loss_bwd_gemms(b.at("lnf"), self._w("wte"), dln, self._g32("wte"),
+                             b.at("dlogits"), B, T, s.vocab_size, self.ldv, d, self.wte_rows)
+        else:
+            o.loss_bwd(b.at("lnf"), self._w("wte"), io["targets"], b.at("logits"), b.at("lse"),
+                       io["scale"], dln, self._g32("wte"), b.at("dlogits"), B, T, s.vocab_size,
+                       self.ldv, d, self.wte_rows)
         stf = b.at("lnf_stats")
-        o.layernorm_bwd(dln, b.at("x", L), self._p32("lnf.gamma"), stf, stf + R * 4, dres,
-                        self._g32("lnf.gamma"), part, R, d, accumulate=False)
+        cur, nxt = res
+        o.layernorm_bwd(dln, b.at("x", L), self._p32("lnf.gamma"), stf, stf + R * 4, cur,
+                        self._g32("lnf.gamma"), part, R, d, accumulate=False, fused=fused)
         for l in reversed(range(L)):
             h = f"h.{l}."
             a = b.layer(l)
             st1, st2 = a["ln1_stats"], a["ln2_stats"]
-            # x[l+1] = xmid + mlp(ln2(xmid)); dres holds d x[l+1]
-            o.mlp_bwd(dres, a["ln2"], self._w(h + "mlp.W_1"), self._w(h + "mlp.W_2"), a["pre"],
-                      a["act"], dln, self._g32(h + "mlp.W_1"), self._g32(h + "mlp.W_2"), dpre, R,
-                      d, F)
-            o.layernorm_bwd(dln, a["xmid"], self._p32(h + "ln2.gamma"), st2, st2 + R * 4, dres,
-                            self._g32(h + "ln2.gamma"), part, R, d, accumulate=True)
-            # xmid = x[l] + attn(ln1(x[l])); dres now holds d xmid
-            o.attn_out_bwd(dres, a["att"], self._w(h + "attn.W_O"), datt,
+            # x[l+1] = xmid + mlp(ln2(xmid)); cur holds d x[l+1]
+            o.mlp_bwd(cur, a["ln2"], self._w(h + "mlp.W_1"), self._w(h + "mlp.W_2"), a["pre"],
+                      a["act"], dln, self._g32(h + "mlp.W_1"), self._g32(h + "mlp.W_2"),
+                      dpre[l % 2], R, d, F)
+            o.layernorm_bwd(dln, a["xmid"], self._p32(h + "ln2.gamma"), st2, st2 + R * 4, nxt,
+                            self._g32(h + "ln2.gamma"), part, R, d, accumulate=True,
+                            resid=cur, fused=fused)
+            # xmid = x[l] + attn(ln1(x[l])); nxt holds d xmid
+            o.attn_out_bwd(nxt, a["att"], self._w(h + "attn.W_O"), datt,
                            self._g32(h + "attn.W_O"), R, d)
-            o.attn_bwd(datt, a["qkv"], a["probs"], H, dqkv, b.at("scores"), B, T, d)
-            o.attn_qkv_bwd(dqkv, a["ln1"], self._w(h + "attn.W_Q"), dln,
-                           self._g32(h + "attn.W_Q"), R, d)
+            dq = dqkv[l % 2]
+            if self.attention == "cudnn":
+                if R < b.R:  # the full-length graph: rows past T must add nothing (dO = 0)
+                    self._memset_act(datt + R * d * self.es, (b.R - R) * d)
+                o.attn_bwd_cudnn(datt, a["qkv"], a["att"], a["attn_stats"], dq, B, self.S, d,
+                                 slab)
+            else:
+                o.attn_bwd(datt, a["qkv"], a["probs"], H, dq, b.at("scores"), B, T, d, slab)
+            o.attn_qkv_bwd(dq, a["ln1"], self._w(h + "attn.W_Q"), dln,
+                           self._g32(h + "attn.W_Q"), R, d, slab)
             o.layernorm_bwd(dln, b.at("x", l), self._p32(h + "ln1.gamma"), st1, st1 + R * 4,
-                            dres, self._g32(h + "ln1.gamma"), part, R, d, accumulate=True)
-        o.embed_bwd(dres, (io["n_unique"], io["bucket_tok"], io["bucket_start"], io["rows"]),
+                            cur, self._g32(h + "ln1.gamma"), part, R, d, accumulate=True,
+                            resid=nxt, fused=fused)
+        o.embed_bwd(cur, (io["n_unique"], io["bucket_tok"], io["bucket_start"], io["rows"]),
                     self._g32("wte"), self._g32("wpe"), B, T, d)
+
+    def _memset_act(self, ptr: int, count: int) -> None:
+        if self.es == 2:
+            self.drv.memset_d16_async(ptr, 0, count, self.stream)
+        else:
+            self.drv.memset_d32_async(ptr, 0, count, self.stream)
 
     # --- per-call plumbing ------------------------------------------------------------------------
     def _check_tokens(self, inputs: np.ndarray, what: str, B: int) -> np.ndarray:
@@ -195,15 +428,18 @@ class CudaBackend:
         return a.astype(np.int32, copy=False)
 
     def _stage(self, b: BatchBuffers, inputs: np.ndarray, targets: np.ndarray | None,
-               loss_scale: float) -> int:
+               loss_scale: float, hp: dict[str, float] | None = None) -> int:
         """Fill the page-locked io block (tokens, targets, embedding-gradient buckets, loss
-        scale: buffers.io_fields) and queue its copy to the device. Returns T."""
+        scale, the fused step's hyper-parameters: buffers.io_fields) and queue its copy to the
+        device. Returns T."""
         h = self.h_io[b.p]
         T = b.stage(h, inputs, targets, loss_scale)
+        if hp is not None:
+            b.stage_hp(h, hp)
         self.drv.memcpy_htod_async(b.at("io"), h, self.stream)
         return T
 
-    def _run(self, key: tuple[str, int], issue: Any) -> None:
+    def _run(self, key: tuple[str, int], issue: Callable[[], None]) -> None:
         """Issue the work directly, or through a graph captured on first use per (kind, T)."""
         if not self.use_graphs:
             issue()
@@ -219,30 +455,78 @@ class CudaBackend:
         self.stream.synchronize()
         return self.h_losses[:R].reshape(T, b.B).astype(np.float64).mean(axis=0)
 
-    # --- the interface ----------------------------------------------------------------------------
-    def forward_backward(self, inputs: np.ndarray, targets: np.ndarray,
-                         loss_scale: float = 1.0) -> np.ndarray:
-        b = self.train
+    def _xy(self, inputs: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         x = self._check_tokens(inputs, "inputs", self.B)
         y = self._check_tokens(targets, "targets", self.B)
         if y.shape != x.shape:
             raise UserError(f"targets: expected shape {x.shape}, got {y.shape}")
+        return x, y
+
+    # --- the interface ----------------------------------------------------------------------------
+    def forward_backward(self, inputs: np.ndarray, targets: np.ndarray,
+                         loss_scale: float = 1.0) -> np.ndarray:
+        b = self.train
+        x, y = self._xy(inputs, targets)
         T = self._stage(b, x, y, loss_scale)
 
         def issue() -> None:
-            self._forward(b, T, loss=True)
+            self.ops.begin_pass()
+            self._forward(b, T, loss=True, train=True)
             self._backward(b, T)
+            self.ops.join()
 
         self._settle_scale()  # accumulating onto scaled gradients
         self._run(("fb", T), issue)
         return self._row_means(b, T)
 
+    def train_step(self, inputs: np.ndarray, targets: np.ndarray, *, loss_scale: float,
+                   grad_mult: float, lr: float, beta1: float, beta2: float, eps: float,
+                   weight_decay: float, t: int, max_norm: float
+                   ) -> tuple[np.ndarray, float, float]:
+        """One whole optimizer step of DESIGN §4 for one micro-batch, in one captured graph:
+        zero_grads → forward, backward (loss_scale) → grads·grad_mult → grad norm → when the
+        norm is finite: clip (max_norm) and AdamW (lr, t); else nothing changes. One host read.
+        Returns (per-row mean loss [B], the norm, the clip factor used: 1.0 when none or
+        skipped). Needs fusions (`fused_step`)."""
+        if not self.fused_step:
+            raise RunError("train_step needs the fused step (fusions on)")
+        if t < 1:
+            raise ValueError(f"train_step: t is the 1-based Adam step, got {t}")
+        b = self.train
+        x, y = self._xy(inputs, targets)
+        hp = {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps,
+              "weight_decay": weight_decay, "bc1": 1.0 - beta1**t, "bc2": 1.0 - beta2**t,
+              "grad_mult": grad_mult, "max_norm": max_norm}
+        T = self._stage(b, x, y, loss_scale, hp)
+        self._pending_scale = 1.0  # the step zeroes the gradients first
+        io = b.io()
+        norm, clip = self._plan["norm"], self._plan["clip"]
+
+        def issue() -> None:
+            o = self.ops
+            self.drv.memset_d32_async(self.g, 0, self.n, self.stream)
+            o.begin_pass()
+            self._forward(b, T, loss=True, train=True)
+            self._backward(b, T)
+            o.join()
+            o.grad_norm(self.g, self.n, self._plan["norm_partials"], norm)
+            self.drv.memset_d32_async(clip, 0x3F800000, 1, self.stream)  # 1.0f unless clipped
+            lp = self.plp if self.precision != "fp32" else 0
+            o.adamw_step(self.p, lp, self.g, self.m, self.v, self._plan["seg_start"],
+                         self._plan["seg_decay"], self.nseg, self.n, io["hp"], norm, clip)
+            self.drv.memcpy_dtoh_async(self.h_norm[:1], norm, self.stream)
+            self.drv.memcpy_dtoh_async(self.h_norm[1:], clip, self.stream)
+
+        self._run(("step", T), issue)
+        R = b.B * T
+        self.drv.memcpy_dtoh_async(self.h_losses[:R], b.at("losses"), self.stream)
+        self.stream.synchronize()
+        rows = self.h_losses[:R].reshape(T, b.B).astype(np.float64).mean(axis=0)
+        return rows, float(self.h_norm[0]), float(self.h_norm[1])
+
     def forward_loss(self, inputs: np.ndarray, targets: np.ndarray) -> np.ndarray:
         b = self.train
-        x = self._check_tokens(inputs, "inputs", self.B)
-        y = self._check_tokens(targets, "targets", self.B)
-        if y.shape != x.shape:
-            raise UserError(f"targets: expected shape {x.shape}, got {y.shape}")
+        x, y = self._xy(inputs, targets)
         T = self._stage(b, x, y, 1.0)
         self._run(("f", T), lambda: self._forward(b, T, loss=True))
         return self._row_means(b, T)
@@ -251,10 +535,11 @@ class CudaBackend:
         b, s = self.sample, self.shapes
         x = self._check_tokens(np.asarray(tokens).reshape(1, -1), "tokens", 1)
         T = self._stage(b, x, None, 1.0)
+        self.ops.begin_pass()
         self._forward(b, T, loss=False)  # own buffers; no graph: every prompt length differs
         last = b.at("lnf") + (T - 1) * s.d_model * self.es
-        self.blas.matmul(b.at("logits"), last, self._w("wte"), 1, s.vocab_size,
-                         s.d_model, types=(self.ops.act, self.ops.act, 0), tb=True)
+        self.ops._mm(b.at("logits"), last, self._w("wte"), 1, s.vocab_size, s.d_model, tb=True,
+                     out32=True)
         V = s.vocab_size
         self.drv.memcpy_dtoh_async(self.h_logits[:V], b.at("logits"), self.stream)
         self.stream.synchronize()
@@ -326,9 +611,12 @@ class CudaBackend:
 
     def grad_norm(self) -> float:
         partials, norm = self._plan["norm_partials"], self._plan["norm"]
-        self.ops.grad_norm_partial(self.g, self.n, partials, self._pending_scale)
-        self.ops.grad_norm_final(partials, norm)
-        self.drv.memcpy_dtoh_async(self.h_norm, norm, self.stream)
+        if self.fusions:
+            self.ops.grad_norm(self.g, self.n, partials, norm, self._pending_scale)
+        else:
+            self.ops.grad_norm_partial(self.g, self.n, partials, self._pending_scale)
+            self.ops.grad_norm_final(partials, norm)
+        self.drv.memcpy_dtoh_async(self.h_norm[:1], norm, self.stream)
         self.stream.synchronize()
         return float(self.h_norm[0])
 
@@ -343,17 +631,32 @@ class CudaBackend:
     def memory_plan(self) -> dict[str, int]:
         return self._plan.totals()
 
+    def graph_nodes(self, kind: str = "step") -> dict[str, int]:
+        """Node counts by type of the captured graph of `kind` ("step", "fb", "f") at the
+        longest sequence length captured so far; {} when there is none."""
+        keys = sorted(k for k in self._graphs if k[0] == kind)
+        return self._graphs[keys[-1]].node_counts() if keys else {}
+
     def synchronize(self) -> None:
         """Wait for all queued GPU work (for timing; the interface calls sync where needed)."""
         self.stream.synchronize()
 
     def close(self) -> None:
-        """Free the graphs, the cuBLAS handle and the device memory now (tests make many)."""
+        """Free the graphs, the cuBLAS handles, cuDNN and the device memory now (tests make
+        many)."""
         self.stream.synchronize()
+        if self.side is not None:
+            self.side.synchronize()
         for g in self._graphs.values():
             g.close()
         self._graphs.clear()
-        self.blas.close()
-        if self.lt:
-            self.lt.close()
+        for lib in (self.blas, self.lt, self.gemm):
+            if lib is not None:
+                lib.close()
+        if self.cudnn is not None:
+            self.cudnn.close()
+            self.cudnn = None
         self._plan.free()
+
+
+__all__ = ["ATTENTIONS", "CudaBackend"]

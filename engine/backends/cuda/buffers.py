@@ -6,6 +6,13 @@ backend uses the same names); this module adds the CUDA-only scratch and lays it
 Each name is one slab in memory.Plan, layer-major: layer l of slab n is at
 `plan["t." + n] + l·slot_bytes` (prefix "t." for training, "s." for sampling with B=1).
 Importing this needs no GPU (nor pycuda): tests build the plan on the CPU.
+
+Two choices change the table: `attention` ("classic": the saved probabilities [B,H,T,T] per
+layer and a scores scratch; "cudnn": neither, cuDNN's row statistics [B,H,T] and its workspace
+instead) and `fused` (the fused step: a second copy of the gradient buffers that the weight-
+gradient GEMMs on the second stream read — dres, dpre, dqkv — so the main stream can write the
+next layer's while they run; the step's hyper-parameters in the io block; a second cuBLAS
+workspace). The defaults are the plan the backend had before either.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import numpy as np
 from engine.backends.activations import BY_NAME, LAYER, Dims, saved
 from engine.backends.cuda.cublas import WORKSPACE_BYTES
 from engine.backends.cuda.memory import Plan
-from engine.backends.cuda.ops import LN_ROWS_PER_CHUNK, NORM_BLOCKS
+from engine.backends.cuda.ops import LN_FUSED_ROWS, LN_ROWS_PER_CHUNK, NORM_BLOCKS
 from engine.backends.cuda.runtime import ACT_BYTES
 from engine.model.layout import ModelShapes, n_params, tensor_table
 
@@ -29,13 +36,19 @@ def logits_ld(vocab_size: int) -> int:
     return -(-vocab_size // LOGITS_ALIGN) * LOGITS_ALIGN
 
 
-def io_fields(R: int) -> dict[str, int]:
+HP_FIELDS = ("lr", "beta1", "beta2", "eps", "weight_decay", "bc1", "bc2", "grad_mult",
+             "max_norm")  # k_adamw_step's hyper-parameters, in its order
+
+
+def io_fields(R: int, step: bool = False) -> dict[str, int]:
     """The io block, staged from the host on every call, in 4-byte words: field -> offset, for
     up to R rows. tokens [R] and targets [R], batch-major as given; the embedding-gradient
     buckets of Ops.embed_bwd: n_unique [1], bucket_tok [R], bucket_start [R+1], rows [R]; the
-    float loss_scale/(B·T) [1] that k_loss_bwd reads; "end" is the block's length."""
+    float loss_scale/(B·T) [1] that k_loss_bwd reads; with `step` (the fused step), the floats
+    of HP_FIELDS that k_adamw_step reads; "end" is the block's length."""
     lengths = (("tokens", R), ("targets", R), ("n_unique", 1), ("bucket_tok", R),
-               ("bucket_start", R + 1), ("rows", R), ("scale", 1), ("end", 0))
+               ("bucket_start", R + 1), ("rows", R), ("scale", 1),
+               *((("hp", len(HP_FIELDS)),) if step else ()), ("end", 0))
     out, at = {}, 0
     for name, n in lengths:
         out[name] = at
@@ -62,20 +75,25 @@ class BatchBuffers:
     allocated. Training adds the backward's scratch."""
 
     def __init__(self, prefix: str, B: int, s: ModelShapes, es: int, ldv: int,
-                 training: bool) -> None:
+                 training: bool, attention: str = "classic", fused: bool = False) -> None:
+        if attention not in ("classic", "cudnn"):
+            raise ValueError(f"attention: expected classic or cudnn, got {attention!r}")
         self.p, self.B, self.training = prefix, B, training
+        self.attention, self.fused = attention, fused
         dims = Dims(B=B, T=s.seq_len, d=s.d_model, F=s.d_ff, H=s.n_head, V=ldv)
         R = self.R = dims.R  # rows at the longest sequence; strides between layers use it
-        self.io_fields = io_fields(R)
+        self.d = dims.d
+        self.io_fields = io_fields(R, step=fused and training)
         self.io_words = self.io_fields["end"]
         self.slabs: dict[str, Slab] = {}
         self._plan: Plan | None = None
         # saved for the backward ("activations"): the shared table, float32 where it says so
-        for a in saved("cuda"):
+        for a in saved("cuda", attention=attention):
             self._add("activations", a.name, a.slots(s.n_layer), a.elems(dims) * (4 if a.f32
                                                                                     else es))
         # scratch, in plan order
-        self._add("scratch", "scores", 1, dims.B * dims.H * dims.T * dims.T * es)  # S, then dP
+        if attention == "classic":  # S, then dP
+            self._add("scratch", "scores", 1, dims.B * dims.H * dims.T * dims.T * es)
         self._add("scratch", "proj", 1, BY_NAME["proj"].elems(dims) * es)
         self._add("scratch", "io", 1, self.io_words * 4)
         if training:
@@ -83,8 +101,13 @@ class BatchBuffers:
             for name in ("dln", "datt", "dqkv", "dpre"):
                 self._add("scratch", name, 1, BY_NAME[name].elems(dims) * es)
             self._add("scratch", "dlogits", 1, R * ldv * es)
-            # ops.layernorm_bwd's per-chunk column sums [ceil(R/64), 2d] float32
-            self._add("scratch", "ln_partial", 1, -(-R // LN_ROWS_PER_CHUNK) * 2 * dims.d * 4)
+            # ops.layernorm_bwd's per-chunk column sums [ceil(R/rows), 2d] float32
+            rows = LN_FUSED_ROWS if fused else LN_ROWS_PER_CHUNK
+            self._add("scratch", "ln_partial", 1, -(-R // rows) * 2 * dims.d * 4)
+            if fused:  # the second copies the weight-gradient stream reads (see module doc)
+                self._add("scratch", "dres2", 1, R * dims.d * es)
+                for name in ("dqkv", "dpre"):
+                    self._add("scratch", name + "2", 1, BY_NAME[name].elems(dims) * es)
 
     def _add(self, group: str, name: str, slots: int, slot_bytes: int) -> None:
         self.slabs[name] = Slab(name, group, slots, slot_bytes)
@@ -105,7 +128,12 @@ class BatchBuffers:
 
     def layer(self, l: int) -> dict[str, int]:
         """Layer l's saved activations: name -> device address (the names of activations.py)."""
-        return {a.name: self.at(a.name, l) for a in saved("cuda", LAYER)}
+        return {a.name: self.at(a.name, l) for a in saved("cuda", LAYER, self.attention)}
+
+    def qkv_slab(self) -> int:
+        """Elements between the Q, K and V slabs of `qkv` and `dqkv`: R_max·d whatever the
+        sequence length, so the slabs never overlap (cuDNN writes whole slabs)."""
+        return self.R * self.d
 
     def io(self) -> dict[str, int]:
         """The io block's fields: name -> device address."""
@@ -124,7 +152,10 @@ class BatchBuffers:
         if targets is not None:
             h[f["targets"] : f["targets"] + R] = targets.reshape(-1)
         tok_tm = inputs.T.reshape(-1)  # row r = t*B + b
-        order = np.argsort(tok_tm, kind="stable")
+        # a stable sort; on 16-bit keys numpy's is a radix sort, ten times faster here
+        keys = tok_tm.astype(np.uint16) if tok_tm.size and 0 <= tok_tm.min() and \
+            tok_tm.max() < 1 << 16 else tok_tm
+        order = np.argsort(keys, kind="stable")
         sorted_tok = tok_tm[order]
         starts = np.flatnonzero(np.r_[True, sorted_tok[1:] != sorted_tok[:-1]])
         nu = starts.size
@@ -133,14 +164,21 @@ class BatchBuffers:
         h[f["bucket_start"] : f["bucket_start"] + nu] = starts
         h[f["bucket_start"] + nu] = R
         h[f["rows"] : f["rows"] + R] = order
-        h[f["scale"] : f["end"]].view(np.float32)[0] = loss_scale / R
+        h[f["scale"] : f["scale"] + 1].view(np.float32)[0] = loss_scale / R
         return T
 
+    def stage_hp(self, h: np.ndarray, values: dict[str, float]) -> None:
+        """Write the fused step's hyper-parameters (HP_FIELDS, float32) into the host io block."""
+        at = self.io_fields["hp"]
+        h[at : at + len(HP_FIELDS)].view(np.float32)[:] = [values[k] for k in HP_FIELDS]
 
-def plan_memory(shapes: ModelShapes, micro_batch: int,
-                precision: str) -> tuple[Plan, BatchBuffers, BatchBuffers]:
+
+def plan_memory(shapes: ModelShapes, micro_batch: int, precision: str,
+                attention: str = "classic", fused: bool = False,
+                cudnn_workspace: int = 0) -> tuple[Plan, BatchBuffers, BatchBuffers]:
     """The whole memory plan (DESIGN §5), not yet allocated: weights, grads, Adam m and v, the
-    training and sampling buffers, and the step's own scratch. Returns (plan, train, sample)."""
+    training and sampling buffers, and the step's own scratch. Returns (plan, train, sample).
+    attention/fused: see the module doc; cudnn_workspace: the bytes cuDNN's graphs need."""
     n, es, ldv = n_params(shapes), ACT_BYTES[precision], logits_ld(shapes.vocab_size)
     plan = Plan()
     plan.add("weights", "params", n * 4)
@@ -149,12 +187,18 @@ def plan_memory(shapes: ModelShapes, micro_batch: int,
     plan.add("grads", "grads", n * 4)
     plan.add("adam_m", "m", n * 4)
     plan.add("adam_v", "v", n * 4)
-    train = BatchBuffers("t.", micro_batch, shapes, es, ldv, training=True)
-    sample = BatchBuffers("s.", 1, shapes, es, ldv, training=False)
+    train = BatchBuffers("t.", micro_batch, shapes, es, ldv, True, attention, fused)
+    sample = BatchBuffers("s.", 1, shapes, es, ldv, False, attention, fused)
     train.plan(plan)
     sample.plan(plan)
     nseg = len(tensor_table(shapes))
     for name, nbytes in (("cublas_ws", WORKSPACE_BYTES), ("norm_partials", NORM_BLOCKS * 4),
                          ("norm", 4), ("seg_start", (nseg + 1) * 8), ("seg_decay", nseg * 4)):
         plan.add("scratch", name, nbytes)
+    if attention == "cudnn":
+        plan.add("scratch", "cudnn_ws", cudnn_workspace)
+    if fused:  # the weight-gradient stream's cuBLAS workspace; k_*_fused's int counters; clip
+        plan.add("scratch", "cublas_ws2", WORKSPACE_BYTES)
+        plan.add("scratch", "counters", 2 * 4)
+        plan.add("scratch", "clip", 4)
     return plan, train, sample

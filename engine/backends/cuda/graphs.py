@@ -16,6 +16,9 @@ from collections.abc import Callable
 from engine.errors import RunError
 
 CAPTURE_MODE_THREAD_LOCAL = 1
+NODE_TYPES = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "graph", 5: "empty",
+              6: "event_wait", 7: "event_record", 8: "ext_signal", 9: "ext_wait", 10: "mem_alloc",
+              11: "mem_free", 12: "batch_mem_op", 13: "conditional"}
 
 _lib: C.CDLL | None = None
 
@@ -32,8 +35,11 @@ def _driver() -> C.CDLL:
         lib.cuGraphExecDestroy.argtypes = [vp]
         lib.cuGraphDestroy.argtypes = [vp]
         lib.cuGetErrorString.argtypes = [C.c_int, C.POINTER(C.c_char_p)]
+        lib.cuGraphGetNodes.argtypes = [vp, C.POINTER(vp), C.POINTER(C.c_size_t)]
+        lib.cuGraphNodeGetType.argtypes = [vp, C.POINTER(C.c_int)]
         for f in ("cuStreamBeginCapture_v2", "cuStreamEndCapture", "cuGraphInstantiateWithFlags",
-                  "cuGraphLaunch", "cuGraphExecDestroy", "cuGraphDestroy", "cuGetErrorString"):
+                  "cuGraphLaunch", "cuGraphExecDestroy", "cuGraphDestroy", "cuGetErrorString",
+                  "cuGraphGetNodes", "cuGraphNodeGetType"):
             getattr(lib, f).restype = C.c_int
         _lib = lib
     return _lib
@@ -55,6 +61,22 @@ class CudaGraph:
 
     def launch(self) -> None:
         _check(_driver().cuGraphLaunch(self._exec, C.c_void_p(self._stream)), "cuGraphLaunch")
+
+    def node_counts(self) -> dict[str, int]:
+        """Nodes of the captured graph by type: kernel, memset, memcpy, ... (what one launch
+        runs: the step's kernels are the 'kernel' nodes)."""
+        lib = _driver()
+        n = C.c_size_t(0)
+        _check(lib.cuGraphGetNodes(self._graph, None, C.byref(n)), "cuGraphGetNodes")
+        nodes = (C.c_void_p * max(1, n.value))()
+        _check(lib.cuGraphGetNodes(self._graph, nodes, C.byref(n)), "cuGraphGetNodes")
+        out: dict[str, int] = {}
+        for i in range(n.value):
+            t = C.c_int(-1)
+            _check(lib.cuGraphNodeGetType(nodes[i], C.byref(t)), "cuGraphNodeGetType")
+            name = NODE_TYPES.get(t.value, f"type{t.value}")
+            out[name] = out.get(name, 0) + 1
+        return out
 
     def close(self) -> None:
         if self._exec:

@@ -1,30 +1,44 @@
 """The op twins on the GPU: each method mirrors the numpy function of the same name in
-`engine/backends/numpy/ops.py`, on raw device pointers, with cuBLAS doing the GEMMs.
+`engine/backends/numpy/ops.py`, on raw device pointers, with cuBLAS/cuBLASLt doing the GEMMs.
 
 Differences from the numpy twins, all of layout or fusion, never of math:
 - Activations are time-major: row r = t*B + b (numpy: b*T + t). Then the Q, K, V of head h of
   sequence b are one strided view (offset (b*H + h)*hd, row stride B*d), so attention is a
-  single strided-batched GEMM over B*H with no permute kernels.
+  single strided-batched GEMM over B*H with no permute kernels (and cuDNN reads them in place).
 - `layernorm_bwd` can accumulate into dx (the skip path's `residual_add_bwd` fused in).
 - `attn_bwd` writes dS over the saved probabilities (they are not needed after the backward).
 - `loss_fwd` keeps float logits and the log-sum-exp; `loss_bwd` writes dlogits separately.
 Backward ops accumulate (+=) into float32 parameter gradients, like numpy's.
+
+The fused step (CudaBackend with fusions on) adds, each next to the unfused ops it replaces and
+with their bits: `residual_layernorm_fwd` (residual_add + layernorm_fwd), `layernorm_bwd(...,
+fused=True)` (dx, dγ, dβ in one kernel), `loss_fwd_bwd` (the loss and dlogits in one pass),
+`grad_norm` (partial + final) and `adamw_step` (clip, non-finite skip and AdamW on the device).
+GEMMs then go through gemm.LtGemm (algorithms chosen by timing, GELU epilogue or kernel chosen
+per shape), and the weight-gradient GEMMs run on a second stream (`side`): see `_wgrad`.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 from engine.backends.cuda.cublas import DTYPE_OF_PRECISION, R_32F, Cublas
 from engine.backends.cuda.cublaslt import EPILOGUE_DGELU, EPILOGUE_GELU_AUX, OP_N, OP_T, CublasLt
+from engine.backends.cuda.gemm import LtGemm
+from engine.errors import RunError
 
 THREADS = 256
 ROWS_PER_BLOCK = THREADS // 32  # one warp per row
-LN_ROWS_PER_CHUNK = 64
+LN_ROWS_PER_CHUNK = 64  # rows per column-sum chunk of the unfused LayerNorm backward
+LN_FUSED_ROWS = 32  # ... and of k_layernorm_bwd_fused (the unfused kernels take it too)
+LN_FUSED_COLS = 6  # columns of [0, 2d) per thread in k_layernorm_bwd_fused: 2d <= 6·256
+LN_GROUP = 8  # rows per shared-memory group in k_layernorm_bwd_fused (one per warp)
 NORM_BLOCKS = 1024
 MAX_GRID = 8192
+VEC_BYTES = 16
 
 
 def _blocks(n: int, per: int = THREADS, cap: int = MAX_GRID) -> int:
@@ -32,28 +46,102 @@ def _blocks(n: int, per: int = THREADS, cap: int = MAX_GRID) -> int:
 
 
 class Ops:
-    """Kernels + cuBLAS + stream for one compute precision."""
+    """Kernels + GEMMs + stream for one compute precision.
 
-    def __init__(self, kernels: dict[str, Any], blas: Cublas, stream: Any, precision: str,
-                 lt: CublasLt | None = None):
-        """lt: cuBLASLt for the MLP's GELU epilogues; None runs the GELU kernels instead."""
+    GEMMs: `gemm` (an LtGemm, with `ws` its workspace on this stream) when given, else the
+    plain cuBLAS handle `blas` with `lt` (cuBLASLt) for the MLP's GELU epilogues (None: the GELU
+    kernels). `side`: a second stream (with workspace `ws2`, LtGemm only) for the weight-
+    gradient GEMMs; `cudnn`: a cudnn_attn.CudnnAttention for attn_fwd_cudnn / attn_bwd_cudnn.
+    """
+
+    def __init__(self, kernels: dict[str, Any], blas: Cublas | None, stream: Any, precision: str,
+                 lt: CublasLt | None = None, *, gemm: LtGemm | None = None, ws: int = 0,
+                 side: Any = None, ws2: int = 0, cudnn: Any = None,
+                 event: Callable[[], Any] | None = None) -> None:
         self.k, self.blas, self.stream, self.lt = kernels, blas, stream, lt
+        self.gemm, self.ws, self.side, self.ws2, self.cudnn = gemm, ws, side, ws2, cudnn
+        if side is not None and (gemm is None or event is None):
+            raise ValueError("a weight-gradient stream needs LtGemm GEMMs and events")
+        self._new_event = event
         self.fused_gelu_calls = 0  # how often the epilogue path ran (tests check it is used)
+        self.launches = 0  # kernels launched through _go (kernel counts per step)
         self.act = DTYPE_OF_PRECISION[precision]
         self.esize = 4 if precision == "fp32" else 2  # bytes per activation element
         self.attn_chunk = int(os.environ.get("ANDREA_ATTN_CHUNK", "256"))
+        self.ln_rows = LN_ROWS_PER_CHUNK  # chunk rows of the unfused LayerNorm backward
+        self.counter = 0  # device int, 0, for the fused kernels' last-block election
+        self._events: list[Any] = []
+        self._used = 0
+        self._side_reads: dict[int, Any] = {}  # buffer -> event after the side's last read
 
-    def _go(self, name: str, grid: int | tuple[int, int], *args: Any) -> None:
+    def _go(self, name: str, grid: int | tuple[int, int], *args: Any, shared: int = 0) -> None:
         g = grid if isinstance(grid, tuple) else (grid, 1)
-        self.k[name].prepared_async_call(g, (THREADS, 1, 1), self.stream, *args)
+        self.launches += 1
+        self.k[name].prepared_async_call(g, (THREADS, 1, 1), self.stream, *args,
+                                         shared_size=shared)
 
     def _mm(self, out: int, a: int, b: int, M: int, N: int, K: int, *, acc32: bool = False,
-            out32: bool = False, **kw: Any) -> None:
+            out32: bool = False, side: bool = False, **kw: Any) -> None:
         """GEMM on activations/low-precision weights; acc32: += into a float32 gradient."""
         act = self.act
         c = R_32F if (acc32 or out32) else act
-        self.blas.matmul(out, a, b, M, N, K, types=(act, act, c),
-                         beta=1.0 if acc32 else kw.pop("beta", 0.0), **kw)
+        beta = 1.0 if acc32 else kw.pop("beta", 0.0)
+        if self.gemm is not None:
+            stream, ws = (self.side, self.ws2) if side else (self.stream, self.ws)
+            self.gemm.matmul(out, a, b, M, N, K, types=(act, act, c), stream=stream.handle,
+                             ws=ws, beta=beta, **kw)
+        else:
+            assert self.blas is not None
+            self.blas.matmul(out, a, b, M, N, K, types=(act, act, c), beta=beta, **kw)
+
+    # --- the weight-gradient stream ----------------------------------------------------------------
+    def begin_pass(self) -> None:
+        """Start a forward/backward pass: no side-stream reads outstanding."""
+        self._used = 0
+        self._side_reads.clear()
+
+    def _event(self) -> Any:
+        if self._used == len(self._events):
+            assert self._new_event is not None
+            self._events.append(self._new_event())
+        ev = self._events[self._used]
+        self._used += 1
+        return ev
+
+    def _wgrad(self, out: int, a: int, b: int, M: int, N: int, K: int, reads: tuple[int, ...],
+               **kw: Any) -> None:
+        """dW += op(a) @ op(b) into a float32 gradient. With a side stream: after everything the
+        main stream has queued so far, on the side stream, and the buffers in `reads` (gradient
+        buffers the main stream rewrites later) are marked so that the main stream waits for
+        this GEMM before it writes them (`_writes`). Same GEMM, same algorithm: same bits."""
+        if self.side is None:
+            self._mm(out, a, b, M, N, K, acc32=True, **kw)
+            return
+        fork = self._event()
+        fork.record(self.stream)
+        self.side.wait_for_event(fork)
+        self._mm(out, a, b, M, N, K, acc32=True, side=True, **kw)
+        done = self._event()
+        done.record(self.side)
+        for ptr in reads:
+            self._side_reads[ptr] = done
+
+    def _writes(self, *ptrs: int) -> None:
+        """The main stream is about to write these buffers: wait for side-stream readers."""
+        for ptr in ptrs:
+            ev = self._side_reads.pop(ptr, None)
+            if ev is not None:
+                self.stream.wait_for_event(ev)
+
+    def join(self) -> None:
+        """The main stream waits for all the side stream's work (before the gradient norm, or
+        anything that reads the gradients)."""
+        if self.side is None:
+            return
+        done = self._event()
+        done.record(self.side)
+        self.stream.wait_for_event(done)
+        self._side_reads.clear()
 
     # --- embedding -------------------------------------------------------------------------------
     def embed_fwd(self, tokens: int, wte: int, wpe: int, out: int, B: int, T: int, d: int) -> None:
@@ -64,6 +152,7 @@ class Ops:
         """buckets = device pointers (n_unique, bucket_tok, bucket_start, rows) from
         `token_buckets`; grid: one block per possible bucket, then one per position."""
         n_unique, tok, start, rows = buckets
+        self._writes(dwte)  # the loss's dwte GEMM may still run on the side stream
         self._go("k_embed_bwd", B * T + T, dwte, dwpe, dout, n_unique, tok, start, rows, B, T, d)
 
     # --- layer normalisation ---------------------------------------------------------------------
@@ -71,38 +160,66 @@ class Ops:
                       R: int, d: int) -> None:
         self._go("k_layernorm_fwd", -(-R // ROWS_PER_BLOCK), out, mean, rstd, x, gamma, beta, R, d)
 
+    def residual_layernorm_fwd(self, a: int, b: int, xsum: int, gamma: int, beta: int, out: int,
+                               mean: int, rstd: int, R: int, d: int) -> None:
+        """xsum = a + b (residual_add), out = layernorm(xsum): one kernel, the same bits."""
+        self._go("k_residual_layernorm_fwd", -(-R // ROWS_PER_BLOCK), xsum, out, mean, rstd, a, b,
+                 gamma, beta, R, d)
+
+    def fused_ln_bwd_ok(self, d: int, *ptrs: int) -> bool:
+        """k_layernorm_bwd_fused's conditions: whole 16-byte vectors per row, aligned rows, and
+        2d columns for its LN_FUSED_COLS per thread."""
+        vec = VEC_BYTES // self.esize
+        return (d % vec == 0 and 2 * d <= LN_FUSED_COLS * THREADS and d <= 32 * vec * 4
+                and all(p % VEC_BYTES == 0 for p in ptrs) and bool(self.counter))
+
     def layernorm_bwd(self, dout: int, x: int, gamma: int, mean: int, rstd: int, dx: int,
-                      dgamma_beta: int, partial: int, R: int, d: int, accumulate: bool) -> None:
+                      dgamma_beta: int, partial: int, R: int, d: int, accumulate: bool,
+                      resid: int = 0, fused: bool = False) -> None:
         """dgamma_beta: the float32 gradient of gamma, followed by beta's (adjacent in the flat
-        buffer). partial: float32 scratch [ceil(R/64), 2d]."""
-        self._go("k_layernorm_bwd", -(-R // ROWS_PER_BLOCK), dx, dout, x, mean, rstd, gamma, R, d,
-                 int(accumulate))
-        nchunk = -(-R // LN_ROWS_PER_CHUNK)
+        buffer). partial: float32 scratch [ceil(R/rows), 2d]. resid: the residual gradient added
+        when accumulating (0: dx itself, in place). fused: one kernel (k_layernorm_bwd_fused,
+        chunks of LN_FUSED_ROWS) where it applies, else the three kernels (chunks of ln_rows)."""
+        self._writes(dx)
+        src = resid or dx
+        if fused and self.fused_ln_bwd_ok(d, dx, src, dout, x):
+            nchunk = -(-R // LN_FUSED_ROWS)
+            self._go("k_layernorm_bwd_fused", nchunk, dx, src, dout, x, mean, rstd, gamma,
+                     dgamma_beta, partial, self.counter, R, d, LN_FUSED_ROWS, int(accumulate),
+                     shared=LN_GROUP * 2 * d * 4)
+            return
+        rows = LN_FUSED_ROWS if fused else self.ln_rows
+        self._go("k_layernorm_bwd", -(-R // ROWS_PER_BLOCK), dx, src, dout, x, mean, rstd, gamma,
+                 R, d, int(accumulate))
+        nchunk = -(-R // rows)
         self._go("k_layernorm_bwd_params", (-(-d // THREADS), nchunk), partial, dout, x, mean,
-                 rstd, R, d, LN_ROWS_PER_CHUNK)
+                 rstd, R, d, rows)
         self._go("k_colsum_reduce", -(-2 * d // THREADS), dgamma_beta, partial, nchunk, 2 * d)
 
     # --- attention -------------------------------------------------------------------------------
-    def attn_qkv_fwd(self, x: int, w_qkv: int, out: int, R: int, d: int) -> None:
-        """out[j] = x @ W_j, j = Q, K, V: one GEMM batched over the 3 weights."""
-        self._mm(out, x, w_qkv, R, d, d, batch=3, sa=0, sb=d * d, sc=R * d)
+    def attn_qkv_fwd(self, x: int, w_qkv: int, out: int, R: int, d: int, slab: int = 0) -> None:
+        """out[j] = x @ W_j, j = Q, K, V: one GEMM batched over the 3 weights. slab: elements
+        between out's Q, K, V slabs (default R·d)."""
+        self._mm(out, x, w_qkv, R, d, d, batch=3, sa=0, sb=d * d, sc=slab or R * d)
 
     def attn_qkv_bwd(self, dqkv: int, x: int, w_qkv: int, dx: int, dw_qkv: int, R: int,
-                     d: int) -> None:
+                     d: int, slab: int = 0) -> None:
         """dW_j += xᵀ @ dqkv[j] (batched);  dx = Σ_j dqkv[j] @ W_jᵀ (overwritten)."""
-        self._mm(dw_qkv, x, dqkv, d, d, R, ta=True, acc32=True, batch=3, sa=0, sb=R * d,
-                 sc=d * d)
+        slab = slab or R * d
+        self._wgrad(dw_qkv, x, dqkv, d, d, R, (dqkv,), ta=True, batch=3, sa=0, sb=slab,
+                    sc=d * d)
+        es = self.esize
+        self._writes(dx)
         for j in range(3):
-            es = self.esize
-            self._mm(dx, dqkv + j * R * d * es, w_qkv + j * d * d * es, R, d, d, tb=True,
+            self._mm(dx, dqkv + j * slab * es, w_qkv + j * d * d * es, R, d, d, tb=True,
                      beta=0.0 if j == 0 else 1.0)
 
     def attn_fwd(self, qkv: int, n_head: int, probs: int, out: int, scores: int, B: int, T: int,
-                 d: int) -> None:
+                 d: int, slab: int = 0) -> None:
         """S = Q Kᵀ/sqrt(hd) (scratch `scores`), P = causal softmax (saved in `probs`,
         [B*H, T, T] rows, causal chunks only), out = P V, time-major [T, B, d]."""
         hd, BH, ld, es = d // n_head, B * n_head, B * d, self.esize
-        q, k, v = (qkv + j * B * T * d * es for j in range(3))
+        q, k, v = (qkv + j * (slab or B * T * d) * es for j in range(3))
         chunks = self._chunks(T)
         for q0, nq, kend in chunks:
             self._mm(scores + q0 * T * es, q + q0 * ld * es, k, nq, kend, hd, tb=True, lda=ld,
@@ -114,13 +231,15 @@ class Ops:
                      ldc=ld, batch=BH, sa=T * T, sb=hd, sc=hd)
 
     def attn_bwd(self, dout: int, qkv: int, probs: int, n_head: int, dqkv: int, dscores: int,
-                 B: int, T: int, d: int) -> None:
+                 B: int, T: int, d: int, slab: int = 0) -> None:
         """dP = dY Vᵀ; dV = Pᵀ dY; dS = P⊙(dP - rowsum(dP⊙P)) (over `probs`);
         dQ = dS K/sqrt(hd); dK = dSᵀ Q/sqrt(hd). dqkv overwritten. dV and dK sum over the
         query chunks: the last chunk (all keys) writes, earlier ones add, in a fixed order."""
         hd, BH, ld, es = d // n_head, B * n_head, B * d, self.esize
-        q, k, v = (qkv + j * B * T * d * es for j in range(3))
-        dq, dk, dv = (dqkv + j * B * T * d * es for j in range(3))
+        slab = slab or B * T * d
+        q, k, v = (qkv + j * slab * es for j in range(3))
+        dq, dk, dv = (dqkv + j * slab * es for j in range(3))
+        self._writes(dqkv)
         scale = 1.0 / math.sqrt(hd)
         chunks = self._chunks(T)[::-1]
         for i, (q0, nq, kend) in enumerate(chunks):
@@ -143,22 +262,80 @@ class Ops:
         C = self.attn_chunk
         return [(q0, min(C, T - q0), min(T, q0 + C)) for q0 in range(0, T, C)]
 
+    def attn_fwd_cudnn(self, qkv: int, out: int, stats: int, B: int, T: int, d: int,
+                       slab: int) -> None:
+        """attn_fwd through cuDNN's fused attention (cudnn_attn.py): out = P V, with each row's
+        log-sum-exp saved in `stats` instead of P. T: the length its graph was built for."""
+        es = self.esize
+        q, k, v = (qkv + j * slab * es for j in range(3))
+        self.cudnn.fwd(q, k, v, out, stats, B, T)
+
+    def attn_bwd_cudnn(self, dout: int, qkv: int, out: int, stats: int, dqkv: int, B: int,
+                       T: int, d: int, slab: int) -> None:
+        """attn_bwd through cuDNN (deterministic): dqkv overwritten, from dY = dout and the
+        forward's out and stats."""
+        es = self.esize
+        q, k, v = (qkv + j * slab * es for j in range(3))
+        dq, dk, dv = (dqkv + j * slab * es for j in range(3))
+        self._writes(dqkv)
+        self.cudnn.bwd(q, k, v, out, dout, stats, dq, dk, dv, B, T)
+
     def attn_out_fwd(self, y: int, w_o: int, out: int, R: int, d: int) -> None:
         self._mm(out, y, w_o, R, d, d)
 
     def attn_out_bwd(self, dout: int, y: int, w_o: int, dy: int, dw_o: int, R: int,
                      d: int) -> None:
-        self._mm(dw_o, y, dout, d, d, R, ta=True, acc32=True)
+        self._wgrad(dw_o, y, dout, d, d, R, (dout,), ta=True)
         self._mm(dy, dout, w_o, R, d, d, tb=True)
 
     # --- MLP -------------------------------------------------------------------------------------
+    def _gelu_variant(self, name: str, epilogue: Callable[[], None],
+                      kernel: Callable[[], None]) -> None:
+        """Run the MLP GEMM with GELU in its epilogue or as the plain GEMM + the GELU kernel,
+        whichever is faster for this shape (timed once, while tuning; then recorded in the GEMM
+        plan). Both variants leave the same outputs, to rounding: the epilogue's GELU is
+        cuBLASLt's, the kernel's ours."""
+        assert self.gemm is not None
+        choice = self.gemm.choices.get(name)
+        if choice is None and self.gemm.tuning and self.gemm.timer is not None:
+            timer = self.gemm.timer
+            try:
+                epilogue()  # picks the epilogue GEMM's algorithm
+                t_epi = timer(epilogue)
+            except RunError:
+                t_epi = math.inf
+            kernel()
+            t_ker = timer(kernel)
+            choice = "epilogue" if t_epi <= t_ker else "kernel"
+            self.gemm.choices[name] = choice
+            self.gemm.choice_ms[name] = (t_epi, t_ker)
+        if choice is None:
+            try:
+                epilogue()
+                self.gemm.choices[name] = "epilogue"
+                return
+            except RunError:
+                choice = self.gemm.choices[name] = "kernel"
+        (epilogue if choice == "epilogue" else kernel)()
+        if choice == "epilogue":
+            self.fused_gelu_calls += 1
+
     def mlp_fwd(self, x: int, w1: int, w2: int, pre: int, act: int, out: int, R: int, d: int,
                 F: int) -> None:
         """pre = x @ W_1; act = GELU(pre) (in the GEMM's epilogue when cuBLASLt has one for
-        this shape, else k_mlp_gelu_fwd); out = act @ W_2."""
+        this shape and it is the faster, else k_mlp_gelu_fwd); out = act @ W_2."""
+        if self.gemm is not None:
+            def epilogue() -> None:
+                self._mm(act, x, w1, R, F, d, epilogue=EPILOGUE_GELU_AUX, aux=pre)
+
+            def kernel() -> None:
+                self._mm(pre, x, w1, R, F, d)
+                self._go("k_mlp_gelu_fwd", _blocks(R * F), act, pre, R * F)
+
+            self._gelu_variant(f"mlp_fwd R={R} d={d} F={F}", epilogue, kernel)
         # column-major: actᵀ[F,R] = GELU(W_1ᵀ[F,d] · xᵀ[d,R]), preᵀ saved as the aux output
-        if self.lt and self.lt.gelu_gemm(EPILOGUE_GELU_AUX, OP_N, F, R, d, w1, F, x, d, act, pre,
-                                         self.act):
+        elif self.lt and self.lt.gelu_gemm(EPILOGUE_GELU_AUX, OP_N, F, R, d, w1, F, x, d, act,
+                                           pre, self.act):
             self.fused_gelu_calls += 1
         else:
             self._mm(pre, x, w1, R, F, d)
@@ -167,15 +344,25 @@ class Ops:
 
     def mlp_bwd(self, dout: int, x: int, w1: int, w2: int, pre: int, act: int, dx: int, dw1: int,
                 dw2: int, dpre: int, R: int, d: int, F: int) -> None:
-        self._mm(dw2, act, dout, F, d, R, ta=True, acc32=True)
+        self._wgrad(dw2, act, dout, F, d, R, (dout,), ta=True)
+        self._writes(dpre)
         # dpre = (dout @ W_2ᵀ) ⊙ GELU'(pre): column-major dpreᵀ[F,R] = W_2[F,d] · doutᵀ[d,R]
-        if self.lt and self.lt.gelu_gemm(EPILOGUE_DGELU, OP_T, F, R, d, w2, d, dout, d, dpre, pre,
-                                         self.act):
+        if self.gemm is not None:
+            def epilogue() -> None:
+                self._mm(dpre, dout, w2, R, F, d, tb=True, epilogue=EPILOGUE_DGELU, aux=pre)
+
+            def kernel() -> None:
+                self._mm(dpre, dout, w2, R, F, d, tb=True)
+                self._go("k_mlp_gelu_bwd", _blocks(R * F), dpre, dpre, pre, R * F)
+
+            self._gelu_variant(f"mlp_bwd R={R} d={d} F={F}", epilogue, kernel)
+        elif self.lt and self.lt.gelu_gemm(EPILOGUE_DGELU, OP_T, F, R, d, w2, d, dout, d, dpre,
+                                           pre, self.act):
             self.fused_gelu_calls += 1
         else:
             self._mm(dpre, dout, w2, R, F, d, tb=True)
             self._go("k_mlp_gelu_bwd", _blocks(R * F), dpre, dpre, pre, R * F)
-        self._mm(dw1, x, dpre, d, F, R, ta=True, acc32=True)
+        self._wgrad(dw1, x, dpre, d, F, R, (dpre,), ta=True)
         self._mm(dx, dpre, w1, R, d, F, tb=True)
 
     # --- residual --------------------------------------------------------------------------------
@@ -197,15 +384,33 @@ class Ops:
         self._mm(logits, x, wte, R, vg, d, tb=True, out32=True, ldc=ldv)
         self._go("k_loss_fwd", R, losses, lse, logits, targets, B, T, V, ldv)
 
+    def loss_fwd_bwd(self, x: int, wte: int, targets: int, logits: int, lse: int, losses: int,
+                     scale: int, dlogits: int, B: int, T: int, V: int, ldv: int, d: int,
+                     wte_rows: int) -> None:
+        """loss_fwd and the first half of loss_bwd (dlogits) in one pass over the logits: for a
+        training step, whose loss scale is known before the forward. Then loss_bwd_gemms."""
+        R = B * T
+        vg = ldv if wte_rows >= ldv else V
+        self._mm(logits, x, wte, R, vg, d, tb=True, out32=True, ldc=ldv)
+        self._writes(dlogits)
+        self._go("k_loss_fwd_bwd", R, losses, lse, dlogits, logits, targets, scale, B, T, V, ldv)
+
     def loss_bwd(self, x: int, wte: int, targets: int, logits: int, lse: int, scale: int,
                  dx: int, dwte: int, dlogits: int, B: int, T: int, V: int, ldv: int, d: int,
                  wte_rows: int) -> None:
         """scale: device pointer to loss_scale/(B*T). dx overwritten, dwte += dzᵀ @ x."""
         R = B * T
-        vg = ldv if wte_rows >= ldv else V
+        self._writes(dlogits)
         self._go("k_loss_bwd", R, dlogits, logits, lse, targets, scale, B, T, V, ldv)
+        self.loss_bwd_gemms(x, wte, dx, dwte, dlogits, B, T, V, ldv, d, wte_rows)
+
+    def loss_bwd_gemms(self, x: int, wte: int, dx: int, dwte: int, dlogits: int, B: int, T: int,
+                       V: int, ldv: int, d: int, wte_rows: int) -> None:
+        """dx = dz @ wte (overwritten); dwte += dzᵀ @ x (on the side stream when there is one)."""
+        R = B * T
+        vg = ldv if wte_rows >= ldv else V
+        self._wgrad(dwte, dlogits, x, V, d, R, (dlogits, dwte), ta=True, lda=ldv)
         self._mm(dx, dlogits, wte, R, d, vg, lda=ldv)
-        self._mm(dwte, dlogits, x, V, d, R, ta=True, acc32=True, lda=ldv)
 
     # --- optimizer utilities ---------------------------------------------------------------------
     def grad_norm_partial(self, grads: int, n: int, partials: int, gs: float = 1.0) -> None:
@@ -214,6 +419,12 @@ class Ops:
 
     def grad_norm_final(self, partials: int, norm: int) -> None:
         self._go("k_grad_norm_final", 1, norm, partials, NORM_BLOCKS)
+
+    def grad_norm(self, grads: int, n: int, partials: int, norm: int, gs: float = 1.0) -> None:
+        """grad_norm_partial + grad_norm_final in one kernel (same bits)."""
+        if not self.counter:
+            raise RunError("Ops.grad_norm needs the device counter (Ops.counter)")
+        self._go("k_grad_norm", NORM_BLOCKS, norm, partials, self.counter + 4, grads, n, gs)
 
     def grad_scale(self, grads: int, n: int, s: float) -> None:
         self._go("k_grad_scale", _blocks(n), grads, n, s)
@@ -226,6 +437,15 @@ class Ops:
         self._go("k_adamw", _blocks(-(-n // 4), cap=2048), params, params_lp, grads, m, v,
                  seg_start, seg_decay, nseg, n, lr, beta1, beta2, eps, weight_decay, bc1, bc2,
                  gs)
+
+    def adamw_step(self, params: int, params_lp: int, grads: int, m: int, v: int,
+                   seg_start: int, seg_decay: int, nseg: int, n: int, hp: int, norm: int,
+                   clip: int) -> None:
+        """adamw with the step's values read on the device: hp (buffers.HP_FIELDS, float32),
+        norm from grad_norm; skips the update when the norm is not finite, else folds in the
+        clip factor (written to clip[0])."""
+        self._go("k_adamw_step", _blocks(-(-n // 4), cap=2048), params, params_lp, grads, m, v,
+                 seg_start, seg_decay, nseg, n, hp, norm, clip)
 
     def params_to_lp(self, params_lp: int, params: int, n: int) -> None:
         self._go("k_params_to_lp", _blocks(n), params_lp, params, n)

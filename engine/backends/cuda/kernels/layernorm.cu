@@ -1,5 +1,77 @@
 // Layer normalisation (DESIGN §3 `layernorm_fwd` / `layernorm_bwd`), eps 1e-5, one warp per row.
+//
+// Rows whose length is a whole number of 16-byte vectors (d % VEC == 0, d <= 32·VEC·LN_MAXV)
+// take the vector path: the row is read once, as vectors held in registers. The row functions
+// below are shared by the plain and the fused kernels, so a fused kernel gives the very bits of
+// the unfused sequence it replaces (tests/gpu/test_fusions.py checks that).
 #include "common.cuh"
+
+#define LN_MAXV 4  // 16-byte vectors cached per lane: rows up to 32*VEC*LN_MAXV elements
+
+__device__ __forceinline__ bool ln_vector_row(int d) { return d % VEC == 0 && d <= 32 * VEC * LN_MAXV; }
+
+// LayerNorm of one row held in registers (xv[k] = elements (k*32 + lane)*VEC ...), written to o;
+// lane 0 stores mean and rstd. Sums run per lane over its vectors, then across the warp.
+__device__ __forceinline__ void ln_fwd_row(const Vec (&xv)[LN_MAXV], act_t* o, float* mean,
+                                           float* rstd, const float* gamma, const float* beta,
+                                           int r, int d, int lane) {
+    float s = 0.0f;
+#pragma unroll
+    for (int k = 0; k < LN_MAXV; k++) {
+        if ((k * 32 + lane) * VEC < d) {
+#pragma unroll
+            for (int i = 0; i < VEC; i++) s += to_f(xv[k][i]);
+        }
+    }
+    const float mu = warp_sum(s) / d;
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < LN_MAXV; k++) {
+        if ((k * 32 + lane) * VEC < d) {
+#pragma unroll
+            for (int i = 0; i < VEC; i++) {
+                const float z = to_f(xv[k][i]) - mu;
+                ss += z * z;
+            }
+        }
+    }
+    const float rs = rsqrtf(warp_sum(ss) / d + 1e-5f);
+#pragma unroll
+    for (int k = 0; k < LN_MAXV; k++) {
+        const int c = (k * 32 + lane) * VEC;
+        if (c < d) {
+            Vec y;
+#pragma unroll
+            for (int i = 0; i < VEC; i++)
+                y[i] = to_act((to_f(xv[k][i]) - mu) * rs * gamma[c + i] + beta[c + i]);
+            store_vec(o + c, y);
+        }
+    }
+    if (lane == 0) {
+        mean[r] = mu;
+        rstd[r] = rs;
+    }
+}
+
+// The scalar path: any d, any alignment; reads the row from global memory.
+__device__ __forceinline__ void ln_fwd_row_scalar(const act_t* xr, act_t* o, float* mean,
+                                                  float* rstd, const float* gamma,
+                                                  const float* beta, int r, int d, int lane) {
+    float s = 0.0f;
+    for (int c = lane; c < d; c += 32) s += to_f(xr[c]);
+    const float mu = warp_sum(s) / d;
+    float ss = 0.0f;
+    for (int c = lane; c < d; c += 32) {
+        const float z = to_f(xr[c]) - mu;
+        ss += z * z;
+    }
+    const float rs = rsqrtf(warp_sum(ss) / d + 1e-5f);
+    for (int c = lane; c < d; c += 32) o[c] = to_act((to_f(xr[c]) - mu) * rs * gamma[c] + beta[c]);
+    if (lane == 0) {
+        mean[r] = mu;
+        rstd[r] = rs;
+    }
+}
 
 // numpy twin: ops.layernorm_fwd
 // >   np.mean(x, axis=1, out=mean)
@@ -19,24 +91,103 @@ extern "C" __global__ void k_layernorm_fwd(act_t* out, float* mean, float* rstd,
     const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (r >= R) return;
     const act_t* xr = x + (long)r * d;
-    float s = 0.0f;
-    for (int c = lane; c < d; c += 32) s += to_f(xr[c]);
-    const float mu = warp_sum(s) / d;
-    float ss = 0.0f;
-    for (int c = lane; c < d; c += 32) {
-        const float z = to_f(xr[c]) - mu;
-        ss += z * z;
-    }
-    const float rs = rsqrtf(warp_sum(ss) / d + 1e-5f);
     act_t* o = out + (long)r * d;
-    for (int c = lane; c < d; c += 32) o[c] = to_act((to_f(xr[c]) - mu) * rs * gamma[c] + beta[c]);
-    if (lane == 0) {
-        mean[r] = mu;
-        rstd[r] = rs;
+    if (ln_vector_row(d) && aligned16(x) && aligned16(out)) {
+        Vec xv[LN_MAXV];
+#pragma unroll
+        for (int k = 0; k < LN_MAXV; k++) {
+            const int c = (k * 32 + lane) * VEC;
+            if (c < d) xv[k] = load_vec(xr + c);
+        }
+        ln_fwd_row(xv, o, mean, rstd, gamma, beta, r, d, lane);
+        return;
     }
+    ln_fwd_row_scalar(xr, o, mean, rstd, gamma, beta, r, d, lane);
 }
 
-#define LN_MAXV 4  // 16-byte vectors cached per lane: rows up to 32*VEC*LN_MAXV elements
+// numpy twin: model.NumpyBackend._trunk (a residual_add and the LayerNorm after it, fused)
+// >   ops.residual_add(x(i), proj, xmid)
+// >   ops.layernorm_fwd(xmid, p[h + "ln2.gamma"], p[h + "ln2.beta"], ln2,
+// >   ops.residual_add(xmid, proj, x(i + 1))
+// xsum = a + b (rounded to act_t: the residual stream, saved), then out = LayerNorm(xsum) from
+// the rounded values, with k_layernorm_fwd's row functions: the bits of k_residual_add followed
+// by k_layernorm_fwd, in one pass and one launch. Used for ln2 (a = x[l], b = attention branch)
+// and for the next layer's ln1 or lnf (a = xmid, b = MLP branch).
+extern "C" __global__ void k_residual_layernorm_fwd(act_t* xsum, act_t* out, float* mean,
+                                                    float* rstd, const act_t* a, const act_t* b,
+                                                    const float* gamma, const float* beta, int R,
+                                                    int d) {
+    const int lane = threadIdx.x & 31;
+    const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (r >= R) return;
+    const long base = (long)r * d;
+    if (ln_vector_row(d) && aligned16(xsum) && aligned16(out) && aligned16(a) && aligned16(b)) {
+        Vec xv[LN_MAXV];
+#pragma unroll
+        for (int k = 0; k < LN_MAXV; k++) {
+            const int c = (k * 32 + lane) * VEC;
+            if (c < d) {
+                const Vec av = load_vec(a + base + c), bv = load_vec(b + base + c);
+#pragma unroll
+                for (int i = 0; i < VEC; i++) xv[k][i] = to_act(to_f(av[i]) + to_f(bv[i]));
+                store_vec(xsum + base + c, xv[k]);
+            }
+        }
+        ln_fwd_row(xv, out + base, mean, rstd, gamma, beta, r, d, lane);
+        return;
+    }
+    for (int c = lane; c < d; c += 32) xsum[base + c] = to_act(to_f(a[base + c]) + to_f(b[base + c]));
+    __syncwarp();  // the row's sums are read back by other lanes of this warp
+    ln_fwd_row_scalar(xsum + base, out + base, mean, rstd, gamma, beta, r, d, lane);
+}
+
+// dx of one row held in registers: dx = rstd·(g - mean(g) - x̂·mean(g·x̂)), g = dout·γ; with
+// accumulate, dx = resid + that (resid may be dx itself). When prod is not null, the row's
+// column terms of dγ and dβ, dout·x̂ and dout, go to prod[c] and prod[d + c], rounded exactly as
+// k_layernorm_bwd_params rounds them (no fused multiply-add: the fused kernel's sums match).
+__device__ __forceinline__ void ln_bwd_row(act_t* o, const act_t* res, const act_t* g,
+                                           const act_t* xr, float mu, float rs,
+                                           const float* gamma, int d, int lane, int accumulate,
+                                           float* prod) {
+    Vec gv[LN_MAXV], xv[LN_MAXV];
+    float s1 = 0.0f, s2 = 0.0f;
+#pragma unroll
+    for (int k = 0; k < LN_MAXV; k++) {
+        const int c = (k * 32 + lane) * VEC;
+        if (c < d) {
+            gv[k] = load_vec(g + c);
+            xv[k] = load_vec(xr + c);
+#pragma unroll
+            for (int i = 0; i < VEC; i++) {
+                const float dn = to_f(gv[k][i]) * gamma[c + i];
+                s1 += dn;
+                s2 += dn * (to_f(xv[k][i]) - mu) * rs;
+                if (prod) {
+                    const float gi = to_f(gv[k][i]);
+                    prod[c + i] = __fmul_rn(__fmul_rn(gi, __fsub_rn(to_f(xv[k][i]), mu)), rs);
+                    prod[d + c + i] = gi;
+                }
+            }
+        }
+    }
+    const float m1 = warp_sum(s1) / d, m2 = warp_sum(s2) / d;
+#pragma unroll
+    for (int k = 0; k < LN_MAXV; k++) {
+        const int c = (k * 32 + lane) * VEC;
+        if (c < d) {
+            Vec ov;
+            if (accumulate) ov = load_vec(res + c);
+#pragma unroll
+            for (int i = 0; i < VEC; i++) {
+                const float dn = to_f(gv[k][i]) * gamma[c + i];
+                const float xh = (to_f(xv[k][i]) - mu) * rs;
+                const float v = rs * (dn - m1 - xh * m2);
+                ov[i] = to_act(accumulate ? to_f(ov[i]) + v : v);
+            }
+            store_vec(o + c, ov);
+        }
+    }
+}
 
 // numpy twin: ops.layernorm_bwd (dx; dgamma and dbeta are k_layernorm_bwd_params')
 // >   np.subtract(x, mean[:, None], out=xhat)
@@ -50,11 +201,12 @@ extern "C" __global__ void k_layernorm_fwd(act_t* out, float* mean, float* rstd,
 // >   dx -= mean_g[:, None]
 // >   dx *= rstd[:, None]
 // That is dx = rstd·(g - mean(g) - x̂·mean(g·x̂)), overwritten. With accumulate != 0 it is
-// dx += that instead: numpy's next call in model.py, ops.residual_add_bwd (`dx += dout`, the skip
-// path's gradient), fused in, so one residual-gradient buffer runs down the layers.
+// dx = resid + that instead: numpy's next call in model.py, ops.residual_add_bwd (`dx += dout`,
+// the skip path's gradient), fused in; resid may be dx itself (in place) or the buffer of the
+// previous residual gradient (the backend's ring, so a second stream may still read it).
 // Fast path: the row's dout and x are read once, as 16-byte vectors kept in registers.
-extern "C" __global__ void k_layernorm_bwd(act_t* dx, const act_t* dout, const act_t* x,
-                                           const float* mean, const float* rstd,
+extern "C" __global__ void k_layernorm_bwd(act_t* dx, const act_t* resid, const act_t* dout,
+                                           const act_t* x, const float* mean, const float* rstd,
                                            const float* gamma, int R, int d, int accumulate) {
     const int lane = threadIdx.x & 31;
     const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -62,42 +214,10 @@ extern "C" __global__ void k_layernorm_bwd(act_t* dx, const act_t* dout, const a
     const act_t* xr = x + (long)r * d;
     const act_t* g = dout + (long)r * d;
     act_t* o = dx + (long)r * d;
+    const act_t* res = resid ? resid + (long)r * d : o;
     const float mu = mean[r], rs = rstd[r];
-    if (d % VEC == 0 && d <= 32 * VEC * LN_MAXV && aligned16(dx) && aligned16(dout) &&
-        aligned16(x)) {
-        Vec gv[LN_MAXV], xv[LN_MAXV];
-        float s1 = 0.0f, s2 = 0.0f;
-#pragma unroll
-        for (int k = 0; k < LN_MAXV; k++) {
-            const int c = (k * 32 + lane) * VEC;
-            if (c < d) {
-                gv[k] = load_vec(g + c);
-                xv[k] = load_vec(xr + c);
-#pragma unroll
-                for (int i = 0; i < VEC; i++) {
-                    const float dn = to_f(gv[k][i]) * gamma[c + i];
-                    s1 += dn;
-                    s2 += dn * (to_f(xv[k][i]) - mu) * rs;
-                }
-            }
-        }
-        const float m1 = warp_sum(s1) / d, m2 = warp_sum(s2) / d;
-#pragma unroll
-        for (int k = 0; k < LN_MAXV; k++) {
-            const int c = (k * 32 + lane) * VEC;
-            if (c < d) {
-                Vec ov;
-                if (accumulate) ov = load_vec(o + c);
-#pragma unroll
-                for (int i = 0; i < VEC; i++) {
-                    const float dn = to_f(gv[k][i]) * gamma[c + i];
-                    const float xh = (to_f(xv[k][i]) - mu) * rs;
-                    const float v = rs * (dn - m1 - xh * m2);
-                    ov[i] = to_act(accumulate ? to_f(ov[i]) + v : v);
-                }
-                store_vec(o + c, ov);
-            }
-        }
+    if (ln_vector_row(d) && aligned16(dx) && aligned16(res) && aligned16(dout) && aligned16(x)) {
+        ln_bwd_row(o, res, g, xr, mu, rs, gamma, d, lane, accumulate, nullptr);
         return;
     }
     float s1 = 0.0f, s2 = 0.0f;  // general rows: two passes over global memory
@@ -111,7 +231,7 @@ extern "C" __global__ void k_layernorm_bwd(act_t* dx, const act_t* dout, const a
         const float dn = to_f(g[c]) * gamma[c];
         const float xh = (to_f(xr[c]) - mu) * rs;
         const float v = rs * (dn - m1 - xh * m2);
-        o[c] = to_act(accumulate ? to_f(o[c]) + v : v);
+        o[c] = to_act(accumulate ? to_f(res[c]) + v : v);
     }
 }
 
@@ -123,6 +243,7 @@ extern "C" __global__ void k_layernorm_bwd(act_t* dx, const act_t* dout, const a
 // Block (column tile, chunk): each thread owns one column and sums its chunk's rows in order.
 // partial[chunk, c] = dgamma part, partial[chunk, d + c] = dbeta part (gamma and beta are
 // adjacent in the flat gradient buffer, so one k_colsum_reduce over 2*d columns adds both).
+// Explicitly rounded operations (no fused multiply-add), the same as k_layernorm_bwd_fused's.
 extern "C" __global__ void k_layernorm_bwd_params(float* partial, const act_t* dout,
                                                   const act_t* x, const float* mean,
                                                   const float* rstd, int R, int d,
@@ -135,11 +256,21 @@ extern "C" __global__ void k_layernorm_bwd_params(float* partial, const act_t* d
     float sg = 0.0f, sb = 0.0f;
     for (int r = r0; r < r1; r++) {
         const float g = to_f(dout[(long)r * d + c]);
-        sg += g * (to_f(x[(long)r * d + c]) - mean[r]) * rstd[r];
-        sb += g;
+        const float p = __fmul_rn(__fmul_rn(g, __fsub_rn(to_f(x[(long)r * d + c]), mean[r])), rstd[r]);
+        sg = __fadd_rn(sg, p);
+        sb = __fadd_rn(sb, g);
     }
     partial[(long)chunk * 2 * d + c] = sg;
     partial[(long)chunk * 2 * d + d + c] = sb;
+}
+
+// The sum over chunks of partial[chunk, c], chunks in order, added into dst[c]: the second pass
+// of both k_layernorm_bwd_params and k_layernorm_bwd_fused.
+__device__ __forceinline__ void colsum_add(float* dst, const float* partial, int nchunk, int n,
+                                           int c) {
+    float s = 0.0f;
+    for (int k = 0; k < nchunk; k++) s = __fadd_rn(s, __ldcg(partial + (long)k * n + c));
+    dst[c] = __fadd_rn(dst[c], s);
 }
 
 // numpy twin: none — the second pass of k_layernorm_bwd_params' column sums (numpy sums all rows
@@ -148,7 +279,67 @@ extern "C" __global__ void k_layernorm_bwd_params(float* partial, const act_t* d
 extern "C" __global__ void k_colsum_reduce(float* dst, const float* partial, int nchunk, int n) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= n) return;
-    float s = 0.0f;
-    for (int k = 0; k < nchunk; k++) s += partial[(long)k * n + c];
-    dst[c] += s;
+    colsum_add(dst, partial, nchunk, n, c);
+}
+
+#define LN_GROUP 8         // rows per group: one per warp of a 256-thread block
+#define LN_FUSED_COLS 6    // columns of [0, 2d) per thread: d <= 3 * 256 = 768
+
+// numpy twin: ops.layernorm_bwd (dx, dgamma and dbeta in one kernel)
+// >   dgamma += np.einsum("ij,ij->j", dout, xhat)
+// >   dbeta += dout.sum(axis=0)
+// >   dx *= rstd[:, None]
+// k_layernorm_bwd, k_layernorm_bwd_params and k_colsum_reduce in one launch, with their bits.
+// Block = one chunk of rows_per_chunk rows, in groups of LN_GROUP: warp w computes dx of row
+// g0 + w (ln_bwd_row, reading dout and x once) and leaves its dγ/dβ column terms in shared memory
+// (prod [LN_GROUP][2d]); then each thread adds, for its columns, the group's rows in row order,
+// as k_layernorm_bwd_params does. The chunk's sums go to partial[chunk]; the block that finishes
+// last (an int counter, the only atomic; it is reset for the next launch) adds the chunks in
+// order into dgamma_beta, as k_colsum_reduce does. No float atomics: same inputs, same bits.
+// The backend launches it for the vector path only (d % VEC == 0, 16-byte aligned rows, 2d <=
+// LN_FUSED_COLS * blockDim.x); dynamic shared memory LN_GROUP * 2d floats.
+extern "C" __global__ void k_layernorm_bwd_fused(act_t* dx, const act_t* resid, const act_t* dout,
+                                                 const act_t* x, const float* mean,
+                                                 const float* rstd, const float* gamma,
+                                                 float* dgamma_beta, float* partial,
+                                                 int* counter, int R, int d, int rows_per_chunk,
+                                                 int accumulate) {
+    extern __shared__ float prod[];
+    __shared__ int is_last;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int n = 2 * d, chunk = blockIdx.x;
+    const int r0 = chunk * rows_per_chunk, r1 = min(R, r0 + rows_per_chunk);
+    float acc[LN_FUSED_COLS];
+#pragma unroll
+    for (int j = 0; j < LN_FUSED_COLS; j++) acc[j] = 0.0f;
+    for (int g0 = r0; g0 < r1; g0 += LN_GROUP) {
+        const int r = g0 + warp;
+        if (warp < LN_GROUP && r < r1) {
+            const long base = (long)r * d;
+            ln_bwd_row(dx + base, (resid ? resid : dx) + base, dout + base, x + base, mean[r],
+                       rstd[r], gamma, d, lane, accumulate, prod + warp * n);
+        }
+        __syncthreads();
+        const int rows = min(LN_GROUP, r1 - g0);
+#pragma unroll
+        for (int j = 0; j < LN_FUSED_COLS; j++) {
+            const int c = threadIdx.x + j * blockDim.x;
+            if (c < n)
+                for (int w = 0; w < rows; w++) acc[j] = __fadd_rn(acc[j], prod[w * n + c]);
+        }
+        __syncthreads();  // prod is overwritten by the next group
+    }
+#pragma unroll
+    for (int j = 0; j < LN_FUSED_COLS; j++) {
+        const int c = threadIdx.x + j * blockDim.x;
+        if (c < n) partial[(long)chunk * n + c] = acc[j];
+    }
+    __threadfence();  // the partials are visible device-wide before the counter moves
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    for (int c = threadIdx.x; c < n; c += blockDim.x) colsum_add(dgamma_beta, partial, gridDim.x, n, c);
+    if (threadIdx.x == 0) *counter = 0;
 }

@@ -3,6 +3,25 @@
 // alignment); these kernels are the softmax cross-entropy, one block per row r = t*B + b.
 #include "common.cuh"
 
+// The loss of row r from its logits z (ldv floats, V used): lse = max + log Σ exp(z - max), by
+// block-wide reductions in a fixed order. Shared by k_loss_fwd and k_loss_fwd_bwd (same bits).
+__device__ __forceinline__ float row_lse(const float* z, int V, float* shared) {
+    float mx = -INFINITY;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, z[j]);
+    mx = block_max(mx, shared);
+    float s = 0.0f;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) s += __expf(z[j] - mx);
+    s = block_sum(s, shared);
+    return mx + logf(s);
+}
+
+// dz = scale·(softmax(z) - onehot(target)) for one row, padding columns V <= j < ldv set to 0.
+__device__ __forceinline__ void row_dlogits(act_t* dz, const float* z, float l, int tgt, float sc,
+                                            int V, int ldv) {
+    for (int j = threadIdx.x; j < ldv; j += blockDim.x)
+        dz[j] = to_act(j < V ? (__expf(z[j] - l) - (j == tgt ? 1.0f : 0.0f)) * sc : 0.0f);
+}
+
 // numpy twin: ops.loss_fwd (after its matmul, per row chunk z = logits[r0:r1])
 // >   m = z.max(axis=1)
 // >   z -= m[:, None]
@@ -20,15 +39,9 @@ extern "C" __global__ void k_loss_fwd(float* losses, float* lse, const float* lo
     const int r = blockIdx.x;
     if (r >= B * T) return;
     const float* z = logits + (long)r * ldv;
-    float mx = -INFINITY;
-    for (int j = threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, z[j]);
-    mx = block_max(mx, shared);
-    float s = 0.0f;
-    for (int j = threadIdx.x; j < V; j += blockDim.x) s += __expf(z[j] - mx);
-    s = block_sum(s, shared);
+    const float l = row_lse(z, V, shared);
     if (threadIdx.x == 0) {
         const int t = r / B, b = r - t * B;
-        const float l = mx + logf(s);
         lse[r] = l;
         losses[r] = l - z[targets[(long)b * T + t]];
     }
@@ -48,10 +61,28 @@ extern "C" __global__ void k_loss_bwd(act_t* dlogits, const float* logits, const
     const int r = blockIdx.x;
     if (r >= B * T) return;
     const int t = r / B, b = r - t * B;
-    const int tgt = targets[(long)b * T + t];
-    const float l = lse[r], sc = scale[0];
+    row_dlogits(dlogits + (long)r * ldv, logits + (long)r * ldv, lse[r], targets[(long)b * T + t],
+                scale[0], V, ldv);
+}
+
+// numpy twin: ops.loss_bwd (with the forward's softmax statistics, in one pass)
+// >   dz = scale · (softmax(z) - onehot(targets)) = diag(scale/s)·E - scale·onehot;
+// k_loss_fwd and k_loss_bwd in one launch, with their bits: a training step knows its loss
+// scale before the forward, so the row of logits is read from memory once (the passes after
+// the first find it in L2) instead of again in the backward. Writes losses, lse and dlogits.
+extern "C" __global__ void k_loss_fwd_bwd(float* losses, float* lse, act_t* dlogits,
+                                          const float* logits, const int* targets,
+                                          const float* scale, int B, int T, int V, int ldv) {
+    __shared__ float shared[32];
+    const int r = blockIdx.x;
+    if (r >= B * T) return;
     const float* z = logits + (long)r * ldv;
-    act_t* dz = dlogits + (long)r * ldv;
-    for (int j = threadIdx.x; j < ldv; j += blockDim.x)
-        dz[j] = to_act(j < V ? (__expf(z[j] - l) - (j == tgt ? 1.0f : 0.0f)) * sc : 0.0f);
+    const float l = row_lse(z, V, shared);
+    const int t = r / B, b = r - t * B;
+    const int tgt = targets[(long)b * T + t];
+    if (threadIdx.x == 0) {
+        lse[r] = l;
+        losses[r] = l - z[tgt];
+    }
+    row_dlogits(dlogits + (long)r * ldv, z, l, tgt, scale[0], V, ldv);
 }

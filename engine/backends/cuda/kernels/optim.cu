@@ -1,6 +1,25 @@
 // Gradient norm, clipping and AdamW over the flat fp32 buffers (DESIGN §3 utility kernels, §4).
 #include "common.cuh"
 
+// The partial sum of squares of one block of the grid (see k_grad_norm_partial).
+__device__ __forceinline__ float norm_partial(const float* g, long n, float gs, float* shared) {
+    float s = 0.0f;
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n;
+         i += (long)gridDim.x * blockDim.x) {
+        const float x = g[i] * gs;
+        s += x * x;
+    }
+    return block_sum(s, shared);
+}
+
+// The sum of n partials, thread i taking i, i + blockDim.x, ..., then the block tree: the
+// second pass of k_grad_norm_partial (k_grad_norm_final) and of k_grad_norm.
+__device__ __forceinline__ float norm_final(const float* partials, int n, float* shared) {
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) s += __ldcg(partials + i);
+    return sqrtf(block_sum(s, shared));
+}
+
 // numpy twin: ops.grad_norm_partial
 // >   g = grads[j * block : (j + 1) * block]
 // >   partials[j] = np.dot(g, g)
@@ -12,13 +31,7 @@
 extern "C" __global__ void k_grad_norm_partial(float* partials, const float* g, long n,
                                                float gs) {
     __shared__ float shared[32];
-    float s = 0.0f;
-    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n;
-         i += (long)gridDim.x * blockDim.x) {
-        const float x = g[i] * gs;
-        s += x * x;
-    }
-    s = block_sum(s, shared);
+    const float s = norm_partial(g, n, gs, shared);
     if (threadIdx.x == 0) partials[blockIdx.x] = s;
 }
 
@@ -27,10 +40,33 @@ extern "C" __global__ void k_grad_norm_partial(float* partials, const float* g, 
 // One block, float sums in a fixed order; inf/nan propagate.
 extern "C" __global__ void k_grad_norm_final(float* norm, const float* partials, int n) {
     __shared__ float shared[32];
-    float s = 0.0f;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) s += partials[i];
-    s = block_sum(s, shared);
-    if (threadIdx.x == 0) norm[0] = sqrtf(s);
+    const float s = norm_final(partials, n, shared);
+    if (threadIdx.x == 0) norm[0] = s;
+}
+
+// numpy twin: ops.grad_norm_final (with ops.grad_norm_partial, in one kernel)
+// >   return float(np.sqrt(np.sum(partials)))
+// k_grad_norm_partial and k_grad_norm_final in one launch, with their bits: every block writes
+// its partial; the block that finishes last (an int counter, reset for the next launch; no
+// float atomics) reduces the partials in the fixed order of k_grad_norm_final.
+extern "C" __global__ void k_grad_norm(float* norm, float* partials, int* counter, const float* g,
+                                       long n, float gs) {
+    __shared__ float shared[32];
+    __shared__ int is_last;
+    const float s = norm_partial(g, n, gs, shared);
+    if (threadIdx.x == 0) {
+        partials[blockIdx.x] = s;
+        __threadfence();
+        is_last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    const float total = norm_final(partials, gridDim.x, shared);
+    if (threadIdx.x == 0) {
+        norm[0] = total;
+        *counter = 0;
+    }
 }
 
 // numpy twin: ops.grad_scale
@@ -46,22 +82,13 @@ extern "C" __global__ void k_grad_scale(float* g, long n, float s) {
 
 #define ADAMW_MAX_SEGS 1024
 
-// numpy twin: ops.adamw
-// >   m = β1·m + (1-β1)·g;  v = β2·v + (1-β2)·g²;  m̂ = m/(1-β1ᵗ);  v̂ = v/(1-β2ᵗ);
-// >   p -= lr·(m̂/(sqrt(v̂)+eps) + wd·p·decay)
-// Here bc1 = 1-β1ᵗ, bc2 = 1-β2ᵗ and p -= lr·((m/bc1)/(sqrt(v/bc2)+eps) + wd·p·decay): the same
-// formula, which numpy evaluates in another order (sqrt(v)·(1/sqrt(bc2)) + eps, then ·(1/bc1)).
-// decay is per tensor: tensor i covers [seg_start[i], seg_start[i+1]) and decays (2-D tensors
-// only) when seg_decay[i] != 0. Not in numpy, whose ops.adamw reads g as it is:
-// - gs: a gradient scale (1/n_micro or the clip) that CudaBackend.grad_scale deferred; g*gs is
-//   rounded to float exactly as a k_grad_scale pass (numpy: `grads *= s`) would have stored it,
-//   and the pass over the gradients is saved (llm.c's way).
-// - p_lp (may be null) receives the rounded low-precision copy of p that the GEMMs read.
-// Four elements per thread (16-byte float loads).
-extern "C" __global__ void k_adamw(float* p, act_t* p_lp, const float* g, float* m, float* v,
-                                   const long* seg_start, const int* seg_decay, int nseg, long n,
-                                   float lr, float b1, float b2, float eps, float wd, float bc1,
-                                   float bc2, float gs) {
+// AdamW over the flat buffers with g·gm·gc as the gradient (each product rounded to float, as
+// separate k_grad_scale passes would have stored it); the body of k_adamw and k_adamw_step.
+__device__ __forceinline__ void adamw_body(float* p, act_t* p_lp, const float* g, float* m,
+                                           float* v, const long* seg_start, const int* seg_decay,
+                                           int nseg, long n, float lr, float b1, float b2,
+                                           float eps, float wd, float bc1, float bc2, float gm,
+                                           float gc) {
     __shared__ long starts[ADAMW_MAX_SEGS + 1];
     __shared__ int decay[ADAMW_MAX_SEGS];
     for (int i = threadIdx.x; i <= nseg; i += blockDim.x) starts[i] = seg_start[i];
@@ -94,7 +121,7 @@ extern "C" __global__ void k_adamw(float* p, act_t* p_lp, const float* g, float*
         for (int k = 0; k < 4; k++) {
             if (k > 0 && !vec) break;
             while (i0 + k >= starts[lo + 1]) lo++;  // a tensor boundary inside the group
-            const float gk = ga[k] * gs;
+            const float gk = __fmul_rn(__fmul_rn(ga[k], gm), gc);
             const float mi = b1 * ma[k] + (1.0f - b1) * gk;
             const float vi = b2 * va[k] + (1.0f - b2) * gk * gk;
             const float pi = pa[k];
@@ -111,6 +138,46 @@ extern "C" __global__ void k_adamw(float* p, act_t* p_lp, const float* g, float*
             p[i0] = p4.x; m[i0] = m4.x; v[i0] = v4.x;
         }
     }
+}
+
+// numpy twin: ops.adamw
+// >   m = β1·m + (1-β1)·g;  v = β2·v + (1-β2)·g²;  m̂ = m/(1-β1ᵗ);  v̂ = v/(1-β2ᵗ);
+// >   p -= lr·(m̂/(sqrt(v̂)+eps) + wd·p·decay)
+// Here bc1 = 1-β1ᵗ, bc2 = 1-β2ᵗ and p -= lr·((m/bc1)/(sqrt(v/bc2)+eps) + wd·p·decay): the same
+// formula, which numpy evaluates in another order (sqrt(v)·(1/sqrt(bc2)) + eps, then ·(1/bc1)).
+// decay is per tensor: tensor i covers [seg_start[i], seg_start[i+1]) and decays (2-D tensors
+// only) when seg_decay[i] != 0. Not in numpy, whose ops.adamw reads g as it is:
+// - gs: a gradient scale (1/n_micro or the clip) that CudaBackend.grad_scale deferred; g*gs is
+//   rounded to float exactly as a k_grad_scale pass (numpy: `grads *= s`) would have stored it,
+//   and the pass over the gradients is saved (llm.c's way).
+// - p_lp (may be null) receives the rounded low-precision copy of p that the GEMMs read.
+// Four elements per thread (16-byte float loads).
+extern "C" __global__ void k_adamw(float* p, act_t* p_lp, const float* g, float* m, float* v,
+                                   const long* seg_start, const int* seg_decay, int nseg, long n,
+                                   float lr, float b1, float b2, float eps, float wd, float bc1,
+                                   float bc2, float gs) {
+    adamw_body(p, p_lp, g, m, v, seg_start, seg_decay, nseg, n, lr, b1, b2, eps, wd, bc1, bc2, gs,
+               1.0f);
+}
+
+// numpy twin: ops.adamw (with the clip and the non-finite skip of DESIGN §4, on the device)
+// >   p -= lr·(m̂/(sqrt(v̂)+eps) + wd·p·decay)   (decay: 1 on 2-D tensors, 0 elsewhere; decoupled).
+// The whole optimizer step inside the captured step graph, after k_grad_norm: hp holds the
+// step's hyper-parameters, staged with the tokens (lr, β1, β2, eps, wd, bc1, bc2, gm, max_norm;
+// gm = 1/(n_micro·loss_scale)); norm[0] is ‖g·gm‖ from k_grad_norm. A norm that is not finite
+// skips the update (nothing is written: the trainer counts and records the skip); else the clip
+// factor gc = max_norm/norm when norm > max_norm (else 1) is folded in, g·gm·gc rounded as the
+// separate passes would round it, and written to clip[0] for the step record.
+extern "C" __global__ void k_adamw_step(float* p, act_t* p_lp, const float* g, float* m, float* v,
+                                        const long* seg_start, const int* seg_decay, int nseg,
+                                        long n, const float* hp, const float* norm, float* clip) {
+    const float nrm = norm[0];
+    if (!isfinite(nrm)) return;
+    const float max_norm = hp[8];
+    const float gc = nrm > max_norm ? max_norm / nrm : 1.0f;
+    if (blockIdx.x == 0 && threadIdx.x == 0) clip[0] = gc;
+    adamw_body(p, p_lp, g, m, v, seg_start, seg_decay, nseg, n, hp[0], hp[1], hp[2], hp[3], hp[4],
+               hp[5], hp[6], hp[7], gc);
 }
 
 // numpy twin: none — numpy computes in its one dtype and keeps no low-precision weights. This

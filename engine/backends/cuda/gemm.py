@@ -1,0 +1,347 @@
+"""Every GEMM of the step through cuBLASLt, with the algorithm chosen by measurement and kept.
+
+`LtGemm.matmul` speaks row-major like `Cublas.matmul` (out[M,N] = alpha·op(a)@op(b) + beta·out,
+optional strided batching) and adds the GELU epilogues of the MLP (GELU_AUX forward, DGELU
+backward). For each distinct problem — shape, transposes, leading dimensions, batch strides,
+data types, epilogue, beta = 0 or not, pointer alignments — one algorithm is used for the whole
+run, so the same shape always runs the same kernel (determinism, bit-exact resume).
+
+How the algorithm is chosen (`tuning` on, during the backend's start-up pass): cuBLASLt's
+heuristic proposes up to `CANDIDATES` algorithms; each is run and timed on the stream (median of
+a few runs, CUDA events), and the fastest is kept. The heuristic's first choice was up to 20%
+slower than the best of 8 on the H200 (notes/gpu-next.md). Without tuning, an unseen problem
+takes the heuristic's first choice (a deterministic function of the problem, the library version
+and the device).
+
+The choices are exported as a plan (`export_plan`, a JSON-able dict: engine.records.GemmPlan) that
+the run directory keeps as gemm_plan.json; `import_plan` makes a resumed run use the very same
+algorithms (the opaque 64-byte cublasLtMatmulAlgo_t, checked with cublasLtMatmulAlgoCheck), so
+resume never depends on re-timing. No pycuda here: timing is a callback the backend provides.
+"""
+
+from __future__ import annotations
+
+import ctypes as C
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from engine.backends.cuda.cublas import COMPUTE_32F, OP_N, OP_T, R_32F
+from engine.errors import RunError
+
+CANDIDATES = 8  # heuristic proposals timed per problem
+EPILOGUE_DEFAULT, EPILOGUE_GELU_AUX, EPILOGUE_DGELU = 1, 160, 192
+DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE = 3, 4, 7
+DESC_AUX_POINTER, DESC_AUX_LD, DESC_AUX_BATCH_STRIDE = 11, 12, 13
+LAYOUT_BATCH_COUNT, LAYOUT_BATCH_OFFSET = 5, 6
+PREF_MAX_WORKSPACE = 1
+PREF_MIN_ALIGN = (5, 6, 7, 8)  # A, B, C, D bytes
+PLAN_VERSION = 1
+
+EPILOGUE_NAMES = {EPILOGUE_DEFAULT: "none", EPILOGUE_GELU_AUX: "gelu_aux",
+                  EPILOGUE_DGELU: "dgelu"}
+
+
+class _Algo(C.Structure):
+    _fields_ = [("data", C.c_uint64 * 8)]
+
+
+class _Heuristic(C.Structure):
+    _fields_ = [("algo", _Algo), ("workspaceSize", C.c_size_t), ("state", C.c_int),
+                ("wavesCount", C.c_float), ("reserved", C.c_int * 4)]
+
+
+def _load() -> C.CDLL:
+    errors = []
+    try:
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+
+        path = load_nvidia_dynamic_lib("cublasLt").abs_path
+        if path:
+            return C.CDLL(path)
+    except Exception as e:
+        errors.append(f"cuda.pathfinder: {e}")
+    for name in ("libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"):
+        try:
+            return C.CDLL(name)
+        except OSError as e:
+            errors.append(str(e))
+    raise RunError("cuBLASLt library not found: " + "; ".join(errors))
+
+
+def alignment(ptr: int) -> int:
+    """The largest power of two (at most 256) that divides the address."""
+    if ptr == 0:
+        return 256
+    return min(256, ptr & -ptr)
+
+
+def problem_key(types: tuple[int, int, int], ta: bool, tb: bool, M: int, N: int, K: int,
+                lda: int, ldb: int, ldc: int, batch: int, sa: int, sb: int, sc: int,
+                beta_zero: bool, epilogue: int, aligns: tuple[int, int, int]) -> str:
+    """The plan's name for one GEMM problem (row-major terms; stable across runs)."""
+    t = "".join("T" if x else "N" for x in (ta, tb))
+    epi = EPILOGUE_NAMES.get(epilogue, str(epilogue))
+    return (f"{M}x{N}x{K} {t} types={types[0]},{types[1]},{types[2]} ld={lda},{ldb},{ldc} "
+            f"batch={batch}:{sa},{sb},{sc} beta={'0' if beta_zero else '1'} epi={epi} "
+            f"align={aligns[0]},{aligns[1]},{aligns[2]}")
+
+
+@dataclass
+class _Problem:
+    desc: C.c_void_p
+    layouts: tuple[C.c_void_p, C.c_void_p, C.c_void_p]  # A, B, C(=D) in cuBLASLt's terms
+    algo: _Algo | None = None
+    ms: float | None = None
+    rank: int | None = None
+    top1_ms: float | None = None
+    candidates: int | None = None
+    source: str = ""  # "timed", "heuristic" or "plan"
+
+
+class LtGemm:
+    """cuBLASLt GEMMs with one algorithm per problem. Streams and workspaces are given per call
+    (`matmul(..., stream=, ws=)`), so a second stream with its own workspace shares the choices.
+    """
+
+    def __init__(self, workspace_bytes: int, device: str) -> None:
+        lib = _load()
+        vp, i32, u64, i64 = C.c_void_p, C.c_int, C.c_uint64, C.c_int64
+        sigs: dict[str, list[Any]] = {
+            "cublasLtCreate": [C.POINTER(vp)],
+            "cublasLtDestroy": [vp],
+            "cublasLtMatmulDescCreate": [C.POINTER(vp), i32, i32],
+            "cublasLtMatmulDescSetAttribute": [vp, i32, vp, C.c_size_t],
+            "cublasLtMatrixLayoutCreate": [C.POINTER(vp), i32, u64, u64, i64],
+            "cublasLtMatrixLayoutSetAttribute": [vp, i32, vp, C.c_size_t],
+            "cublasLtMatmulPreferenceCreate": [C.POINTER(vp)],
+            "cublasLtMatmulPreferenceDestroy": [vp],
+            "cublasLtMatmulPreferenceSetAttribute": [vp, i32, vp, C.c_size_t],
+            "cublasLtMatmulAlgoGetHeuristic": [vp, vp, vp, vp, vp, vp, vp, i32,
+                                               C.POINTER(_Heuristic), C.POINTER(i32)],
+            "cublasLtMatmulAlgoCheck": [vp, vp, vp, vp, vp, vp, C.POINTER(_Algo),
+                                        C.POINTER(_Heuristic)],
+            "cublasLtMatmul": [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp,
+                               C.POINTER(_Algo), vp, C.c_size_t, vp],
+        }
+        for name, args in sigs.items():
+            f = getattr(lib, name)
+            f.argtypes, f.restype = args, C.c_int
+        lib.cublasLtGetVersion.argtypes, lib.cublasLtGetVersion.restype = [], C.c_size_t
+        self._lib = lib
+        self.handle = vp()
+        self._check(lib.cublasLtCreate(C.byref(self.handle)), "cublasLtCreate")
+        self.ws_bytes = workspace_bytes
+        self.library = f"cublasLt {int(lib.cublasLtGetVersion())}"
+        self.device = device
+        self._problems: dict[str, _Problem] = {}
+        self._imported: dict[str, bytes] = {}
+        self.choices: dict[str, str] = {}  # MLP GEMM shape -> "epilogue" | "kernel" (ops.py)
+        self.choice_ms: dict[str, tuple[float, float]] = {}  # the timings behind a choice
+        self.tuning = False
+        self.timer: Callable[[Callable[[], None]], float] | None = None
+        self.calls = 0
+        self.warnings: list[str] = []
+
+    @staticmethod
+    def _check(status: int, what: str) -> None:
+        if status != 0:
+            raise RunError(f"{what} failed with cuBLAS status {status}")
+
+    def _set(self, fn: Any, obj: C.c_void_p, attr: int, value: Any) -> None:
+        self._check(fn(obj, attr, C.byref(value), C.sizeof(value)), f"set attribute {attr}")
+
+    # --- the problems -----------------------------------------------------------------------------
+    def _describe(self, types: tuple[int, int, int], ta: bool, tb: bool, M: int, N: int, K: int,
+                  lda: int, ldb: int, ldc: int, batch: int, sa: int, sb: int, sc: int,
+                  epilogue: int, aux_ld: int) -> _Problem:
+        """Descriptors in cuBLASLt's column-major terms: D[N,M] = op(b)·op(a) (operands swap,
+        as in Cublas.matmul)."""
+        lib, vp = self._lib, C.c_void_p
+        desc = vp()
+        self._check(lib.cublasLtMatmulDescCreate(C.byref(desc), COMPUTE_32F, R_32F), "desc")
+        sd = lib.cublasLtMatmulDescSetAttribute
+        opa, opb = (OP_T if tb else OP_N), (OP_T if ta else OP_N)
+        self._set(sd, desc, DESC_TRANSA, C.c_int32(opa))
+        self._set(sd, desc, DESC_TRANSB, C.c_int32(opb))
+        if epilogue != EPILOGUE_DEFAULT:
+            self._set(sd, desc, DESC_EPILOGUE, C.c_uint32(epilogue))
+            self._set(sd, desc, DESC_AUX_LD, C.c_int64(aux_ld))
+        a_rows, a_cols = (N, K) if opa == OP_N else (K, N)
+        b_rows, b_cols = (K, M) if opb == OP_N else (M, K)
+        layouts = []
+        for dtype, rows, cols, ld, stride in ((types[1], a_rows, a_cols, ldb, sb),
+                                              (types[0], b_rows, b_cols, lda, sa),
+                                              (types[2], N, M, ldc, sc)):
+            lay = vp()
+            self._check(lib.cublasLtMatrixLayoutCreate(C.byref(lay), dtype, rows, cols, ld),
+                        "layout")
+            if batch > 1:
+                sl = lib.cublasLtMatrixLayoutSetAttribute
+                self._set(sl, lay, LAYOUT_BATCH_COUNT, C.c_int32(batch))
+                self._set(sl, lay, LAYOUT_BATCH_OFFSET, C.c_int64(stride))
+            layouts.append(lay)
+        return _Problem(desc, (layouts[0], layouts[1], layouts[2]))
+
+    def _heuristics(self, p: _Problem, aligns: tuple[int, int, int], n: int) -> list[_Heuristic]:
+        lib, vp = self._lib, C.c_void_p
+        pref = vp()
+        self._check(lib.cublasLtMatmulPreferenceCreate(C.byref(pref)), "preference")
+        try:
+            sp = lib.cublasLtMatmulPreferenceSetAttribute
+            self._set(sp, pref, PREF_MAX_WORKSPACE, C.c_uint64(self.ws_bytes))
+            # cuBLASLt's A is our b, its B our a; C and D are out
+            for attr, al in zip(PREF_MIN_ALIGN, (aligns[1], aligns[0], aligns[2], aligns[2]),
+                                strict=True):
+                self._set(sp, pref, attr, C.c_uint32(al))
+            results, count = (_Heuristic * n)(), C.c_int(0)
+            la, lb, lc = p.layouts
+            status = lib.cublasLtMatmulAlgoGetHeuristic(self.handle, p.desc, la, lb, lc, lc,
+                                                        pref, n, results, C.byref(count))
+        finally:
+            lib.cublasLtMatmulPreferenceDestroy(pref)
+        if status != 0:
+            return []
+        return [results[i] for i in range(count.value) if results[i].state == 0]
+
+    def _run(self, p: _Problem, algo: _Algo, out: int, a: int, b: int, alpha: float, beta: float,
+             aux: int, stream: int, ws: int) -> int:
+        vp = C.c_void_p
+        if aux:
+            self._set(self._lib.cublasLtMatmulDescSetAttribute, p.desc, DESC_AUX_POINTER,
+                      vp(aux))
+        al, be = C.c_float(alpha), C.c_float(beta)
+        la, lb, lc = p.layouts
+        return self._lib.cublasLtMatmul(self.handle, p.desc, C.byref(al), vp(b), la, vp(a), lb,
+                                        C.byref(be), vp(out), lc, vp(out), lc, C.byref(algo),
+                                        vp(ws), self.ws_bytes, vp(stream))
+
+    def _choose(self, key: str, p: _Problem, aligns: tuple[int, int, int],
+                run: Callable[[_Algo], int]) -> None:
+        """Pick p.algo: from an imported plan, by timing the candidates, or the heuristic's
+        first."""
+        if key in self._imported:
+            algo = _Algo.from_buffer_copy(self._imported[key])
+            res = _Heuristic()
+            la, lb, lc = p.layouts
+            if self._lib.cublasLtMatmulAlgoCheck(self.handle, p.desc, la, lb, lc, lc,
+                                                 C.byref(algo), C.byref(res)) == 0:
+                p.algo, p.source = algo, "plan"
+                return
+            self.warnings.append(f"gemm plan: the recorded algorithm for {key} is not valid "
+                                 f"here; the heuristic's choice runs instead")
+        cands = self._heuristics(p, aligns, CANDIDATES if self.tuning else 1)
+        if not cands:
+            raise RunError(f"cuBLASLt proposes no algorithm for the GEMM {key}")
+        p.candidates = len(cands)
+        if not (self.tuning and self.timer and len(cands) > 1):
+            p.algo, p.rank, p.source = cands[0].algo, 0, "heuristic"
+            return
+        times: list[tuple[float, int]] = []
+        for i, h in enumerate(cands):
+            algo = h.algo
+            if run(algo) != 0:  # refused at run time: nothing was launched
+                continue
+            ms = self.timer(lambda algo=algo: self._check(run(algo), f"cublasLtMatmul {key}"))
+            times.append((ms, i))
+        if not times:
+            raise RunError(f"cuBLASLt: no proposed algorithm runs the GEMM {key}")
+        ms, best = min(times)
+        p.algo, p.ms, p.rank, p.source = cands[best].algo, ms, best, "timed"
+        p.top1_ms = next((t for t, i in times if i == 0), None)
+        run(p.algo)  # the chosen one last: its output is the one left in `out`
+
+    # --- the GEMM ---------------------------------------------------------------------------------
+    def matmul(self, out: int, a: int, b: int, M: int, N: int, K: int, *,
+               types: tuple[int, int, int], stream: int, ws: int, ta: bool = False,
+               tb: bool = False, lda: int | None = None, ldb: int | None = None,
+               ldc: int | None = None, alpha: float = 1.0, beta: float = 0.0, batch: int = 1,
+               sa: int = 0, sb: int = 0, sc: int = 0, epilogue: int = EPILOGUE_DEFAULT,
+               aux: int = 0) -> None:
+        """Row-major out[M,N] = epilogue(alpha·op(a)@op(b) + beta·out); a is [M,K] (stored [K,M]
+        when ta), b is [K,N] (stored [N,K] when tb); ld* row strides, s* batch strides, in
+        elements; types = (a, b, out) cudaDataType. GELU_AUX also writes the pre-activation to
+        aux, DGELU reads it from aux (both [M,N] with row stride ldc)."""
+        lda = lda if lda is not None else (M if ta else K)
+        ldb = ldb if ldb is not None else (K if tb else N)
+        ldc = ldc if ldc is not None else N
+        aligns = (alignment(a), alignment(b), min(alignment(out), alignment(aux)))
+        key = problem_key(types, ta, tb, M, N, K, lda, ldb, ldc, batch, sa, sb, sc, beta == 0.0,
+                          epilogue, aligns)
+        p = self._problems.get(key)
+        fresh = p is None
+        if p is None:
+            p = self._problems[key] = self._describe(types, ta, tb, M, N, K, lda, ldb, ldc,
+                                                     batch, sa, sb, sc, epilogue, ldc)
+
+        def run(algo: _Algo) -> int:
+            return self._run(p, algo, out, a, b, alpha, beta, aux, stream, ws)
+
+        self.calls += 1
+        if fresh:
+            try:
+                self._choose(key, p, aligns, run)
+            except BaseException:
+                del self._problems[key]
+                raise
+            if p.source == "timed":
+                return  # _choose ran the chosen algorithm last
+        assert p.algo is not None
+        self._check(run(p.algo), f"cublasLtMatmul {key}")
+
+    # --- the plan ---------------------------------------------------------------------------------
+    def import_plan(self, plan: dict[str, Any] | None) -> str:
+        """Use the recorded algorithms of `plan` (GemmPlan.to_json()) for the problems it names.
+        Returns "" or why the plan is not used (another device or library: re-timed)."""
+        if not plan:
+            return ""
+        if plan.get("library") != self.library or plan.get("device") != self.device:
+            return (f"the GEMM plan was made with {plan.get('library')} on {plan.get('device')}; "
+                    f"this is {self.library} on {self.device}: timing the GEMMs again")
+        self._imported = {}
+        for k, v in (plan.get("choices") or {}).items():
+            use = v.get("use") if isinstance(v, dict) else v
+            if use in ("epilogue", "kernel"):
+                self.choices[str(k)] = use
+        for key, entry in (plan.get("gemms") or {}).items():
+            try:
+                raw = bytes.fromhex(str(entry.get("algo", "")))
+            except ValueError:
+                continue
+            if len(raw) == C.sizeof(_Algo):
+                self._imported[str(key)] = raw
+        return ""
+
+    def export_plan(self) -> dict[str, Any]:
+        """The chosen algorithms as GemmPlan.to_json() fields: timed and imported problems (a
+        heuristic first choice is a function of the problem and needs no record)."""
+        gemms = {}
+        for key, p in sorted(self._problems.items()):
+            if p.algo is None or p.source == "heuristic":
+                continue
+            gemms[key] = {"algo": bytes(p.algo).hex(), "ms": p.ms, "rank": p.rank,
+                          "top1_ms": p.top1_ms, "candidates": p.candidates}
+        def finite(x: float | None) -> float | None:
+            return x if x is not None and math.isfinite(x) else None
+
+        choices = {k: {"use": v, "epilogue_ms": finite(self.choice_ms.get(k, (None, None))[0]),
+                       "kernel_ms": finite(self.choice_ms.get(k, (None, None))[1])}
+                   for k, v in sorted(self.choices.items())}
+        return {"version": PLAN_VERSION, "library": self.library, "device": self.device,
+                "gemms": gemms, "choices": choices}
+
+    def timing_summary(self) -> tuple[int, float, float]:
+        """(problems timed, Σ best ms, Σ heuristic-first ms) over the problems timed here."""
+        timed = [p for p in self._problems.values()
+                 if p.source == "timed" and p.ms is not None and p.top1_ms is not None]
+        return len(timed), sum(p.ms for p in timed), sum(p.top1_ms for p in timed)
+
+    def close(self) -> None:
+        if self.handle:
+            self._lib.cublasLtDestroy(self.handle)
+            self.handle = C.c_void_p()
+
+
+__all__ = ["EPILOGUE_DEFAULT", "EPILOGUE_DGELU", "EPILOGUE_GELU_AUX", "LtGemm", "alignment",
+           "problem_key"]
