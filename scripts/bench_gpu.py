@@ -1,8 +1,20 @@
-"""GPU benchmark: one full ANDREA training step (forward, backward, grad norm, clip, AdamW) on
-the CUDA backend against PyTorch on the same model and GPU, in the same run. Prints one table.
+"""GPU benchmark: one full ANDREA training step (forward, backward, grad norm, clip, AdamW) on the
+CUDA backend, before and after the speed work, against PyTorch on the same model and GPU, in the
+same run. Prints one table per model, and with --profile the per-kernel profile of both paths.
 
     python3 scripts/bench_gpu.py [--models 120M,12M] [--torch eager,compile,reduce-overhead]
-                                 [--steps 20] [--json FILE]
+                                 [--steps 30] [--rounds 3] [--profile 120M,12M] [--json FILE]
+
+Implementations, each built (and compiled) once, then timed in interleaved rounds; the table
+shows the median of each round's median and the spread between rounds:
+- `andrea`: the default path (cuDNN attention where installed, fused kernels, GEMMs timed at
+  start, weight-gradient stream, the one-graph step: CudaBackend.train_step);
+- `andrea before`: the path before (`--attention classic`, fusions off: plain cuBLAS, separate
+  kernels, the optimizer driven from the host), as the step was measured until now;
+- PyTorch at its best practice on the same model (bf16 autocast, fused AdamW, flash SDPA,
+  TF32 on, clip_grad_norm_): eager, torch.compile, torch.compile(mode="reduce-overhead") (CUDA
+  graphs), and max-autotune when asked. Its loss at step 1 is checked against the engine's on
+  the same weights and tokens.
 
 MFU = tokens/s · FLOPs per token / peak, with llm.c's count: FLOPs/token = 6·N + 6·L·d·T
 (N every parameter, tied wte counted once; the attention term is the causal half of 12·L·d·T)
@@ -13,17 +25,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.model.layout import ModelShapes, init_params, n_params
+from engine.model.layout import ModelShapes, init_params, n_params, tensor_table
 from engine.model.optim import clip_scale
 
 PEAK_BF16 = 989e12
@@ -34,77 +47,99 @@ MODELS = {
                        seq_len=1024),
 }
 B = 8
+AFTER = {"attention": "auto", "fusions": True}
+BEFORE = {"attention": "classic", "fusions": False}
 
 
 def flops_per_token(s: ModelShapes) -> float:
     return 6.0 * n_params(s) + 6.0 * s.n_layer * s.d_model * s.seq_len
 
 
-def bench_andrea(s: ModelShapes, steps: int, graphs: bool) -> list[float]:
+def batches(s: ModelShapes, n: int = 4) -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, s.vocab_size, (B, s.seq_len + 1)).astype(np.int32) for _ in range(n)]
+
+
+# --- ANDREA ---------------------------------------------------------------------------------------
+
+
+def andrea_backend(s: ModelShapes, opts: dict[str, Any], graphs: bool = True) -> Any:
     from engine.backends.cuda import CudaBackend
 
-    bk = CudaBackend(s, B, "bf16")
+    bk = CudaBackend(s, B, "bf16", **opts)
     bk.use_graphs = graphs
     bk.load_params(init_params(s, seed=1337))
-    rng = np.random.default_rng(0)
-    batches = [rng.integers(0, s.vocab_size, (B, s.seq_len + 1)).astype(np.int32)
-               for _ in range(4)]
-    times = []
-    for i in range(steps + 3):
-        tok = batches[i % len(batches)]
-        t0 = time.perf_counter()
+    return bk
+
+
+def andrea_step(bk: Any) -> Callable[[np.ndarray, int], None]:
+    """One optimizer step as the trainer runs it: the one-graph step when the backend has it,
+    else zero_grads / forward_backward / grad_norm / clip / adamw from the host."""
+    def step(tok: np.ndarray, t: int) -> None:
+        x, y = tok[:, :-1], tok[:, 1:]
+        if bk.fused_step:
+            bk.train_step(x, y, loss_scale=1.0, grad_mult=1.0, lr=3e-4, beta1=0.9, beta2=0.95,
+                          eps=1e-8, weight_decay=0.1, t=t, max_norm=1.0)
+            return
         bk.zero_grads()
-        bk.forward_backward(tok[:, :-1], tok[:, 1:])
+        bk.forward_backward(x, y)
         norm = bk.grad_norm()
         sc = clip_scale(norm, 1.0)
         if sc < 1.0:
             bk.grad_scale(sc)
-        bk.adamw(3e-4, 0.9, 0.95, 1e-8, 0.1, i + 1)
-        bk.synchronize()
-        if i >= 3:  # warm-up: graph capture, cuBLAS heuristics
-            times.append(time.perf_counter() - t0)
-    bk.close()
-    return times
-
-
-def profile_andrea(s: ModelShapes, steps: int = 3) -> None:
-    """Per-kernel GPU time of full steps (CUPTI through torch.profiler sees PyCUDA's and cuBLAS's
-    kernels too, as they share the primary context). Direct launches, so kernels are attributable."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    from engine.backends.cuda import CudaBackend
-
-    torch.cuda.init()
-    bk = CudaBackend(s, B, "bf16")
-    bk.use_graphs = False
-    bk.load_params(init_params(s, seed=1337))
-    tok = np.random.default_rng(0).integers(0, s.vocab_size, (B, s.seq_len + 1)).astype(np.int32)
-
-    def step(t: int) -> None:
-        bk.zero_grads()
-        bk.forward_backward(tok[:, :-1], tok[:, 1:])
-        bk.grad_norm()
         bk.adamw(3e-4, 0.9, 0.95, 1e-8, 0.1, t)
         bk.synchronize()
 
-    step(1)
+    return step
+
+
+def kernels_per_step(bk: Any) -> int:
+    """Kernels one step launches: the step graph's kernel nodes (the fused step), or the
+    forward/backward graph's plus the optimizer's three launches."""
+    if bk.fused_step:
+        return bk.graph_nodes("step").get("kernel", 0)
+    return bk.graph_nodes("fb").get("kernel", 0) + 3
+
+
+def profile_andrea(s: ModelShapes, opts: dict[str, Any], steps: int = 3) -> dict[str, Any]:
+    """Per-kernel GPU time of full steps (CUPTI through torch.profiler sees PyCUDA's, cuBLAS's
+    and cuDNN's kernels too, as they share the primary context). Direct launches, so kernels
+    are attributable; the weight-gradient stream's kernels are counted like the others."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.init()
+    bk = andrea_backend(s, opts, graphs=False)
+    tok = batches(s, 1)[0]
+    step = andrea_step(bk)
+    step(tok, 1)
+    bk.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for t in range(steps):
-            step(t + 2)
+            step(tok, t + 2)
+        bk.synchronize()
     rows = []
     for e in prof.key_averages():
         us = getattr(e, "self_device_time_total", None)
         if us is None:
             us = getattr(e, "self_cuda_time_total", 0.0)
         if us > 0:
-            rows.append((us / steps, e.count // steps, e.key))
+            rows.append((us / steps, e.count / steps, e.key))
     rows.sort(reverse=True)
-    total = sum(r[0] for r in rows)
-    print(f"\nkernel time per step (profiled, direct launches): {total / 1e3:.2f} ms")
-    for us, count, name in rows[:22]:
-        print(f"  {us / 1e3:7.3f} ms {100 * us / total:5.1f}%  x{count:<4} {name[:80]}")
     bk.close()
+    return {"rows": rows, "total_us": sum(r[0] for r in rows),
+            "kernels": sum(r[1] for r in rows)}
+
+
+def print_profile(key: str, name: str, prof: dict[str, Any], top: int = 24) -> None:
+    total = prof["total_us"]
+    print(f"\nANDREA-{key} {name}: kernel time per step {total / 1e3:.2f} ms, "
+          f"{prof['kernels']:.0f} kernels per step (profiled, direct launches)")
+    for us, count, kname in prof["rows"][:top]:
+        print(f"  {us / 1e3:7.3f} ms {100 * us / total:5.1f}%  x{count:<5.0f} {kname[:86]}")
+
+
+# --- PyTorch ----------------------------------------------------------------------------------------
 
 
 def torch_model(s: ModelShapes):
@@ -136,9 +171,6 @@ def torch_model(s: ModelShapes):
             self.wpe = nn.Embedding(s.seq_len, s.d_model)
             self.blocks = nn.ModuleList(Block() for _ in range(s.n_layer))
             self.lnf = nn.LayerNorm(s.d_model, eps=1e-5)
-            for p in self.parameters():
-                if p.dim() == 2:
-                    nn.init.normal_(p, 0.0, 0.02)
 
         def forward(self, idx, targets):
             T = idx.shape[1]
@@ -150,118 +182,230 @@ def torch_model(s: ModelShapes):
 
     model = GPT().cuda()
     assert sum(p.numel() for p in model.parameters()) == n_params(s)
+    load_engine_weights(model, s, init_params(s, seed=1337))
     return model
 
 
-def bench_torch(s: ModelShapes, steps: int, variant: str) -> tuple[list[float], float]:
+def load_engine_weights(model: Any, s: ModelShapes, flat: np.ndarray) -> None:
+    """The engine's flat parameters (DESIGN §2 order, `x @ W` with W [in, out]) into the
+    PyTorch model (nn.Linear keeps W [out, in])."""
     import torch
 
-    torch.manual_seed(0)
+    by = {t.name: flat[t.offset:t.offset + t.size].reshape(t.shape) for t in tensor_table(s)}
+
+    def put(p: Any, a: np.ndarray) -> None:
+        with torch.no_grad():
+            p.copy_(torch.from_numpy(np.ascontiguousarray(a)))
+
+    put(model.wte.weight, by["wte"])
+    put(model.wpe.weight, by["wpe"])
+    for i, blk in enumerate(model.blocks):
+        h = f"h.{i}."
+        put(blk.ln1.weight, by[h + "ln1.gamma"])
+        put(blk.ln1.bias, by[h + "ln1.beta"])
+        put(blk.ln2.weight, by[h + "ln2.gamma"])
+        put(blk.ln2.bias, by[h + "ln2.beta"])
+        for m, n in ((blk.q, "attn.W_Q"), (blk.k, "attn.W_K"), (blk.v, "attn.W_V"),
+                     (blk.o, "attn.W_O"), (blk.w1, "mlp.W_1"), (blk.w2, "mlp.W_2")):
+            put(m.weight, by[h + n].T)
+    put(model.lnf.weight, by["lnf.gamma"])
+    put(model.lnf.bias, by["lnf.beta"])
+
+
+def torch_step(s: ModelShapes, variant: str) -> tuple[Callable[[np.ndarray, int], None], Any]:
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
     model = torch_model(s)
     run = model
     if variant == "compile":
         run = torch.compile(model)
-    elif variant == "reduce-overhead":
-        run = torch.compile(model, mode="reduce-overhead")
+    elif variant in ("reduce-overhead", "max-autotune"):
+        run = torch.compile(model, mode=variant)
     decay = [p for p in model.parameters() if p.dim() == 2]
     other = [p for p in model.parameters() if p.dim() != 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                              {"params": other, "weight_decay": 0.0}],
                             lr=3e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    tok = torch.randint(0, s.vocab_size, (4, B, s.seq_len + 1), device="cuda", generator=gen)
-    times = []
-    t_start = time.perf_counter()
-    compile_s = 0.0
-    for i in range(steps + 3):
-        x, y = tok[i % 4, :, :-1], tok[i % 4, :, 1:]
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
+    dev: dict[int, Any] = {}
+
+    def step(tok: np.ndarray, t: int) -> None:
+        key = id(tok)
+        if key not in dev:
+            dev[key] = torch.from_numpy(tok.astype(np.int64)).cuda()
+        d = dev[key]
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = run(x, y)
+            loss = run(d[:, :-1], d[:, 1:])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
-        if i == 2:
-            compile_s = time.perf_counter() - t_start
-        if i >= 3:
-            times.append(time.perf_counter() - t0)
-    del model, run, opt
+
+    return step, (model, run, opt)
+
+
+def loss_check(s: ModelShapes) -> tuple[float, float]:
+    """(engine, PyTorch) loss at step 1: the same weights (seed 1337) and tokens, bf16."""
+    import torch
+
+    tok = batches(s, 1)[0]
+    bk = andrea_backend(s, AFTER)
+    ours = float(bk.forward_loss(tok[:, :-1], tok[:, 1:]).mean())
+    bk.close()
+    model = torch_model(s)
+    d = torch.from_numpy(tok.astype(np.int64)).cuda()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        theirs = float(model(d[:, :-1], d[:, 1:]))
+    del model
     torch.cuda.empty_cache()
-    return times, compile_s
+    return ours, theirs
 
 
-def measure(key: str, impl: str, steps: int, chunk: int) -> tuple[list[float], str]:
-    """Per-step seconds of one implementation, and a note."""
+# --- the benchmark ----------------------------------------------------------------------------------
+
+
+def bench_model(key: str, torch_variants: list[str], steps: int, rounds: int,
+                notes: dict[str, Any]) -> list[dict[str, Any]]:
     s = MODELS[key]
-    if impl.startswith("andrea"):
-        os.environ["ANDREA_ATTN_CHUNK"] = str(chunk)
-        return bench_andrea(s, steps, graphs="no graph" not in impl), ""
-    variant = impl.split()[1]
-    t, comp = bench_torch(s, steps, variant)
-    return t, (f"first 3 steps (compile) {comp:.0f} s" if variant != "eager" else "")
+    toks = batches(s)
+    impls: dict[str, tuple[Callable[[np.ndarray, int], None], Any]] = {}
+    info: dict[str, str] = {}
+    for name, opts in (("andrea", AFTER), ("andrea before", BEFORE)):
+        bk = andrea_backend(s, opts)
+        impls[name] = (andrea_step(bk), bk)
+    for v in torch_variants:
+        try:
+            impls[f"torch {v}"] = torch_step(s, v)
+        except Exception as e:  # a failed variant is reported, not fatal
+            info[f"torch {v}"] = f"failed: {type(e).__name__}: {e}"[:70]
+    # warm-up: graph capture, compilation (timed), cuBLAS/cuDNN set-up
+    t_counter = dict.fromkeys(impls, 0)
+    for name, (step, _) in list(impls.items()):
+        t0 = time.perf_counter()
+        try:
+            for _ in range(3):
+                t_counter[name] += 1
+                step(toks[t_counter[name] % len(toks)], t_counter[name])
+        except Exception as e:
+            info[name] = f"failed: {type(e).__name__}: {e}"[:70]
+            del impls[name]
+            continue
+        warm = time.perf_counter() - t0
+        if name.startswith("torch ") and name != "torch eager":
+            info[name] = f"compile+3 steps {warm:.0f} s"
+    for name in ("andrea", "andrea before"):
+        if name in impls:
+            bk = impls[name][1]
+            k = kernels_per_step(bk)
+            plan = bk.memory_plan()
+            notes.setdefault(key, {})[name] = {
+                "kernels_per_step": k, "memory_plan": plan, "describe": bk.describe(),
+                "attention": bk.attention_info}
+            if bk.gemm is not None:
+                timed, best, first = bk.gemm.timing_summary()
+                notes[key][name]["gemm_timing"] = {"problems": timed, "best_ms": best,
+                                                   "first_choice_ms": first}
+    medians: dict[str, list[float]] = {n: [] for n in impls}
+    for rnd in range(rounds):
+        for name, (step, _) in impls.items():
+            times = []
+            for _ in range(steps):
+                t_counter[name] += 1
+                t0 = time.perf_counter()
+                step(toks[t_counter[name] % len(toks)], t_counter[name])
+                times.append(time.perf_counter() - t0)
+            medians[name].append(statistics.median(times))
+            print(f"  {key} round {rnd + 1} {name}: {medians[name][-1] * 1e3:.2f} ms", flush=True)
+    for name in ("andrea", "andrea before"):
+        if name in impls:
+            impls[name][1].close()
+    impls.clear()
+    try:
+        import torch
+
+        torch.cuda.empty_cache()
+    except Exception:
+        pass
+    tokens, fpt = B * s.seq_len, flops_per_token(s)
+    rows = []
+    ours = statistics.median(medians["andrea"]) if medians.get("andrea") else float("nan")
+    for name in [*medians, *[n for n in info if n not in medians]]:
+        m = medians.get(name, [])
+        sec = statistics.median(m) if m else float("nan")
+        spread = f"±{(max(m) - min(m)) / min(m) * 100:.1f}%" if len(m) > 1 else ""
+        rows.append({"model": f"ANDREA-{key}", "impl": name, "ms": sec * 1e3,
+                     "tok_s": tokens / sec, "mfu": tokens / sec * fpt / PEAK_BF16,
+                     "vs_andrea": sec / ours, "rounds_ms": [x * 1e3 for x in m],
+                     "note": " ".join(x for x in (spread, info.get(name, "")) if x)})
+    return rows
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="120M,12M")
     ap.add_argument("--torch", default="eager,compile,reduce-overhead",
-                    help="PyTorch variants to compare ('' for none)")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--rounds", type=int, default=2,
-                    help="measure every implementation this many times, interleaved; the table "
-                         "shows the best median and the spread between rounds")
-    ap.add_argument("--attn-chunks", default="256",
-                    help="ANDREA attention query-chunk sizes to time (the first is the default)")
+                    help="PyTorch variants to compare ('' for none; max-autotune too)")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="time every implementation this many times, interleaved")
     ap.add_argument("--json", default="")
-    ap.add_argument("--profile", default="", help="models to profile per kernel, e.g. 120M")
+    ap.add_argument("--profile", default="", help="models to profile per kernel, e.g. 120M,12M")
+    ap.add_argument("--no-loss-check", action="store_true")
     args = ap.parse_args()
+    models = [m for m in args.models.split(",") if m]
+    variants = [v for v in args.torch.split(",") if v]
+    out: dict[str, Any] = {"rows": [], "notes": {}, "profile": {}, "loss_check": {}}
     for key in [m for m in args.profile.split(",") if m]:
-        profile_andrea(MODELS[key])
-    chunks = [int(c) for c in args.attn_chunks.split(",") if c]
-    impls = ["andrea cuda bf16 (graph)", "andrea cuda bf16 (no graph)"]
-    impls += [f"andrea cuda bf16 (graph, chunk {c})" for c in chunks[1:]]
-    impls += [f"torch {v} bf16" for v in args.torch.split(",") if v]
-    rows = []
-    for key in [m for m in args.models.split(",") if m]:
-        s = MODELS[key]
-        tokens, fpt = B * s.seq_len, flops_per_token(s)
-        medians: dict[str, list[float]] = {i: [] for i in impls}
-        notes: dict[str, str] = dict.fromkeys(impls, "")
-        for rnd in range(args.rounds):
-            for impl in impls:
-                chunk = int(impl.rsplit(" ", 1)[1].rstrip(")")) if "chunk" in impl else chunks[0]
-                try:
-                    t, note = measure(key, impl, args.steps, chunk)
-                except Exception as e:  # a failed variant is reported, not fatal
-                    notes[impl] = f"failed: {e}"[:60]
-                    continue
-                medians[impl].append(statistics.median(t))
-                if rnd == 0:
-                    notes[impl] = note
-                print(f"  {key} round {rnd + 1} {impl}: {medians[impl][-1] * 1e3:.2f} ms",
-                      flush=True)
-        best = {i: min(m) if m else float("nan") for i, m in medians.items()}
-        ours = best[impls[0]]
-        for impl in impls:
-            sec, m = best[impl], medians[impl]
-            spread = f"rounds ±{(max(m) - min(m)) / min(m) * 100:.0f}%" if len(m) > 1 else ""
-            rows.append({"model": f"ANDREA-{key}", "impl": impl, "ms": sec * 1e3,
-                         "tok_s": tokens / sec, "mfu": tokens / sec * fpt / PEAK_BF16,
-                         "andrea_speedup": sec / ours, "rounds_ms": [x * 1e3 for x in m],
-                         "note": " ".join(x for x in (spread, notes[impl]) if x)})
-    print(f"\nGPU benchmark: B={B}, T=1024, one full step (fwd, bwd, clip, AdamW); best of "
-          f"{args.rounds} interleaved rounds of the median of {args.steps} steps; "
-          f"MFU = tok/s·(6N + 6·L·d·T)/989 TFLOP/s")
-    print(f"{'model':<12} {'implementation':<33} {'ms/step':>8} {'tok/s':>9} {'MFU':>6} "
-          f"{'andrea x':>9}  note")
-    for r in rows:
-        print(f"{r['model']:<12} {r['impl']:<33} {r['ms']:>8.2f} {r['tok_s'] / 1e3:>8.0f}K "
-              f"{r['mfu'] * 100:>5.1f}% {r['andrea_speedup']:>9.2f}  {r['note']}")
+        for name, opts in (("before", BEFORE), ("after", AFTER)):
+            prof = profile_andrea(MODELS[key], opts)
+            print_profile(key, name, prof)
+            out["profile"].setdefault(key, {})[name] = {
+                "total_ms": prof["total_us"] / 1e3, "kernels": prof["kernels"],
+                "top": [(us / 1e3, c, n) for us, c, n in prof["rows"][:40]]}
+    for key in models:
+        if variants and not args.no_loss_check:
+            ours, theirs = loss_check(MODELS[key])
+            out["loss_check"][key] = {"andrea": ours, "torch": theirs}
+            print(f"\nANDREA-{key} loss at step 1, same weights and tokens: engine {ours:.5f}, "
+                  f"PyTorch {theirs:.5f} (|diff| {abs(ours - theirs):.2e})")
+        out["rows"] += bench_model(key, variants, args.steps, args.rounds, out["notes"])
+    print(f"\nGPU benchmark: B={B}, T=1024, one full step (fwd, bwd, clip, AdamW); median of "
+          f"{args.rounds} interleaved rounds of the median of {args.steps} steps (± the spread "
+          f"between rounds); MFU = tok/s·(6N + 6·L·d·T)/989 TFLOP/s")
+    print(f"{'model':<12} {'implementation':<24} {'ms/step':>8} {'tok/s':>9} {'MFU':>6} "
+          f"{'vs andrea':>9}  note")
+    for r in out["rows"]:
+        print(f"{r['model']:<12} {r['impl']:<24} {r['ms']:>8.2f} {r['tok_s'] / 1e3:>8.0f}K "
+              f"{r['mfu'] * 100:>5.1f}% {r['vs_andrea']:>9.2f}  {r['note']}")
+    for key in models:
+        rows = [r for r in out["rows"] if r["model"] == f"ANDREA-{key}"]
+        torch_rows = [r for r in rows if r["impl"].startswith("torch") and r["ms"] == r["ms"]]
+        ours = next((r for r in rows if r["impl"] == "andrea"), None)
+        if torch_rows and ours:
+            best = min(torch_rows, key=lambda r: r["ms"])
+            print(f"ANDREA-{key}: andrea {ours['ms']:.2f} ms vs the fastest PyTorch "
+                  f"({best['impl']}) {best['ms']:.2f} ms: {best['ms'] / ours['ms']:.2f}x "
+                  f"(goal 1.25x)")
+    print("\nkernels per step and memory plan (before → after):")
+    for key, by in out["notes"].items():
+        b, a = by.get("andrea before", {}), by.get("andrea", {})
+        if a and b:
+            pb, pa = b["memory_plan"], a["memory_plan"]
+            print(f"  ANDREA-{key}: kernels {b['kernels_per_step']} → {a['kernels_per_step']}; "
+                  f"memory total {pb['total'] / 2**30:.2f} → {pa['total'] / 2**30:.2f} GiB "
+                  f"(activations {pb['activations'] / 2**30:.2f} → "
+                  f"{pa['activations'] / 2**30:.2f}, scratch {pb['scratch'] / 2**20:.0f} → "
+                  f"{pa['scratch'] / 2**20:.0f} MiB)")
+            print(f"    after: {a['describe']}")
+            g = a.get("gemm_timing")
+            if g and g["problems"]:
+                print(f"    GEMMs timed: {g['problems']} problems, fastest of the candidates "
+                      f"{g['best_ms']:.3f} ms vs cuBLASLt's first choices {g['first_choice_ms']:.3f}"
+                      f" ms (one run each)")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        Path(args.json).write_text(json.dumps(out, indent=1, default=str))
     return 0
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from engine.backends.activations import LAYER, SAVED, SCRATCH, Dims, saved
-from engine.backends.cuda.buffers import io_fields, logits_ld, plan_memory
+from engine.backends.cuda.buffers import HP_FIELDS, io_fields, logits_ld, plan_memory
 from engine.backends.cuda.cublas import WORKSPACE_BYTES
 from engine.backends.cuda.memory import Plan
 from engine.backends.cuda.ops import LN_ROWS_PER_CHUNK, NORM_BLOCKS
@@ -248,3 +248,55 @@ def test_one_vocabulary():
         assert train.slabs[a.name].slot_bytes == 4 * a.elems(dims), a.name
         arena = be._acts if a.name == "proj" else be._scratch
         assert arena.offsets[a.name][1] == a.elems(dims), a.name
+
+
+# --- the cuDNN attention and the fused step ---------------------------------------------------
+
+
+@pytest.mark.parametrize("key", ["12M", "120M", "odd"])
+def test_cudnn_plan_drops_the_probabilities(key):
+    """cuDNN's attention keeps no [B,H,T,T] buffers (probs per layer, the scores scratch, for
+    training and sampling) but its row statistics and its workspace: the plan shrinks by the
+    difference (120M at B=8, bf16, with a 201 MiB workspace: 2.54 GiB)."""
+    s, B, ws = SHAPES[key], 8, 201 << 20
+    classic, ct, cs = plan_memory(s, B, "bf16")
+    cudnn, nt, ns = plan_memory(s, B, "bf16", "cudnn", cudnn_workspace=ws)
+    cudnn.allocate(_FakeDrv())
+    for b in (nt, ns):
+        assert {"probs", "scores"}.isdisjoint(b.slabs)
+        assert b.slabs["attn_stats"].slot_bytes == 4 * b.B * s.n_head * s.seq_len
+        assert set(b.layer(0)) == {a.name for a in saved("cuda", LAYER, "cudnn")}
+        assert "probs" not in b.layer(0) and "attn_stats" in b.layer(0)
+    L, H, S = s.n_layer, s.n_head, s.seq_len
+
+    def gone(b):  # the probabilities and scores, less the statistics (each rounded up to 256)
+        up = lambda n: -(-n // 256) * 256  # noqa: E731
+        return (up(L * b.B * H * S * S * 2) + up(b.B * H * S * S * 2)
+                - up(L * b.B * H * S * 4))
+
+    assert classic.totals()["total"] - cudnn.totals()["total"] == \
+        gone(ct) + gone(cs) - -(-ws // 256) * 256
+    if key == "120M":
+        assert classic.totals()["total"] - cudnn.totals()["total"] > 2.5 * 2**30
+
+
+def test_fused_plan_adds_the_second_copies_and_the_step_block():
+    s = SHAPES["120M"]
+    plan, train, sample = plan_memory(s, 8, "bf16", "cudnn", fused=True, cudnn_workspace=1)
+    for name in ("dres2", "dpre2", "dqkv2"):
+        assert train.slabs[name].nbytes == train.slabs[name[:-1]].nbytes
+        assert name not in sample.slabs
+    assert "hp" in train.io_fields and "hp" not in sample.io_fields
+    plan.allocate(_FakeDrv())
+    for name in ("cudnn_ws", "cublas_ws2", "counters", "clip"):
+        assert plan[name]
+    h = np.zeros(train.io_words, np.int32)
+    x = np.arange(8 * 16, dtype=np.int32).reshape(8, 16) % 7
+    train.stage(h, x, x, 2.0)
+    hp = dict(zip(HP_FIELDS, [1e-3, 0.9, 0.95, 1e-8, 0.1, 0.1, 0.05, 0.5, 1.0], strict=True))
+    train.stage_hp(h, hp)
+    at = train.io_fields["hp"]
+    assert np.array_equal(h[at:at + len(HP_FIELDS)].view(np.float32),
+                          np.array(list(hp.values()), np.float32))
+    assert h[train.io_fields["scale"]:].view(np.float32)[0] == np.float32(2.0 / x.size)
+    assert train.qkv_slab() == train.R * s.d_model

@@ -79,3 +79,17 @@ def test_copy_state_into_gives_the_checkpoint_arrays(trainer: engine.Trainer) ->
     for got, want in zip(out, (tr.params, m, v), strict=True):
         assert np.array_equal(got, want)
     assert np.any(out[1] != 0)  # after a step Adam's m is not all zeros
+
+
+def test_train_step_is_zero_forward_backward_step(tmp_path) -> None:
+    """Trainer.train_step on a backend without a fused step is the three calls, bit for bit."""
+    cfg = parse_config(micro_config_dict(max_steps=5), "micro", ROOT)
+    a, b = engine.Trainer(cfg, backend="numpy"), engine.Trainer(cfg, backend="numpy")
+    for s in range(3):
+        ra = a.train_step(batch(a, s))
+        b.zero_grads()
+        b.forward_backward(batch(b, s))
+        rb = b.step()
+        assert ra == rb
+    assert np.array_equal(a.params, b.params)
+    assert np.array_equal(a.row_losses, b.row_losses)

@@ -210,26 +210,28 @@ class TrainingRun:
                                       tokens_per_step=cfg.tokens_per_step, attention=attention))
 
     def _backend_options(self, backend: str, resume: Any) -> dict[str, Any]:
-        """The CUDA backend's options: attention, and on a resume the recorded GEMM plan
-        (gemm_plan.json) so the resumed run runs the very same GEMM algorithms."""
+        """The CUDA backend's options: attention, and the run directory's GEMM plan
+        (gemm_plan.json) when it has one, so a resumed run (or a new run given that plan)
+        runs the very same GEMM algorithms: the same bits. --retune times them again."""
         if backend != "cuda":
             return {}
         plan = None
         path = self.out.paths.gemm_plan
-        if resume is not None and self.args.retune:
-            self.out.log("--retune: timing the GEMMs again (the bits may differ from the run "
-                         "before the checkpoint)")
-        elif resume is not None and path.exists():
+        if self.args.retune:
+            self.out.log("--retune: timing the GEMMs again" + (
+                " (the bits may differ from the run before the checkpoint)" if resume else ""))
+        elif path.exists():
             from engine.runfiles import read_gemm_plan
 
             got = read_gemm_plan(self.run_dir)
             if isinstance(got, rec.GemmPlan):
                 plan = got.to_json()
-                self.out.log(f"resume: GEMM algorithms from {path.name} ({len(got.gemms)} "
-                             f"problems)")
+                self.out.log(f"GEMM algorithms from {path.name} ({len(got.gemms)} problems, "
+                             f"{len(got.choices)} epilogue choices)")
             else:
-                self.out.log(f"resume: {path.name} is not usable ({got}); timing the GEMMs "
-                             f"again (the bits may differ from the run before the checkpoint)")
+                self.out.log(f"{path.name} is not usable ({got}); timing the GEMMs again"
+                             + (" (the bits may differ from the run before the checkpoint)"
+                                if resume else ""))
         elif resume is not None:
             self.out.log(f"resume: no {path.name}; timing the GEMMs")
         return {"attention": self.args.attention, "gemm_plan": plan}

@@ -22,10 +22,16 @@ M12 = ModelShapes(n_layer=6, d_model=384, n_head=6, d_ff=1536, vocab_size=8449, 
 STEP_BOUND = {"fp32": {"loss": 1e-5, "grad": 2e-4}, "bf16": {"loss": 1e-2, "grad": 5e-2}}
 
 
-def make(shapes: ModelShapes, B: int, precision: str):
+def make(shapes: ModelShapes, B: int, precision: str, **kw):
     from engine.backends.cuda import CudaBackend
 
-    return CudaBackend(shapes, B, precision)
+    return CudaBackend(shapes, B, precision, **kw)
+
+
+# the paths a test runs on: (attention, fusions); "cudnn" falls back to classic where cuDNN is
+# absent (auto), so the test still runs there
+PATHS = [("auto", True), ("classic", True), ("classic", False)]
+PATH_IDS = ["cudnn-fused", "classic-fused", "classic-unfused"]
 
 
 def batch(rng: np.random.Generator, shapes: ModelShapes, B: int, T: int, hi: int = 0):
@@ -34,21 +40,23 @@ def batch(rng: np.random.Generator, shapes: ModelShapes, B: int, T: int, hi: int
     return tok[:, :-1], tok[:, 1:]
 
 
+@pytest.mark.parametrize(("attention", "fusions"), PATHS, ids=PATH_IDS)
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("which", ["tiny", "12M"])
-def test_full_step_matches_numpy(which, precision, rng):
+def test_full_step_matches_numpy(which, precision, attention, fusions, rng):
     shapes, B, T = (TINY, 4, 101) if which == "tiny" else (M12, 2, 257)
     params = init_params(shapes, seed=int(rng.integers(1 << 30)))
     ref = NumpyBackend(shapes, B, dtype=np.float64)
     ref.load_params(params.astype(np.float64))
-    gpu = make(shapes, B, precision)
+    gpu = make(shapes, B, precision, attention=attention, fusions=fusions)
     gpu.load_params(params)
     x, y = batch(rng, shapes, B, T)
     want = ref.forward_backward(x, y, loss_scale=3.0)
     gpu.zero_grads()
     got = gpu.forward_backward(x, y, loss_scale=3.0)
     bound = STEP_BOUND[precision]
-    check_close(got, want, bound["loss"], f"full step {which}: row losses", precision)
+    what = f"full step {which} {attention}/{'fused' if fusions else 'unfused'}"
+    check_close(got, want, bound["loss"], f"{what}: row losses", precision)
     g, wg = gpu.read_grads(), ref.read_grads()
     worst = []
     for t in tensor_table(shapes):
@@ -58,7 +66,7 @@ def test_full_step_matches_numpy(which, precision, rng):
     name = worst[0][1]
     t = next(t for t in tensor_table(shapes) if t.name == name)
     sl = slice(t.offset, t.offset + t.size)
-    check_close(g[sl], wg[sl], bound["grad"], f"full step {which}: worst grad ({name})", precision)
+    check_close(g[sl], wg[sl], bound["grad"], f"{what}: worst grad ({name})", precision)
     gpu.close()
 
 
@@ -136,16 +144,18 @@ def test_200_steps_fp32_track_numpy_and_memory_is_flat():
     gpu.close()
 
 
+@pytest.mark.parametrize(("attention", "fusions"), PATHS, ids=PATH_IDS)
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
-def test_two_runs_same_bits(precision):
+def test_two_runs_same_bits(precision, attention, fusions):
     """Same init and batches → identical losses, params and Adam state, bit for bit; and the
-    graph replay gives the same bits as direct launches."""
+    graph replay gives the same bits as direct launches (cuDNN's deterministic backward; the
+    weight-gradient stream)."""
     shapes = ModelShapes(n_layer=2, d_model=384, n_head=6, d_ff=1536, vocab_size=8449,
                          seq_len=256)
     params = init_params(shapes, seed=9)
     out = []
     for graphs in (True, True, False):
-        gpu = make(shapes, 4, precision)
+        gpu = make(shapes, 4, precision, attention=attention, fusions=fusions)
         gpu.use_graphs = graphs
         gpu.load_params(params)
         losses = _train(gpu, shapes, 4, seed=2, T=199)

@@ -20,15 +20,27 @@ B, T, S, D, H, F, V = 3, 37, 40, 64, 4, 160, 301
 R = B * T
 
 
-@pytest.fixture(params=["fp32", "bf16"])
+@pytest.fixture(params=[("fp32", "cublas"), ("bf16", "cublas"), ("fp32", "lt"), ("bf16", "lt")],
+                ids=lambda p: "-".join(p))
 def env(request, gpu):
+    """Ops on plain cuBLAS (+ cuBLASLt for the GELU epilogues), or with every GEMM through
+    gemm.LtGemm (the fused backend's GEMMs)."""
     from engine.backends.cuda.cublas import WORKSPACE_BYTES, Cublas
     from engine.backends.cuda.cublaslt import CublasLt
+    from engine.backends.cuda.gemm import LtGemm
     from engine.backends.cuda.ops import Ops
 
-    precision = request.param
+    precision, gemm = request.param
     dev = DevArrays(gpu.drv, precision)
     ws = dev.empty((WORKSPACE_BYTES // 4,), "f32")
+    if gemm == "lt":
+        g = LtGemm(WORKSPACE_BYTES, "test")
+        yield precision, Ops(gpu.kernels(precision), None, gpu.stream, precision, gemm=g,
+                             ws=ws), dev
+        gpu.stream.synchronize()
+        g.close()
+        dev.free()
+        return
     blas = Cublas(gpu.stream.handle, ws, WORKSPACE_BYTES)
     lt = CublasLt(gpu.stream.handle, ws, WORKSPACE_BYTES)
     yield precision, Ops(gpu.kernels(precision), blas, gpu.stream, precision, lt), dev
@@ -191,6 +203,9 @@ def test_mlp(env, rng, fused):
     precision, o, dev = env
     if not fused:
         o.lt = None
+        if o.gemm is not None:
+            o.gemm.choices.update({f"mlp_fwd R={R} d={D} F={F}": "kernel",
+                                   f"mlp_bwd R={R} d={D} F={F}": "kernel"})
     x = rounded(rng.normal(0, 1, (R, D)), precision)
     w1 = rounded(rng.normal(0, 0.2, (D, F)), precision)
     w2 = rounded(rng.normal(0, 0.1, (F, D)), precision)

@@ -4,6 +4,7 @@ loss records and final model.ckpt as N steps straight (DESIGN §6)."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 from pathlib import Path
 
@@ -22,17 +23,19 @@ def trajectory(run: Path) -> list[tuple]:
     return [tuple(json.dumps(getattr(r, k), sort_keys=True) for k in KEYS) for r in loss_records(run)]
 
 
-def test_sigterm_resume_on_gpu_is_bit_exact(tmp_path: Path, prepared_data: Path) -> None:
+@pytest.mark.parametrize("attention", ["auto", "classic"])
+def test_sigterm_resume_on_gpu_is_bit_exact(attention: str, tmp_path: Path,
+                                            prepared_data: Path) -> None:
+    """The GEMM algorithms are timed at the first start (ANDREA_GEMM_TUNE=1) and recorded in
+    gemm_plan.json; the resume uses the record, not a new timing. The straight run is given the
+    same plan (timing twice may pick differently: the plan is what makes runs repeatable)."""
     cfg = tmp_path / "cfg.json"
     cfg.write_text(json.dumps(micro_config_dict(max_steps=N, precision="bf16")))
-    straight = tmp_path / "straight"
-    r = run_engine(cfg, straight, *CUDA)
-    assert r.returncode == 0, r.stdout + r.stderr
-    state = json.loads((straight / "state.json").read_text())
-    assert "sm_" in state.get("device", ""), state  # it really ran on the GPU
-
+    args = (*CUDA, "--attention", attention)
+    tuned = {"ANDREA_GEMM_TUNE": "1"}
+    popen_env = {**os.environ, **tuned}
     run = tmp_path / "stopped"
-    proc = start_engine(cfg, run, *CUDA)
+    proc = start_engine(cfg, run, *args, env=popen_env)
     wait_for_step(run, K, proc)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
@@ -40,8 +43,21 @@ def test_sigterm_resume_on_gpu_is_bit_exact(tmp_path: Path, prepared_data: Path)
     assert json.loads((run / "state.json").read_text())["status"] == "stopped"
     stopped_at = max(r.step for r in loss_records(run))
     assert stopped_at < N
-    r = run_engine(cfg, run, "--resume", *CUDA)
+    plan = (run / "gemm_plan.json").read_text()
+    assert json.loads(plan)["gemms"], "no GEMM was timed"
+    r = run_engine(cfg, run, "--resume", *args, env=tuned)
     assert r.returncode == 0, r.stdout + r.stderr
+    log = (run / "engine.log").read_text()
+    assert "GEMM algorithms from gemm_plan.json" in log, log[-2000:]
+    assert (run / "gemm_plan.json").read_text() == plan  # the resume kept it
+
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    (straight / "gemm_plan.json").write_text(plan)
+    r = run_engine(cfg, straight, *args, env=tuned)
+    assert r.returncode == 0, r.stdout + r.stderr
+    state = json.loads((straight / "state.json").read_text())
+    assert "sm_" in state.get("device", ""), state  # it really ran on the GPU
     assert trajectory(run) == trajectory(straight)
     ckpt = f"checkpoints/step_{N:08d}/model.ckpt"
     assert (run / ckpt).read_bytes() == (straight / ckpt).read_bytes()

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from engine.backends.cuda import graphs
-from engine.backends.cuda.buffers import BatchBuffers, logits_ld, plan_memory
+from engine.backends.cuda.buffers import HP_FIELDS, BatchBuffers, logits_ld, plan_memory
 from engine.backends.cuda.cublas import WORKSPACE_BYTES, Cublas
 from engine.backends.cuda.cublaslt import CublasLt
 from engine.backends.cuda.memory import format_plan
@@ -68,11 +68,12 @@ class CudaBackend:
     def __init__(self, shapes: ModelShapes, micro_batch: int, precision: str = "bf16",
                  dtype: type = np.float32, *, attention: str | None = None,
                  fusions: bool | None = None, gemm_plan: dict[str, Any] | None = None,
-                 tune: bool = True) -> None:
+                 tune: bool | None = None) -> None:
         """attention: "auto" | "cudnn" | "classic" (default ANDREA_ATTENTION or auto);
         fusions: see the module doc (default ANDREA_FUSIONS or on); gemm_plan: a recorded
         GEMM plan (engine.records.GemmPlan.to_json()) to use instead of timing; tune: time the
-        GEMM candidates at start when no plan covers them (else cuBLASLt's first choice)."""
+        GEMM candidates at start when no plan covers them (else cuBLASLt's first choice;
+        default ANDREA_GEMM_TUNE or on)."""
         if precision not in ACT_BYTES:
             raise UserError(f"train/precision: expected fp32, bf16 or fp16, got {precision!r}")
         if np.dtype(dtype) != np.float32:
@@ -102,7 +103,8 @@ class CudaBackend:
 
         self.cudnn: Any = None
         self.attention, self.attention_info = self._pick_attention(attention)
-        cudnn_ws = self.cudnn.workspace_bytes() if self.cudnn else 0
+        cudnn_ws = (max(self.cudnn.workspace_bytes(self.B, self.S),
+                        self.cudnn.workspace_bytes(1, self.S)) if self.cudnn else 0)
         plan, self.train, self.sample = plan_memory(shapes, micro_batch, precision,
                                                     self.attention, self.fusions, cudnn_ws)
         self._plan = plan
@@ -118,8 +120,7 @@ class CudaBackend:
                 f"free device memory {free / 2**20:.1f} MiB (of which {SAFETY_BYTES >> 20} MiB "
                 f"is kept in reserve). Use a smaller batch_size, seq_len or model.")
         plan.allocate(drv)
-        if self.cudnn:
-            self.cudnn.set_workspace(plan["cudnn_ws"], max(cudnn_ws, 1))
+        cws = plan["cudnn_ws"] if self.cudnn else 0
 
         self.blas: Cublas | None = None
         self.lt: CublasLt | None = None
@@ -136,16 +137,18 @@ class CudaBackend:
             self.side = drv.Stream(flags=1)  # the weight-gradient stream (non-blocking)
             self.ops = Ops(gpu.kernels(precision), None, self.stream, precision,
                            gemm=self.gemm, ws=plan["cublas_ws"], side=self.side,
-                           ws2=plan["cublas_ws2"], cudnn=self.cudnn,
+                           ws2=plan["cublas_ws2"], cudnn=self.cudnn, cudnn_ws=cws,
                            event=lambda: drv.Event(drv.event_flags.DISABLE_TIMING))
             self.ops.counter = plan["counters"]
+            # two per weight-gradient GEMM (fork, done) and the joins: 4 GEMMs a layer + dwte
+            self.ops.reserve_events(8 * shapes.n_layer + 16)
         else:
             self.blas = Cublas(self.stream.handle, plan["cublas_ws"], WORKSPACE_BYTES)
             # GELU in the MLP GEMMs' epilogues (ANDREA_GELU_FUSION=0: separate GELU kernels)
             self.lt = (CublasLt(self.stream.handle, plan["cublas_ws"], WORKSPACE_BYTES)
                        if os.environ.get("ANDREA_GELU_FUSION", "1") != "0" else None)
             self.ops = Ops(gpu.kernels(precision), self.blas, self.stream, precision, self.lt,
-                           cudnn=self.cudnn)
+                           cudnn=self.cudnn, cudnn_ws=cws)
         self.fused_step = self.fusions
         self.p, self.g = plan["params"], plan["grads"]
         self.plp = plan["params_lp"] if precision != "fp32" else self.p
@@ -173,6 +176,10 @@ class CudaBackend:
             base, size = plan.span(group)
             drv.memset_d8_async(base, 0, size, self.stream)
         self._zero_state()
+        if tune is None:
+            tune = os.environ.get("ANDREA_GEMM_TUNE", "1") != "0"
+        self.gemm_source = ("from the recorded plan" if gemm_plan and not self.notes else
+                            "timed at start" if tune else "cuBLASLt's first choices")
         self._warm_up(tune and self.fusions)
         self._zero_state()
         self.stream.synchronize()
@@ -186,14 +193,14 @@ class CudaBackend:
         if self.precision == "fp32":
             why = "fp32 precision keeps the classic attention"
         else:
-            from engine.backends.cuda.cudnn_attn import CudnnAttention, cudnn_available
+            from engine.backends.cuda.cudnn_attn import cudnn_available
 
             ok, why = cudnn_available()
             if ok:
                 s = self.shapes
                 try:
-                    att = CudnnAttention(self.precision, s.n_head, s.d_model // s.n_head,
-                                         self.stream.handle)
+                    att = self.gpu.cudnn_attention(self.precision, s.n_head,
+                                                   s.d_model // s.n_head)
                     att.build(self.B, self.S, backward=True)
                     att.build(1, self.S, backward=False)  # sampling (logits_last)
                     self.cudnn = att
@@ -273,8 +280,9 @@ class CudaBackend:
 
     def describe(self) -> str:
         """One line: attention, GEMMs and fusions as they run."""
-        gemm = ("cuBLASLt, algorithms timed at start" if self.fusions
-                else "cuBLAS (heuristic choices)")
+        gemm = "cuBLAS (heuristic choices)"
+        if self.gemm is not None:
+            gemm = f"cuBLASLt, algorithms {self.gemm_source}"
         return (f"attention {self.attention_info}; GEMMs {gemm}; fusions "
                 f"{'on' if self.fusions else 'off'}")
 
@@ -509,7 +517,8 @@ class CudaBackend:
             self._forward(b, T, loss=True, train=True)
             self._backward(b, T)
             o.join()
-            o.grad_norm(self.g, self.n, self._plan["norm_partials"], norm)
+            gm = io["hp"] + 4 * HP_FIELDS.index("grad_mult")
+            o.grad_norm(self.g, self.n, self._plan["norm_partials"], norm, gs_dev=gm)
             self.drv.memset_d32_async(clip, 0x3F800000, 1, self.stream)  # 1.0f unless clipped
             lp = self.plp if self.precision != "fp32" else 0
             o.adamw_step(self.p, lp, self.g, self.m, self.v, self._plan["seg_start"],
@@ -653,9 +662,7 @@ class CudaBackend:
         for lib in (self.blas, self.lt, self.gemm):
             if lib is not None:
                 lib.close()
-        if self.cudnn is not None:
-            self.cudnn.close()
-            self.cudnn = None
+        self.cudnn = None  # the process's (runtime.Gpu keeps it, and its graphs, for the next)
         self._plan.free()
 
 

@@ -72,8 +72,6 @@ class CudnnAttention:
         cudnn.set_stream(self.handle, stream_handle)
         self.version = f"cuDNN {cudnn.backend_version()} (frontend {cudnn.__version__})"
         self._graphs: dict[tuple[str, int, int], _Graph] = {}
-        self.ws = 0
-        self.ws_bytes = 0
 
     # --- building --------------------------------------------------------------------------------
     def _dims(self, B: int, T: int) -> tuple[list[int], list[int], list[int], list[int]]:
@@ -137,37 +135,34 @@ class CudnnAttention:
                            ) from None
         return self.workspace_bytes()
 
-    def workspace_bytes(self) -> int:
-        return max((g.workspace for g in self._graphs.values()), default=0)
-
-    def set_workspace(self, ptr: int, nbytes: int) -> None:
-        if nbytes < self.workspace_bytes():
-            raise RunError(f"cuDNN workspace of {nbytes} bytes; the graphs need "
-                           f"{self.workspace_bytes()}")
-        self.ws, self.ws_bytes = ptr, nbytes
+    def workspace_bytes(self, B: int | None = None, T: int | None = None) -> int:
+        """The largest workspace of the graphs built (for B, T only, when given)."""
+        return max((g.workspace for (_, b, t), g in self._graphs.items()
+                    if B is None or (b, t) == (B, T)), default=0)
 
     def has(self, B: int, T: int, backward: bool) -> bool:
         return ("fwd", B, T) in self._graphs and (not backward or ("bwd", B, T) in self._graphs)
 
     # --- running ---------------------------------------------------------------------------------
-    def _execute(self, key: tuple[str, int, int], ptrs: dict[str, int]) -> None:
+    def _execute(self, key: tuple[str, int, int], ptrs: dict[str, int], ws: int) -> None:
         gr = self._graphs[key]
         pack = {gr.tensors[n]: p for n, p in ptrs.items()}
         try:
-            gr.graph.execute(pack, self.ws, handle=self.handle)
+            gr.graph.execute(pack, ws, handle=self.handle)
         except Exception as e:
             raise RunError(f"cuDNN attention ({key[0]}, B={key[1]} T={key[2]}) failed: "
                            f"{type(e).__name__}: {e}") from None
 
-    def fwd(self, q: int, k: int, v: int, o: int, stats: int, B: int, T: int) -> None:
-        """o = softmax(causal(Q Kᵀ/sqrt(hd))) V; stats = the rows' log-sum-exp (float32)."""
-        self._execute(("fwd", B, T), {"q": q, "k": k, "v": v, "o": o, "stats": stats})
+    def fwd(self, q: int, k: int, v: int, o: int, stats: int, B: int, T: int, ws: int) -> None:
+        """o = softmax(causal(Q Kᵀ/sqrt(hd))) V; stats = the rows' log-sum-exp (float32).
+        ws: a device workspace of workspace_bytes(B, T) bytes."""
+        self._execute(("fwd", B, T), {"q": q, "k": k, "v": v, "o": o, "stats": stats}, ws)
 
     def bwd(self, q: int, k: int, v: int, o: int, do: int, stats: int, dq: int, dk: int,
-            dv: int, B: int, T: int) -> None:
+            dv: int, B: int, T: int, ws: int) -> None:
         """dQ, dK, dV (overwritten) from dO and the forward's o and stats."""
         self._execute(("bwd", B, T), {"q": q, "k": k, "v": v, "o": o, "do": do,
-                                      "stats": stats, "dq": dq, "dk": dk, "dv": dv})
+                                      "stats": stats, "dq": dq, "dk": dk, "dv": dv}, ws)
 
     def close(self) -> None:
         self._graphs.clear()

@@ -137,6 +137,7 @@ class LtGemm:
         self.device = device
         self._problems: dict[str, _Problem] = {}
         self._imported: dict[str, bytes] = {}
+        self._imported_plan: dict[str, Any] = {}  # exported again as it came
         self.choices: dict[str, str] = {}  # MLP GEMM shape -> "epilogue" | "kernel" (ops.py)
         self.choice_ms: dict[str, tuple[float, float]] = {}  # the timings behind a choice
         self.tuning = False
@@ -300,6 +301,7 @@ class LtGemm:
             return (f"the GEMM plan was made with {plan.get('library')} on {plan.get('device')}; "
                     f"this is {self.library} on {self.device}: timing the GEMMs again")
         self._imported = {}
+        self._imported_plan = plan
         for k, v in (plan.get("choices") or {}).items():
             use = v.get("use") if isinstance(v, dict) else v
             if use in ("epilogue", "kernel"):
@@ -314,20 +316,22 @@ class LtGemm:
         return ""
 
     def export_plan(self) -> dict[str, Any]:
-        """The chosen algorithms as GemmPlan.to_json() fields: timed and imported problems (a
-        heuristic first choice is a function of the problem and needs no record)."""
-        gemms = {}
+        """The chosen algorithms as GemmPlan.to_json() fields: an imported plan's entries as they
+        came, and the problems timed here (a heuristic first choice is a function of the
+        problem and needs no record)."""
+        gemms = dict(self._imported_plan.get("gemms") or {})
         for key, p in sorted(self._problems.items()):
-            if p.algo is None or p.source == "heuristic":
+            if p.algo is None or p.source != "timed":
                 continue
             gemms[key] = {"algo": bytes(p.algo).hex(), "ms": p.ms, "rank": p.rank,
                           "top1_ms": p.top1_ms, "candidates": p.candidates}
         def finite(x: float | None) -> float | None:
             return x if x is not None and math.isfinite(x) else None
 
-        choices = {k: {"use": v, "epilogue_ms": finite(self.choice_ms.get(k, (None, None))[0]),
-                       "kernel_ms": finite(self.choice_ms.get(k, (None, None))[1])}
-                   for k, v in sorted(self.choices.items())}
+        choices = dict(self._imported_plan.get("choices") or {})
+        choices.update({k: {"use": v, "epilogue_ms": finite(self.choice_ms[k][0]),
+                            "kernel_ms": finite(self.choice_ms[k][1])}
+                        for k, v in sorted(self.choices.items()) if k in self.choice_ms})
         return {"version": PLAN_VERSION, "library": self.library, "device": self.device,
                 "gemms": gemms, "choices": choices}
 

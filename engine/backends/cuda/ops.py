@@ -51,15 +51,17 @@ class Ops:
     GEMMs: `gemm` (an LtGemm, with `ws` its workspace on this stream) when given, else the
     plain cuBLAS handle `blas` with `lt` (cuBLASLt) for the MLP's GELU epilogues (None: the GELU
     kernels). `side`: a second stream (with workspace `ws2`, LtGemm only) for the weight-
-    gradient GEMMs; `cudnn`: a cudnn_attn.CudnnAttention for attn_fwd_cudnn / attn_bwd_cudnn.
+    gradient GEMMs; `cudnn`: a cudnn_attn.CudnnAttention for attn_fwd_cudnn / attn_bwd_cudnn,
+    with `cudnn_ws` its workspace.
     """
 
     def __init__(self, kernels: dict[str, Any], blas: Cublas | None, stream: Any, precision: str,
                  lt: CublasLt | None = None, *, gemm: LtGemm | None = None, ws: int = 0,
-                 side: Any = None, ws2: int = 0, cudnn: Any = None,
+                 side: Any = None, ws2: int = 0, cudnn: Any = None, cudnn_ws: int = 0,
                  event: Callable[[], Any] | None = None) -> None:
         self.k, self.blas, self.stream, self.lt = kernels, blas, stream, lt
         self.gemm, self.ws, self.side, self.ws2, self.cudnn = gemm, ws, side, ws2, cudnn
+        self.cudnn_ws = cudnn_ws
         if side is not None and (gemm is None or event is None):
             raise ValueError("a weight-gradient stream needs LtGemm GEMMs and events")
         self._new_event = event
@@ -99,6 +101,12 @@ class Ops:
         """Start a forward/backward pass: no side-stream reads outstanding."""
         self._used = 0
         self._side_reads.clear()
+
+    def reserve_events(self, n: int) -> None:
+        """Create the events a pass will use before any capture (none is created inside)."""
+        assert self._new_event is not None
+        while len(self._events) < n:
+            self._events.append(self._new_event())
 
     def _event(self) -> Any:
         if self._used == len(self._events):
@@ -268,7 +276,7 @@ class Ops:
         log-sum-exp saved in `stats` instead of P. T: the length its graph was built for."""
         es = self.esize
         q, k, v = (qkv + j * slab * es for j in range(3))
-        self.cudnn.fwd(q, k, v, out, stats, B, T)
+        self.cudnn.fwd(q, k, v, out, stats, B, T, self.cudnn_ws)
 
     def attn_bwd_cudnn(self, dout: int, qkv: int, out: int, stats: int, dqkv: int, B: int,
                        T: int, d: int, slab: int) -> None:
@@ -278,7 +286,7 @@ class Ops:
         q, k, v = (qkv + j * slab * es for j in range(3))
         dq, dk, dv = (dqkv + j * slab * es for j in range(3))
         self._writes(dqkv)
-        self.cudnn.bwd(q, k, v, out, dout, stats, dq, dk, dv, B, T)
+        self.cudnn.bwd(q, k, v, out, dout, stats, dq, dk, dv, B, T, self.cudnn_ws)
 
     def attn_out_fwd(self, y: int, w_o: int, out: int, R: int, d: int) -> None:
         self._mm(out, y, w_o, R, d, d)
@@ -420,11 +428,14 @@ class Ops:
     def grad_norm_final(self, partials: int, norm: int) -> None:
         self._go("k_grad_norm_final", 1, norm, partials, NORM_BLOCKS)
 
-    def grad_norm(self, grads: int, n: int, partials: int, norm: int, gs: float = 1.0) -> None:
-        """grad_norm_partial + grad_norm_final in one kernel (same bits)."""
+    def grad_norm(self, grads: int, n: int, partials: int, norm: int, gs: float = 1.0,
+                  gs_dev: int = 0) -> None:
+        """grad_norm_partial + grad_norm_final in one kernel (same bits). gs_dev: a device
+        float holding the gradient scale instead of gs (0: use gs)."""
         if not self.counter:
             raise RunError("Ops.grad_norm needs the device counter (Ops.counter)")
-        self._go("k_grad_norm", NORM_BLOCKS, norm, partials, self.counter + 4, grads, n, gs)
+        self._go("k_grad_norm", NORM_BLOCKS, norm, partials, self.counter + 4, grads, n, gs,
+                 gs_dev)
 
     def grad_scale(self, grads: int, n: int, s: float) -> None:
         self._go("k_grad_scale", _blocks(n), grads, n, s)

@@ -43,7 +43,7 @@ SIGNATURES: dict[str, str] = {
     "k_loss_fwd_bwd": "PPPPPPiiii",
     "k_grad_norm_partial": "PPqf",
     "k_grad_norm_final": "PPi",
-    "k_grad_norm": "PPPPqf",
+    "k_grad_norm": "PPPPqfP",
     "k_grad_scale": "Pqf",
     "k_adamw": "PPPPPPPiqffffffff",
     "k_adamw_step": "PPPPPPPiqPPP",
@@ -110,6 +110,7 @@ class Gpu:
         self.total_mem = self.dev.total_memory()
         self._kernels: dict[str, dict[str, Any]] = {}
         self._modules: list[Any] = []
+        self._cudnn: dict[tuple[str, int, int], Any] = {}
 
     @classmethod
     def get(cls) -> Gpu:
@@ -120,6 +121,9 @@ class Gpu:
     def _close(self) -> None:
         import gc
 
+        for att in self._cudnn.values():
+            att.close()
+        self._cudnn.clear()
         gc.collect()  # free allocations (and cuBLAS handles) before the context goes
         try:
             self.ctx.pop()
@@ -130,6 +134,17 @@ class Gpu:
         major, minor = self.dev.compute_capability()
         return (f"{self.dev.name()} (sm_{major}{minor}, {self.total_mem / 2**30:.0f} GiB, "
                 f"{precision})")
+
+    def cudnn_attention(self, precision: str, n_head: int, head_dim: int) -> Any:
+        """The process's cudnn_attn.CudnnAttention for this precision and head shape, on the
+        shared stream: its graphs (built per B, T) outlive a backend, so a second backend of
+        the same model does not build them again. Raises what CudnnAttention raises."""
+        key = (precision, n_head, head_dim)
+        if key not in self._cudnn:
+            from engine.backends.cuda.cudnn_attn import CudnnAttention
+
+            self._cudnn[key] = CudnnAttention(precision, n_head, head_dim, self.stream.handle)
+        return self._cudnn[key]
 
     def kernels(self, precision: str) -> dict[str, Any]:
         """name -> prepared PyCUDA function, for one activation precision."""

@@ -297,7 +297,8 @@ extern "C" __global__ void k_colsum_reduce(float* dst, const float* partial, int
 // last (an int counter, the only atomic; it is reset for the next launch) adds the chunks in
 // order into dgamma_beta, as k_colsum_reduce does. No float atomics: same inputs, same bits.
 // The backend launches it for the vector path only (d % VEC == 0, 16-byte aligned rows, 2d <=
-// LN_FUSED_COLS * blockDim.x); dynamic shared memory LN_GROUP * 2d floats.
+// LN_FUSED_COLS * blockDim.x); dynamic shared memory LN_GROUP * 2d floats (48 KiB at d = 768,
+// all a block may have without opting in: the last-block flag reuses it).
 extern "C" __global__ void k_layernorm_bwd_fused(act_t* dx, const act_t* resid, const act_t* dout,
                                                  const act_t* x, const float* mean,
                                                  const float* rstd, const float* gamma,
@@ -305,7 +306,7 @@ extern "C" __global__ void k_layernorm_bwd_fused(act_t* dx, const act_t* resid, 
                                                  int* counter, int R, int d, int rows_per_chunk,
                                                  int accumulate) {
     extern __shared__ float prod[];
-    __shared__ int is_last;
+    int* is_last = reinterpret_cast<int*>(prod);  // after the groups, prod is free
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int n = 2 * d, chunk = blockIdx.x;
     const int r0 = chunk * rows_per_chunk, r1 = min(R, r0 + rows_per_chunk);
@@ -336,9 +337,9 @@ extern "C" __global__ void k_layernorm_bwd_fused(act_t* dx, const act_t* resid, 
     }
     __threadfence();  // the partials are visible device-wide before the counter moves
     __syncthreads();
-    if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
+    if (threadIdx.x == 0) *is_last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
     __syncthreads();
-    if (!is_last) return;
+    if (!*is_last) return;
     __threadfence();
     for (int c = threadIdx.x; c < n; c += blockDim.x) colsum_add(dgamma_beta, partial, gridDim.x, n, c);
     if (threadIdx.x == 0) *counter = 0;

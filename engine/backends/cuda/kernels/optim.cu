@@ -48,12 +48,14 @@ extern "C" __global__ void k_grad_norm_final(float* norm, const float* partials,
 // >   return float(np.sqrt(np.sum(partials)))
 // k_grad_norm_partial and k_grad_norm_final in one launch, with their bits: every block writes
 // its partial; the block that finishes last (an int counter, reset for the next launch; no
-// float atomics) reduces the partials in the fixed order of k_grad_norm_final.
+// float atomics) reduces the partials in the fixed order of k_grad_norm_final. The gradient
+// scale is gs_dev[0] when gs_dev is not null (the fused step's grad_mult, staged per step), else
+// gs.
 extern "C" __global__ void k_grad_norm(float* norm, float* partials, int* counter, const float* g,
-                                       long n, float gs) {
+                                       long n, float gs, const float* gs_dev) {
     __shared__ float shared[32];
     __shared__ int is_last;
-    const float s = norm_partial(g, n, gs, shared);
+    const float s = norm_partial(g, n, gs_dev ? gs_dev[0] : gs, shared);
     if (threadIdx.x == 0) {
         partials[blockIdx.x] = s;
         __threadfence();

@@ -1,0 +1,144 @@
+"""cuDNN's fused attention (engine/backends/cuda/cudnn_attn.py) against the numpy op twin, its
+determinism, the full-length graph on shorter sequences, and the fallback when cuDNN is absent.
+
+Skipped (with the reason) where the cuDNN frontend is not installed; the fallback test runs
+everywhere the GPU tests run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from devarrays import DevArrays, check_close, rounded
+
+from engine.backends.numpy import ops as npo
+from engine.model.layout import ModelShapes, init_params
+from tests.conftest import micro_config_dict, run_engine
+
+pytestmark = pytest.mark.gpu
+
+
+def _cudnn_or_skip() -> None:
+    from engine.backends.cuda.cudnn_attn import cudnn_available
+
+    ok, why = cudnn_available()
+    if not ok:
+        pytest.skip(why)
+
+
+@pytest.fixture
+def att(gpu):
+    _cudnn_or_skip()
+    return gpu
+
+
+def tm(a: np.ndarray) -> np.ndarray:
+    return np.swapaxes(a, 0, 1)
+
+
+@pytest.mark.parametrize(("B", "T", "H", "hd"), [(3, 37, 2, 64), (2, 128, 4, 32), (1, 64, 12, 64)])
+def test_cudnn_attention_matches_numpy(att, rng, B, T, H, hd):
+    """Forward (out) and deterministic backward (dQ, dK, dV) against ops.attn_fwd / attn_bwd in
+    float64 on the same bf16 inputs; time-major slabs read through strides, as in the backend
+    (the Q, K, V slabs `slab` elements apart, more than R·d: the backend's R_max·d)."""
+    gpu = att
+    precision, d = "bf16", H * hd
+    R = B * T
+    slab = R * d + 8 * d  # slabs farther apart than the rows: the strides must be honoured
+    a = gpu.cudnn_attention(precision, H, hd)
+    a.build(B, T, backward=True)
+    dev = DevArrays(gpu.drv, precision)
+    try:
+        qkv = rounded(rng.normal(0, 1, (3, B, T, d)), precision)
+        probs, want = np.empty((B, H, T, T)), np.empty((B, T, d))
+        npo.attn_fwd(qkv, H, probs, want)
+        buf = np.zeros((3, slab))
+        for j in range(3):
+            buf[j, : R * d] = tm(qkv[j]).reshape(-1)
+        dqkv_in = dev.put(buf)
+        ws = dev.empty((max(1, a.workspace_bytes(B, T)) // 4 + 1,), "f32")
+        out, stats = dev.empty((T, B, d)), dev.empty((B, H, T), "f32")
+        es = 2
+        q, k, v = (dqkv_in + j * slab * es for j in range(3))
+        a.fwd(q, k, v, out, stats, B, T, ws)
+        check_close(tm(dev.get(out)), want, 1e-2, "cudnn attn_fwd out", precision)
+
+        dout = rounded(rng.normal(0, 1, (B, T, d)), precision)
+        w_dqkv = np.empty((3, B, T, d))
+        npo.attn_bwd(dout, qkv, probs, H, w_dqkv, np.empty((B, H, T, T)))
+        grads = []
+        for _ in range(2):  # twice: the deterministic backward gives the same bits
+            g = dev.empty((3, slab))
+            dq, dk, dv = (g + j * slab * es for j in range(3))
+            a.bwd(q, k, v, out, dev.put(tm(dout)), stats, dq, dk, dv, B, T, ws)
+            grads.append(dev.get(g))
+        assert np.array_equal(grads[0], grads[1], equal_nan=True), \
+            "cuDNN's backward is not repeatable"
+        for j, name in enumerate("QKV"):
+            got = tm(grads[0][j, : R * d].reshape(T, B, d))
+            check_close(got, w_dqkv[j], 1e-2, f"cudnn attn_bwd d{name}", precision)
+    finally:
+        dev.free()
+
+
+TINY = ModelShapes(n_layer=2, d_model=128, n_head=2, d_ff=512, vocab_size=8449, seq_len=128)
+
+
+def test_short_sequences_through_the_full_length_graph(att):
+    """The backend builds cuDNN's graphs for seq_len; a shorter T runs them at full length
+    (causal: rows < T never see the rest; the backward zeroes dO past T). Against the classic
+    attention on the same weights and tokens: the same function, to bf16 rounding."""
+    from engine.backends.cuda import CudaBackend
+
+    params = init_params(TINY, seed=2)
+    rng = np.random.default_rng(4)
+    x = rng.integers(0, 8449, (4, 77)).astype(np.int32)
+    y = rng.integers(0, 8449, (4, 77)).astype(np.int32)
+    res = {}
+    for attention in ("cudnn", "classic"):
+        bk = CudaBackend(TINY, 4, "bf16", attention=attention)
+        assert bk.attention == attention
+        bk.load_params(params)
+        bk.zero_grads()
+        # a full-length step first, so the rows past 77 hold another batch's values
+        full = rng.integers(0, 8449, (4, 129)).astype(np.int32)
+        bk.forward_backward(full[:, :-1], full[:, 1:])
+        bk.zero_grads()
+        res[attention] = (bk.forward_backward(x, y), bk.read_grads())
+        bk.close()
+    check_close(res["cudnn"][0], res["classic"][0], 1e-2, "short T: losses cudnn vs classic",
+                "bf16")
+    check_close(res["cudnn"][1], res["classic"][1], 5e-2, "short T: grads cudnn vs classic",
+                "bf16")
+
+
+def test_memory_plan_shrinks_without_probabilities(att):
+    from engine.backends.cuda import CudaBackend
+
+    plans = {}
+    for attention in ("classic", "cudnn"):
+        bk = CudaBackend(TINY, 8, "bf16", attention=attention, fusions=False)
+        plans[attention] = bk.memory_plan()
+        bk.close()
+    B, H, S, L = 8, TINY.n_head, TINY.seq_len, TINY.n_layer
+    probs = L * B * H * S * S * 2
+    assert plans["cudnn"]["activations"] < plans["classic"]["activations"] - probs // 2
+    assert plans["cudnn"]["total"] < plans["classic"]["total"]
+
+
+def test_without_cudnn_the_engine_falls_back_and_says_so(tmp_path: Path, prepared_data: Path):
+    """ANDREA_CUDNN=0 stands for a machine without the cuDNN frontend: the run trains with the
+    classic attention, and engine.log and the ready event say which attention ran and why."""
+    from engine.records import ReadyEvent
+    from engine.runfiles import read_events
+
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps(micro_config_dict(max_steps=3, precision="bf16")))
+    run = tmp_path / "run"
+    r = run_engine(cfg, run, "--backend", "cuda", env={"ANDREA_CUDNN": "0"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    ready = [e for e in read_events(run / "events.jsonl")[0] if isinstance(e, ReadyEvent)]
+    assert ready and ready[-1].attention.startswith("classic (ANDREA_CUDNN=0"), ready
+    assert "attention classic (ANDREA_CUDNN=0" in (run / "engine.log").read_text()

@@ -1,0 +1,276 @@
+"""Each fused kernel against the unfused kernels it replaces (the reference stays reachable:
+Ops' unfused methods, and CudaBackend(fusions=False)), on fresh random inputs: the fused ones are
+written to give the same bits, and these tests hold them to that. Then the fused step of the
+backend (one graph: zero, forward, backward, norm, clip, AdamW) against the step the trainer
+drives from the host."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from devarrays import DevArrays, check_close, rounded
+
+from engine.model.layout import ModelShapes, init_params
+
+pytestmark = pytest.mark.gpu
+
+B, T, H = 3, 37, 4
+R = B * T
+
+
+@pytest.fixture(params=["fp32", "bf16"])
+def env(request, gpu):
+    from engine.backends.cuda.cublas import WORKSPACE_BYTES, Cublas
+    from engine.backends.cuda.ops import Ops
+
+    precision = request.param
+    dev = DevArrays(gpu.drv, precision)
+    ws = dev.empty((WORKSPACE_BYTES // 4,), "f32")
+    blas = Cublas(gpu.stream.handle, ws, WORKSPACE_BYTES)
+    o = Ops(gpu.kernels(precision), blas, gpu.stream, precision)
+    o.counter = dev.put(np.zeros(4), "i32")
+    yield precision, o, dev
+    gpu.stream.synchronize()
+    blas.close()
+    dev.free()
+
+
+def same(a: np.ndarray, b: np.ndarray, what: str) -> None:
+    assert np.all(np.isfinite(a)), f"{what}: unwritten (NaN) elements"
+    assert np.array_equal(a, b), f"{what}: fused and unfused differ (max |diff| " \
+                                 f"{np.max(np.abs(a - b)):.3g})"
+
+
+@pytest.mark.parametrize("D", [64, 384, 36])
+def test_residual_layernorm_is_residual_add_then_layernorm(env, rng, D):
+    """D = 64, 384: the vector path; 36 (bf16: not whole 16-byte vectors): the scalar path."""
+    precision, o, dev = env
+    a, b = (dev.put(rounded(rng.normal(0.2, 1.5, (R, D)), precision)) for _ in range(2))
+    gamma, beta = dev.put(rng.normal(1, 0.2, D), "f32"), dev.put(rng.normal(0, 0.2, D), "f32")
+    outs = []
+    for fused in (True, False):
+        xsum, out = dev.empty((R, D)), dev.empty((R, D))
+        mean, rstd = dev.empty((R,), "f32"), dev.empty((R,), "f32")
+        if fused:
+            o.residual_layernorm_fwd(a, b, xsum, gamma, beta, out, mean, rstd, R, D)
+        else:
+            o.residual_add(a, b, xsum, R * D)
+            o.layernorm_fwd(xsum, gamma, beta, out, mean, rstd, R, D)
+        outs.append([dev.get(p) for p in (xsum, out, mean, rstd)])
+    for name, f, u in zip(("xsum", "out", "mean", "rstd"), *outs, strict=True):
+        same(f, u, f"residual_layernorm_fwd {name} D={D}")
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("D", [64, 384, 768])
+@pytest.mark.parametrize("rows", [37 * 3, 1000])
+def test_layernorm_bwd_fused_is_the_three_kernels(env, rng, accumulate, D, rows):
+    """dx, dγ and dβ of k_layernorm_bwd_fused against k_layernorm_bwd + k_layernorm_bwd_params
+    + k_colsum_reduce with the same row chunks (ops.LN_FUSED_ROWS), bit for bit; and the
+    residual gradient read from another buffer (`resid`) as the backend's ring does."""
+    from engine.backends.cuda.ops import LN_FUSED_ROWS
+
+    precision, o, dev = env
+    x = dev.put(rounded(rng.normal(0.3, 2.0, (rows, D)), precision))
+    dout = dev.put(rounded(rng.normal(0, 1, (rows, D)), precision))
+    mean, rstd = dev.put(rng.normal(0.3, 0.1, rows), "f32"), dev.put(
+        rng.uniform(0.4, 0.6, rows), "f32")
+    gamma = dev.put(rng.normal(1, 0.2, D), "f32")
+    gb0 = rng.normal(0, 1, 2 * D)
+    resid = rounded(rng.normal(0, 1, (rows, D)), precision)
+    outs = []
+    for fused in (True, False):
+        dx = dev.empty((rows, D))
+        src = dev.put(resid)
+        dgb = dev.put(gb0, "f32")
+        part = dev.empty((-(-rows // LN_FUSED_ROWS), 2 * D), "f32")
+        if fused and precision == "bf16":  # fp32 rows past 512 take the unfused kernels
+            assert o.fused_ln_bwd_ok(D, dx, src, dout, x)
+        o.layernorm_bwd(dout, x, gamma, mean, rstd, dx, dgb, part, rows, D, accumulate,
+                        resid=src, fused=fused)
+        outs.append((dev.get(dx), dev.get(dgb)))
+    same(outs[0][0], outs[1][0], f"layernorm_bwd dx D={D}")
+    same(outs[0][1], outs[1][1], f"layernorm_bwd dgamma/dbeta D={D}")
+    # and again: the fused kernel reset its counter (a second launch elects its last block)
+    dgb = dev.put(gb0, "f32")
+    o.layernorm_bwd(dout, x, gamma, mean, rstd, dev.empty((rows, D)), dgb,
+                    dev.empty((-(-rows // LN_FUSED_ROWS), 2 * D), "f32"), rows, D, accumulate,
+                    resid=dev.put(resid), fused=True)
+    same(dev.get(dgb), outs[1][1], "layernorm_bwd_fused, second launch")
+
+
+def test_loss_fwd_bwd_is_loss_fwd_then_loss_bwd(env, rng):
+    precision, o, dev = env
+    D, V = 64, 301
+    ldv = -(-V // 64) * 64
+    x = dev.put(rounded(rng.normal(0, 1, (T, B, D)), precision))
+    wte = dev.put(rounded(rng.normal(0, 0.3, (ldv + 5, D)), precision))
+    targets = dev.put(rng.integers(0, V, (B, T)), "i32")
+    scale = dev.put(np.array([2.5 / R]), "f32")
+    outs = []
+    for fused in (True, False):
+        logits, lse, losses = (dev.empty((R, ldv), "f32"), dev.empty((R,), "f32"),
+                               dev.empty((R,), "f32"))
+        dlogits = dev.empty((R, ldv))
+        if fused:
+            o.loss_fwd_bwd(x, wte, targets, logits, lse, losses, scale, dlogits, B, T, V, ldv, D,
+                           ldv + 5)
+        else:
+            o.loss_fwd(x, wte, targets, logits, lse, losses, B, T, V, ldv, D, ldv + 5)
+            o._go("k_loss_bwd", R, dlogits, logits, lse, targets, scale, B, T, V, ldv)
+        outs.append([dev.get(p) for p in (losses, lse, dlogits)])
+    for name, f, u in zip(("losses", "lse", "dlogits"), *outs, strict=True):
+        same(f, u, f"loss_fwd_bwd {name}")
+
+
+def test_grad_norm_is_partial_then_final(env, rng):
+    from engine.backends.cuda.ops import NORM_BLOCKS
+
+    _precision, o, dev = env
+    for n in (100_003, 7):
+        g = dev.put(rng.normal(0, 1, n).astype(np.float32), "f32")
+        got = []
+        for fused in (True, False):
+            parts, norm = dev.empty((NORM_BLOCKS,), "f32"), dev.empty((1,), "f32")
+            if fused:
+                o.grad_norm(g, n, parts, norm, 0.37)
+            else:
+                o.grad_norm_partial(g, n, parts, 0.37)
+                o.grad_norm_final(parts, norm)
+            got.append(dev.get(norm))
+        same(got[0], got[1], f"grad_norm n={n}")
+
+
+@pytest.mark.parametrize("case", ["clip", "no clip", "non-finite"])
+def test_adamw_step_is_the_host_driven_step(env, rng, case):
+    """k_adamw_step (norm, clip and skip read on the device) against k_adamw given the clip the
+    host would compute; a non-finite norm changes nothing."""
+    from engine.backends.cuda.buffers import HP_FIELDS
+
+    _precision, o, dev = env
+    n = 100_003
+    seg = np.array([0, 60_000, 60_100, n], dtype=np.int64)
+    decay = np.array([1, 0, 1], dtype=np.int32)
+    p, g = rng.normal(0, 1, n), rng.normal(0, 1, n)
+    m, v = rng.normal(0, 0.1, n), rng.uniform(0, 0.1, n)
+    norm = {"clip": 3.7, "no clip": 0.6, "non-finite": np.inf}[case]
+    t, max_norm, gm = 7, 1.0, 0.5
+    b1, b2 = 0.9, 0.95
+    hp = {"lr": 1e-2, "beta1": b1, "beta2": b2, "eps": 1e-8, "weight_decay": 0.1,
+          "bc1": 1.0 - b1**t, "bc2": 1.0 - b2**t, "grad_mult": gm, "max_norm": max_norm}
+    outs = []
+    for fused in (True, False):
+        dp, dg, dm, dv = (dev.put(a, "f32") for a in (p, g, m, v))
+        plp = dev.put(np.zeros(n))
+        dseg, ddec = dev.put(seg.view(np.int32), "i32"), dev.put(decay, "i32")
+        if fused:
+            dhp = dev.put(np.array([hp[k] for k in HP_FIELDS]), "f32")
+            clip = dev.put(np.array([1.0]), "f32")
+            o.adamw_step(dp, plp, dg, dm, dv, dseg, ddec, 3, n, dhp,
+                         dev.put(np.array([norm]), "f32"), clip)
+        elif np.isfinite(norm):
+            c = np.float32(max_norm) / np.float32(norm) if norm > max_norm else np.float32(1)
+            o.grad_scale(dg, n, gm)  # g·gm stored, then the clip folded into k_adamw
+            o.adamw(dp, plp, dg, dm, dv, dseg, ddec, 3, n, 1e-2, b1, b2, 1e-8, 0.1, t, float(c))
+        outs.append([dev.get(a) for a in (dp, dm, dv, plp)])
+    for name, f, u in zip(("params", "m", "v", "params_lp"), *outs, strict=True):
+        same(f, u, f"adamw_step {name} ({case})")
+    if not np.isfinite(norm):
+        assert np.array_equal(outs[0][0], p.astype(np.float32).astype(np.float64))
+
+
+# --- the backend: fused step against the unfused one ------------------------------------------
+
+SHAPES = ModelShapes(n_layer=2, d_model=384, n_head=6, d_ff=1536, vocab_size=8449, seq_len=256)
+
+
+def _steps(bk, params, steps: int, T: int, fused_step: bool, max_norm: float):
+    from engine.model.optim import clip_scale
+
+    bk.load_params(params)
+    rng = np.random.default_rng(3)
+    out = []
+    for t in range(1, steps + 1):
+        tok = rng.integers(0, 64, (4, T + 1)).astype(np.int32)
+        x, y = tok[:, :-1], tok[:, 1:]
+        if fused_step:
+            rows, norm, clip = bk.train_step(x, y, loss_scale=1.0, grad_mult=1.0, lr=1e-3,
+                                             beta1=0.9, beta2=0.95, eps=1e-8,
+                                             weight_decay=0.1, t=t, max_norm=max_norm)
+        else:
+            bk.zero_grads()
+            rows = bk.forward_backward(x, y)
+            norm = bk.grad_norm()
+            clip = clip_scale(norm, max_norm)
+            if clip < 1.0:
+                bk.grad_scale(clip)
+            bk.adamw(1e-3, 0.9, 0.95, 1e-8, 0.1, t)
+        out.append((rows, norm, clip))
+    return out, bk.read_params()
+
+
+@pytest.mark.parametrize("attention", ["cudnn", "classic"])
+def test_train_step_is_the_host_driven_step(attention):
+    """The one-graph step against zero_grads/forward_backward/grad_norm/adamw on the same fused
+    backend: the same bits when no clipping happens (max_norm large); within float rounding of
+    the clip factor (float32 division on the device, float64 on the host) when it does."""
+    from engine.backends.cuda import CudaBackend
+
+    params = init_params(SHAPES, seed=5)
+    for max_norm in (1e9, 0.05):
+        res = []
+        for fused_step in (True, False):
+            bk = CudaBackend(SHAPES, 4, "bf16", attention=attention, fusions=True)
+            res.append(_steps(bk, params, 3, 255, fused_step, max_norm))
+            bk.close()
+        (a, pa), (b, pb) = res
+        if max_norm > 1e6:
+            for (ra, na, ca), (rb, nb, cb) in zip(a, b, strict=True):
+                assert np.array_equal(ra, rb) and na == nb and ca == cb == 1.0
+            assert np.array_equal(pa, pb)
+        else:
+            assert all(x[2] < 1.0 for x in a), "the test means to clip"
+            check_close(pa, pb, 1e-5, "train_step vs host step, clipping", "bf16")
+
+
+@pytest.mark.parametrize("attention", ["cudnn", "classic"])
+def test_fused_backend_tracks_the_unfused_one(attention):
+    """fusions on (cuBLASLt GEMMs, second stream, fused kernels, one-graph step) against
+    fusions off (the path before them) from the same weights: losses and weights after three
+    steps agree to bf16 rounding (other GEMM algorithms sum in other orders)."""
+    from engine.backends.cuda import CudaBackend
+
+    params = init_params(SHAPES, seed=8)
+    res = []
+    for fusions in (True, False):
+        bk = CudaBackend(SHAPES, 4, "bf16", attention=attention, fusions=fusions)
+        res.append(_steps(bk, params, 3, 256, fusions, 1.0))
+        bk.close()
+    (a, pa), (b, pb) = res
+    for (ra, na, _), (rb, nb, _) in zip(a, b, strict=True):
+        check_close(ra, rb, 1e-2, f"fused vs unfused losses ({attention})", "bf16")
+        check_close(np.array([na]), np.array([nb]), 5e-2, f"fused vs unfused norm ({attention})",
+                    "bf16")
+    check_close(pa - params, pb - params, 5e-2, f"fused vs unfused updates ({attention})",
+                "bf16")
+
+
+def test_kernels_per_step_fall():
+    """The fused step's graph holds far fewer kernels than the unfused forward/backward graph
+    plus the optimizer's launches (the count the benchmark prints)."""
+    from engine.backends.cuda import CudaBackend
+
+    counts = {}
+    tok = np.random.default_rng(0).integers(0, 64, (4, 257)).astype(np.int32)
+    for fusions, attention in ((False, "classic"), (True, "cudnn")):
+        bk = CudaBackend(SHAPES, 4, "bf16", attention=attention, fusions=fusions)
+        if fusions:
+            bk.train_step(tok[:, :-1], tok[:, 1:], loss_scale=1.0, grad_mult=1.0, lr=1e-3,
+                          beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, t=1, max_norm=1.0)
+            counts[fusions] = bk.graph_nodes("step").get("kernel", 0)
+        else:
+            bk.forward_backward(tok[:, :-1], tok[:, 1:])
+            counts[fusions] = bk.graph_nodes("fb").get("kernel", 0) + 3  # norm x2, adamw
+        bk.close()
+    print(f"kernels per step (2 layers): unfused {counts[False]}, fused {counts[True]}")
+    assert 0 < counts[True] < counts[False], counts
