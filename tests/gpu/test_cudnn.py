@@ -47,7 +47,9 @@ def test_cudnn_attention_matches_numpy(att, rng, B, T, H, hd):
     precision, d = "bf16", H * hd
     R = B * T
     slab = R * d + 8 * d  # slabs farther apart than the rows: the strides must be honoured
-    a = gpu.cudnn_attention(precision, H, hd)
+    from engine.backends.cuda.cudnn_attn import CudnnAttention
+
+    a = CudnnAttention(precision, H, hd, gpu.stream.handle)
     a.build(B, T, backward=True)
     dev = DevArrays(gpu.drv, precision)
     try:
@@ -80,6 +82,8 @@ def test_cudnn_attention_matches_numpy(att, rng, B, T, H, hd):
             got = tm(grads[0][j, : R * d].reshape(T, B, d))
             check_close(got, w_dqkv[j], 1e-2, f"cudnn attn_bwd d{name}", precision)
     finally:
+        gpu.stream.synchronize()
+        a.close()
         dev.free()
 
 

@@ -97,7 +97,8 @@ class CudaBackend:
         self.es = ACT_BYTES[precision]
         self.ldv = logits_ld(shapes.vocab_size)  # aligned logits rows
         self.wte_rows = n // shapes.d_model  # rows readable from wte on (see ops.loss_fwd)
-        self.use_graphs = os.environ.get("ANDREA_CUDA_GRAPHS", "1") != "0"
+        self.use_graphs = (os.environ.get("ANDREA_CUDA_GRAPHS", "1") != "0"
+                           and os.environ.get("ANDREA_CUDA_SYNC", "0") != "1")
         self.S = shapes.seq_len
         self.notes: list[str] = []  # what the start-up decided, for the run's log
 
@@ -130,7 +131,6 @@ class CudaBackend:
             from engine.backends.cuda.gemm import LtGemm
 
             self.gemm = LtGemm(WORKSPACE_BYTES, self.device)
-            self.gemm.timer = self._time_ms
             why = self.gemm.import_plan(gemm_plan)
             if why:
                 self.notes.append(why)
@@ -193,22 +193,29 @@ class CudaBackend:
         if self.precision == "fp32":
             why = "fp32 precision keeps the classic attention"
         else:
-            from engine.backends.cuda.cudnn_attn import cudnn_available
+            from engine.backends.cuda.cudnn_attn import CudnnAttention, cudnn_available
 
             ok, why = cudnn_available()
             if ok:
                 s = self.shapes
                 try:
-                    att = self.gpu.cudnn_attention(self.precision, s.n_head,
-                                                   s.d_model // s.n_head)
+                    # this backend's own graphs and handle: a cuDNN graph captured into a CUDA
+                    # graph after it ran on another backend's buffers used those (freed) buffers
+                    # (seen on the H200: wrong values, then an illegal address), so graphs are
+                    # never shared
+                    att = CudnnAttention(self.precision, s.n_head, s.d_model // s.n_head,
+                                         self.stream.handle)
+                    self.cudnn = att
                     att.build(self.B, self.S, backward=True)
                     att.build(1, self.S, backward=False)  # sampling (logits_last)
-                    self.cudnn = att
                     return "cudnn", f"cudnn ({att.version}; deterministic backward)"
                 except RunError as e:
                     why = str(e)
                 except Exception as e:  # a frontend that imports but cannot start
                     why = f"cuDNN did not start: {type(e).__name__}: {e}"
+                if self.cudnn is not None:
+                    self.cudnn.close()
+                    self.cudnn = None
         if want == "cudnn":
             raise UserError(f"attention cudnn: {why}")
         return "classic", f"classic ({why})"
@@ -250,11 +257,16 @@ class CudaBackend:
         side = self.ops.side
         if self.gemm is not None:
             self.gemm.tuning = tune
+            self.gemm.timer = self._time_ms  # only while tuning (no reference cycle after)
             self.ops.side = None  # timed on the main stream (the choice holds for both)
         try:
             self.ops.begin_pass()
+            # as train_step runs at full length (the weight-gradient GEMMs with beta 0): those
+            # are the problems to time
+            self.ops.overwrite_grads = self.fused_step
             self._forward(b, T, loss=True, train=True)
             self._backward(b, T)
+            self.ops.overwrite_grads = False
             self.ops.join()
             s = self.sample
             Ts = self._stage(s, tok[:1, :-1], None, 1.0)
@@ -262,8 +274,10 @@ class CudaBackend:
             self.stream.synchronize()
         finally:
             self.ops.side = side
+            self.ops.overwrite_grads = False
             if self.gemm is not None:
                 self.gemm.tuning = False
+                self.gemm.timer = None
         if self.gemm is not None:
             self.notes.extend(self.gemm.warnings)
             timed, best, first = self.gemm.timing_summary()
@@ -377,7 +391,8 @@ class CudaBackend:
         slab = b.qkv_slab()
         if fused:  # dlogits came with the forward (loss_fwd_bwd)
             o.loss_bwd_gemms(b.at("lnf"), self._w("wte"), dln, self._g32("wte"),
-                             b.at("dlogits"), B, T, s.vocab_size, self.ldv, d, self.wte_rows)
+                             b.at("dlogits"), B, T, s.vocab_size, self.ldv, d, self.wte_rows,
+                             pad_rows=self.S)
         else:
             o.loss_bwd(b.at("lnf"), self._w("wte"), io["targets"], b.at("logits"), b.at("lse"),
                        io["scale"], dln, self._g32("wte"), b.at("dlogits"), B, T, s.vocab_size,
@@ -510,12 +525,22 @@ class CudaBackend:
         io = b.io()
         norm, clip = self._plan["norm"], self._plan["clip"]
 
+        # At full length every parameter's gradient is written by this micro-batch (GEMMs with
+        # beta 0, the LayerNorm and position sums stored): no zeroing pass over the 4·n bytes.
+        # A shorter sequence leaves position rows unwritten: zero, then add, as usual.
+        write = T == self.S
+
         def issue() -> None:
             o = self.ops
-            self.drv.memset_d32_async(self.g, 0, self.n, self.stream)
+            if not write:
+                self.drv.memset_d32_async(self.g, 0, self.n, self.stream)
             o.begin_pass()
-            self._forward(b, T, loss=True, train=True)
-            self._backward(b, T)
+            o.overwrite_grads = write
+            try:
+                self._forward(b, T, loss=True, train=True)
+                self._backward(b, T)
+            finally:
+                o.overwrite_grads = False
             o.join()
             gm = io["hp"] + 4 * HP_FIELDS.index("grad_mult")
             o.grad_norm(self.g, self.n, self._plan["norm_partials"], norm, gs_dev=gm)
@@ -662,7 +687,9 @@ class CudaBackend:
         for lib in (self.blas, self.lt, self.gemm):
             if lib is not None:
                 lib.close()
-        self.cudnn = None  # the process's (runtime.Gpu keeps it, and its graphs, for the next)
+        if self.cudnn is not None:
+            self.cudnn.close()
+            self.cudnn = None
         self._plan.free()
 
 

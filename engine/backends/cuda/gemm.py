@@ -267,7 +267,16 @@ class LtGemm:
         lda = lda if lda is not None else (M if ta else K)
         ldb = ldb if ldb is not None else (K if tb else N)
         ldc = ldc if ldc is not None else N
-        aligns = (alignment(a), alignment(b), min(alignment(out), alignment(aux)))
+        # what every row of every batch matrix is aligned to: the base, the row stride and the
+        # batch stride (in bytes), so the heuristic only proposes algorithms that can run them
+        esz = {R_32F: 4}.get(types[0], 2), {R_32F: 4}.get(types[1], 2), {R_32F: 4}.get(types[2], 2)
+
+        def align(ptr: int, ld: int, stride: int, es: int) -> int:
+            al = min(alignment(ptr), alignment(ld * es))
+            return min(al, alignment(stride * es)) if batch > 1 and stride else al
+
+        aligns = (align(a, lda, sa, esz[0]), align(b, ldb, sb, esz[1]),
+                  min(align(out, ldc, sc, esz[2]), align(aux, ldc, 0, esz[2])))
         key = problem_key(types, ta, tb, M, N, K, lda, ldb, ldc, batch, sa, sb, sc, beta == 0.0,
                           epilogue, aligns)
         p = self._problems.get(key)

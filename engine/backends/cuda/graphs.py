@@ -11,6 +11,7 @@ the tokens) are read from device memory the host fills before each launch.
 from __future__ import annotations
 
 import ctypes as C
+import gc
 from collections.abc import Callable
 
 from engine.errors import RunError
@@ -89,16 +90,27 @@ def capture(stream_handle: int, issue: Callable[[], None]) -> CudaGraph:
     """Record the work `issue()` puts on the stream (nothing runs) and instantiate it."""
     lib = _driver()
     stream = C.c_void_p(stream_handle)
-    _check(lib.cuStreamBeginCapture_v2(stream, CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture")
-    graph = C.c_void_p()
+    # Python's garbage collector must not run during the capture: freeing a dead object's
+    # page-locked memory (cuMemFreeHost) is not permitted while a stream captures, and the failed
+    # call invalidates the capture (seen with many backends in one test process).
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
     try:
-        issue()
-    except BaseException:
-        lib.cuStreamEndCapture(stream, C.byref(graph))  # leave the stream usable
-        if graph:
-            lib.cuGraphDestroy(graph)
-        raise
-    _check(lib.cuStreamEndCapture(stream, C.byref(graph)), "cuStreamEndCapture")
+        _check(lib.cuStreamBeginCapture_v2(stream, CAPTURE_MODE_THREAD_LOCAL),
+               "cuStreamBeginCapture")
+        graph = C.c_void_p()
+        try:
+            issue()
+        except BaseException:
+            lib.cuStreamEndCapture(stream, C.byref(graph))  # leave the stream usable
+            if graph:
+                lib.cuGraphDestroy(graph)
+            raise
+        _check(lib.cuStreamEndCapture(stream, C.byref(graph)), "cuStreamEndCapture")
+    finally:
+        if was_enabled:
+            gc.enable()
     exec_ = C.c_void_p()
     _check(lib.cuGraphInstantiateWithFlags(C.byref(exec_), graph, 0), "cuGraphInstantiate")
     return CudaGraph(graph, exec_, stream_handle)

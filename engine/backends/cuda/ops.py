@@ -33,9 +33,8 @@ from engine.errors import RunError
 THREADS = 256
 ROWS_PER_BLOCK = THREADS // 32  # one warp per row
 LN_ROWS_PER_CHUNK = 64  # rows per column-sum chunk of the unfused LayerNorm backward
-LN_FUSED_ROWS = 32  # ... and of k_layernorm_bwd_fused (the unfused kernels take it too)
+LN_FUSED_ROWS = 64  # ... and per block of k_layernorm_bwd_fused
 LN_FUSED_COLS = 6  # columns of [0, 2d) per thread in k_layernorm_bwd_fused: 2d <= 6·256
-LN_GROUP = 8  # rows per shared-memory group in k_layernorm_bwd_fused (one per warp)
 NORM_BLOCKS = 1024
 MAX_GRID = 8192
 VEC_BYTES = 16
@@ -72,6 +71,12 @@ class Ops:
         self.attn_chunk = int(os.environ.get("ANDREA_ATTN_CHUNK", "256"))
         self.ln_rows = LN_ROWS_PER_CHUNK  # chunk rows of the unfused LayerNorm backward
         self.counter = 0  # device int, 0, for the fused kernels' last-block election
+        # the fused step's single micro-batch WRITES the parameter gradients (GEMMs with beta 0,
+        # the LayerNorm and position sums stored) instead of zeroing them and adding
+        self.overwrite_grads = False
+        # ANDREA_CUDA_SYNC=1: wait for every launch and name the one that fails (the backend then
+        # runs without graphs): for finding an illegal address, not for speed
+        self.debug = os.environ.get("ANDREA_CUDA_SYNC", "0") == "1"
         self._events: list[Any] = []
         self._used = 0
         self._side_reads: dict[int, Any] = {}  # buffer -> event after the side's last read
@@ -81,6 +86,16 @@ class Ops:
         self.launches += 1
         self.k[name].prepared_async_call(g, (THREADS, 1, 1), self.stream, *args,
                                          shared_size=shared)
+        if self.debug:
+            self._sync(name)
+
+    def _sync(self, what: str) -> None:
+        try:
+            self.stream.synchronize()
+            if self.side is not None:
+                self.side.synchronize()
+        except Exception as e:
+            raise RunError(f"{what}: {type(e).__name__}: {e}") from None
 
     def _mm(self, out: int, a: int, b: int, M: int, N: int, K: int, *, acc32: bool = False,
             out32: bool = False, side: bool = False, **kw: Any) -> None:
@@ -95,6 +110,8 @@ class Ops:
         else:
             assert self.blas is not None
             self.blas.matmul(out, a, b, M, N, K, types=(act, act, c), beta=beta, **kw)
+        if self.debug:
+            self._sync(f"GEMM {M}x{N}x{K} {kw}")
 
     # --- the weight-gradient stream ----------------------------------------------------------------
     def begin_pass(self) -> None:
@@ -122,13 +139,14 @@ class Ops:
         main stream has queued so far, on the side stream, and the buffers in `reads` (gradient
         buffers the main stream rewrites later) are marked so that the main stream waits for
         this GEMM before it writes them (`_writes`). Same GEMM, same algorithm: same bits."""
+        beta = 0.0 if self.overwrite_grads else 1.0
         if self.side is None:
-            self._mm(out, a, b, M, N, K, acc32=True, **kw)
+            self._mm(out, a, b, M, N, K, out32=True, beta=beta, **kw)
             return
         fork = self._event()
         fork.record(self.stream)
         self.side.wait_for_event(fork)
-        self._mm(out, a, b, M, N, K, acc32=True, side=True, **kw)
+        self._mm(out, a, b, M, N, K, out32=True, beta=beta, side=True, **kw)
         done = self._event()
         done.record(self.side)
         for ptr in reads:
@@ -161,7 +179,8 @@ class Ops:
         `token_buckets`; grid: one block per possible bucket, then one per position."""
         n_unique, tok, start, rows = buckets
         self._writes(dwte)  # the loss's dwte GEMM may still run on the side stream
-        self._go("k_embed_bwd", B * T + T, dwte, dwpe, dout, n_unique, tok, start, rows, B, T, d)
+        self._go("k_embed_bwd", B * T + T, dwte, dwpe, dout, n_unique, tok, start, rows, B, T, d,
+                 int(self.overwrite_grads))
 
     # --- layer normalisation ---------------------------------------------------------------------
     def layernorm_fwd(self, x: int, gamma: int, beta: int, out: int, mean: int, rstd: int,
@@ -190,11 +209,12 @@ class Ops:
         chunks of LN_FUSED_ROWS) where it applies, else the three kernels (chunks of ln_rows)."""
         self._writes(dx)
         src = resid or dx
+        ow = int(self.overwrite_grads)
         if fused and self.fused_ln_bwd_ok(d, dx, src, dout, x):
             nchunk = -(-R // LN_FUSED_ROWS)
             self._go("k_layernorm_bwd_fused", nchunk, dx, src, dout, x, mean, rstd, gamma,
                      dgamma_beta, partial, self.counter, R, d, LN_FUSED_ROWS, int(accumulate),
-                     shared=LN_GROUP * 2 * d * 4)
+                     ow, shared=(THREADS // 32) * 2 * d * 4)
             return
         rows = LN_FUSED_ROWS if fused else self.ln_rows
         self._go("k_layernorm_bwd", -(-R // ROWS_PER_BLOCK), dx, src, dout, x, mean, rstd, gamma,
@@ -202,7 +222,8 @@ class Ops:
         nchunk = -(-R // rows)
         self._go("k_layernorm_bwd_params", (-(-d // THREADS), nchunk), partial, dout, x, mean,
                  rstd, R, d, rows)
-        self._go("k_colsum_reduce", -(-2 * d // THREADS), dgamma_beta, partial, nchunk, 2 * d)
+        self._go("k_colsum_reduce", -(-2 * d // THREADS), dgamma_beta, partial, nchunk, 2 * d,
+                 ow)
 
     # --- attention -------------------------------------------------------------------------------
     def attn_qkv_fwd(self, x: int, w_qkv: int, out: int, R: int, d: int, slab: int = 0) -> None:
@@ -277,6 +298,8 @@ class Ops:
         es = self.esize
         q, k, v = (qkv + j * slab * es for j in range(3))
         self.cudnn.fwd(q, k, v, out, stats, B, T, self.cudnn_ws)
+        if self.debug:
+            self._sync("cuDNN attention forward")
 
     def attn_bwd_cudnn(self, dout: int, qkv: int, out: int, stats: int, dqkv: int, B: int,
                        T: int, d: int, slab: int) -> None:
@@ -287,6 +310,8 @@ class Ops:
         dq, dk, dv = (dqkv + j * slab * es for j in range(3))
         self._writes(dqkv)
         self.cudnn.bwd(q, k, v, out, dout, stats, dq, dk, dv, B, T, self.cudnn_ws)
+        if self.debug:
+            self._sync("cuDNN attention backward")
 
     def attn_out_fwd(self, y: int, w_o: int, out: int, R: int, d: int) -> None:
         self._mm(out, y, w_o, R, d, d)
@@ -413,11 +438,17 @@ class Ops:
         self.loss_bwd_gemms(x, wte, dx, dwte, dlogits, B, T, V, ldv, d, wte_rows)
 
     def loss_bwd_gemms(self, x: int, wte: int, dx: int, dwte: int, dlogits: int, B: int, T: int,
-                       V: int, ldv: int, d: int, wte_rows: int) -> None:
-        """dx = dz @ wte (overwritten); dwte += dzᵀ @ x (on the side stream when there is one)."""
+                       V: int, ldv: int, d: int, wte_rows: int, pad_rows: int = 0) -> None:
+        """dx = dz @ wte (overwritten); dwte += dzᵀ @ x (on the side stream when there is one).
+        With cuBLASLt GEMMs, dwte's GEMM also runs over the aligned ldv rows (M = V = 8449 is
+        odd: the heuristic then falls back to a slow sm80 kernel) when the ldv - V rows past V
+        are within the next tensor, wpe (`pad_rows`: wpe's row count; embed_bwd, which writes
+        wpe's gradients, waits for this GEMM): dz is 0 in those columns, so they get + 0 (or,
+        when the step writes its gradients, 0, before embed_bwd writes them)."""
         R = B * T
         vg = ldv if wte_rows >= ldv else V
-        self._wgrad(dwte, dlogits, x, V, d, R, (dlogits, dwte), ta=True, lda=ldv)
+        mg = ldv if self.gemm is not None and ldv - V <= pad_rows else V
+        self._wgrad(dwte, dlogits, x, mg, d, R, (dlogits, dwte), ta=True, lda=ldv)
         self._mm(dx, dlogits, wte, R, d, vg, lda=ldv)
 
     # --- optimizer utilities ---------------------------------------------------------------------

@@ -25,13 +25,13 @@ ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Argument formats for PyCUDA's prepared launches: P pointer, i int32, q int64, f float32.
 SIGNATURES: dict[str, str] = {
     "k_embed_fwd": "PPPPiii",
-    "k_embed_bwd": "PPPPPPPiii",
+    "k_embed_bwd": "PPPPPPPiiii",
     "k_layernorm_fwd": "PPPPPPii",
     "k_residual_layernorm_fwd": "PPPPPPPPii",
     "k_layernorm_bwd": "PPPPPPPiii",
     "k_layernorm_bwd_params": "PPPPPiii",
-    "k_colsum_reduce": "PPii",
-    "k_layernorm_bwd_fused": "PPPPPPPPPPiiii",
+    "k_colsum_reduce": "PPiii",
+    "k_layernorm_bwd_fused": "PPPPPPPPPPiiiii",
     "k_attn_fwd": "PPiii",
     "k_attn_bwd": "PPPiii",
     "k_mlp_gelu_fwd": "PPq",
@@ -110,7 +110,6 @@ class Gpu:
         self.total_mem = self.dev.total_memory()
         self._kernels: dict[str, dict[str, Any]] = {}
         self._modules: list[Any] = []
-        self._cudnn: dict[tuple[str, int, int], Any] = {}
 
     @classmethod
     def get(cls) -> Gpu:
@@ -121,9 +120,6 @@ class Gpu:
     def _close(self) -> None:
         import gc
 
-        for att in self._cudnn.values():
-            att.close()
-        self._cudnn.clear()
         gc.collect()  # free allocations (and cuBLAS handles) before the context goes
         try:
             self.ctx.pop()
@@ -134,17 +130,6 @@ class Gpu:
         major, minor = self.dev.compute_capability()
         return (f"{self.dev.name()} (sm_{major}{minor}, {self.total_mem / 2**30:.0f} GiB, "
                 f"{precision})")
-
-    def cudnn_attention(self, precision: str, n_head: int, head_dim: int) -> Any:
-        """The process's cudnn_attn.CudnnAttention for this precision and head shape, on the
-        shared stream: its graphs (built per B, T) outlive a backend, so a second backend of
-        the same model does not build them again. Raises what CudnnAttention raises."""
-        key = (precision, n_head, head_dim)
-        if key not in self._cudnn:
-            from engine.backends.cuda.cudnn_attn import CudnnAttention
-
-            self._cudnn[key] = CudnnAttention(precision, n_head, head_dim, self.stream.handle)
-        return self._cudnn[key]
 
     def kernels(self, precision: str) -> dict[str, Any]:
         """name -> prepared PyCUDA function, for one activation precision."""

@@ -23,7 +23,9 @@ extern "C" __global__ void k_embed_fwd(act_t* x, const int* tokens, const float*
 // >   for b in range(B):
 // >       dwpe[:T] += dout[b]
 // >   np.add.at(dwte, tokens.reshape(-1), dout.reshape(B * T, d))
-// += into the float32 dwte and dwpe; numpy's dout is `dx` here (time-major rows).
+// += into the float32 dwte and dwpe; numpy's dout is `dx` here (time-major rows). With
+// overwrite_pos != 0, dwpe[t] = the sum instead (the fused step's first micro-batch writes its
+// gradients rather than zeroing and adding; dwte is always added to: the loss wrote it first).
 // No atomics: blocks [0, R) each own one distinct token id (bucket u of a stable sort of the
 // rows by token, done on the host) and add its rows in ascending row order; blocks [R, R+T) each
 // own one position t and add the B rows of that position in order. Same inputs -> same bits.
@@ -34,7 +36,7 @@ extern "C" __global__ void k_embed_fwd(act_t* x, const int* tokens, const float*
 extern "C" __global__ void k_embed_bwd(float* dwte, float* dwpe, const act_t* dx,
                                        const int* n_unique, const int* bucket_tok,
                                        const int* bucket_start, const int* rows, int B, int T,
-                                       int d) {
+                                       int d, int overwrite_pos) {
     const int R = B * T;
     if (blockIdx.x < R) {
         const int u = blockIdx.x;
@@ -51,7 +53,7 @@ extern "C" __global__ void k_embed_bwd(float* dwte, float* dwpe, const act_t* dx
         for (int c = threadIdx.x; c < d; c += blockDim.x) {
             float s = 0.0f;
             for (int b = 0; b < B; b++) s += to_f(dx[((long)t * B + b) * d + c]);
-            dwpe[(long)t * d + c] += s;
+            dwpe[(long)t * d + c] = overwrite_pos ? s : dwpe[(long)t * d + c] + s;
         }
     }
 }

@@ -142,13 +142,14 @@ extern "C" __global__ void k_residual_layernorm_fwd(act_t* xsum, act_t* out, flo
 }
 
 // dx of one row held in registers: dx = rstd·(g - mean(g) - x̂·mean(g·x̂)), g = dout·γ; with
-// accumulate, dx = resid + that (resid may be dx itself). When prod is not null, the row's
-// column terms of dγ and dβ, dout·x̂ and dout, go to prod[c] and prod[d + c], rounded exactly as
-// k_layernorm_bwd_params rounds them (no fused multiply-add: the fused kernel's sums match).
+// accumulate, dx = resid + that (resid may be dx itself). With SUMS, the row's column terms of
+// dγ and dβ (dout·x̂ and dout) are added into the lane's accumulators ag, ab (explicitly rounded
+// operations, no fused multiply-add), for k_layernorm_bwd_fused.
+template <bool SUMS>
 __device__ __forceinline__ void ln_bwd_row(act_t* o, const act_t* res, const act_t* g,
                                            const act_t* xr, float mu, float rs,
                                            const float* gamma, int d, int lane, int accumulate,
-                                           float* prod) {
+                                           float (&ag)[LN_MAXV][VEC], float (&ab)[LN_MAXV][VEC]) {
     Vec gv[LN_MAXV], xv[LN_MAXV];
     float s1 = 0.0f, s2 = 0.0f;
 #pragma unroll
@@ -162,10 +163,11 @@ __device__ __forceinline__ void ln_bwd_row(act_t* o, const act_t* res, const act
                 const float dn = to_f(gv[k][i]) * gamma[c + i];
                 s1 += dn;
                 s2 += dn * (to_f(xv[k][i]) - mu) * rs;
-                if (prod) {
+                if (SUMS) {
                     const float gi = to_f(gv[k][i]);
-                    prod[c + i] = __fmul_rn(__fmul_rn(gi, __fsub_rn(to_f(xv[k][i]), mu)), rs);
-                    prod[d + c + i] = gi;
+                    ag[k][i] = __fadd_rn(ag[k][i],
+                                         __fmul_rn(__fmul_rn(gi, __fsub_rn(to_f(xv[k][i]), mu)), rs));
+                    ab[k][i] = __fadd_rn(ab[k][i], gi);
                 }
             }
         }
@@ -217,7 +219,8 @@ extern "C" __global__ void k_layernorm_bwd(act_t* dx, const act_t* resid, const 
     const act_t* res = resid ? resid + (long)r * d : o;
     const float mu = mean[r], rs = rstd[r];
     if (ln_vector_row(d) && aligned16(dx) && aligned16(res) && aligned16(dout) && aligned16(x)) {
-        ln_bwd_row(o, res, g, xr, mu, rs, gamma, d, lane, accumulate, nullptr);
+        float none[LN_MAXV][VEC];
+        ln_bwd_row<false>(o, res, g, xr, mu, rs, gamma, d, lane, accumulate, none, none);
         return;
     }
     float s1 = 0.0f, s2 = 0.0f;  // general rows: two passes over global memory
@@ -264,83 +267,95 @@ extern "C" __global__ void k_layernorm_bwd_params(float* partial, const act_t* d
     partial[(long)chunk * 2 * d + d + c] = sb;
 }
 
-// The sum over chunks of partial[chunk, c], chunks in order, added into dst[c]: the second pass
-// of both k_layernorm_bwd_params and k_layernorm_bwd_fused.
-__device__ __forceinline__ void colsum_add(float* dst, const float* partial, int nchunk, int n,
-                                           int c) {
-    float s = 0.0f;
-    for (int k = 0; k < nchunk; k++) s = __fadd_rn(s, __ldcg(partial + (long)k * n + c));
-    dst[c] = __fadd_rn(dst[c], s);
-}
-
 // numpy twin: none — the second pass of k_layernorm_bwd_params' column sums (numpy sums all rows
 // at once): dst[c] += sum over chunks of partial[chunk, c], chunks in order, into the float32
-// dgamma, dbeta (adjacent in the flat gradient buffer).
-extern "C" __global__ void k_colsum_reduce(float* dst, const float* partial, int nchunk, int n) {
+// dgamma, dbeta (adjacent in the flat gradient buffer); dst[c] = that sum when overwrite != 0
+// (the fused step's first micro-batch writes its gradients instead of zeroing then adding).
+extern "C" __global__ void k_colsum_reduce(float* dst, const float* partial, int nchunk, int n,
+                                           int overwrite) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= n) return;
-    colsum_add(dst, partial, nchunk, n, c);
+    float s = 0.0f;
+    for (int k = 0; k < nchunk; k++) s = __fadd_rn(s, partial[(long)k * n + c]);
+    dst[c] = overwrite ? s : __fadd_rn(dst[c], s);
 }
 
-#define LN_GROUP 8         // rows per group: one per warp of a 256-thread block
-#define LN_FUSED_COLS 6    // columns of [0, 2d) per thread: d <= 3 * 256 = 768
+#define LN_FUSED_COLS 6  // columns of [0, 2d) per thread in the last block: 2d <= 6 * 256
 
 // numpy twin: ops.layernorm_bwd (dx, dgamma and dbeta in one kernel)
 // >   dgamma += np.einsum("ij,ij->j", dout, xhat)
 // >   dbeta += dout.sum(axis=0)
 // >   dx *= rstd[:, None]
-// k_layernorm_bwd, k_layernorm_bwd_params and k_colsum_reduce in one launch, with their bits.
-// Block = one chunk of rows_per_chunk rows, in groups of LN_GROUP: warp w computes dx of row
-// g0 + w (ln_bwd_row, reading dout and x once) and leaves its dγ/dβ column terms in shared memory
-// (prod [LN_GROUP][2d]); then each thread adds, for its columns, the group's rows in row order,
-// as k_layernorm_bwd_params does. The chunk's sums go to partial[chunk]; the block that finishes
-// last (an int counter, the only atomic; it is reset for the next launch) adds the chunks in
-// order into dgamma_beta, as k_colsum_reduce does. No float atomics: same inputs, same bits.
-// The backend launches it for the vector path only (d % VEC == 0, 16-byte aligned rows, 2d <=
-// LN_FUSED_COLS * blockDim.x); dynamic shared memory LN_GROUP * 2d floats (48 KiB at d = 768,
-// all a block may have without opting in: the last-block flag reuses it).
+// k_layernorm_bwd, k_layernorm_bwd_params and k_colsum_reduce in one launch. dx has their bits
+// (the same row function). dγ and dβ are the same sums in another fixed order: block = one chunk
+// of rows_per_chunk rows; warp w takes rows w, w + 8, ... of the chunk and adds each row's
+// column terms into its lanes' registers as it computes dx (dout and x are read once); the 8
+// warps' sums are added in warp order through shared memory (the chunk's partial); the block
+// that finishes last (an int counter, the only atomic, reset for the next launch) adds the
+// chunks in order into dgamma_beta (+=, or = when overwrite != 0). No float atomics: the same
+// inputs give the same bits. Launched for the vector path only (d % VEC == 0, 16-byte aligned
+// rows, 2d <= LN_FUSED_COLS * blockDim.x); dynamic shared memory (blockDim.x / 32) * 2d floats.
 extern "C" __global__ void k_layernorm_bwd_fused(act_t* dx, const act_t* resid, const act_t* dout,
                                                  const act_t* x, const float* mean,
                                                  const float* rstd, const float* gamma,
                                                  float* dgamma_beta, float* partial,
                                                  int* counter, int R, int d, int rows_per_chunk,
-                                                 int accumulate) {
-    extern __shared__ float prod[];
-    int* is_last = reinterpret_cast<int*>(prod);  // after the groups, prod is free
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+                                                 int accumulate, int overwrite) {
+    extern __shared__ float sm[];  // [warps][2d]: each warp's column sums; then the last flag
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int n = 2 * d, chunk = blockIdx.x;
     const int r0 = chunk * rows_per_chunk, r1 = min(R, r0 + rows_per_chunk);
-    float acc[LN_FUSED_COLS];
+    float ag[LN_MAXV][VEC], ab[LN_MAXV][VEC];
 #pragma unroll
-    for (int j = 0; j < LN_FUSED_COLS; j++) acc[j] = 0.0f;
-    for (int g0 = r0; g0 < r1; g0 += LN_GROUP) {
-        const int r = g0 + warp;
-        if (warp < LN_GROUP && r < r1) {
-            const long base = (long)r * d;
-            ln_bwd_row(dx + base, (resid ? resid : dx) + base, dout + base, x + base, mean[r],
-                       rstd[r], gamma, d, lane, accumulate, prod + warp * n);
-        }
-        __syncthreads();
-        const int rows = min(LN_GROUP, r1 - g0);
+    for (int k = 0; k < LN_MAXV; k++)
 #pragma unroll
-        for (int j = 0; j < LN_FUSED_COLS; j++) {
-            const int c = threadIdx.x + j * blockDim.x;
-            if (c < n)
-                for (int w = 0; w < rows; w++) acc[j] = __fadd_rn(acc[j], prod[w * n + c]);
-        }
-        __syncthreads();  // prod is overwritten by the next group
+        for (int i = 0; i < VEC; i++) ag[k][i] = ab[k][i] = 0.0f;
+    for (int r = r0 + warp; r < r1; r += nw) {
+        const long base = (long)r * d;
+        ln_bwd_row<true>(dx + base, (resid ? resid : dx) + base, dout + base, x + base, mean[r],
+                         rstd[r], gamma, d, lane, accumulate, ag, ab);
     }
 #pragma unroll
-    for (int j = 0; j < LN_FUSED_COLS; j++) {
-        const int c = threadIdx.x + j * blockDim.x;
-        if (c < n) partial[(long)chunk * n + c] = acc[j];
+    for (int k = 0; k < LN_MAXV; k++) {
+        const int c = (k * 32 + lane) * VEC;
+        if (c < d) {
+#pragma unroll
+            for (int i = 0; i < VEC; i++) {
+                sm[warp * n + c + i] = ag[k][i];
+                sm[warp * n + d + c + i] = ab[k][i];
+            }
+        }
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < n; c += blockDim.x) {
+        float s = 0.0f;
+        for (int w = 0; w < nw; w++) s = __fadd_rn(s, sm[w * n + c]);
+        partial[(long)chunk * n + c] = s;
     }
     __threadfence();  // the partials are visible device-wide before the counter moves
-    __syncthreads();
+    __syncthreads();  // every thread has read sm: its first word becomes the flag
+    int* is_last = reinterpret_cast<int*>(sm);
     if (threadIdx.x == 0) *is_last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
     __syncthreads();
     if (!*is_last) return;
     __threadfence();
-    for (int c = threadIdx.x; c < n; c += blockDim.x) colsum_add(dgamma_beta, partial, gridDim.x, n, c);
+    // the chunks in order, LN_FUSED_COLS independent columns per thread (loads in flight)
+    float acc[LN_FUSED_COLS];
+#pragma unroll
+    for (int j = 0; j < LN_FUSED_COLS; j++) acc[j] = 0.0f;
+#pragma unroll 4
+    for (int k = 0; k < (int)gridDim.x; k++) {
+        const float* pk = partial + (long)k * n;
+#pragma unroll
+        for (int j = 0; j < LN_FUSED_COLS; j++) {
+            const int c = threadIdx.x + j * blockDim.x;
+            if (c < n) acc[j] = __fadd_rn(acc[j], __ldcg(pk + c));
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < LN_FUSED_COLS; j++) {
+        const int c = threadIdx.x + j * blockDim.x;
+        if (c < n) dgamma_beta[c] = overwrite ? acc[j] : __fadd_rn(dgamma_beta[c], acc[j]);
+    }
     if (threadIdx.x == 0) *counter = 0;
 }

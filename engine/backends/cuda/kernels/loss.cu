@@ -1,25 +1,74 @@
 // Cross-entropy after the tied output projection (DESIGN §3 `loss_fwd` / `loss_bwd`).
 // logits = x @ wte.T comes from cuBLAS into a float buffer [R, ldv] (ldv >= V, padded for
-// alignment); these kernels are the softmax cross-entropy, one block per row r = t*B + b.
+// alignment: ldv % 64 == 0, so rows are whole 16-byte vectors); these kernels are the softmax
+// cross-entropy, one block per row r = t*B + b.
 #include "common.cuh"
 
-// The loss of row r from its logits z (ldv floats, V used): lse = max + log Σ exp(z - max), by
-// block-wide reductions in a fixed order. Shared by k_loss_fwd and k_loss_fwd_bwd (same bits).
-__device__ __forceinline__ float row_lse(const float* z, int V, float* shared) {
-    float mx = -INFINITY;
-    for (int j = threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, z[j]);
-    mx = block_max(mx, shared);
-    float s = 0.0f;
-    for (int j = threadIdx.x; j < V; j += blockDim.x) s += __expf(z[j] - mx);
-    s = block_sum(s, shared);
-    return mx + logf(s);
+// (max, Σ exp(z - max)) pairs combined: the running form of the softmax's two reductions.
+__device__ __forceinline__ void lse_merge(float& m, float& s, float m2, float s2) {
+    const float M = fmaxf(m, m2);
+    if (M == -INFINITY) return;  // both empty
+    s = s * __expf(m - M) + s2 * __expf(m2 - M);
+    m = M;
 }
 
-// dz = scale·(softmax(z) - onehot(target)) for one row, padding columns V <= j < ldv set to 0.
+// The log-sum-exp of row z (V used of its ldv floats, ldv % 4 == 0, 16-byte aligned rows): one
+// pass of 16-byte loads keeping each thread's running (max, sum), then the pairs combined in a
+// fixed order (warp butterflies, then warp 0 over the warps). Shared by k_loss_fwd and
+// k_loss_fwd_bwd (same bits).
+__device__ __forceinline__ float row_lse(const float* z, int V, float* shared) {
+    float m = -INFINITY, s = 0.0f;
+    const float4* z4 = reinterpret_cast<const float4*>(z);
+    for (int q = threadIdx.x; q * 4 < V; q += blockDim.x) {
+        const float4 v = z4[q];
+        const float e[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            if (q * 4 + i < V) {
+                const float x = e[i];
+                if (x > m) {
+                    s = s * __expf(m - x) + 1.0f;
+                    m = x;
+                } else {
+                    s += __expf(x - m);
+                }
+            }
+        }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
+        lse_merge(m, s, m2, s2);
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    __syncthreads();  // `shared` may still be read by a previous call
+    if (lane == 0) {
+        shared[warp] = m;
+        shared[16 + warp] = s;
+    }
+    __syncthreads();
+    m = lane < nw ? shared[lane] : -INFINITY;
+    s = lane < nw ? shared[16 + lane] : 0.0f;
+    for (int o = 16; o > 0; o >>= 1) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
+        lse_merge(m, s, m2, s2);
+    }
+    return m + logf(s);
+}
+
+// dz = scale·(softmax(z) - onehot(target)) for one row, padding columns V <= j < ldv set to 0;
+// four columns per thread (16-byte loads of z, 8- or 16-byte stores of dz).
 __device__ __forceinline__ void row_dlogits(act_t* dz, const float* z, float l, int tgt, float sc,
                                             int V, int ldv) {
-    for (int j = threadIdx.x; j < ldv; j += blockDim.x)
-        dz[j] = to_act(j < V ? (__expf(z[j] - l) - (j == tgt ? 1.0f : 0.0f)) * sc : 0.0f);
+    const float4* z4 = reinterpret_cast<const float4*>(z);
+    for (int q = threadIdx.x; q * 4 < ldv; q += blockDim.x) {
+        const float4 v = z4[q];
+        const float e[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int j = q * 4 + i;
+            dz[j] = to_act(j < V ? (__expf(e[i] - l) - (j == tgt ? 1.0f : 0.0f)) * sc : 0.0f);
+        }
+    }
 }
 
 // numpy twin: ops.loss_fwd (after its matmul, per row chunk z = logits[r0:r1])
