@@ -49,6 +49,9 @@ MODELS = {
 B = 8
 AFTER = {"attention": "auto", "fusions": True}
 BEFORE = {"attention": "classic", "fusions": False}
+# the default with one fusion switched off (backend._flag), timed beside it: --variants
+VARIANTS = {"andrea no side stream": {"ANDREA_SIDE_STREAM": "0"},
+            "andrea no fused LN": {"ANDREA_FUSED_LN": "0"}}
 
 
 def flops_per_token(s: ModelShapes) -> float:
@@ -63,10 +66,22 @@ def batches(s: ModelShapes, n: int = 4) -> list[np.ndarray]:
 # --- ANDREA ---------------------------------------------------------------------------------------
 
 
-def andrea_backend(s: ModelShapes, opts: dict[str, Any], graphs: bool = True) -> Any:
+def andrea_backend(s: ModelShapes, opts: dict[str, Any], graphs: bool = True,
+                   env: dict[str, str] | None = None) -> Any:
+    import os
+
     from engine.backends.cuda import CudaBackend
 
-    bk = CudaBackend(s, B, "bf16", **opts)
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        bk = CudaBackend(s, B, "bf16", **opts)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     bk.use_graphs = graphs
     bk.load_params(init_params(s, seed=1337))
     return bk
@@ -267,13 +282,16 @@ def loss_check(s: ModelShapes) -> tuple[float, float]:
 
 
 def bench_model(key: str, torch_variants: list[str], steps: int, rounds: int,
-                notes: dict[str, Any]) -> list[dict[str, Any]]:
+                notes: dict[str, Any], variants: bool = False) -> list[dict[str, Any]]:
     s = MODELS[key]
     toks = batches(s)
     impls: dict[str, tuple[Callable[[np.ndarray, int], None], Any]] = {}
     info: dict[str, str] = {}
-    for name, opts in (("andrea", AFTER), ("andrea before", BEFORE)):
-        bk = andrea_backend(s, opts)
+    andreas = [("andrea", AFTER, None), ("andrea before", BEFORE, None)]
+    if variants:
+        andreas += [(n, AFTER, env) for n, env in VARIANTS.items()]
+    for name, opts, env in andreas:
+        bk = andrea_backend(s, opts, env=env)
         impls[name] = (andrea_step(bk), bk)
     for v in torch_variants:
         try:
@@ -318,7 +336,7 @@ def bench_model(key: str, torch_variants: list[str], steps: int, rounds: int,
                 times.append(time.perf_counter() - t0)
             medians[name].append(statistics.median(times))
             print(f"  {key} round {rnd + 1} {name}: {medians[name][-1] * 1e3:.2f} ms", flush=True)
-    for name in ("andrea", "andrea before"):
+    for name, _, _ in andreas:
         if name in impls:
             impls[name][1].close()
     impls.clear()
@@ -353,6 +371,8 @@ def main() -> int:
     ap.add_argument("--json", default="")
     ap.add_argument("--profile", default="", help="models to profile per kernel, e.g. 120M,12M")
     ap.add_argument("--no-loss-check", action="store_true")
+    ap.add_argument("--variants", action="store_true",
+                    help="also time the default with one fusion switched off at a time")
     args = ap.parse_args()
     models = [m for m in args.models.split(",") if m]
     variants = [v for v in args.torch.split(",") if v]
@@ -370,7 +390,8 @@ def main() -> int:
             out["loss_check"][key] = {"andrea": ours, "torch": theirs}
             print(f"\nANDREA-{key} loss at step 1, same weights and tokens: engine {ours:.5f}, "
                   f"PyTorch {theirs:.5f} (|diff| {abs(ours - theirs):.2e})")
-        out["rows"] += bench_model(key, variants, args.steps, args.rounds, out["notes"])
+        out["rows"] += bench_model(key, variants, args.steps, args.rounds, out["notes"],
+                                   args.variants)
     print(f"\nGPU benchmark: B={B}, T=1024, one full step (fwd, bwd, clip, AdamW); median of "
           f"{args.rounds} interleaved rounds of the median of {args.steps} steps (± the spread "
           f"between rounds); MFU = tok/s·(6N + 6·L·d·T)/989 TFLOP/s")

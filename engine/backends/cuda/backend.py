@@ -60,6 +60,14 @@ def default_fusions() -> bool:
     return os.environ.get("ANDREA_FUSIONS", "1") != "0"
 
 
+def _flag(name: str) -> bool:
+    """A fusion's own switch (default on), for bisecting one away: ANDREA_SIDE_STREAM (the
+    weight-gradient stream), ANDREA_FUSED_LN (the one-kernel LayerNorm backward),
+    ANDREA_WRITE_GRADS (the step writes its gradients instead of zeroing and adding),
+    ANDREA_DWTE_PAD (dwte's GEMM over the aligned rows)."""
+    return os.environ.get(name, "1") != "0"
+
+
 class CudaBackend:
     """The interface of engine/backends/base.py on one GPU."""
 
@@ -134,14 +142,16 @@ class CudaBackend:
             why = self.gemm.import_plan(gemm_plan)
             if why:
                 self.notes.append(why)
-            self.side = drv.Stream(flags=1)  # the weight-gradient stream (non-blocking)
+            # the weight-gradient stream (non-blocking)
+            self.side = drv.Stream(flags=1) if _flag("ANDREA_SIDE_STREAM") else None
             self.ops = Ops(gpu.kernels(precision), None, self.stream, precision,
                            gemm=self.gemm, ws=plan["cublas_ws"], side=self.side,
                            ws2=plan["cublas_ws2"], cudnn=self.cudnn, cudnn_ws=cws,
                            event=lambda: drv.Event(drv.event_flags.DISABLE_TIMING))
             self.ops.counter = plan["counters"]
-            # two per weight-gradient GEMM (fork, done) and the joins: 4 GEMMs a layer + dwte
-            self.ops.reserve_events(8 * shapes.n_layer + 16)
+            if self.side is not None:
+                # two per weight-gradient GEMM (fork, done), the joins: 4 GEMMs a layer, dwte
+                self.ops.reserve_events(8 * shapes.n_layer + 16)
         else:
             self.blas = Cublas(self.stream.handle, plan["cublas_ws"], WORKSPACE_BYTES)
             # GELU in the MLP GEMMs' epilogues (ANDREA_GELU_FUSION=0: separate GELU kernels)
@@ -150,6 +160,9 @@ class CudaBackend:
             self.ops = Ops(gpu.kernels(precision), self.blas, self.stream, precision, self.lt,
                            cudnn=self.cudnn, cudnn_ws=cws)
         self.fused_step = self.fusions
+        self.fused_ln = self.fusions and _flag("ANDREA_FUSED_LN")
+        self.write_grads = _flag("ANDREA_WRITE_GRADS")
+        self.dwte_pad = self.S if _flag("ANDREA_DWTE_PAD") else 0
         self.p, self.g = plan["params"], plan["grads"]
         self.plp = plan["params_lp"] if precision != "fp32" else self.p
         self.m, self.v = plan["m"], plan["v"]
@@ -263,7 +276,7 @@ class CudaBackend:
             self.ops.begin_pass()
             # as train_step runs at full length (the weight-gradient GEMMs with beta 0): those
             # are the problems to time
-            self.ops.overwrite_grads = self.fused_step
+            self.ops.overwrite_grads = self.fused_step and self.write_grads
             self._forward(b, T, loss=True, train=True)
             self._backward(b, T)
             self.ops.overwrite_grads = False
@@ -392,15 +405,16 @@ class CudaBackend:
         if fused:  # dlogits came with the forward (loss_fwd_bwd)
             o.loss_bwd_gemms(b.at("lnf"), self._w("wte"), dln, self._g32("wte"),
                              b.at("dlogits"), B, T, s.vocab_size, self.ldv, d, self.wte_rows,
-                             pad_rows=self.S)
+                             pad_rows=self.dwte_pad)
         else:
             o.loss_bwd(b.at("lnf"), self._w("wte"), io["targets"], b.at("logits"), b.at("lse"),
                        io["scale"], dln, self._g32("wte"), b.at("dlogits"), B, T, s.vocab_size,
                        self.ldv, d, self.wte_rows)
         stf = b.at("lnf_stats")
         cur, nxt = res
+        fln = self.fused_ln
         o.layernorm_bwd(dln, b.at("x", L), self._p32("lnf.gamma"), stf, stf + R * 4, cur,
-                        self._g32("lnf.gamma"), part, R, d, accumulate=False, fused=fused)
+                        self._g32("lnf.gamma"), part, R, d, accumulate=False, fused=fln)
         for l in reversed(range(L)):
             h = f"h.{l}."
             a = b.layer(l)
@@ -411,7 +425,7 @@ class CudaBackend:
                       dpre[l % 2], R, d, F)
             o.layernorm_bwd(dln, a["xmid"], self._p32(h + "ln2.gamma"), st2, st2 + R * 4, nxt,
                             self._g32(h + "ln2.gamma"), part, R, d, accumulate=True,
-                            resid=cur, fused=fused)
+                            resid=cur, fused=fln)
             # xmid = x[l] + attn(ln1(x[l])); nxt holds d xmid
             o.attn_out_bwd(nxt, a["att"], self._w(h + "attn.W_O"), datt,
                            self._g32(h + "attn.W_O"), R, d)
@@ -427,7 +441,7 @@ class CudaBackend:
                            self._g32(h + "attn.W_Q"), R, d, slab)
             o.layernorm_bwd(dln, b.at("x", l), self._p32(h + "ln1.gamma"), st1, st1 + R * 4,
                             cur, self._g32(h + "ln1.gamma"), part, R, d, accumulate=True,
-                            resid=nxt, fused=fused)
+                            resid=nxt, fused=fln)
         o.embed_bwd(cur, (io["n_unique"], io["bucket_tok"], io["bucket_start"], io["rows"]),
                     self._g32("wte"), self._g32("wpe"), B, T, d)
 
@@ -528,7 +542,7 @@ class CudaBackend:
         # At full length every parameter's gradient is written by this micro-batch (GEMMs with
         # beta 0, the LayerNorm and position sums stored): no zeroing pass over the 4·n bytes.
         # A shorter sequence leaves position rows unwritten: zero, then add, as usual.
-        write = T == self.S
+        write = T == self.S and self.write_grads
 
         def issue() -> None:
             o = self.ops

@@ -346,6 +346,7 @@ class Ops:
             try:
                 epilogue()
                 self.gemm.choices[name] = "epilogue"
+                self.fused_gelu_calls += 1
                 return
             except RunError:
                 choice = self.gemm.choices[name] = "kernel"

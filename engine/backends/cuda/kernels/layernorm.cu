@@ -150,6 +150,8 @@ __device__ __forceinline__ void ln_bwd_row(act_t* o, const act_t* res, const act
                                            const act_t* xr, float mu, float rs,
                                            const float* gamma, int d, int lane, int accumulate,
                                            float (&ag)[LN_MAXV][VEC], float (&ab)[LN_MAXV][VEC]) {
+    // every operation explicitly rounded: the compiler may not contract differently in the
+    // kernels that share this function (their dx must be the same bits)
     Vec gv[LN_MAXV], xv[LN_MAXV];
     float s1 = 0.0f, s2 = 0.0f;
 #pragma unroll
@@ -160,13 +162,13 @@ __device__ __forceinline__ void ln_bwd_row(act_t* o, const act_t* res, const act
             xv[k] = load_vec(xr + c);
 #pragma unroll
             for (int i = 0; i < VEC; i++) {
-                const float dn = to_f(gv[k][i]) * gamma[c + i];
-                s1 += dn;
-                s2 += dn * (to_f(xv[k][i]) - mu) * rs;
+                const float gi = to_f(gv[k][i]);
+                const float xc = __fsub_rn(to_f(xv[k][i]), mu);
+                const float dn = __fmul_rn(gi, gamma[c + i]);
+                s1 = __fadd_rn(s1, dn);
+                s2 = __fadd_rn(s2, __fmul_rn(__fmul_rn(dn, xc), rs));
                 if (SUMS) {
-                    const float gi = to_f(gv[k][i]);
-                    ag[k][i] = __fadd_rn(ag[k][i],
-                                         __fmul_rn(__fmul_rn(gi, __fsub_rn(to_f(xv[k][i]), mu)), rs));
+                    ag[k][i] = __fadd_rn(ag[k][i], __fmul_rn(__fmul_rn(gi, xc), rs));
                     ab[k][i] = __fadd_rn(ab[k][i], gi);
                 }
             }
@@ -181,10 +183,10 @@ __device__ __forceinline__ void ln_bwd_row(act_t* o, const act_t* res, const act
             if (accumulate) ov = load_vec(res + c);
 #pragma unroll
             for (int i = 0; i < VEC; i++) {
-                const float dn = to_f(gv[k][i]) * gamma[c + i];
-                const float xh = (to_f(xv[k][i]) - mu) * rs;
-                const float v = rs * (dn - m1 - xh * m2);
-                ov[i] = to_act(accumulate ? to_f(ov[i]) + v : v);
+                const float dn = __fmul_rn(to_f(gv[k][i]), gamma[c + i]);
+                const float xh = __fmul_rn(__fsub_rn(to_f(xv[k][i]), mu), rs);
+                const float v = __fmul_rn(rs, __fsub_rn(__fsub_rn(dn, m1), __fmul_rn(xh, m2)));
+                ov[i] = to_act(accumulate ? __fadd_rn(to_f(ov[i]), v) : v);
             }
             store_vec(o + c, ov);
         }

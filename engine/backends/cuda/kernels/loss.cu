@@ -66,7 +66,8 @@ __device__ __forceinline__ void row_dlogits(act_t* dz, const float* z, float l, 
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             const int j = q * 4 + i;
-            dz[j] = to_act(j < V ? (__expf(e[i] - l) - (j == tgt ? 1.0f : 0.0f)) * sc : 0.0f);
+            const float p = __expf(__fsub_rn(e[i], l));  // rounded as written: no contraction
+            dz[j] = to_act(j < V ? __fmul_rn(__fsub_rn(p, j == tgt ? 1.0f : 0.0f), sc) : 0.0f);
         }
     }
 }
