@@ -51,7 +51,7 @@ AFTER = {"attention": "auto", "fusions": True}
 BEFORE = {"attention": "classic", "fusions": False}
 # the default with one fusion switched off (backend._flag), timed beside it: --variants
 VARIANTS = {"andrea no side stream": {"ANDREA_SIDE_STREAM": "0"},
-            "andrea no fused LN": {"ANDREA_FUSED_LN": "0"}}
+            "andrea with fused LN": {"ANDREA_FUSED_LN": "1"}}
 
 
 def flops_per_token(s: ModelShapes) -> float:

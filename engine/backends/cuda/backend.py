@@ -60,12 +60,13 @@ def default_fusions() -> bool:
     return os.environ.get("ANDREA_FUSIONS", "1") != "0"
 
 
-def _flag(name: str) -> bool:
-    """A fusion's own switch (default on), for bisecting one away: ANDREA_SIDE_STREAM (the
-    weight-gradient stream), ANDREA_FUSED_LN (the one-kernel LayerNorm backward),
-    ANDREA_WRITE_GRADS (the step writes its gradients instead of zeroing and adding),
-    ANDREA_DWTE_PAD (dwte's GEMM over the aligned rows)."""
-    return os.environ.get(name, "1") != "0"
+def _flag(name: str, default: bool = True) -> bool:
+    """A fusion's own switch, for bisecting one away: ANDREA_SIDE_STREAM (the weight-gradient
+    stream), ANDREA_FUSED_LN (the one-kernel LayerNorm backward: off by default, it measured
+    slower than the three kernels on the H200, NOTES.md), ANDREA_WRITE_GRADS (the step writes
+    its gradients instead of zeroing and adding), ANDREA_DWTE_PAD (dwte's GEMM over the aligned
+    rows)."""
+    return os.environ.get(name, "1" if default else "0") != "0"
 
 
 class CudaBackend:
@@ -160,7 +161,7 @@ class CudaBackend:
             self.ops = Ops(gpu.kernels(precision), self.blas, self.stream, precision, self.lt,
                            cudnn=self.cudnn, cudnn_ws=cws)
         self.fused_step = self.fusions
-        self.fused_ln = self.fusions and _flag("ANDREA_FUSED_LN")
+        self.fused_ln = self.fusions and _flag("ANDREA_FUSED_LN", default=False)
         self.write_grads = _flag("ANDREA_WRITE_GRADS")
         self.dwte_pad = self.S if _flag("ANDREA_DWTE_PAD") else 0
         self.p, self.g = plan["params"], plan["grads"]
