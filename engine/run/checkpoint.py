@@ -50,7 +50,7 @@ WRITER_NICENESS = 10
 _NAME_RE = re.compile(r"^step_(\d{8})(?:-(\d+))?$")
 _TMP_RE = re.compile(r"^\.tmp-.*-(\d+)-[0-9a-f]+$")
 # Fields written by this module; the trainer's `state` must not shadow them.
-_CORE_FIELDS = (
+CORE_FIELDS = (
     "format_version", "step", "n_params", "model_ckpt", "tensor_table", "reason", "wall_time",
     "state_sha256",
 )
@@ -213,7 +213,7 @@ def write_checkpoint(
     problem = _table_problem(table, n)
     if problem:
         raise ValueError(f"checkpoint: tensor_table: {problem}")
-    shadowed = sorted(set(state) & set(_CORE_FIELDS))
+    shadowed = sorted(set(state) & set(CORE_FIELDS))
     if shadowed:
         raise ValueError(f"checkpoint: state must not set {shadowed} (written by the checkpointer)")
 
@@ -336,7 +336,7 @@ def _check_structure_unguarded(path: Path) -> tuple[dict[str, Any], int]:
         raise CheckpointInvalid(f"{state_path}: unparsable JSON ({e})") from None
     if not isinstance(doc, dict):
         raise CheckpointInvalid(f"{state_path}: expected a JSON object")
-    for k in _CORE_FIELDS:
+    for k in CORE_FIELDS:
         if k not in doc:
             raise CheckpointInvalid(f"{state_path}: field {k!r} missing")
     if "state_sha256" not in doc:
