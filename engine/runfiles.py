@@ -27,9 +27,6 @@ SAMPLES = "samples.jsonl"
 STATE = "state.json"
 CHECKPOINTS = "checkpoints"
 
-STATUSES = ("starting", "running", "stopping", "stopped", "finished", "failed")
-LIVE_STATUSES = ("starting", "running", "stopping")
-
 
 @dataclass(frozen=True)
 class RunPaths:
@@ -124,9 +121,6 @@ class JsonlWriter:
 
     def write(self, record: dict[str, Any]) -> None:
         self._f.write((json.dumps(record, separators=(",", ":")) + "\n").encode())
-
-    def sync(self) -> None:
-        os.fsync(self._f.fileno())
 
     def close(self) -> None:
         self._f.close()

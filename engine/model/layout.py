@@ -42,10 +42,6 @@ class ModelShapes:
                 f"got {self.n_head}"
             )
 
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_head
-
     @classmethod
     def from_config(cls, cfg_model: dict[str, Any]) -> ModelShapes:
         """Build from the config's `model` section (extra keys are ignored)."""
