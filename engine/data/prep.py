@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from engine.config import load_config
 from engine.data.builtin import even_selection
 from engine.data.shards import Shard, open_shard, write_shard
 from engine.data.sources import iter_documents, source_fingerprint
@@ -277,8 +278,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config", help="experiment config (JSON)")
     parser.add_argument("--force", action="store_true", help="retrain and re-encode everything")
     args = parser.parse_args(argv)
-    from engine.config import load_config  # the lead's module; imported late on purpose
-
     config = load_config(args.config)
     result = prepare(config, force=args.force)
     total = sum(result.tokens.values())
