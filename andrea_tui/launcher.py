@@ -1,4 +1,4 @@
-"""Start `andrea-train` as a child that outlives the terminal (issue 5, "Launch").
+"""Start `andrea-train` as a child that outlives the terminal.
 
 The child gets its own session (a dropped SSH connection's SIGHUP does not reach it), stdin from
 /dev/null (it must never fight the TUI for the keyboard) and stdout+stderr appended to

@@ -148,9 +148,6 @@ class JsonlWriter:
     def write(self, record: dict[str, Any]) -> None:
         self._f.write((json.dumps(record, separators=(",", ":")) + "\n").encode())
 
-    def sync(self) -> None:
-        os.fsync(self._f.fileno())
-
     def close(self) -> None:
         self._f.close()
 

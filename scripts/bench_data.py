@@ -22,8 +22,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.data.builtin import BUILTINS
 from engine.config import SourceConfig
+from engine.data.builtin import BUILTINS
 from engine.data.prep import BATCH_BYTES, training_texts
 from engine.data.sampler import Sampler
 from engine.data.shards import open_shard, write_shard

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark the dashboard (issue 5): first frame on a big run, follow latency, CPU use.
+"""Benchmark the dashboard: first frame on a big run, follow latency, CPU use.
 
   .venv/bin/python scripts/bench_tui.py [--records 200000] [--follow-s 20] [--rate 10]
 

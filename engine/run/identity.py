@@ -2,7 +2,8 @@
 
 A controller signals a pid only if the process behind it is provably the engine that wrote
 `engine.json`: same boot, same start time (clock ticks since boot, /proc/PID/stat field 22), and
-`engine.lock` held. Standard library only: the TUI's control module imports this.
+`engine.lock` held. Standard library only: engine.run.control, which the TUI signals
+through, imports this.
 """
 
 from __future__ import annotations

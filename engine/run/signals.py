@@ -20,7 +20,6 @@ class SignalFlags:
         # While starting up (data prep can take a while) a second stop signal aborts at once.
         self.starting = True
         self._seen_snapshots = 0
-        self._installed = False
 
     def install(self) -> None:
         # Only the main thread may install handlers; install before anything slow so an early
@@ -32,7 +31,6 @@ class SignalFlags:
         signal.signal(signal.SIGINT, self._on_stop)
         # A file-size limit must fail the write (EFBIG, reported as a checkpoint error), not kill us.
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        self._installed = True
 
     def _on_usr1(self, signum: int, frame: FrameType | None) -> None:
         self.snapshot_requests += 1
