@@ -56,7 +56,12 @@ def launch(argv: Sequence[str], run_dir: Path, cwd: Path | None = None) -> subpr
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # bad input (a file in the path, /proc, no permission): one line, exit 2
         raise UserError(f"--run-dir {run_dir}: cannot create it: {e.strerror or e}") from None
-    with open(run_dir / LOG, "ab") as log, open("/dev/null", "rb") as devnull:
+    try:
+        log = open(run_dir / LOG, "ab")
+    except OSError as e:
+        raise UserError(f"{run_dir}: cannot write here ({e.strerror or e}); a run directory "
+                        f"can be watched read-only with `andrea-tui attach {run_dir}`") from None
+    with log, open("/dev/null", "rb") as devnull:
         return subprocess.Popen(
             list(argv), stdin=devnull, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True, cwd=cwd, close_fds=True, env=_child_env(),

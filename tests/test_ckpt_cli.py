@@ -246,3 +246,22 @@ def test_inspect_text_shows_what_the_engine_wrote(real_run: Path, capsys) -> Non
         f"{n} {w:.4f}" for n, w in bd["weights"].items()) + "\n" in final
     assert f"  sampler: seed {e['sampler']['seed']}  seq_len 32  sources 3\n" in final
     assert f"tokenizer sha256 {e['data']['tokenizer_sha256'][:16]}" in final
+
+
+def test_prune_keeps_the_newest_and_dry_run_deletes_nothing(tmp_path: Path, capsys) -> None:
+    run = tmp_path / "run"
+    for step, reason in ((5, "periodic"), (6, "snapshot"), (7, "stop"), (8, "snapshot")):
+        write_checkpoint(run / "checkpoints", step, *arrays(step), {"tokens": step}, reason,
+                         TABLE)
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    code, out, _ = run_main(["prune", str(run), "--keep", "2", "--dry-run"], capsys)
+    assert code == 0 and "would remove 2 checkpoint(s)" in out
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+    code, out, _ = run_main(["prune", str(run), "--keep", "2"], capsys)
+    assert code == 0 and "removed 2 checkpoint(s)" in out
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000007",
+                                                                       "step_00000008"]
+    code, _, err = run_main(["prune", str(tmp_path), "--keep", "1"], capsys)
+    assert code == 2 and "not a run directory" in err
+    code, _, err = run_main(["prune", str(run), "--keep", "0"], capsys)
+    assert code == 2 and "--keep" in err

@@ -28,7 +28,7 @@ import shutil
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -493,28 +493,43 @@ def _remove_checkpoint(path: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def prune_periodic(ckpt_root: Path, keep: int, *, check_hash: bool = True) -> list[Path]:
-    """Delete periodic checkpoints beyond the newest `keep` valid ones; return what was deleted.
+def prune(ckpt_root: Path, keep: int, reasons: Collection[str], *, check_hash: bool = True,
+          dry_run: bool = False) -> list[Path]:
+    """Delete checkpoints whose reason is in `reasons` beyond the newest `keep` valid ones;
+    return what was (or, with dry_run, would be) deleted.
 
-    Never touches snapshot/stop/final ones, nor anything whose reason cannot be read. Invalid
-    periodic checkpoints older than the oldest kept one go too; newer invalid ones stay for
-    inspection. Call it only after a newer checkpoint is committed.
+    Never touches a checkpoint of another reason or whose reason cannot be read, nor the newest
+    valid checkpoint of the run (what a resume starts from). Invalid ones older than the oldest
+    kept one go too; newer invalid ones stay for inspection. Call it only after a newer
+    checkpoint is committed.
     """
     if keep < 1:
-        raise UserError(f"checkpoint.keep: expected an integer >= 1, got {keep}")
+        raise UserError(f"--keep: expected an integer >= 1, got {keep}")
     root = ckpt_root_of(Path(ckpt_root))
-    periodic = [e for e in list_checkpoints(root, check_hash=check_hash) if e.reason == "periodic"]
+    entries = list_checkpoints(root, check_hash=check_hash)  # newest first
+    newest_valid = next((e.path for e in entries if e.valid), None)
     kept = 0
     removed: list[Path] = []
-    for e in periodic:  # newest first
-        if kept < keep:
+    for e in entries:
+        if e.reason not in reasons:
+            continue
+        if kept < keep or e.path == newest_valid:
             kept += e.valid
             continue
-        _remove_checkpoint(e.path)
+        if not dry_run:
+            _remove_checkpoint(e.path)
         removed.append(e.path)
-    if removed:
+    if removed and not dry_run:
         fsync_dir(root)
     return removed
+
+
+def prune_periodic(ckpt_root: Path, keep: int, *, check_hash: bool = True) -> list[Path]:
+    """checkpoint.keep: periodic checkpoints beyond the newest `keep` valid ones go."""
+    return prune(ckpt_root, keep, ("periodic",), check_hash=check_hash)
+
+
+MANUAL_REASONS = ("snapshot", "stop")
 
 
 # ---------------------------------------------------------------- background writer

@@ -21,10 +21,13 @@ from engine.errors import UserError, cli_entry
 from engine.run.checkpoint import (
     CORE_FIELDS,
     MODEL_FILE,
+    REASONS,
     STATE_FILE,
     CheckpointInvalid,
+    ckpt_root_of,
     list_checkpoints,
     load_checkpoint,
+    prune,
     tensor_stats,
     verify_checkpoint,
 )
@@ -224,6 +227,25 @@ def _cmd_verify(path: Path) -> int:
     return 0
 
 
+def _cmd_prune(path: Path, keep: int, dry_run: bool) -> int:
+    """Keep the `keep` newest checkpoints of a run (the newest valid one always stays)."""
+    from engine.run.control import engine_alive
+
+    root = ckpt_root_of(path)
+    if not root.is_dir() or root.name != "checkpoints":
+        raise UserError(f"{path}: not a run directory (no checkpoints/ in it)")
+    run_dir = root.parent
+    if not dry_run and engine_alive(run_dir)[0]:
+        raise UserError(f"{run_dir}: an engine is training there; prune once it has stopped "
+                        "(or look with --dry-run)")
+    gone = prune(root, keep, REASONS, dry_run=dry_run)
+    verb = "would remove" if dry_run else "removed"
+    for g in gone:
+        print(f"{verb} {g}")
+    print(f"{verb} {len(gone)} checkpoint(s); kept the {keep} newest valid ones")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="andrea-ckpt", description="Inspect and verify checkpoints.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -232,6 +254,10 @@ def _parser() -> argparse.ArgumentParser:
     pi.add_argument("--json", action="store_true", help="machine-readable output")
     pv = sub.add_parser("verify", help="size, header, tensor table and sha256; exit 2 if invalid")
     pv.add_argument("path", type=Path, help="checkpoint directory or run directory")
+    pp = sub.add_parser("prune", help="delete all but the newest N checkpoints of a run")
+    pp.add_argument("path", type=Path, help="run directory or its checkpoints/ directory")
+    pp.add_argument("--keep", type=int, required=True, help="how many checkpoints to keep")
+    pp.add_argument("--dry-run", action="store_true", help="list what would go, delete nothing")
     return p
 
 
@@ -240,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     if args.cmd == "inspect":
         return _cmd_inspect(args.path, args.json)
+    if args.cmd == "prune":
+        return _cmd_prune(args.path, args.keep, args.dry_run)
     return _cmd_verify(args.path)
 
 

@@ -12,7 +12,7 @@ from types import FrameType
 
 
 class SignalFlags:
-    """Counts SIGUSR1 (snapshot) and SIGTERM/SIGINT (stop) since the loop last looked."""
+    """Counts SIGUSR1 (snapshot) and SIGTERM/SIGINT/SIGHUP (stop) since the loop last looked."""
 
     def __init__(self) -> None:
         self.snapshot_requests = 0
@@ -29,6 +29,8 @@ class SignalFlags:
         signal.signal(signal.SIGUSR1, self._on_usr1)
         signal.signal(signal.SIGTERM, self._on_stop)
         signal.signal(signal.SIGINT, self._on_stop)
+        # A closed terminal (SIGHUP) is a stop too: checkpoint and end, never lose the progress.
+        signal.signal(signal.SIGHUP, self._on_stop)
         # A file-size limit must fail the write (EFBIG, reported as a checkpoint error), not kill us.
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 

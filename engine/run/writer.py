@@ -111,11 +111,24 @@ class RunWriter:
         if not durable and now - self._status_written < STATUS_EVERY_S:
             return
         self._status_written = now
+        if self._removed():
+            return
         record = dataclasses.replace(self.status, updated=now)
         try:
             write_json_atomic(self.paths.state, record.to_json(), durable=durable)
         except OSError as e:
             self._failed(self.paths.state, e)
+
+    def _removed(self) -> bool:
+        """The run directory was deleted under us (our open engine.log has no name left): a
+        write now would only land in files nobody can see, or in a directory made anew."""
+        try:
+            gone = os.fstat(self._log.fileno()).st_nlink == 0
+        except (OSError, ValueError):
+            gone = False
+        if gone:
+            self._failed(self.paths.root, FileNotFoundError(2, "the run directory was removed"))
+        return gone
 
     def write_json(self, path: Path, obj: Any) -> None:
         """Replace one of the run's JSON files (config.json, engine.json) atomically."""
