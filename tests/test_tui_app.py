@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 
 from andrea_tui.app import AndreaApp
-from andrea_tui.fakerun import loss_record, write_run
 from andrea_tui.launcher import launch
 from andrea_tui.screentext import screen_text
 from engine.run.control import engine_alive
 from engine.runfiles import read_jsonl
+from tests.fakerun import loss_record, write_run
 
 SIZE = (140, 45)
 
@@ -52,7 +52,7 @@ def run(coro) -> None:
 
 
 def start_fake_engine(run_dir: Path, rate: float = 20.0):
-    proc = launch([sys.executable, "-m", "andrea_tui.fakerun", str(run_dir),
+    proc = launch([sys.executable, "-m", "tests.fakerun", str(run_dir),
                    "--rate", str(rate)], run_dir)
     deadline = time.monotonic() + 20
     while not engine_alive(run_dir)[0]:
@@ -449,7 +449,7 @@ def test_q_before_the_engine_started_stops_it_cleanly(tmp_path: Path) -> None:
     engine writes its stop checkpoint and exits 0 (not killed by SIGTERM at startup)."""
     run_dir = tmp_path / "run"
     proc = launch([sys.executable, "-c", "import time, sys; time.sleep(1.5); "
-                   "from andrea_tui.fakerun import main; sys.exit(main(sys.argv[1:]))",
+                   "from tests.fakerun import main; sys.exit(main(sys.argv[1:]))",
                    str(run_dir)], run_dir)
 
     async def go() -> AndreaApp:

@@ -15,12 +15,12 @@ import pytest
 
 from andrea_tui import panels
 from andrea_tui.app import AndreaApp
-from andrea_tui.fakerun import loss_record, write_run
 from andrea_tui.runreader import RunReader
 from andrea_tui.runstate import RunState
 from andrea_tui.screentext import screen_text
 from andrea_tui.textfmt import bar, fmt_bytes, fmt_duration, fmt_int, fmt_num
 from engine.runfiles import JsonlWriter, write_json_atomic
+from tests.fakerun import loss_record, write_run
 
 T0, DT = 1_700_000_000.0, 0.1
 
