@@ -142,7 +142,7 @@ class AndreaApp(App[str]):
             self.watcher.start()
 
     def on_files_changed(self, message: FilesChanged) -> None:
-        self.pacer.files_changed(message.take())
+        self.pacer.files_changed(message)  # its names are taken (and it stops growing) at the frame
 
     def _read(self, files: Collection[str] | None) -> bool:
         """The pacer's read: the named files (None: all); announce checkpoints they bring."""

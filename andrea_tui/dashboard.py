@@ -16,10 +16,12 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar, cast
 
 from rich.text import Text
 from textual.app import App
 from textual.screen import Screen
+from textual.widget import Widget
 from textual.widgets import Static
 
 from andrea_tui import panels
@@ -36,6 +38,7 @@ COMPACT_BELOW = (100, 30)  # columns, rows: smaller terminals drop events/log/sa
 TITLES = (("training", "training"), ("bandit", "data mixture (bandit)"),
           ("memory", "memory plan"), ("events", "events"), ("logtail", "engine.log"),
           ("sample", "latest sample"))
+W = TypeVar("W", bound=Widget)
 
 
 class DashboardView:
@@ -47,7 +50,7 @@ class DashboardView:
         self.state = state
         self.log_path = Path(log_path)
         self.clock = clock  # wall clock for elapsed/ETA (a fixed one in tests)
-        self._widgets: dict[str, Static | LinePanel | LossChart | GradNormChart] = {}
+        self._widgets: dict[str, Widget] = {}
         self._panel_text: dict[str, tuple] = {}  # panel id -> (text, spans) on screen
         self._slow_panels_key: tuple | None = None
         self._log_key: tuple | None = None
@@ -63,16 +66,17 @@ class DashboardView:
         stack), whatever screen is on top: `app.query_one` would search the top one."""
         return self.app.screen_stack[0]
 
-    def widget(self, wid: str):
-        """The dashboard widget with id `wid` (looked up once: a query walks the DOM)."""
+    def widget(self, wid: str, kind: type[W]) -> W:
+        """The dashboard widget with id `wid`, of type `kind` (looked up once: a query walks
+        the DOM)."""
         widget = self._widgets.get(wid)
-        if widget is None:
-            widget = self._widgets[wid] = self.screen.query_one(f"#{wid}")
-        return widget
+        if widget is None:  # query_one checks the type; the cache keeps what it found
+            widget = self._widgets[wid] = self.screen.query_one(f"#{wid}", kind)
+        return cast(W, widget)
 
     def set_titles(self) -> None:
         for wid, title in TITLES:
-            self.widget(wid).border_title = title
+            self.widget(wid, Widget).border_title = title
 
     def fit(self, width: int, height: int) -> None:
         """On a small terminal the bottom rows would squeeze the charts to ~2 rows and push
@@ -104,7 +108,7 @@ class DashboardView:
         if self._panel_text.get("banner") == (banner.text, ()):
             return
         self._panel_text["banner"] = (banner.text, ())
-        b = self.widget("banner")
+        b = self.widget("banner", Static)
         b.update(banner.text)
         b.set_class(bool(banner.text), "shown")
         b.set_class(banner.error, "error")
@@ -121,10 +125,10 @@ class DashboardView:
             return
         self._panel_text[wid] = key
         relayout = old is None or old[0].count("\n") != plain.count("\n")
-        widget = self.widget(wid)
+        widget = self.widget(wid, Widget)
         if isinstance(widget, LinePanel):
             widget.update(content)
-        else:
+        elif isinstance(widget, Static):
             widget.update(content, layout=relayout)
 
     def _log_stat(self) -> tuple | None:
@@ -178,7 +182,7 @@ class DashboardView:
         self.redraw_charts()
 
     def toggle_log_y(self) -> None:
-        chart = self.widget("loss")
+        chart = self.widget("loss", LossChart)
         chart.log_y = not chart.log_y
         self.redraw_charts()
 
@@ -189,7 +193,7 @@ class DashboardView:
         self.redraw_charts()
 
     def _charts(self) -> tuple[LossChart, GradNormChart]:
-        return self.widget("loss"), self.widget("gradnorm")
+        return self.widget("loss", LossChart), self.widget("gradnorm", GradNormChart)
 
     def _chart_key(self) -> tuple:
         loss, grad = self._charts()

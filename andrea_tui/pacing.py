@@ -3,7 +3,10 @@
 Text panels update at once, but at most one frame per `min_interval`: changes that come sooner
 wait for the end of that interval, so a run logging 10 steps/s costs 5 frames/s, not 10+.
 Reading waits for the frame too, so one frame reads what several wake-ups reported, and only
-the files they named. Headless: a frame is the `read` and `draw` callbacks given to it.
+the files they named. The names are taken from their report (watcher.FilesChanged) only then:
+until the frame, the watcher adds later changes to that report instead of posting another, so
+the UI loop hears of a busy run about once a frame, not once a change. Headless: a frame is the
+`read` and `draw` callbacks given to it.
 """
 
 from __future__ import annotations
@@ -12,8 +15,15 @@ import asyncio
 import math
 import time
 from collections.abc import Callable, Collection
+from typing import Protocol
 
 PANEL_MIN_INTERVAL = 0.2  # seconds between text-panel frames while data streams in
+
+
+class ChangedNames(Protocol):
+    """A report of changed file names, still growing until taken (watcher.FilesChanged)."""
+
+    def take(self) -> set[str]: ...
 
 
 class FramePacer:
@@ -30,21 +40,22 @@ class FramePacer:
         # False until the whole history is in place: reading loss.jsonl earlier would race
         # the thread that loads it. Changes reported meanwhile stay pending.
         self.reading = False
-        self._pending: set[str] | None = set()  # changed since the last read; None: all
+        self._unread: list[ChangedNames] = []  # reports not taken yet (one, normally)
+        self._read_all = False  # the next read looks at every file
         self._due = False  # the state changed (or time passed) since the panels were drawn
         self._drawn_at = -math.inf
         self._timer: asyncio.TimerHandle | None = None
 
-    def files_changed(self, names: Collection[str]) -> None:
-        """`names` changed: read them in the next frame (now, if one is allowed)."""
-        if self._pending is not None:
-            self._pending.update(names)
+    def files_changed(self, changes: ChangedNames) -> None:
+        """Files changed: read the ones `changes` names in the next frame (now, if one is
+        allowed), taking the names only then."""
+        self._unread.append(changes)
         self._schedule()
 
     def poll_all(self) -> bool:
         """Read every file for what was appended (the fallback for missed wake-ups); draw soon
         if anything changed. True if the state changed."""
-        self._pending = None
+        self._read_all = True
         changed = self.read_pending()
         if changed:
             self.request()
@@ -59,7 +70,13 @@ class FramePacer:
         """Read the files reported changed since the last read; True if the state changed."""
         if not self.reading:
             return False
-        files, self._pending = self._pending, set()
+        files: set[str] | None = None if self._read_all else set()
+        self._read_all = False
+        for changes in self._unread:
+            names = changes.take()  # final now: later changes come in a new report
+            if files is not None:
+                files |= names
+        self._unread.clear()
         if files is not None and not files:
             return False
         changed = self._read(files)

@@ -2,10 +2,10 @@
 
 watchfiles' synchronous `watch()` runs in a daemon thread of its own (not a Textual thread
 worker: those run in the loop's default executor, which asyncio.run() joins at exit). Each
-wake-up posts a `FilesChanged` message to the app, unless the last one posted is still waiting
-in the app's queue: then the new names are merged into that message (toolong's pattern). However
-busy the run or slow the UI, at most one message waits, and it names every file changed since
-the app last looked.
+wake-up posts a `FilesChanged` message to the app, unless the last one posted has not been taken
+yet (`take()`, which the app calls when it reads the files): then the new names are merged into
+that message (toolong's pattern). However busy the run or slow the UI, at most one message
+waits, and it names every file changed since the app last looked.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from textual.message_pump import MessagePump
 
 
 class FilesChanged(Message):
-    """Files of the run directory changed; `take()` their names when handling it."""
+    """Files of the run directory changed; `take()` their names when reading them."""
 
     def __init__(self, names: set[str], lock: threading.Lock) -> None:
         super().__init__()
