@@ -10,10 +10,14 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.errors import UserError, cli_entry
 from engine.run.control import engine_alive
 from engine.runfiles import RunPaths, read_json, refuse_overwrite
+
+if TYPE_CHECKING:  # the app (and Textual) load only when a dashboard is wanted
+    from andrea_tui.app import AndreaApp
 
 
 class _Parser(argparse.ArgumentParser):
@@ -33,14 +37,14 @@ def _launch_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _run_app(app) -> int:
+def _run_app(app: AndreaApp) -> int:
     result = app.run()
-    if getattr(app, "engine_error", None):
+    if app.supervisor.engine_error:
         # The launched engine refused to start (bad input, exit 2): its one line is the answer.
-        print(app.engine_error, file=sys.stderr)
+        print(app.supervisor.engine_error, file=sys.stderr)
     elif result:
         print(result)
-    return app.exit_status
+    return app.supervisor.exit_status
 
 
 def require_dir(path: Path, what: str) -> Path:

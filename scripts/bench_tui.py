@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from andrea_tui.fakerun import loss_record, write_run  # noqa: E402
+from tests.fakerun import loss_record, write_run  # noqa: E402
 
 CHILD = r"""
 import sys, time, json

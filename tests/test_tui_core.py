@@ -12,13 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from andrea_tui.fakerun import loss_record, write_run
 from andrea_tui.launcher import launch, train_argv
 from andrea_tui.runreader import RunReader
 from andrea_tui.runstate import LossHistory, RunState
 from andrea_tui.series import StepSeries, downsample_minmax, eta_seconds
 from andrea_tui.textfmt import bar, fmt_duration, fmt_num
 from engine.records import StepRecord, parse_all
+from tests.fakerun import loss_record, write_run
 
 
 def ema_reference(xs: list[float], a: float) -> list[float]:
