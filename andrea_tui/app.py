@@ -37,6 +37,19 @@ from andrea_tui.supervisor import EngineSupervisor, Outcome
 from andrea_tui.watcher import FilesChanged, RunWatcher
 
 
+class Backlog:
+    """Files a poll left bytes in, to read at the next frame (a watcher report of our own)."""
+
+    def __init__(self, names: set[str]) -> None:
+        self._names = set(names)
+
+    def take(self) -> set[str]:
+        return self._names
+
+
+RESUME_NEWS_S = 60.0  # a resume this much older than the app is old news, not told again
+
+
 class AndreaApp(App[str]):
     """Dashboard of one run. `proc` is the engine when this app launched it (else attach mode).
     `andrea-tui` exits with `supervisor.exit_status`."""
@@ -79,6 +92,9 @@ class AndreaApp(App[str]):
         self.view = DashboardView(self, self.state, self.reader.paths.log, clock)
         self.pacer = FramePacer(self._read, self._draw)
         self.watcher = RunWatcher(self.run_dir, self)
+        self._started = time.time()
+        self._resumes_told = 0
+        self._loading = False  # a history load is running in its thread
 
     # ------------------------------------------------------------ layout
 
@@ -111,6 +127,7 @@ class AndreaApp(App[str]):
         self._check_engine()
         self.pacer.draw_now()
         self.call_after_refresh(self.view.redraw_charts)
+        self._loading = True
         self._load_history()
         self.set_interval(self.redraw_interval, self.view.redraw_charts_if_due)
         self.set_interval(self.control_interval, self._tick)
@@ -128,17 +145,22 @@ class AndreaApp(App[str]):
 
     @work(thread=True, exclusive=True, group="history", exit_on_error=False)
     def _load_history(self) -> None:
-        history = self.reader.read_history()
+        try:
+            history = self.reader.read_history()
+        finally:
+            self._loading = False
         self.call_from_thread(self._install_history, history)
 
     def _install_history(self, history: LossHistory) -> None:
         self.state.set_history(history)
+        self.reader.loss_backlog = False
+        first = not self.history_loaded
         self.history_loaded = True
         self.pacer.reading = True
         self.reader.poll()
         self.pacer.draw_now()
         self.view.redraw_charts()
-        if self.follow:
+        if first and self.follow:
             self.watcher.start()
 
     def on_files_changed(self, message: FilesChanged) -> None:
@@ -147,10 +169,30 @@ class AndreaApp(App[str]):
     def _read(self, files: Collection[str] | None) -> bool:
         """The pacer's read: the named files (None: all); announce checkpoints they bring."""
         changed = self.reader.poll(changed=files)
+        if self.reader.loss_backlog and not self._loading:
+            # More than a frame may read (a file replaced, or a burst): off the UI thread.
+            self._loading = True
+            self._load_history()
+        if self.reader.backlog:
+            self.pacer.files_changed(Backlog(self.reader.backlog))  # the rest, next frame
         if changed:
             for text in self.supervisor.checkpoint_news(self.state):
                 self.notify(text, title="checkpoint written")
+            self._tell_ignored_settings()
         return changed
+
+    def _tell_ignored_settings(self) -> None:
+        """A resume of this session that trains on with the checkpoint's config while the given
+        config says otherwise: name every such setting, loudly and for a while."""
+        fresh = [r for r in self.state.resumes[self._resumes_told:]
+                 if r.ignored and r.t >= self._started - RESUME_NEWS_S]
+        self._resumes_told = len(self.state.resumes)
+        for r in fresh:
+            lines = "\n".join(f"{i.key}: {i.kept!r} kept (given {i.given!r})" for i in r.ignored)
+            self.notify(f"resumed at step {r.step} with the checkpoint's config; these settings "
+                        f"of the given config are NOT used:\n{lines}\nTo train with them, start "
+                        "a new run: no --resume, another --run-dir.", severity="warning",
+                        title="config not applied", timeout=30)
 
     def _draw(self) -> None:
         """The pacer's frame: the text panels, with the engine's word in the header."""

@@ -38,7 +38,7 @@ def train_argv(config: Path, run_dir: Path, resume: bool = False, max_steps: int
     return argv
 
 
-def _child_env() -> dict[str, str]:
+def child_env() -> dict[str, str]:
     """Our environment with the project root on PYTHONPATH, so `-m engine.run.cli` resolves even
     when the project is not installed (a plain checkout)."""
     import engine
@@ -64,5 +64,5 @@ def launch(argv: Sequence[str], run_dir: Path, cwd: Path | None = None) -> subpr
     with log, open("/dev/null", "rb") as devnull:
         return subprocess.Popen(
             list(argv), stdin=devnull, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True, cwd=cwd, close_fds=True, env=_child_env(),
+            start_new_session=True, cwd=cwd, close_fds=True, env=child_env(),
         )

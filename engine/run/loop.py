@@ -72,16 +72,20 @@ class TrainingRun:
     # -- start-up -----------------------------------------------------------------------
 
     def run(self) -> int:
+        from engine.backends import resolve_backend
         from engine.data.prep import PrepInterrupted
         from engine.run.identity import engine_info
 
         try:
             try:
-                self.out.write_json(self.out.paths.engine,
-                                    engine_info(self.argv, self.run_id).to_json())
                 cleanup_tmp(self.ckpt_root)  # half-written dirs of writers that died
                 resume = self._pick_resume()
-                self._start(resume)
+                backend = resolve_backend(self.args.backend)
+                # Only now, with the quick refusals behind it, does the engine say who it is: a
+                # launcher that waits for engine.json knows the engine has accepted its input.
+                self.out.write_json(self.out.paths.engine,
+                                    engine_info(self.argv, self.run_id).to_json())
+                self._start(resume, *backend)
             except UserError:
                 # Bad input, found before anything was trained: the run's files go back to what
                 # they were (cli_entry prints the one line on stderr).
@@ -174,8 +178,7 @@ class TrainingRun:
         for line in msg.splitlines():
             self.out.log(line, echo=False)
 
-    def _start(self, resume: Any) -> None:
-        from engine.backends import resolve_backend
+    def _start(self, resume: Any, backend: str, why: str) -> None:
         from engine.data.bandit import Bandit
         from engine.data.prep import load_prepared, prepare
         from engine.data.sampler import Sampler
@@ -183,7 +186,6 @@ class TrainingRun:
 
         cfg = self.cfg
         self.out.write_json(self.out.paths.config, cfg.to_json())
-        backend, why = resolve_backend(self.args.backend)
         self.out.log(f"andrea-train {cfg.name} pid {os.getpid()} run {self.run_id}: {why}")
         self.out.set_status(status=Status.STARTING, step=resume.step if resume else 0,
                             max_steps=cfg.train.max_steps, backend=backend, device="",
