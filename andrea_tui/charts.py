@@ -70,7 +70,6 @@ class CachedPlot(PlotextPlot):
         self._canvas_key: tuple | None = None
         self._canvas: Text | None = None
         self.build_seconds = 0.0  # cost of the last build (plotext + ANSI decoding)
-        self.builds = 0
 
     def _set_inputs(self, inputs: tuple, data: tuple) -> bool:
         """Store new inputs and refresh; False (and nothing done) when they draw the same."""
@@ -97,7 +96,6 @@ class CachedPlot(PlotextPlot):
         self._canvas = super().render()
         self._canvas_key = key
         self.build_seconds = time.perf_counter() - t0
-        self.builds += 1
         return self._canvas
 
 

@@ -8,12 +8,21 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.errors import UserError, cli_entry
-from engine.run.control import engine_alive
-from engine.runfiles import RunPaths, read_json, refuse_overwrite
+from engine.run.control import engine_alive, lock_held
+from engine.run.identity import read_engine_info
+from engine.runfiles import RunPaths, read_json, refuse_overwrite, tail_text
+
+ACCEPT_TIMEOUT_S = 30.0  # a resume hashes its checkpoint first: seconds for a large one
+
+if TYPE_CHECKING:  # the app (and Textual) load only when a dashboard is wanted
+    from andrea_tui.app import AndreaApp
 
 
 class _Parser(argparse.ArgumentParser):
@@ -33,14 +42,14 @@ def _launch_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _run_app(app) -> int:
+def _run_app(app: AndreaApp) -> int:
     result = app.run()
-    if getattr(app, "engine_error", None):
+    if app.supervisor.engine_error:
         # The launched engine refused to start (bad input, exit 2): its one line is the answer.
-        print(app.engine_error, file=sys.stderr)
+        print(app.supervisor.engine_error, file=sys.stderr)
     elif result:
         print(result)
-    return app.exit_status
+    return app.supervisor.exit_status
 
 
 def require_dir(path: Path, what: str) -> Path:
@@ -55,7 +64,21 @@ def require_dir(path: Path, what: str) -> Path:
 def attach(run_dir: str) -> int:
     from andrea_tui.app import AndreaApp
 
-    return _run_app(AndreaApp(require_dir(Path(run_dir), "run directory")))
+    return _run_app(AndreaApp(require_run_dir(require_dir(Path(run_dir), "run directory"))))
+
+
+def require_run_dir(path: Path) -> Path:
+    """`path` when it holds a run's files; else a UserError that says it is not a run directory,
+    and whether an engine is creating one there right now."""
+    paths = RunPaths(path)
+    if any(f.is_file() for f in (paths.engine, paths.state, paths.config, paths.loss,
+                                 paths.events)):
+        return path
+    if lock_held(path):
+        raise UserError(f"{path}: not a run directory yet: an engine holds its lock and is "
+                        "starting there; attach again in a moment")
+    raise UserError(f"{path}: not a run directory (no engine.json, state.json, config.json, "
+                    "loss.jsonl or events.jsonl in it)")
 
 
 def ckpt(path: str) -> int:
@@ -99,7 +122,31 @@ def launch(argv: list[str]) -> int:
         raise UserError(f"{run_dir}: not a directory, expected a run directory")
     refuse_busy_run_dir(run_dir, args.resume)
     proc = start(train_argv(config, run_dir, args.resume, args.max_steps, args.backend), run_dir)
+    refusal = wait_for_acceptance(proc, run_dir)
+    if refusal is not None:  # bad input the engine refused: its one line, before any screen
+        raise UserError(refusal.removeprefix("error: "))
     return _run_app(AndreaApp(run_dir, proc=proc))
+
+
+def wait_for_acceptance(proc: subprocess.Popen, run_dir: Path,
+                        timeout: float = ACCEPT_TIMEOUT_S) -> str | None:
+    """Wait until the launched engine has accepted its input (engine.json names it: the config,
+    the checkpoint to resume and the backend are settled) or has exited. Its error line when it
+    refused its input (exit status 2), else None; after `timeout` the dashboard takes over."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        code = proc.poll()
+        if code is not None:
+            if code != 2:
+                return None  # a failure at run time: the dashboard shows it, andrea-tui exits 1
+            lines = tail_text(RunPaths(run_dir).log, 20)
+            errors = [x for x in lines if x.startswith("error: ")]
+            return (errors or lines or ["error: the engine refused its input (exit status 2)"])[-1]
+        info = read_engine_info(run_dir)
+        if info and info.pid == proc.pid:
+            return None
+        time.sleep(0.05)
+    return None
 
 
 @cli_entry

@@ -1,4 +1,4 @@
-"""Start `andrea-train` as a child that outlives the terminal (issue 5, "Launch").
+"""Start `andrea-train` as a child that outlives the terminal.
 
 The child gets its own session (a dropped SSH connection's SIGHUP does not reach it), stdin from
 /dev/null (it must never fight the TUI for the keyboard) and stdout+stderr appended to
@@ -38,7 +38,7 @@ def train_argv(config: Path, run_dir: Path, resume: bool = False, max_steps: int
     return argv
 
 
-def _child_env() -> dict[str, str]:
+def child_env() -> dict[str, str]:
     """Our environment with the project root on PYTHONPATH, so `-m engine.run.cli` resolves even
     when the project is not installed (a plain checkout)."""
     import engine
@@ -56,8 +56,13 @@ def launch(argv: Sequence[str], run_dir: Path, cwd: Path | None = None) -> subpr
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # bad input (a file in the path, /proc, no permission): one line, exit 2
         raise UserError(f"--run-dir {run_dir}: cannot create it: {e.strerror or e}") from None
-    with open(run_dir / LOG, "ab") as log, open("/dev/null", "rb") as devnull:
+    try:
+        log = open(run_dir / LOG, "ab")
+    except OSError as e:
+        raise UserError(f"{run_dir}: cannot write here ({e.strerror or e}); a run directory "
+                        f"can be watched read-only with `andrea-tui attach {run_dir}`") from None
+    with log, open("/dev/null", "rb") as devnull:
         return subprocess.Popen(
             list(argv), stdin=devnull, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True, cwd=cwd, close_fds=True, env=_child_env(),
+            start_new_session=True, cwd=cwd, close_fds=True, env=child_env(),
         )

@@ -1,22 +1,30 @@
 """Reads a run directory into a RunState: the history once, then whatever was appended.
 
 Headless: no Textual. Built on engine.runfiles (JsonlTail tolerates torn lines, corrupt lines,
-truncation and replacement). The app calls `poll()` whenever watchfiles reports a change in the
-run directory (or on a fallback timer); `poll()` only reads bytes that are new, and with
-`changed` (the file names watchfiles reported) only looks at those files.
+over-long lines, truncation and replacement). The app calls `poll()` whenever watchfiles reports a
+change in the run directory (or on a fallback timer); `poll()` only reads bytes that are new, with
+`changed` (the file names watchfiles reported) only looks at those files, and never reads more
+than POLL_BYTES of a file: a poll runs on the UI thread and must stay short whatever the files
+hold. What is left is `backlog`: the app reads it in a worker thread (`read_history`) when it is
+the loss history, or at the next frames for the other files.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
+import subprocess
+import sys
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 from andrea_tui.runstate import LossHistory, RunState
+from engine.records import ResumeEvent
 from engine.runfiles import JsonlTail, RunPaths, parse_lines, read_json
 
 PREVIEW_BYTES = 2 << 20  # the tail of loss.jsonl shown while the whole history loads
+POLL_BYTES = 256 << 10  # what one poll reads of a file at most (about 800 step records)
 
 
 def _stat_key(path: Path) -> tuple[int, int, int] | None:
@@ -25,6 +33,25 @@ def _stat_key(path: Path) -> tuple[int, int, int] | None:
     except OSError:
         return None
     return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def load_history(path: Path, max_line: int, ema_alpha: float,
+                 resumes: list[ResumeEvent]) -> tuple[LossHistory, JsonlTail]:
+    """The whole history of the loss file at `path` and the tail that reads on from its end."""
+    tail = JsonlTail(path, max_line)
+    return LossHistory.from_tail(tail, ema_alpha, resumes), tail
+
+
+def _in_child(path: Path, max_line: int, ema_alpha: float,
+              resumes: list[ResumeEvent]) -> tuple[LossHistory, JsonlTail]:
+    """`load_history` in a fresh interpreter (`python -m andrea_tui.runreader`): the arguments
+    and the result travel pickled through its stdin and stdout."""
+    from andrea_tui.launcher import child_env
+
+    r = subprocess.run([sys.executable, "-m", "andrea_tui.runreader"], check=True,
+                       input=pickle.dumps((path, max_line, ema_alpha, resumes)),
+                       capture_output=True, env=child_env(), stdin=None)
+    return pickle.loads(r.stdout)
 
 
 class RunReader:
@@ -37,6 +64,9 @@ class RunReader:
         self.events = JsonlTail(self.paths.events)
         self.samples = JsonlTail(self.paths.samples)
         self._json_keys: dict[str, tuple[int, int, int] | None] = {}
+        self.backlog: set[str] = set()  # files with bytes left after the last poll
+        self.loss_backlog = False  # loss.jsonl has more than a poll takes: load it in a thread
+        self.child_error: str | None = None  # why the last history was not read in a child
 
     # ------------------------------------------------------------ first load
 
@@ -47,22 +77,31 @@ class RunReader:
                 size = f.seek(0, os.SEEK_END)
                 start = max(0, size - max_bytes)
                 f.seek(start)
-                data = f.read()
+                data = f.read(max_bytes)
         except OSError:
             return []
         lines = data.split(b"\n")[:-1]  # the last piece is empty or a torn line
         if start > 0 and lines:
             lines = lines[1:]  # the first piece may be the end of a line cut by the seek
-        records, _ = parse_lines(lines)
+        records, _ = parse_lines(ln for ln in lines if len(ln) <= self.loss.max_line)
         return records
 
     def read_history(self) -> LossHistory:
-        """Everything in loss.jsonl so far, prepared for `RunState.set_history` (thread-safe:
-        touches only the loss tail, which nothing else reads until this returns)."""
-        records = self.loss.read_new()
-        while self.loss.more:
-            records += self.loss.read_new()
-        return LossHistory.build(records, self.state.series.ema_alpha, list(self.state.resumes))
+        """All of loss.jsonl, read from its start in bounded chunks and prepared for
+        `RunState.set_history`, in a process of its own: parsing a large file holds Python's
+        lock for seconds, which in a thread would stall every key the UI handles meanwhile.
+        Call it from a worker thread (it blocks until the history is ready); polls leave the
+        loss file alone until the app has installed the history and cleared `loss_backlog`."""
+        args = (self.paths.loss, self.loss.max_line, self.state.series.ema_alpha,
+                list(self.state.resumes))
+        try:
+            history, tail = _in_child(*args)
+        except (OSError, subprocess.SubprocessError, pickle.UnpicklingError, EOFError,
+                ValueError) as e:  # no child to be had: read it here (slower keys meanwhile)
+            self.child_error = f"{type(e).__name__}: {e}"
+            history, tail = load_history(*args)
+        self.loss = tail  # goes on from where the history ends
+        return history
 
     # ------------------------------------------------------------ following
 
@@ -86,26 +125,37 @@ class RunReader:
         return self.state.version != before
 
     def poll(self, include_loss: bool = True, changed: Collection[str] | None = None) -> bool:
-        """Read what was appended since the last poll; True if anything changed.
-
-        `changed`: names of the files known to have changed (from watchfiles); the others are
-        not even stat'ed. None looks at every file (the fallback poll)."""
+        """Read what was appended since the last poll, at most POLL_BYTES a file; True if
+        anything changed. `changed`: names of the files known to have changed (from
+        watchfiles); the others are not even stat'ed. None looks at every file (the fallback
+        poll). A loss file that has more than one poll takes, or was truncated or replaced,
+        sets `loss_backlog` and is left for `read_history` (in a thread)."""
         st = self.state
         before = st.version
 
         def wanted(tail: JsonlTail) -> bool:
-            return changed is None or tail.path.name in changed
+            return changed is None or tail.path.name in changed or tail.path.name in self.backlog
 
         self.poll_small_files(changed)
         # Events first: a resume event must be known before the records that follow it.
         if wanted(self.events):
-            st.add_events(self.events.read_new())
-        if include_loss and wanted(self.loss):
-            recs = self.loss.read_new()
+            st.add_events(self.events.read_new(POLL_BYTES))
+        if include_loss and not self.loss_backlog and wanted(self.loss):
+            recs = self.loss.read_new(POLL_BYTES)
             if self.loss.reset:
                 st.reset_loss()
-            st.add_loss(recs)
+                self.loss_backlog = True  # the file anew: rebuilt in a thread
+            elif self.loss.more:
+                st.add_loss(recs)
+                self.loss_backlog = True
+            else:
+                st.add_loss(recs)
         if wanted(self.samples):
-            st.add_samples(self.samples.read_new())
+            st.add_samples(self.samples.read_new(POLL_BYTES))
+        self.backlog = {t.path.name for t in (self.events, self.samples) if t.more}
         st.bad_lines = self.loss.bad_lines + self.events.bad_lines + self.samples.bad_lines
         return st.version != before
+
+
+if __name__ == "__main__":  # the history reader's child (see RunReader.read_history)
+    sys.stdout.buffer.write(pickle.dumps(load_history(*pickle.loads(sys.stdin.buffer.read()))))

@@ -13,13 +13,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from andrea_tui.series import StepSeries, eta_seconds
+from andrea_tui.series import Columns, StepSeries, columns, eta_seconds
 from engine import records as rec
 from engine.config import Config, ConfigError, parse_config
 from engine.records import Status
+from engine.runfiles import JsonlTail
 
 EVENT_TAIL = 200
 RECENT_RECORDS = 512  # step records kept to find the newest survivor after a resume
+MAX_ROWS = 1_000_000  # steps a history holds (the newest): about 100 MB of columns
+HISTORY_CHUNK_BYTES = 4 << 20  # what a history load parses at a time
 
 
 def read_config(obj: Any) -> Config | None:
@@ -83,6 +86,8 @@ class RunState:
         if not records:
             return
         self.series.add(records)
+        if self.series.n > MAX_ROWS + MAX_ROWS // 10:
+            self.series.trim(MAX_ROWS)
         self.recent.extend(records)
         last = self.last_record
         prev_phase = last.phase if last else None
@@ -304,21 +309,58 @@ class LossHistory:
               resumes: list[rec.ResumeEvent] | None = None) -> LossHistory:
         """`objects`: loss.jsonl's JSON objects; `resumes`: the resume events known so far
         (records of the timelines they abandoned are dropped)."""
+        builder = _HistoryBuilder(resumes or [])
+        builder.add(objects)
+        return builder.finish(ema_alpha)
+
+    @classmethod
+    def from_tail(cls, tail: JsonlTail, ema_alpha: float = 0.9,
+                  resumes: list[rec.ResumeEvent] | None = None,
+                  chunk_bytes: int = HISTORY_CHUNK_BYTES) -> LossHistory:
+        """Everything `tail` has left to read, in bounded chunks: what is held is column arrays
+        (about 100 bytes a step, at most MAX_ROWS steps) and one chunk of records at a time,
+        whatever the size of the file."""
+        builder = _HistoryBuilder(resumes or [])
+        while True:
+            builder.add(tail.read_new(chunk_bytes))
+            if not tail.more:
+                return builder.finish(ema_alpha)
+
+
+class _HistoryBuilder:
+    """Folds chunks of loss-file objects, in file order, into a LossHistory."""
+
+    def __init__(self, resumes: list[rec.ResumeEvent]) -> None:
+        self.resumes = resumes
+        self.blocks: list[Columns] = []
+        self.last: rec.StepRecord | None = None
+        self.changes: list[PhaseChange] = []
+        self.prev: int | None = None
+        self.src: dict[str, float] = {}
+        self.recent: deque[rec.StepRecord] = deque(maxlen=RECENT_RECORDS)
+        self.bad = 0
+
+    def add(self, objects: list[Any]) -> None:
         records, bad = _steps(objects)
-        if resumes:
-            records = rec.drop_abandoned(records, resumes)
-        series = StepSeries.from_records(records, ema_alpha)
-        series.ema()  # the O(n) pass happens here, in the worker, not in the first redraw
-        last: rec.StepRecord | None = None
-        changes: list[PhaseChange] = []
-        prev = None
-        src: dict[str, float] = {}
+        self.bad += bad
+        if self.resumes:
+            records = rec.drop_abandoned(records, self.resumes)
+        if not records:
+            return
+        self.blocks.append(columns(records))
+        self.recent.extend(records)
         for r in records:
-            if last is not None and r.step < last.step:
+            if self.last is not None and r.step < self.last.step:
                 continue
-            if r.phase is not None and prev is not None and r.phase != prev:
-                changes.append(PhaseChange(r.step, r.phase, r.t))
-            prev = r.phase if r.phase is not None else prev
-            last = r
-            _merge_src_loss(src, r)
-        return cls(series, last, changes[-20:], src, records[-RECENT_RECORDS:], bad)
+            if r.phase is not None and self.prev is not None and r.phase != self.prev:
+                self.changes.append(PhaseChange(r.step, r.phase, r.t))
+                del self.changes[:-20]
+            self.prev = r.phase if r.phase is not None else self.prev
+            self.last = r
+            _merge_src_loss(self.src, r)
+
+    def finish(self, ema_alpha: float) -> LossHistory:
+        series = StepSeries.from_columns(self.blocks, ema_alpha, MAX_ROWS)
+        series.ema()  # the O(n) pass happens here, in the worker, not in the first redraw
+        return LossHistory(series, self.last, self.changes, self.src, list(self.recent),
+                           self.bad)

@@ -68,7 +68,7 @@ class LogScreen(Screen[None]):
                     log.clear()
                 start = max(self._offset, size - self.MAX_BYTES) if first else self._offset
                 f.seek(start)
-                data = f.read()
+                data = f.read(self.MAX_BYTES)  # a log that grew by gigabytes: a bite a tick
         except OSError as e:
             if first:
                 log.write_line(f"{self.path}: {e.strerror or e}")

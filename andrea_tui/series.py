@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -15,6 +16,24 @@ from engine.records import ResumeEvent, StepRecord, abandoned
 
 # The numeric fields of a step record, one float column each (the step is an int64 column).
 FLOAT_COLUMNS = StepRecord.NUMERIC
+
+
+@dataclass(frozen=True)
+class Columns:
+    """Step records as column arrays, in file order (a block of a history being read)."""
+
+    steps: np.ndarray
+    cols: dict[str, np.ndarray]
+    skipped: np.ndarray
+
+
+def columns(records: Sequence[StepRecord]) -> Columns:
+    n = len(records)
+    return Columns(
+        np.fromiter((r.step for r in records), dtype=np.int64, count=n),
+        {c: np.fromiter((r.number(c) for r in records), dtype=float, count=n)
+         for c in FLOAT_COLUMNS},
+        np.fromiter((r.skipped for r in records), dtype=bool, count=n))
 
 
 class StepSeries:
@@ -71,25 +90,45 @@ class StepSeries:
             self._ema_valid = min(self._ema_valid, i)
 
     @classmethod
-    def from_records(cls, records: Sequence[StepRecord], ema_alpha: float = 0.9) -> StepSeries:
+    def from_records(cls, records: Sequence[StepRecord], ema_alpha: float = 0.9,
+                     max_rows: int | None = None) -> StepSeries:
         """Build from a whole history at once (vectorised; the later record for a step wins)."""
-        ok = records
-        out = cls(ema_alpha, capacity=max(1024, len(ok)))
-        if not ok:
+        return cls.from_columns([columns(records)], ema_alpha, max_rows)
+
+    @classmethod
+    def from_columns(cls, blocks: Sequence[Columns], ema_alpha: float = 0.9,
+                     max_rows: int | None = None) -> StepSeries:
+        """Build from blocks of columns in file order (see `columns`): one row per step, the
+        later record winning, sorted by step; at most `max_rows` rows, the newest steps."""
+        blocks = [b for b in blocks if len(b.steps)]
+        total = sum(len(b.steps) for b in blocks)
+        out = cls(ema_alpha, capacity=max(1024, min(total, max_rows or total)))
+        if not total:
             return out
-        steps = np.fromiter((r.step for r in ok), dtype=np.int64, count=len(ok))
+        steps = np.concatenate([b.steps for b in blocks])
         # Keep the last occurrence of each step: unique on the reversed array gives first hits.
         _, first_rev = np.unique(steps[::-1], return_index=True)
-        keep = len(ok) - 1 - first_rev  # indices into ok, sorted by step (unique sorts)
+        keep = total - 1 - first_rev  # indices in file order, sorted by step (unique sorts)
+        if max_rows is not None and len(keep) > max_rows:
+            keep = keep[-max_rows:]
         n = len(keep)
         out._steps[:n] = steps[keep]
         for c in FLOAT_COLUMNS:
-            vals = np.fromiter((r.number(c) for r in ok), dtype=float, count=len(ok))
-            out._cols[c][:n] = vals[keep]
-        sk = np.fromiter((r.skipped for r in ok), dtype=bool, count=len(ok))
-        out._skipped[:n] = sk[keep]
+            out._cols[c][:n] = np.concatenate([b.cols[c] for b in blocks])[keep]
+        out._skipped[:n] = np.concatenate([b.skipped for b in blocks])[keep]
         out.n = n
         return out
+
+    def trim(self, max_rows: int) -> int:
+        """Keep the newest `max_rows` rows (a history past any chart's use); rows dropped."""
+        drop = self.n - max_rows
+        if drop <= 0:
+            return 0
+        for arr in (self._steps, self._skipped, self._ema, self._ema_w, *self._cols.values()):
+            arr[: self.n - drop] = arr[drop : self.n]
+        self.n -= drop
+        self._ema_valid = max(0, self._ema_valid - drop)
+        return drop
 
     def clear(self) -> None:
         self.n = 0

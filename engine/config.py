@@ -239,8 +239,12 @@ class BanditConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
+    """`every` steps a periodic checkpoint, of which the newest `keep` stay; snapshot and stop
+    checkpoints (the `s` and `q` keys) are all kept unless `keep_manual` bounds them."""
+
     every: int = spec(Num(int, ge=1, le=2**31 - 1))
     keep: int = spec(Num(int, ge=1, le=100000))
+    keep_manual: int | None = spec(Num(int, ge=1, le=100000), None)
 
 
 @dataclass(frozen=True)

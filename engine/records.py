@@ -312,28 +312,44 @@ class SkippedCheckpoint:
 
 
 @dataclass(frozen=True)
+class IgnoredSetting:
+    """A setting of the config given on the command line that a resume did not use: the run
+    goes on with the checkpoint's value (`kept`), not the given one."""
+
+    key: str
+    kept: Any
+    given: Any
+
+
+@dataclass(frozen=True)
 class ResumeEvent(Event):
     """The run continues from checkpoint `path` at `step` (records past it written before `t`
-    are an abandoned timeline)."""
+    are an abandoned timeline), with the checkpoint's config: `ignored` lists what the given
+    config would have changed."""
 
     KIND: ClassVar[str] = "resume"
     step: int = 0
     path: str = ""
     skipped: list[SkippedCheckpoint] = field(default_factory=list)
+    ignored: list[IgnoredSetting] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {"t": self.t, "event": self.KIND, "step": self.step, "path": self.path,
-                "skipped": [{"path": s.path, "reason": s.reason} for s in self.skipped]}
+                "skipped": [{"path": s.path, "reason": s.reason} for s in self.skipped],
+                "ignored": [{"key": i.key, "kept": i.kept, "given": i.given}
+                            for i in self.ignored]}
 
     @classmethod
     def _read(cls, o: Mapping[str, Any], t: float) -> ResumeEvent | Unreadable:
         step = _valid_step(o.get("step"))
         if step is None or not math.isfinite(t):
             return Unreadable("resume event", "no valid step or time")
-        sk = o.get("skipped")
+        sk, ig = o.get("skipped"), o.get("ignored")
         skipped = [SkippedCheckpoint(as_str(s.get("path")), as_str(s.get("reason")))
                    for s in sk if isinstance(s, Mapping)] if isinstance(sk, list) else []
-        return cls(t, step, as_str(o.get("path")), skipped)
+        ignored = [IgnoredSetting(as_str(i.get("key")), i.get("kept"), i.get("given"))
+                   for i in ig if isinstance(i, Mapping)] if isinstance(ig, list) else []
+        return cls(t, step, as_str(o.get("path")), skipped, ignored)
 
 
 @dataclass(frozen=True)

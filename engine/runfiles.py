@@ -116,19 +116,32 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_json_atomic(path: Path, obj: Any, *, durable: bool = True) -> None:
-    """Replace `path` with `obj` as JSON: readers see the old file or the new one, never a mix."""
+def write_bytes_atomic(path: Path, data: bytes, *, durable: bool = True) -> None:
+    """Replace `path` with `data`: readers see the old file or the new one, never a mix. On
+    failure (a full disk, a removed directory) no temporary file is left behind."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    data = (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode()
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if durable:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise
     if durable:
         fsync_dir(path.parent)
+
+
+def write_json_atomic(path: Path, obj: Any, *, durable: bool = True) -> None:
+    """Replace `path` with `obj` as JSON, atomically (see write_bytes_atomic)."""
+    write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode(),
+                       durable=durable)
 
 
 class JsonlWriter:
@@ -141,9 +154,6 @@ class JsonlWriter:
 
     def write(self, record: dict[str, Any]) -> None:
         self._f.write((json.dumps(record, separators=(",", ":")) + "\n").encode())
-
-    def sync(self) -> None:
-        os.fsync(self._f.fileno())
 
     def close(self) -> None:
         self._f.close()

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark the dashboard (issue 5): first frame on a big run, follow latency, CPU use.
+"""Benchmark the dashboard: first frame on a big run, follow latency, CPU use.
 
   .venv/bin/python scripts/bench_tui.py [--records 200000] [--follow-s 20] [--rate 10]
 
@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from andrea_tui.fakerun import loss_record, write_run  # noqa: E402
+from tests.fakerun import loss_record, write_run  # noqa: E402
 
 CHILD = r"""
 import sys, time, json

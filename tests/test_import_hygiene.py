@@ -50,3 +50,18 @@ def test_engine_never_imports_textual() -> None:
     assert "engine.runfiles" in mods
     bad = [m for m in mods if m.split(".")[0] in ("textual", "textual_plotext", "andrea_tui")]
     assert bad == [], bad
+
+
+HEADLESS = ("andrea_tui.supervisor", "andrea_tui.pacing")
+
+
+def test_engine_supervision_and_frame_pacing_are_headless() -> None:
+    """Tests drive them without a screen: importing them must not bring Textual in."""
+    for module in HEADLESS:
+        r = subprocess.run([sys.executable, "-c", f"import json, sys, {module}; "
+                            "print(json.dumps(sorted(sys.modules)))"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+        assert r.returncode == 0, r.stderr
+        mods = json.loads(r.stdout.strip().splitlines()[-1])
+        assert module in mods
+        assert [m for m in mods if m.split(".")[0] in ("textual", "textual_plotext")] == [], module

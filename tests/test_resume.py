@@ -1,4 +1,4 @@
-"""Checkpoints, signals and resume with real engine processes and real signals (issue 4)."""
+"""Checkpoints, signals and resume with real engine processes and real signals (DESIGN §6, §8)."""
 
 from __future__ import annotations
 

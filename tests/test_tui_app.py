@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 
 from andrea_tui.app import AndreaApp
-from andrea_tui.fakerun import loss_record, write_run
 from andrea_tui.launcher import launch
 from andrea_tui.screentext import screen_text
 from engine.run.control import engine_alive
 from engine.runfiles import read_jsonl
+from tests.fakerun import loss_record, write_run
 
 SIZE = (140, 45)
 
@@ -52,7 +52,7 @@ def run(coro) -> None:
 
 
 def start_fake_engine(run_dir: Path, rate: float = 20.0):
-    proc = launch([sys.executable, "-m", "andrea_tui.fakerun", str(run_dir),
+    proc = launch([sys.executable, "-m", "tests.fakerun", str(run_dir),
                    "--rate", str(rate)], run_dir)
     deadline = time.monotonic() + 20
     while not engine_alive(run_dir)[0]:
@@ -145,7 +145,7 @@ def test_keys_send_signals_to_a_real_engine(engine_proc) -> None:
         app = AndreaApp(run_dir, stop_timeout=30)
         notes = record_notes(app)
         async with app.run_test(size=SIZE) as pilot:
-            await wait_until(pilot, lambda: app.history_loaded and app.controllable)
+            await wait_until(pilot, lambda: app.history_loaded and app.supervisor.controllable)
             await wait_until(pilot, lambda: (app.state.series.n or 0) > 3)
             await pilot.press("s")
             await wait_until(pilot, lambda: any("checkpoint step" in n and "snapshot" in n
@@ -174,7 +174,7 @@ def test_detach_leaves_engine_running(engine_proc) -> None:
     async def go() -> None:
         app = AndreaApp(run_dir)
         async with app.run_test(size=SIZE) as pilot:
-            await wait_until(pilot, lambda: app.history_loaded and app.controllable)
+            await wait_until(pilot, lambda: app.history_loaded and app.supervisor.controllable)
             await pilot.press("d")
         assert f"andrea-tui attach {run_dir}" in app.return_value
 
@@ -190,10 +190,10 @@ def test_launched_engine_killed_shows_status_and_stays_up(tmp_path: Path) -> Non
     async def go() -> None:
         app = AndreaApp(run_dir, proc=proc, control_interval=0.2)
         async with app.run_test(size=SIZE) as pilot:
-            await wait_until(pilot, lambda: app.history_loaded and app.controllable)
+            await wait_until(pilot, lambda: app.history_loaded and app.supervisor.controllable)
             os.kill(proc.pid, signal.SIGKILL)
             await wait_until(pilot, lambda: "killed by signal 9" in screen_text(app))
-            assert app.engine_exit == -9 and not app.controllable
+            assert app.supervisor.engine_exit == -9 and not app.supervisor.controllable
             await pilot.pause(0.5)
             assert app.is_running and app.return_value is None  # stays up for inspection
             await pilot.press("q")
@@ -212,7 +212,7 @@ def test_stop_timeout_offers_force(tmp_path: Path) -> None:
     async def go() -> None:
         app = AndreaApp(run_dir, proc=proc, stop_timeout=0.5, control_interval=0.1)
         async with app.run_test(size=SIZE) as pilot:
-            await wait_until(pilot, lambda: app.history_loaded and app.controllable)
+            await wait_until(pilot, lambda: app.history_loaded and app.supervisor.controllable)
             await pilot.press("q")
             await wait_until(pilot, lambda: "did not stop within" in screen_text(app))
             await pilot.press("f")
@@ -310,7 +310,7 @@ def test_q_in_pushed_screens_closes_them_not_the_engine(engine_proc) -> None:
     async def go() -> None:
         app = AndreaApp(run_dir, control_interval=0.2)
         async with app.run_test(size=SIZE) as pilot:
-            await wait_until(pilot, lambda: app.history_loaded and app.controllable)
+            await wait_until(pilot, lambda: app.history_loaded and app.supervisor.controllable)
             dashboard = app.screen
             for key, screen_type in (("c", CheckpointListScreen), ("l", LogScreen),
                                      ("question_mark", HelpScreen)):
@@ -320,11 +320,11 @@ def test_q_in_pushed_screens_closes_them_not_the_engine(engine_proc) -> None:
                     await pilot.press(close)
                     await pilot.pause()
                     assert app.screen is dashboard, f"{close} did not close {screen_type}"
-                    assert app.stopping_since is None and app.is_running
+                    assert app.supervisor.stopping_since is None and app.is_running
             await pilot.pause(0.5)
             assert proc.poll() is None  # the engine got no SIGTERM
             await pilot.press("q")  # on the dashboard, q still stops the engine
-            assert app.stopping_since is not None
+            assert app.supervisor.stopping_since is not None
             await wait_until(pilot, lambda: proc.poll() is not None, timeout=20)
         assert proc.returncode == 0
 
@@ -396,15 +396,15 @@ def test_refused_launch_never_steers_the_other_engine(engine_proc) -> None:
         async with app.run_test(size=SIZE) as pilot:
             await wait_until(pilot, lambda: app.history_loaded)
             await pilot.pause(0.3)
-            assert not app.controllable  # the live engine here is not ours
+            assert not app.supervisor.controllable  # the live engine here is not ours
             await pilot.press("s")
             await wait_until(pilot, lambda: app.return_value is not None or not app.is_running)
         return app
 
     app = asyncio.run(go())
     child.wait(timeout=10)
-    assert app.engine_error == "error: engine.lock: held by another engine"
-    assert app.exit_status == 2
+    assert app.supervisor.engine_error == "error: engine.lock: held by another engine"
+    assert app.supervisor.exit_status == 2
     assert other.poll() is None and signals_seen(run_dir) == []
 
 
@@ -432,7 +432,7 @@ def test_ctrl_q_in_launch_mode_detaches_and_says_so(engine_proc) -> None:
     async def go() -> AndreaApp:
         app = AndreaApp(run_dir, proc=proc)
         async with app.run_test(size=SIZE) as pilot:
-            await wait_until(pilot, lambda: app.history_loaded and app.controllable)
+            await wait_until(pilot, lambda: app.history_loaded and app.supervisor.controllable)
             await pilot.press("ctrl+c")
             await pilot.press("ctrl+q")
             await wait_until(pilot, lambda: app.return_value is not None)
@@ -449,7 +449,7 @@ def test_q_before_the_engine_started_stops_it_cleanly(tmp_path: Path) -> None:
     engine writes its stop checkpoint and exits 0 (not killed by SIGTERM at startup)."""
     run_dir = tmp_path / "run"
     proc = launch([sys.executable, "-c", "import time, sys; time.sleep(1.5); "
-                   "from andrea_tui.fakerun import main; sys.exit(main(sys.argv[1:]))",
+                   "from tests.fakerun import main; sys.exit(main(sys.argv[1:]))",
                    str(run_dir)], run_dir)
 
     async def go() -> AndreaApp:
@@ -480,7 +480,7 @@ def test_small_terminal_keeps_charts_and_side_panels(tmp_path: Path, size) -> No
         async with app.run_test(size=size) as pilot:
             await wait_until(pilot, lambda: app.history_loaded)
             await pilot.pause()
-            dash = app.dashboard
+            dash = app.view.screen
             small = size == (80, 24)
             for wid in ("loss", "gradnorm"):
                 assert dash.query_one(f"#{wid}").size.height >= (8 if small else 10)

@@ -12,13 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from andrea_tui.fakerun import loss_record, write_run
 from andrea_tui.launcher import launch, train_argv
 from andrea_tui.runreader import RunReader
 from andrea_tui.runstate import LossHistory, RunState
 from andrea_tui.series import StepSeries, downsample_minmax, eta_seconds
 from andrea_tui.textfmt import bar, fmt_duration, fmt_num
 from engine.records import StepRecord, parse_all
+from tests.fakerun import loss_record, write_run
 
 
 def ema_reference(xs: list[float], a: float) -> list[float]:
@@ -156,6 +156,14 @@ def test_reader_history_and_appends(tmp_path: Path) -> None:
     assert st.bad_lines == 1
 
 
+def poll_like_the_app(rd: RunReader) -> None:
+    """A poll, then (as the app does in a thread) the history anew when the loss file asks."""
+    rd.poll()
+    if rd.loss_backlog:
+        rd.state.set_history(rd.read_history())
+        rd.loss_backlog = False
+
+
 def test_reader_truncation_replacement_late_files(tmp_path: Path) -> None:
     root = tmp_path / "run"
     root.mkdir()
@@ -171,12 +179,12 @@ def test_reader_truncation_replacement_late_files(tmp_path: Path) -> None:
     rd.poll()
     assert st.series.n == 10
     (root / "loss.jsonl").write_text(json.dumps(loss_record(1, 0)) + "\n")  # truncated
-    rd.poll()
+    poll_like_the_app(rd)
     assert st.series.n == 1
     tmp = root / "loss.new"
     tmp.write_text("".join(json.dumps(loss_record(s, 0)) + "\n" for s in range(1, 4)))
     os.replace(tmp, root / "loss.jsonl")  # replaced (new inode)
-    rd.poll()
+    poll_like_the_app(rd)
     assert st.series.steps.tolist() == [1, 2, 3]
     (root / "state.json").write_text(json.dumps({"status": "stopped", "step": 3}))
     rd.poll()

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from andrea_tui.app import AndreaApp
-from andrea_tui.fakerun import write_run
 from andrea_tui.screentext import screen_text
+from tests.fakerun import write_run
 
 GOLDEN = Path(__file__).parent / "golden"
 SIZE = (120, 40)

@@ -15,12 +15,13 @@ import pytest
 
 from andrea_tui import panels
 from andrea_tui.app import AndreaApp
-from andrea_tui.fakerun import loss_record, write_run
 from andrea_tui.runreader import RunReader
 from andrea_tui.runstate import RunState
 from andrea_tui.screentext import screen_text
+from andrea_tui.supervisor import Banner
 from andrea_tui.textfmt import bar, fmt_bytes, fmt_duration, fmt_int, fmt_num
 from engine.runfiles import JsonlWriter, write_json_atomic
+from tests.fakerun import loss_record, write_run
 
 T0, DT = 1_700_000_000.0, 0.1
 
@@ -157,7 +158,7 @@ def test_hostile_record_never_crashes_the_dashboard(tmp_path: Path, where: str,
             while not app.history_loaded:
                 assert asyncio.get_running_loop().time() < deadline, screen_text(app)
                 await pilot.pause(0.05)
-            app._redraw_charts()
+            app.view.redraw_charts()
             await pilot.pause()
             text = screen_text(app)
             assert "ANDREA-fake" in text and "loss" in text
@@ -237,7 +238,7 @@ def test_failed_engine_is_shown_and_makes_the_exit_status_1(tmp_path: Path) -> N
         return app
 
     app = asyncio.run(go())
-    assert app.return_value is not None and app.exit_status == 1
+    assert app.return_value is not None and app.supervisor.exit_status == 1
 
 
 def test_engine_that_ended_well_exits_0(tmp_path: Path) -> None:
@@ -246,8 +247,8 @@ def test_engine_that_ended_well_exits_0(tmp_path: Path) -> None:
     proc = launch([sys.executable, "-c", "pass"], tmp_path / "run")
     proc.wait(timeout=30)
     app = AndreaApp(tmp_path / "run", proc=proc)
-    assert app.exit_status == 0 and app.engine_exit == 0
-    assert AndreaApp(tmp_path / "run").exit_status == 0  # attach mode: nothing launched
+    assert app.supervisor.exit_status == 0 and app.supervisor.engine_exit == 0
+    assert AndreaApp(tmp_path / "run").supervisor.exit_status == 0  # attach mode: nothing launched
 
 
 def test_banner_and_panels_update_while_another_screen_is_on_top(tmp_path: Path) -> None:
@@ -256,18 +257,19 @@ def test_banner_and_panels_update_while_another_screen_is_on_top(tmp_path: Path)
     paths = write_run(tmp_path / "run", 30, status="finished")
 
     async def go() -> None:
-        app = AndreaApp(paths.root, follow=False)
+        # No control tick: its read-only banner would replace the test banner (a race under load).
+        app = AndreaApp(paths.root, follow=False, control_interval=3600)
         async with app.run_test(size=(140, 45)) as pilot:
             while not app.history_loaded:
                 await pilot.pause(0.05)
             app.push_screen(HelpScreen(500))
             await pilot.pause()
             assert isinstance(app.screen, HelpScreen)
-            app._statics.clear()  # no cached widget: the lookup itself must find the dashboard
-            app._banner("engine ended: a test banner")
-            app._update_panels()
+            app.view._widgets.clear()  # no cached widget: the lookup itself must find the dashboard
+            app.view.banner(Banner("engine ended: a test banner"))
+            app.pacer.draw_now()
             app.action_toggle_log_y()
-            assert app.dashboard.query_one("#banner").has_class("shown")
+            assert app.view.screen.query_one("#banner").has_class("shown")
             await pilot.press("escape")
             await pilot.pause()
             assert "a test banner" in screen_text(app)

@@ -121,9 +121,6 @@ class Bandit:
     def _draw_length(self) -> int:
         return int(self.phase_lengths[int(self.rng.integers(len(self.phase_lengths)))])
 
-    def weights_by_name(self) -> dict[str, float]:
-        return {n: float(w) for n, w in zip(self.source_names, self.weights, strict=True)}
-
     def observe(self, step_src_loss: dict[str, float | None]) -> PhaseChange | None:
         """Record one optimizer step's per-source mean loss; at a phase end, move to the next."""
         for i, name in enumerate(self.source_names):

@@ -8,13 +8,16 @@ is skipped. Documents are separated by `<|endoftext|>` (one after each document)
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import multiprocessing as mp
 import os
+import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -31,6 +34,16 @@ BATCH_BYTES = 4_000_000  # text per encode_batch call: big enough for HF's threa
 PROGRESS_EVERY_S = 2.0
 
 Progress = Callable[[str], None]
+ShouldStop = Callable[[], bool]
+POLL_S = 0.1  # how often a stop request is looked at while the tokenizer trains
+
+
+class PrepInterrupted(Exception):
+    """Preparation stopped because a stop was asked for; nothing half-written was kept."""
+
+
+def _never() -> bool:
+    return False
 
 
 @dataclass
@@ -117,7 +130,8 @@ def _batches(docs: Iterator[str]) -> Iterator[list[str]]:
 
 
 def _encode_source(
-    tok: Tokenizer, source: SourceConfig, path: Path, progress: Progress
+    tok: Tokenizer, source: SourceConfig, path: Path, progress: Progress,
+    should_stop: ShouldStop = _never,
 ) -> tuple[int, int, int, float]:
     """Encode a source into its shard; returns (tokens, bytes, docs, seconds)."""
     name = source.name
@@ -129,6 +143,8 @@ def _encode_source(
     def chunks() -> Iterator[np.ndarray]:
         nonlocal last
         for batch in _batches(iter_documents(source)):
+            if should_stop():
+                raise PrepInterrupted  # write_shard removes its temporary file
             for ids in tok.encode_batch(batch):
                 yield ids
                 yield eot
@@ -145,7 +161,8 @@ def _encode_source(
 
 
 def _get_tokenizer(
-    config: Config, manifest: dict, force: bool, progress: Progress
+    config: Config, manifest: dict, force: bool, progress: Progress,
+    should_stop: ShouldStop = _never,
 ) -> tuple[Tokenizer, bool]:
     """Load the existing tokenizer, or train one when there is none (or with --force).
 
@@ -176,7 +193,7 @@ def _get_tokenizer(
         return tok, False
     progress(f"tokenizer: training on up to {train_bytes / 1e6:.1f} MB ...")
     t0 = time.perf_counter()
-    tok = train_tokenizer(training_texts(sources, train_bytes), tok_path, vocab_size)
+    tok = _train_in_child(sources, train_bytes, tok_path, vocab_size, should_stop)
     progress(
         f"tokenizer: trained {tok.vocab_size} ids in {time.perf_counter() - t0:.1f} s "
         f"-> {tok_path} (sha256 {tok.sha256[:12]})"
@@ -185,9 +202,12 @@ def _get_tokenizer(
     return tok, True
 
 
-def prepare(config: Config, progress: Progress = print, force: bool = False) -> PrepResult:
+def prepare(config: Config, progress: Progress = print, force: bool = False,
+            should_stop: ShouldStop = _never) -> PrepResult:
     """Train or load the tokenizer, then encode every source into its shard (skip unchanged).
-    The config is a validated one (engine.config): vocab sizes agree, sources exist."""
+    The config is a validated one (engine.config): vocab sizes agree, sources exist.
+    `should_stop` is asked every POLL_S or batch; when it says yes, preparation ends within about
+    a second with PrepInterrupted, leaving only complete files (tmp + rename) behind."""
     data_dir, _ = data_paths(config)
     seq_len = config.model.seq_len
     sources = config.data.sources
@@ -198,7 +218,7 @@ def prepare(config: Config, progress: Progress = print, force: bool = False) -> 
     manifest_path = data_dir / "manifest.json"
     manifest = _read_manifest(manifest_path)
     manifest["version"] = MANIFEST_VERSION
-    tok, trained = _get_tokenizer(config, manifest, force, progress)
+    tok, trained = _get_tokenizer(config, manifest, force, progress, should_stop)
     _write_manifest(manifest_path, manifest)
 
     result = PrepResult(tok.path, tok.sha256, trained)
@@ -219,7 +239,7 @@ def prepare(config: Config, progress: Progress = print, force: bool = False) -> 
                 result.tokens[name] = len(shard)
                 result.skipped.append(name)
                 continue
-        n_tokens, n_bytes, n_docs, secs = _encode_source(tok, source, path, progress)
+        n_tokens, n_bytes, n_docs, secs = _encode_source(tok, source, path, progress, should_stop)
         if n_tokens < seq_len + 1:
             path.unlink(missing_ok=True)
             raise UserError(
@@ -242,6 +262,60 @@ def prepare(config: Config, progress: Progress = print, force: bool = False) -> 
         result.shard_paths[name] = path
         result.tokens[name] = n_tokens
     return result
+
+
+def _train_child(conn: Any, sources: Sequence[SourceConfig], train_bytes: int, path: Path,
+                 vocab_size: int) -> None:
+    """The tokenizer training, in a process of its own (the parent can end it at any time)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl+C: the parent decides
+    _die_with_parent()
+    try:
+        train_tokenizer(training_texts(sources, train_bytes), path, vocab_size)
+        conn.send(None)
+    except UserError as e:
+        conn.send(str(e))
+    except BaseException as e:  # a bug: report it rather than die silently
+        conn.send(f"tokenizer training failed: {type(e).__name__}: {e}")
+
+
+def _die_with_parent() -> None:
+    """Linux: end this process when its parent dies (a kill -9 of the engine)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _train_in_child(sources: Sequence[SourceConfig], train_bytes: int, path: Path,
+                    vocab_size: int, should_stop: ShouldStop) -> Tokenizer:
+    """Train the tokenizer in a child process and wait for it, looking at `should_stop` every
+    POLL_S: HF's trainer runs in native code for seconds to minutes and would hold a stop (and
+    its signal handlers) until it returns. A stopped child is killed and its temporary file
+    removed; the tokenizer file is only ever renamed into place complete."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_train_child, args=(child, list(sources), train_bytes, path,
+                                                  vocab_size), daemon=True)
+    proc.start()
+    child.close()
+    try:
+        while not parent.poll(POLL_S):
+            if should_stop():
+                raise PrepInterrupted
+            if not proc.is_alive() and not parent.poll():
+                raise UserError(f"tokenizer training ended without a result (exit status "
+                                f"{proc.exitcode})")
+        error = parent.recv()
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+        parent.close()
+        Path(path).with_name(f".{Path(path).name}.tmp-{proc.pid}").unlink(missing_ok=True)
+    if error is not None:
+        raise UserError(error)
+    return load_tokenizer(path, vocab_size)
 
 
 class Prepared(NamedTuple):
@@ -273,3 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(result.tokens.values())
     print(f"done: {len(result.tokens)} sources, {total:,} tokens in {config.data.dir}")
     return 0
+
+
+if __name__ == "__main__":
+    main()

@@ -42,10 +42,6 @@ class ModelShapes:
                 f"got {self.n_head}"
             )
 
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_head
-
     @classmethod
     def from_config(cls, m: ModelConfig) -> ModelShapes:
         """The shapes of the config's `model` section."""

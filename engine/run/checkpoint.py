@@ -28,7 +28,7 @@ import shutil
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,7 +51,7 @@ WRITER_NICENESS = 10
 _NAME_RE = re.compile(r"^step_(\d{8})(?:-(\d+))?$")
 _TMP_RE = re.compile(r"^\.tmp-.*-(\d+)-[0-9a-f]+$")
 # Fields written by this module; the trainer's `state` must not shadow them.
-_CORE_FIELDS = (
+CORE_FIELDS = (
     "format_version", "step", "n_params", "model_ckpt", "tensor_table", "reason", "wall_time",
     "state_sha256",
 )
@@ -85,7 +85,7 @@ class CheckpointEntry:
     step: int
     reason: str | None
     wall_time: float | None
-    bytes: int | None
+    bytes: int
     valid: bool
     invalid_reason: str | None
 
@@ -214,7 +214,7 @@ def write_checkpoint(
     problem = _table_problem(table, n)
     if problem:
         raise ValueError(f"checkpoint: tensor_table: {problem}")
-    shadowed = sorted(set(state) & set(_CORE_FIELDS))
+    shadowed = sorted(set(state) & set(CORE_FIELDS))
     if shadowed:
         raise ValueError(f"checkpoint: state must not set {shadowed} (written by the checkpointer)")
 
@@ -281,13 +281,10 @@ def cleanup_tmp(ckpt_root: Path) -> list[Path]:
 # ---------------------------------------------------------------- verification
 
 
-def normalize_tensor_table(table: Sequence[Any]) -> list[dict[str, Any]]:
-    """Tensor table as a list of {name, shape, offset}; accepts dicts or (name, shape, offset)."""
-    out = []
-    for t in table:
-        name, shape, offset = (t["name"], t["shape"], t["offset"]) if isinstance(t, dict) else t
-        out.append({"name": str(name), "shape": [int(s) for s in shape], "offset": int(offset)})
-    return out
+def normalize_tensor_table(table: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Tensor table as a list of {name: str, shape: [int], offset: int} (extra keys dropped)."""
+    return [{"name": str(t["name"]), "shape": [int(s) for s in t["shape"]],
+             "offset": int(t["offset"])} for t in table]
 
 
 def _table_problem(table: list[dict[str, Any]], n: int) -> str | None:
@@ -337,11 +334,9 @@ def _check_structure_unguarded(path: Path) -> tuple[dict[str, Any], int]:
         raise CheckpointInvalid(f"unparsable JSON: {e}") from None
     if not isinstance(doc, dict):
         raise CheckpointInvalid(f"{state_path}: expected a JSON object")
-    for k in _CORE_FIELDS:
+    for k in CORE_FIELDS:
         if k not in doc:
             raise CheckpointInvalid(f"{state_path}: field {k!r} missing")
-    if "state_sha256" not in doc:
-        raise CheckpointInvalid(f"{state_path}: field 'state_sha256' missing")
     if state_digest(doc) != doc["state_sha256"]:
         raise CheckpointInvalid(f"{state_path}: content does not match its state_sha256 (edited?)")
     if doc["format_version"] != FORMAT_VERSION:
@@ -419,12 +414,10 @@ def _entry(path: Path, check_hash: bool) -> CheckpointEntry:
         except OSError:
             pass
     try:
-        verify_checkpoint(path, check_hash=check_hash)
+        verify_checkpoint(path, check_hash=check_hash)  # turns OSError into CheckpointInvalid
         valid, why = True, None
     except CheckpointInvalid as e:
         valid, why = False, str(e)
-    except OSError as e:
-        valid, why = False, f"{path}: unreadable ({e})"
     reason = doc.get("reason") if isinstance(doc.get("reason"), str) else None
     wall = doc.get("wall_time") if isinstance(doc.get("wall_time"), (int, float)) else None
     return CheckpointEntry(path, step, reason, wall, size, valid, why)
@@ -459,7 +452,7 @@ def find_resume_checkpoint(ckpt_root: Path) -> tuple[Path | None, list[tuple[Pat
     for p in _checkpoint_dirs(ckpt_root_of(Path(ckpt_root))):
         try:
             verify_checkpoint(p)
-        except (CheckpointInvalid, OSError) as e:
+        except CheckpointInvalid as e:
             skipped.append((p, str(e)))
             continue
         return p, skipped
@@ -500,28 +493,43 @@ def _remove_checkpoint(path: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def prune_periodic(ckpt_root: Path, keep: int, *, check_hash: bool = True) -> list[Path]:
-    """Delete periodic checkpoints beyond the newest `keep` valid ones; return what was deleted.
+def prune(ckpt_root: Path, keep: int, reasons: Collection[str], *, check_hash: bool = True,
+          dry_run: bool = False) -> list[Path]:
+    """Delete checkpoints whose reason is in `reasons` beyond the newest `keep` valid ones;
+    return what was (or, with dry_run, would be) deleted.
 
-    Never touches snapshot/stop/final ones, nor anything whose reason cannot be read. Invalid
-    periodic checkpoints older than the oldest kept one go too; newer invalid ones stay for
-    inspection. Call it only after a newer checkpoint is committed.
+    Never touches a checkpoint of another reason or whose reason cannot be read, nor the newest
+    valid checkpoint of the run (what a resume starts from). Invalid ones older than the oldest
+    kept one go too; newer invalid ones stay for inspection. Call it only after a newer
+    checkpoint is committed.
     """
     if keep < 1:
-        raise UserError(f"checkpoint.keep: expected an integer >= 1, got {keep}")
+        raise UserError(f"--keep: expected an integer >= 1, got {keep}")
     root = ckpt_root_of(Path(ckpt_root))
-    periodic = [e for e in list_checkpoints(root, check_hash=check_hash) if e.reason == "periodic"]
+    entries = list_checkpoints(root, check_hash=check_hash)  # newest first
+    newest_valid = next((e.path for e in entries if e.valid), None)
     kept = 0
     removed: list[Path] = []
-    for e in periodic:  # newest first
-        if kept < keep:
+    for e in entries:
+        if e.reason not in reasons:
+            continue
+        if kept < keep or e.path == newest_valid:
             kept += e.valid
             continue
-        _remove_checkpoint(e.path)
+        if not dry_run:
+            _remove_checkpoint(e.path)
         removed.append(e.path)
-    if removed:
+    if removed and not dry_run:
         fsync_dir(root)
     return removed
+
+
+def prune_periodic(ckpt_root: Path, keep: int, *, check_hash: bool = True) -> list[Path]:
+    """checkpoint.keep: periodic checkpoints beyond the newest `keep` valid ones go."""
+    return prune(ckpt_root, keep, ("periodic",), check_hash=check_hash)
+
+
+MANUAL_REASONS = ("snapshot", "stop")
 
 
 # ---------------------------------------------------------------- background writer
@@ -554,17 +562,13 @@ class CheckpointWriter:
     """One worker thread that writes checkpoints the training loop has already copied.
 
     `submit` returns at once; the arrays it gets must stay untouched until the result arrives
-    (the trainer hands over its copies). Results go to `on_result` (called on the worker thread)
-    and to `poll()`. A write error is a WriteResult with `error` set, never an exception in the
+    (the trainer hands over its copies). Results are collected with `poll()`. A write error is a WriteResult with `error` set, never an exception in the
     loop. The thread is a daemon: call `wait()` (or `close()`) before exiting so writes finish.
     The worker thread runs at niceness +10 so hashing and writing yield the cores to training.
     """
 
-    def __init__(
-        self, ckpt_root: Path, on_result: Callable[[WriteResult], None] | None = None
-    ) -> None:
+    def __init__(self, ckpt_root: Path) -> None:
         self.ckpt_root = Path(ckpt_root)
-        self._on_result = on_result
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self._pending = 0
@@ -628,11 +632,6 @@ class CheckpointWriter:
             except Exception as e:  # reported to the loop, which turns it into an error event
                 result = WriteResult(job.step, job.reason, error=str(e) or repr(e))
             job = None  # drop the arrays before announcing idleness
-            if self._on_result is not None:
-                try:
-                    self._on_result(result)
-                except Exception:
-                    pass  # a failing callback must not kill the writer; poll() still has it
             with self._idle:
                 self._results.append(result)
                 self._pending -= 1

@@ -13,23 +13,23 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from engine.errors import UserError, cli_entry
 from engine.run.checkpoint import (
+    CORE_FIELDS,
     MODEL_FILE,
+    REASONS,
     STATE_FILE,
     CheckpointInvalid,
+    ckpt_root_of,
     list_checkpoints,
     load_checkpoint,
+    prune,
     tensor_stats,
     verify_checkpoint,
-)
-
-_CORE = (
-    "format_version", "step", "n_params", "model_ckpt", "tensor_table", "reason", "wall_time",
-    "state_sha256",
 )
 
 
@@ -49,35 +49,55 @@ def _targets(path: Path) -> tuple[bool, list[Path]]:
     return False, dirs
 
 
-def _find(state: dict[str, Any], *keys: str) -> Any:
-    """The first of `keys` present at the top level or one level down (layouts may nest)."""
-    for k in keys:
-        if k in state:
-            return state[k]
-    for v in state.values():
-        if isinstance(v, dict):
-            for k in keys:
-                if k in v:
-                    return v[k]
-    return None
+def _dig(d: Any, *path: str) -> Any:
+    """d[path[0]][path[1]]...; None where a level is missing or not an object."""
+    for k in path:
+        if not isinstance(d, dict) or k not in d:
+            return None
+        d = d[k]
+    return d
+
+
+def _pick(d: Any, *keys: str) -> dict[str, Any]:
+    """{key: d[key]} for each key, None for those `d` lacks (shown as `-`)."""
+    return {k: _dig(d, k) for k in keys}
+
+
+def _by_source(names: Any, values: Any) -> dict[str, Any] | None:
+    if not (isinstance(names, list) and isinstance(values, list) and len(names) == len(values)):
+        return None
+    return dict(zip(names, values, strict=True))
 
 
 def state_summary(state: dict[str, Any]) -> dict[str, Any]:
-    """The resume-relevant parts of state.json that a person wants to see first."""
-    bandit = state.get("bandit") if isinstance(state.get("bandit"), dict) else {}
+    """The parts of state.json a person wants to see first, read from where the engine writes
+    them (engine.run.loop `_state`: trainer, schedule, bandit, sampler, data, ...). A field the
+    checkpoint lacks is None."""
+    bandit = state.get("bandit")
     return {
         "reason": state.get("reason"),
         "step": state.get("step"),
         "n_params": state.get("n_params"),
         "wall_time": state.get("wall_time"),
-        "tokens": _find(state, "tokens", "token_counter", "tokens_seen"),
-        "lr": _find(state, "lr", "last_lr"),
-        "schedule": state.get("schedule"),
-        "loss_scale": state.get("loss_scale"),
-        "bandit_phase": _find(bandit, "phase", "phase_index"),
-        "bandit_weights": _find(bandit, "weights"),
-        "sampler": state.get("sampler"),
-        "other_keys": sorted(k for k in state if k not in _CORE),
+        "run_id": state.get("run_id"),
+        "backend": state.get("backend"),
+        "experiment": _dig(state, "config", "name"),
+        "precision": _dig(state, "config", "train", "precision"),
+        "tokens": state.get("tokens"),
+        "schedule": _pick(state.get("schedule"), "step", "max_steps", "lr", "warmup_steps"),
+        "trainer": {
+            **_pick(state.get("trainer"), "adam_t", "skipped_steps"),
+            "loss_scale": _pick(_dig(state, "trainer", "loss_scale"), "enabled", "scale",
+                                "good_steps"),
+        },
+        "bandit": {
+            **_pick(bandit, "phase", "phase_step", "phase_len", "score"),
+            "weights": _by_source(_dig(bandit, "source_names"), _dig(bandit, "weights")),
+        },
+        "sampler": _pick(state.get("sampler"), "seed", "seq_len", "n_sources"),
+        "data": _pick(state.get("data"), "tokenizer_sha256", "tokens"),
+        "versions": state.get("versions"),
+        "other_keys": sorted(k for k in state if k not in CORE_FIELDS),
     }
 
 
@@ -94,9 +114,53 @@ def _inspect_one(path: Path) -> dict[str, Any]:
     }
 
 
-def _short(x: Any, width: int = 90) -> str:
-    s = json.dumps(x, separators=(",", ":"))
-    return s if len(s) <= width else s[: width - 3] + "..."
+def _v(x: Any, fmt: str = "") -> str:
+    """One value for the text report: `-` when the checkpoint lacks it."""
+    if x is None:
+        return "-"
+    if fmt and isinstance(x, (int, float)) and not isinstance(x, bool):
+        return format(x, fmt)
+    return str(x)
+
+
+def _when(t: Any) -> str:
+    if not isinstance(t, (int, float)):
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(t))
+
+
+def _summary_lines(s: dict[str, Any]) -> list[str]:
+    sch, tr, bd = s["schedule"], s["trainer"], s["bandit"]
+    ls, smp, data = tr["loss_scale"], s["sampler"], s["data"]
+    weights = bd["weights"]
+    mixture = ", ".join(f"{n} {_v(w, '.4f')}" for n, w in weights.items()) if weights else "-"
+    scaling = (f"dynamic, {_v(ls['good_steps'])} good steps" if ls["enabled"]
+               else "off" if ls["enabled"] is False else "-")
+    src_tokens = data["tokens"]
+    per_source = (", ".join(f"{n} {_v(c, ',')}" for n, c in src_tokens.items())
+                  if isinstance(src_tokens, dict) else "-")
+    sha = data["tokenizer_sha256"]
+    versions = s["versions"]
+    return [
+        f"reason: {_v(s['reason'])}  written {_when(s['wall_time'])}",
+        f"run: {_v(s['run_id'])}  backend {_v(s['backend'])}  experiment {_v(s['experiment'])}"
+        f"  precision {_v(s['precision'])}",
+        f"tokens: {_v(s['tokens'], ',')}",
+        f"schedule: step {_v(sch['step'])} of {_v(sch['max_steps'])}  lr {_v(sch['lr'], '.3e')}"
+        f"  warmup {_v(sch['warmup_steps'])} steps",
+        f"trainer: adam_t {_v(tr['adam_t'])}  skipped_steps {_v(tr['skipped_steps'])}"
+        f"  loss_scale {_v(ls['scale'], 'g')} ({scaling})",
+        f"bandit: phase {_v(bd['phase'])}, {_v(bd['phase_step'])} of {_v(bd['phase_len'])} "
+        f"steps done  score {_v(bd['score'])}",
+        f"bandit weights: {mixture}",
+        f"sampler: seed {_v(smp['seed'])}  seq_len {_v(smp['seq_len'])}"
+        f"  sources {_v(smp['n_sources'])}",
+        f"data: tokenizer sha256 {sha[:16] if isinstance(sha, str) else '-'}"
+        f"  tokens {per_source}",
+        "versions: " + (", ".join(f"{k} {v}" for k, v in versions.items())
+                        if isinstance(versions, dict) else "-"),
+        f"state keys: {', '.join(s['other_keys']) or '-'}",
+    ]
 
 
 def _print_report(r: dict[str, Any]) -> None:
@@ -104,11 +168,8 @@ def _print_report(r: dict[str, Any]) -> None:
     print(f"{r['path']}: valid")
     print(f"  header: step {h['step']}  n_params {h['n_params']:,}  "
           f"model.ckpt {r['model_ckpt']['size']:,} bytes  sha256 {r['model_ckpt']['sha256'][:16]}")
-    for k in ("reason", "tokens", "lr", "schedule", "loss_scale", "bandit_phase",
-              "bandit_weights", "sampler"):
-        if s[k] is not None:
-            print(f"  {k}: {_short(s[k])}")
-    print(f"  state keys: {', '.join(s['other_keys']) or '-'}")
+    for line in _summary_lines(s):
+        print(f"  {line}")
     print(f"  {'tensor':<22}{'shape':>14}  {'':1}{'mean':>11}{'std':>11}{'rms':>11}{'max|x|':>11}")
     for t in r["tensors"]:
         shape = "x".join(map(str, t["shape"]))
@@ -166,6 +227,25 @@ def _cmd_verify(path: Path) -> int:
     return 0
 
 
+def _cmd_prune(path: Path, keep: int, dry_run: bool) -> int:
+    """Keep the `keep` newest checkpoints of a run (the newest valid one always stays)."""
+    from engine.run.control import engine_alive
+
+    root = ckpt_root_of(path)
+    if not root.is_dir() or root.name != "checkpoints":
+        raise UserError(f"{path}: not a run directory (no checkpoints/ in it)")
+    run_dir = root.parent
+    if not dry_run and engine_alive(run_dir)[0]:
+        raise UserError(f"{run_dir}: an engine is training there; prune once it has stopped "
+                        "(or look with --dry-run)")
+    gone = prune(root, keep, REASONS, dry_run=dry_run)
+    verb = "would remove" if dry_run else "removed"
+    for g in gone:
+        print(f"{verb} {g}")
+    print(f"{verb} {len(gone)} checkpoint(s); kept the {keep} newest valid ones")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="andrea-ckpt", description="Inspect and verify checkpoints.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -174,6 +254,10 @@ def _parser() -> argparse.ArgumentParser:
     pi.add_argument("--json", action="store_true", help="machine-readable output")
     pv = sub.add_parser("verify", help="size, header, tensor table and sha256; exit 2 if invalid")
     pv.add_argument("path", type=Path, help="checkpoint directory or run directory")
+    pp = sub.add_parser("prune", help="delete all but the newest N checkpoints of a run")
+    pp.add_argument("path", type=Path, help="run directory or its checkpoints/ directory")
+    pp.add_argument("--keep", type=int, required=True, help="how many checkpoints to keep")
+    pp.add_argument("--dry-run", action="store_true", help="list what would go, delete nothing")
     return p
 
 
@@ -182,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     if args.cmd == "inspect":
         return _cmd_inspect(args.path, args.json)
+    if args.cmd == "prune":
+        return _cmd_prune(args.path, args.keep, args.dry_run)
     return _cmd_verify(args.path)
 
 

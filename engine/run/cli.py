@@ -7,6 +7,8 @@ The engine's command line: parse, validate the config, pick the run directory, h
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -58,15 +60,36 @@ def main(argv: list[str] | None = None) -> int:
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"{run_dir}: exists and is not a directory")
     refuse_overwrite(run_dir, args.resume)
+    created = not run_dir.exists()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"--run-dir {run_dir}: cannot create it: {e.strerror or e}") from None
     options = RunOptions(resume=args.resume, max_steps=args.max_steps, backend=args.backend,
                          attention=args.attention, retune=args.retune)
-    return TrainingRun(cfg, run_dir, options, flags,
-                       argv if argv is not None else sys.argv).run()
+    try:
+        require_writable(run_dir)
+        return TrainingRun(cfg, run_dir, options, flags,
+                           argv if argv is not None else sys.argv).run()
+    except UserError:
+        if created:  # refused: leave no trace of a run that never was
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
 
+
+def require_writable(run_dir: Path) -> None:
+    """A run directory the engine cannot write (read-only mount, no permission) is refused up
+    front with one line, not a traceback from the first file it opens."""
+    if not os.access(run_dir, os.W_OK | os.X_OK):
+        try:
+            os.statvfs(run_dir)
+            why = "read-only file system" if os.statvfs(run_dir).f_flag & os.ST_RDONLY else \
+                "permission denied"
+        except OSError as e:
+            why = e.strerror or str(e)
+        raise UserError(f"{run_dir}: cannot write here ({why}); a run directory can be watched "
+                        f"read-only with `andrea-tui attach {run_dir}`, but training needs one "
+                        "it can write (choose another --run-dir)")
 
 if __name__ == "__main__":
     main()

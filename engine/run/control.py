@@ -39,6 +39,12 @@ def _lock_free(lock_path: Path) -> bool:
     return True
 
 
+def lock_held(run_dir: Path) -> bool:
+    """True when some process holds the run directory's engine.lock (an engine is there, perhaps
+    still starting). Sends nothing, takes nothing."""
+    return not _lock_free(RunPaths(Path(run_dir)).lock)
+
+
 def _checked_engine(run_dir: Path) -> EngineInfo:
     """The engine's identity after the checks that need no pidfd; raises ControlRefused."""
     paths = RunPaths(Path(run_dir))

@@ -2,7 +2,8 @@
 
 A controller signals a pid only if the process behind it is provably the engine that wrote
 `engine.json`: same boot, same start time (clock ticks since boot, /proc/PID/stat field 22), and
-`engine.lock` held. Standard library only: the TUI's control module imports this.
+`engine.lock` held. Standard library only: engine.run.control, which the TUI signals
+through, imports this.
 """
 
 from __future__ import annotations
@@ -61,7 +62,10 @@ class EngineLock:
         for `retry_s` before concluding another engine holds it.
         """
         path = Path(run_dir) / LOCK
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise UserError(f"{path}: cannot open the run's lock: {e.strerror or e}") from None
         deadline = time.monotonic() + retry_s
         while True:
             try:
@@ -86,12 +90,17 @@ class EngineLock:
             self._fd = None
 
 
-def write_engine_json(run_dir: Path, argv: list[str], run_id: str) -> EngineInfo:
-    """Write `engine.json` atomically (after the lock is taken and signal handlers installed)."""
+def engine_info(argv: list[str], run_id: str) -> EngineInfo:
+    """This process's identity, as `engine.json` records it."""
     pid = os.getpid()
-    info = EngineInfo(pid=pid, start_time=proc_start_time(pid), boot_id=boot_id(),
+    return EngineInfo(pid=pid, start_time=proc_start_time(pid), boot_id=boot_id(),
                       host=socket.gethostname(), run_id=run_id, argv=list(argv),
                       started_at=time.time())
+
+
+def write_engine_json(run_dir: Path, argv: list[str], run_id: str) -> EngineInfo:
+    """Write `engine.json` atomically (after the lock is taken and signal handlers installed)."""
+    info = engine_info(argv, run_id)
     write_json_atomic(RunPaths(Path(run_dir)).engine, info.to_json())
     return info
 

@@ -7,6 +7,7 @@ signals of DESIGN §8 acted on between steps. Everything the loop writes goes to
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import sys
@@ -21,7 +22,7 @@ import numpy as np
 
 from engine import records as rec
 from engine.config import Config, config_diff, parse_config
-from engine.errors import RunError, UserError
+from engine.errors import UserError
 from engine.records import Status
 from engine.run.checkpoint import cleanup_tmp
 from engine.run.signals import SignalFlags
@@ -53,15 +54,17 @@ class TrainingRun:
     def __init__(self, cfg: Config, run_dir: Path, args: RunOptions,
                  flags: SignalFlags, argv: list[str]) -> None:
         from engine.run.identity import EngineLock
+        from engine.run.writer import RunWriter
 
         self.cfg, self.run_dir, self.args, self.flags = cfg, run_dir, args, flags
         self.ckpt_root = run_dir / "checkpoints"
         self.lock = EngineLock().acquire(run_dir)  # refuses when another engine holds the run
         self.run_id = uuid.uuid4().hex[:12]
         self.argv = list(argv)
-        from engine.run.writer import RunWriter
-
-        self.out = RunWriter(run_dir)
+        try:
+            self.out = RunWriter(run_dir)
+        except OSError as e:
+            raise UserError(f"{run_dir}: cannot write the run's files: {e.strerror or e}") from None
         self.writer: Any = None
         self.steps_run = 0  # optimizer steps taken by this process
         self.inflight: list[str] = []  # reasons of checkpoints submitted, not yet collected
@@ -71,26 +74,36 @@ class TrainingRun:
     # -- start-up -----------------------------------------------------------------------
 
     def run(self) -> int:
-        from engine.run.identity import write_engine_json
+        from engine.backends import resolve_backend
+        from engine.data.prep import PrepInterrupted
+        from engine.run.identity import engine_info
 
-        write_engine_json(self.run_dir, self.argv, self.run_id)
         try:
             try:
                 cleanup_tmp(self.ckpt_root)  # half-written dirs of writers that died
                 resume = self._pick_resume()
-                self._start(resume)
-            except (UserError, RunError) as e:
-                self.out.log(f"error: {e}", echo=False)  # cli_entry prints it on stderr
-                self.out.event(rec.ErrorEvent(message=str(e)))
-                self.out.set_status(status=Status.FAILED)
+                backend = resolve_backend(self.args.backend)
+                # Only now, with the quick refusals behind it, does the engine say who it is: a
+                # launcher that waits for engine.json knows the engine has accepted its input.
+                self.out.write_json(self.out.paths.engine,
+                                    engine_info(self.argv, self.run_id).to_json())
+                self._start(resume, *backend)
+            except UserError:
+                # Bad input, found before anything was trained: the run's files go back to what
+                # they were (cli_entry prints the one line on stderr).
+                self.out.rollback()
                 raise
-            except KeyboardInterrupt:  # a second SIGINT/SIGTERM while starting up
-                self.out.log("interrupted during start-up; nothing was trained")
-                self.out.event(rec.StopEvent(step=0, status=Status.STOPPED.value))
+            except (KeyboardInterrupt, PrepInterrupted):  # a stop while starting up
+                how = self.flags.stop_name or "interrupted"
+                self.out.log(f"{how} during start-up; nothing was trained")
+                self.out.event(rec.StopEvent(step=self.out.status.step,
+                                             status=Status.STOPPED.value))
                 self.out.set_status(status=Status.STOPPED)
-                raise
+                return 0
             except Exception as e:
                 return self._crashed(e)
+            if self.out.failed is not None:
+                return self._unwritable()
             self.flags.starting = False
             try:
                 return self._loop()
@@ -104,11 +117,19 @@ class TrainingRun:
             self.out.close()
 
     def _crashed(self, e: BaseException) -> int:
-        self.out.log("error: " + "".join(traceback.format_exception(e)).rstrip())
+        self.out.log("error: " + "".join(traceback.format_exception(e)).rstrip(), echo=False)
         self.out.event(rec.ErrorEvent(message=f"{type(e).__name__}: {e}"))
         self.out.set_status(status=Status.FAILED)
         print(f"error: {type(e).__name__}: {e} (traceback in {self.out.paths.log})",
               file=sys.stderr)
+        return 1
+
+    def _unwritable(self) -> int:
+        """The run directory stopped taking writes: say what was kept and end (exit 1)."""
+        self.out.log(f"the run directory is not writable ({self.out.failed}); stopped at step "
+                     f"{self.trainer.step_count if hasattr(self, 'trainer') else 0}", echo=False)
+        self.out.event(rec.ErrorEvent(message=f"run directory not writable: {self.out.failed}"))
+        self.out.set_status(status=Status.FAILED)
         return 1
 
     def _pick_resume(self) -> Any:
@@ -122,14 +143,15 @@ class TrainingRun:
         for p, why in skipped:
             self.out.log(f"resume: skipping {p}: {why}")
         if path is None:
-            raise UserError(f"{self.ckpt_root}: no checkpoint verifies (see engine.log); "
-                            "nothing to resume from")
+            why = "; ".join(f"{Path(p).name}: {w}" for p, w in skipped)
+            raise UserError(f"{self.ckpt_root}: no checkpoint verifies, nothing to resume from "
+                            f"({why})")
         ck = load_checkpoint(path)
         saved = parse_config(ck.state["config"], f"{path / 'state.json'}: config", path)
-        diff = [d for d in config_diff(saved, self.cfg) if d[0] != "train.max_steps"]
-        if diff:
-            self.out.log("resume: the checkpoint's config wins over the given one for: "
-                         + ", ".join(d[0] for d in diff))
+        ignored = [rec.IgnoredSetting(k, kept, given)
+                   for k, kept, given in config_diff(saved, self.cfg) if k != "train.max_steps"]
+        if ignored:
+            self._warn_ignored(ignored)
         self.cfg = saved
         if self.args.max_steps is not None and self.args.max_steps < ck.step:
             raise UserError(f"--max-steps {self.args.max_steps}: the run is already at step "
@@ -139,26 +161,37 @@ class TrainingRun:
                          f"{saved.train.max_steps} (the lr schedule changes with it)")
             self.cfg = saved.with_max_steps(self.args.max_steps)
         self.out.log(f"resume: from {path} (step {ck.step})")
-        self.out.set_status(last_checkpoint=rec.CheckpointRef(
+        self.out.set_status(step=ck.step, last_checkpoint=rec.CheckpointRef(
             str(path), ck.step, str(ck.state.get("reason"))))
         self.out.event(rec.ResumeEvent(step=ck.step, path=str(path), skipped=[
-            rec.SkippedCheckpoint(str(p), str(w)) for p, w in skipped]))
+            rec.SkippedCheckpoint(str(p), str(w)) for p, w in skipped], ignored=ignored))
         return ck
 
-    def _start(self, resume: Any) -> None:
-        from engine.backends import resolve_backend
+    def _warn_ignored(self, ignored: list[rec.IgnoredSetting]) -> None:
+        """A resume trains on with the checkpoint's config: say loudly what the given config
+        would have changed, and how to train with it instead."""
+        lines = [f"  {i.key}: {json.dumps(i.kept)} (kept) -- given {json.dumps(i.given)}"
+                 for i in ignored]
+        msg = (f"warning: --resume continues {self.run_dir} with its checkpoint's config; "
+               f"{len(ignored)} setting(s) of the given config are NOT used:\n"
+               + "\n".join(lines) + "\n  to train with them, start a new run: drop --resume "
+               "and pass another --run-dir")
+        print(msg, file=sys.stderr, flush=True)
+        for line in msg.splitlines():
+            self.out.log(line, echo=False)
+
+    def _start(self, resume: Any, backend: str, why: str) -> None:
         from engine.data.bandit import Bandit
         from engine.data.prep import load_prepared, prepare
         from engine.data.sampler import Sampler
         from engine.model.trainer import Trainer
-        from engine.runfiles import write_json_atomic
 
         cfg = self.cfg
-        write_json_atomic(self.out.paths.config, cfg.to_json())
-        backend, why = resolve_backend(self.args.backend)
+        self.out.write_json(self.out.paths.config, cfg.to_json())
         self.out.log(f"andrea-train {cfg.name} pid {os.getpid()} run {self.run_id}: {why}")
-        self.out.set_status(status=Status.STARTING, step=0, max_steps=cfg.train.max_steps,
-                            backend=backend, device="", pid=os.getpid(), run_id=self.run_id)
+        self.out.set_status(status=Status.STARTING, step=resume.step if resume else 0,
+                            max_steps=cfg.train.max_steps, backend=backend, device="",
+                            pid=os.getpid(), run_id=self.run_id)
         self.out.event(rec.StartEvent(pid=os.getpid(), argv=self.argv, name=cfg.name,
                                       backend=backend, device="", run_id=self.run_id,
                                       resumed=resume is not None))
@@ -167,7 +200,7 @@ class TrainingRun:
             self.out.log(f"prep: {msg}")
             self.out.event(rec.PrepEvent(message=msg))
 
-        prepare(cfg, progress=progress)
+        prepare(cfg, progress=progress, should_stop=lambda: self.flags.stop_requested)
         self.data = load_prepared(cfg)
         self.tokenizer = self.data.tokenizer
         self.source_names = cfg.data.source_names
@@ -281,7 +314,8 @@ class TrainingRun:
         # counts the data, the staging and the host's share too; checkpoint writes and text
         # samples (restarting the clock) are not counted.
         t0 = time.perf_counter()
-        while tr.step_count < max_steps and not self.flags.stop_requested:
+        while (tr.step_count < max_steps and not self.flags.stop_requested
+               and self.out.failed is None):
             weights = self.bandit.weights.copy()
             phase = (self.bandit.phase, self.bandit.phase_step + 1, self.bandit.phase_len)
             srcs = []
@@ -390,7 +424,7 @@ class TrainingRun:
             self._collect_writes()
 
     def _collect_writes(self) -> None:
-        from engine.run.checkpoint import prune_periodic
+        from engine.run.checkpoint import MANUAL_REASONS, prune, prune_periodic
 
         for res in self.writer.poll():
             if res.reason in self.inflight:
@@ -410,9 +444,12 @@ class TrainingRun:
                                                seconds=info.seconds))
             self.out.set_status(last_checkpoint=rec.CheckpointRef(str(info.path), info.step,
                                                                   info.reason))
+            # Structure checks only: hashing every checkpoint here would stall training.
             if info.reason == "periodic":
-                # Structure checks only: hashing every checkpoint here would stall training.
                 prune_periodic(self.ckpt_root, self.cfg.checkpoint.keep, check_hash=False)
+            elif info.reason in MANUAL_REASONS and self.cfg.checkpoint.keep_manual:
+                prune(self.ckpt_root, self.cfg.checkpoint.keep_manual, MANUAL_REASONS,
+                      check_hash=False)
 
     def _handle_snapshot_requests(self, periodic_due: bool = False) -> bool:
         """SIGUSR1 → a snapshot at this step boundary. Requests that arrive while a snapshot is
@@ -448,6 +485,8 @@ class TrainingRun:
 
     def _finish(self, max_steps: int) -> int:
         step = self.trainer.step_count
+        if self.out.failed is not None:
+            return self._unwritable()
         self.last_write_failed = False
         if self.flags.stop_requested and self.steps_run == 0:
             sig = self.flags.stop_name

@@ -12,7 +12,7 @@ from types import FrameType
 
 
 class SignalFlags:
-    """Counts SIGUSR1 (snapshot) and SIGTERM/SIGINT (stop) since the loop last looked."""
+    """Counts SIGUSR1 (snapshot) and SIGTERM/SIGINT/SIGHUP (stop) since the loop last looked."""
 
     def __init__(self) -> None:
         self.snapshot_requests = 0
@@ -20,7 +20,6 @@ class SignalFlags:
         # While starting up (data prep can take a while) a second stop signal aborts at once.
         self.starting = True
         self._seen_snapshots = 0
-        self._installed = False
 
     def install(self) -> None:
         # Only the main thread may install handlers; install before anything slow so an early
@@ -30,9 +29,10 @@ class SignalFlags:
         signal.signal(signal.SIGUSR1, self._on_usr1)
         signal.signal(signal.SIGTERM, self._on_stop)
         signal.signal(signal.SIGINT, self._on_stop)
+        # A closed terminal (SIGHUP) is a stop too: checkpoint and end, never lose the progress.
+        signal.signal(signal.SIGHUP, self._on_stop)
         # A file-size limit must fail the write (EFBIG, reported as a checkpoint error), not kill us.
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        self._installed = True
 
     def _on_usr1(self, signum: int, frame: FrameType | None) -> None:
         self.snapshot_requests += 1

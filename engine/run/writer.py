@@ -2,6 +2,14 @@
 
 What each record holds is engine.records; where each file lives and how it is written safely is
 engine.runfiles. This is the writer the training loop holds: typed records in, whole lines out.
+
+Two promises to the user:
+- A refusal changes nothing: the writer remembers what the run's files held when it opened them,
+  and `rollback()` puts them back (appended lines cut off, replaced files restored, files it
+  created removed), so a `--resume` refused for bad input leaves the run exactly as it was.
+- A run directory that stops being writable (a full disk, the directory deleted under the engine)
+  never turns into a traceback: the first failed write is reported once on stderr, `failed` is
+  set for the loop to stop on, and later writes are attempted quietly.
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from engine.records import Event, RunStatus, Sample, Status, StepRecord
-from engine.runfiles import JsonlWriter, RunPaths, write_json_atomic
+from engine.runfiles import JsonlWriter, RunPaths, write_bytes_atomic, write_json_atomic
 
 STATUS_EVERY_S = 0.5  # step-by-step status updates are throttled to this
 
@@ -28,36 +36,72 @@ def _same_file(stream: TextIO, path: Path) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
+def _size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return None
+
+
+def _content(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
 class RunWriter:
     """Holds the run directory's append-only files open and replaces `state.json` atomically."""
 
-    def __init__(self, root: Path) -> None:
-        self.paths = RunPaths(Path(root))
-        self.paths.root.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.paths.log, "a", buffering=1, encoding="utf-8")
-        self._echo = not _same_file(sys.stdout, self.paths.log)
-        self._loss = JsonlWriter(self.paths.loss)
-        self._events = JsonlWriter(self.paths.events)
-        self._samples = JsonlWriter(self.paths.samples)
-        self.status = RunStatus(Status.STARTING)
+    def __init__(self, root: Path, status: RunStatus | None = None) -> None:
+        self.paths = p = RunPaths(Path(root))
+        p.root.mkdir(parents=True, exist_ok=True)
+        self._appended = {f: _size(f) for f in (p.log, p.loss, p.events, p.samples)}
+        self._replaced = {f: _content(f) for f in (p.state, p.engine, p.config)}
+        self.failed: OSError | None = None  # the first write that failed
+        self._log = open(p.log, "a", buffering=1, encoding="utf-8")
+        self._echo = not _same_file(sys.stdout, p.log)
+        self._loss = JsonlWriter(p.loss)
+        self._events = JsonlWriter(p.events)
+        self._samples = JsonlWriter(p.samples)
+        self.status = status or RunStatus(Status.STARTING)
         self._status_written = 0.0
+
+    def _failed(self, what: Path, e: OSError) -> None:
+        if self.failed is None:
+            self.failed = e
+            print(f"error: cannot write {what}: {e.strerror or e}; the run directory is not "
+                  "writable (disk full or removed?): stopping. Checkpoints already written "
+                  "stay valid: `--resume` continues from the newest once it is writable again.",
+                  file=sys.stderr, flush=True)
 
     def log(self, msg: str, *, echo: bool = True) -> None:
         """One human-readable line, to engine.log and (unless that is our stdout) the terminal."""
         line = f"{time.strftime('%H:%M:%S')} {msg}"
-        self._log.write(line + "\n")
         if self._echo and echo:
             print(line, flush=True)
+        try:
+            self._log.write(line + "\n")
+        except OSError as e:
+            self._failed(self.paths.log, e)
+        except ValueError:  # closed after a failure
+            pass
+
+    def _append(self, w: JsonlWriter, obj: dict[str, Any]) -> None:
+        try:
+            w.write(obj)
+        except OSError as e:
+            self._failed(w.path, e)
 
     def event(self, event: Event) -> None:
         """Append an event, stamped with the time it is written."""
-        self._events.write(dataclasses.replace(event, t=time.time()).to_json())
+        self._append(self._events, dataclasses.replace(event, t=time.time()).to_json())
 
     def step(self, record: StepRecord) -> None:
-        self._loss.write(record.to_json())
+        self._append(self._loss, record.to_json())
 
     def sample(self, sample: Sample) -> None:
-        self._samples.write(sample.to_json())
+        self._append(self._samples, sample.to_json())
 
     def set_status(self, *, durable: bool = True, **changes: Any) -> None:
         """Update `state.json` (fields of engine.records.RunStatus). Step-by-step updates
@@ -67,10 +111,59 @@ class RunWriter:
         if not durable and now - self._status_written < STATUS_EVERY_S:
             return
         self._status_written = now
+        if self._removed():
+            return
         record = dataclasses.replace(self.status, updated=now)
-        write_json_atomic(self.paths.state, record.to_json(), durable=durable)
+        try:
+            write_json_atomic(self.paths.state, record.to_json(), durable=durable)
+        except OSError as e:
+            self._failed(self.paths.state, e)
+
+    def _removed(self) -> bool:
+        """The run directory was deleted under us (our open engine.log has no name left): a
+        write now would only land in files nobody can see, or in a directory made anew."""
+        try:
+            gone = os.fstat(self._log.fileno()).st_nlink == 0
+        except (OSError, ValueError):
+            gone = False
+        if gone:
+            self._failed(self.paths.root, FileNotFoundError(2, "the run directory was removed"))
+        return gone
+
+    def write_json(self, path: Path, obj: Any) -> None:
+        """Replace one of the run's JSON files (config.json, engine.json) atomically."""
+        try:
+            write_json_atomic(path, obj)
+        except OSError as e:
+            self._failed(path, e)
+
+    def rollback(self) -> None:
+        """Put every file back as it was when this writer opened the run (see the module doc)."""
+        self.close()
+        for path, size in self._appended.items():
+            try:
+                if size is None:
+                    path.unlink(missing_ok=True)
+                elif _size(path) != size:
+                    os.truncate(path, size)
+            except OSError:
+                pass
+        for path, data in self._replaced.items():
+            try:
+                if data is None:
+                    path.unlink(missing_ok=True)
+                elif _content(path) != data:
+                    write_bytes_atomic(path, data)
+            except OSError:
+                pass
 
     def close(self) -> None:
         for w in (self._loss, self._events, self._samples):
-            w.close()
-        self._log.close()
+            try:
+                w.close()
+            except OSError:
+                pass
+        try:
+            self._log.close()
+        except OSError:
+            pass

@@ -16,6 +16,7 @@ import os
 
 import numpy as np
 
+from engine.backends import hostmem
 from engine.backends.activations import BY_NAME, LAYER, MODEL, STREAM, Dims, saved
 from engine.backends.numpy import ops
 from engine.errors import UserError
@@ -117,6 +118,29 @@ class NumpyBackend:
         s, B = shapes, micro_batch
         d, F, V, L = s.d_model, s.d_ff, s.vocab_size, s.n_layer
         n = n_params(s)
+        N, T = B * s.seq_len, s.seq_len
+        dims = Dims(B=B, T=T, d=d, F=F, H=s.n_head, V=V)
+        acts = _saved_sizes(s, B, sampling=False)
+        scratch = {
+            "ga": N * d,  # ga, gb: the residual stream's gradient, in turn
+            "gb": N * d,
+            "dln": BY_NAME["dln"].elems(dims),
+            "xtmp": N * d,
+            "datt": BY_NAME["datt"].elems(dims),
+            "dqkv": BY_NAME["dqkv"].elems(dims),
+            "dprobs": B * s.n_head * T * T,
+            "dpre": BY_NAME["dpre"].elems(dims),
+            "ftmp": N * F,
+            "gtmp": N * F,
+            "wtmp": max(V * d, d * F, 3 * d * d),
+            "adam": 2 * ops.ADAMW_CHUNK,
+        }
+        sample = _saved_sizes(s, 1, sampling=True)
+        es = self.dtype.itemsize
+        hostmem.require({"weights": n * es, "grads": n * es, "adam_m": n * es, "adam_v": n * es,
+                         "activations": sum(acts.values()) * es,
+                         "scratch": (sum(scratch.values()) + sum(sample.values()) + n) * es},
+                        "the numpy backend")
         self._params = np.zeros(n, dtype=self.dtype)
         self._grads = np.zeros(n, dtype=self.dtype)
         self._m = np.zeros(n, dtype=self.dtype)
@@ -133,29 +157,10 @@ class NumpyBackend:
             self._wqkv.append(self._params[off : off + 3 * d * d].reshape(3, d, d))
             self._dwqkv.append(self._grads[off : off + 3 * d * d].reshape(3, d, d))
 
-        N = B * s.seq_len
-        T = s.seq_len
-        self._acts = _Arena(_saved_sizes(s, B, sampling=False), self.dtype)
-        dims = Dims(B=B, T=T, d=d, F=F, H=s.n_head, V=V)
-        self._scratch = _Arena(
-            {
-                "ga": N * d,  # ga, gb: the residual stream's gradient, in turn
-                "gb": N * d,
-                "dln": BY_NAME["dln"].elems(dims),
-                "xtmp": N * d,
-                "datt": BY_NAME["datt"].elems(dims),
-                "dqkv": BY_NAME["dqkv"].elems(dims),
-                "dprobs": B * s.n_head * T * T,
-                "dpre": BY_NAME["dpre"].elems(dims),
-                "ftmp": N * F,
-                "gtmp": N * F,
-                "wtmp": max(V * d, d * F, 3 * d * d),
-                "adam": 2 * ops.ADAMW_CHUNK,
-            },
-            self.dtype,
-        )
+        self._acts = _Arena(acts, self.dtype)
+        self._scratch = _Arena(scratch, self.dtype)
         # sampling has its own buffers (batch 1, one reusable layer slot, one logits row)
-        self._sample = _Arena(_saved_sizes(s, 1, sampling=True), self.dtype)
+        self._sample = _Arena(sample, self.dtype)
 
     # --- state in and out --------------------------------------------------------------------
 

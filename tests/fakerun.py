@@ -1,7 +1,7 @@
 """Synthetic run directories and a stand-in engine, for the TUI's tests and benchmark.
 
 `write_run()` writes a complete run directory (DESIGN §7 records) with deterministic values.
-`python -m andrea_tui.fakerun RUN_DIR [--rate HZ] [--steps N]` behaves like andrea-train towards
+`python -m tests.fakerun RUN_DIR [--rate HZ] [--steps N]` behaves like andrea-train towards
 a controller: holds engine.lock, writes engine.json with its real identity, appends one loss
 record per tick, writes a `snapshot` checkpoint event on SIGUSR1 and on SIGTERM a `stop`
 checkpoint event, a stop event and status "stopped", then exits 0. It trains nothing.
@@ -171,7 +171,7 @@ class FakeEngine:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m andrea_tui.fakerun")
+    p = argparse.ArgumentParser(prog="python -m tests.fakerun")
     p.add_argument("run_dir")
     p.add_argument("--rate", type=float, default=20.0, help="steps per second")
     p.add_argument("--steps", type=int, default=1_000_000)

@@ -1,0 +1,213 @@
+"""Fuzz targets: every reader of outside data, fed hostile bytes.
+
+The property is the same for each: any input gives a value or a clear error (a UserError, whose
+message names the file) — never another exception, a hang or memory out of proportion to the
+input. `tests/test_fuzz.py` runs each target briefly under Hypothesis in `make test`;
+`scripts/fuzz.py` runs them for as long as it is given and prints what it tried.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from hypothesis import strategies as st
+
+from engine import records
+from engine.config import parse_config
+from engine.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = json.loads((ROOT / "experiments" / "ANDREA-tiny-TRAIN.json").read_text())
+
+# ---------------------------------------------------------------- inputs
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda c: st.lists(c, max_size=5) | st.dictionaries(st.text(max_size=12), c, max_size=5),
+    max_leaves=30)
+
+
+@st.composite
+def near_json(draw: st.DrawFn, base: object) -> bytes:
+    """A JSON document close to `base`: a value swapped somewhere, or the text cut, nested,
+    or spliced with bytes — the mistakes and attacks a real file would show."""
+    text = json.dumps(base)
+    how = draw(st.sampled_from(["swap", "cut", "nest", "splice", "raw"]))
+    if how == "swap" and isinstance(base, dict):
+        obj = json.loads(text)
+        keys = list(obj)
+        k = draw(st.sampled_from(keys))
+        if isinstance(obj[k], dict) and obj[k] and draw(st.booleans()):
+            obj[k][draw(st.sampled_from(list(obj[k])))] = draw(JSON)
+        else:
+            obj[k] = draw(JSON)
+        return json.dumps(obj).encode()
+    if how == "cut":
+        return text.encode()[: draw(st.integers(0, len(text)))]
+    if how == "nest":
+        d = draw(st.integers(50, 3000))
+        return ("[" * d + "]" * d).encode()
+    if how == "splice":
+        at = draw(st.integers(0, len(text)))
+        return text.encode()[:at] + draw(st.binary(max_size=40)) + text.encode()[at:]
+    return draw(st.binary(max_size=300))
+
+
+# ---------------------------------------------------------------- targets
+
+
+def config(data: bytes) -> None:
+    """engine.config.load_config on a file holding `data`."""
+    from engine.config import load_config
+
+    with tempfile.TemporaryDirectory() as tmp:
+        p = Path(tmp) / "cfg.json"
+        p.write_bytes(data)
+        try:
+            load_config(p)
+        except UserError:
+            pass
+
+
+def config_object(obj: object) -> None:
+    """parse_config on an already-parsed object (the checkpoint's config on resume)."""
+    try:
+        parse_config(obj, "cfg", ROOT / "experiments", check_paths=False)
+    except UserError:
+        pass
+
+
+def run_file_lines(data: bytes) -> None:
+    """The run-file tail and every record reader, on a file holding `data`."""
+    from engine.runfiles import JsonlTail, read_json
+
+    with tempfile.TemporaryDirectory() as tmp:
+        p = Path(tmp) / "loss.jsonl"
+        p.write_bytes(data)
+        tail = JsonlTail(p, max_line=4096)
+        objs = tail.read_new(max_bytes=1024)
+        while tail.more:
+            objs += tail.read_new(max_bytes=1024)
+        for reader in (records.StepRecord, records.Event, records.Sample):
+            records.parse_all(reader, objs)
+        for reader in (records.RunStatus, records.EngineInfo):
+            reader.from_json(read_json(p))
+
+
+def run_state(data: bytes) -> None:
+    """The app's whole-run model (andrea_tui.runstate) fed the same file as every kind."""
+    from andrea_tui.runstate import LossHistory, RunState
+    from engine.runfiles import parse_lines
+
+    objs, _ = parse_lines(data.split(b"\n"))
+    st_ = RunState()
+    st_.add_events(objs)
+    st_.add_loss(objs)
+    st_.add_samples(objs)
+    st_.set_history(LossHistory.build(objs))
+    for o in objs[:4]:
+        st_.set_files(o, o, o)
+    _ = (st_.status, st_.step, st_.max_steps, st_.eta(), st_.elapsed(0.0), st_.last_checkpoint)
+
+
+def _checkpoint_dir(tmp: Path) -> Path:
+    from engine.run.checkpoint import write_checkpoint
+
+    n = 12
+    arrays = [np.arange(n, dtype=np.float32) * k for k in (1, 2, 3)]
+    table = [{"name": "w", "shape": [3, 4], "offset": 0}]
+    return write_checkpoint(tmp / "checkpoints", 3, *arrays, {"tokens": 1}, "periodic",
+                            table).path
+
+
+def checkpoint_state(data: bytes) -> None:
+    """verify, list and load a checkpoint whose state.json holds `data`."""
+    from engine.run.checkpoint import list_checkpoints, load_checkpoint, verify_checkpoint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ck = _checkpoint_dir(Path(tmp))
+        (ck / "state.json").write_bytes(data)
+        list_checkpoints(ck.parent)
+        for fn in (verify_checkpoint, load_checkpoint):
+            try:
+                fn(ck)
+            except UserError:
+                pass
+
+
+def checkpoint_model(data: bytes) -> None:
+    """verify and load a checkpoint whose model.ckpt holds `data`."""
+    from engine.run.checkpoint import load_checkpoint, verify_checkpoint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ck = _checkpoint_dir(Path(tmp))
+        (ck / "model.ckpt").write_bytes(data)
+        for fn in (verify_checkpoint, load_checkpoint):
+            try:
+                fn(ck)
+            except UserError:
+                pass
+
+
+def shard(data: bytes) -> None:
+    """open_shard on a file holding `data` (and a header made to look right)."""
+    from engine.data.shards import HEADER_SIZE, MAGIC, open_shard
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for body in (data, MAGIC + data[8:], MAGIC + struct.pack("<I", 1) + data[12:]):
+            p = Path(tmp) / "s.bin"
+            p.write_bytes(body)
+            try:
+                sh = open_shard(p, 8449, "0" * 64)
+                assert len(sh) == (p.stat().st_size - HEADER_SIZE) // 2
+            except UserError:
+                pass
+
+
+def tokenizer(data: bytes) -> None:
+    """load_tokenizer (and the config's vocab count) on a file holding `data`."""
+    from engine.config import tokenizer_vocab_size
+    from engine.data.tokenizer import load_tokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        p = Path(tmp) / "tokenizer.json"
+        p.write_bytes(data)
+        tokenizer_vocab_size(p)
+        try:
+            load_tokenizer(p)
+        except UserError:
+            pass
+
+
+def _tokenizer_base() -> object:
+    p = ROOT / "data" / "builtin" / "tokenizer.json"
+    if p.is_file():
+        obj = json.loads(p.read_text())
+        obj["model"]["merges"] = obj["model"]["merges"][:20]  # keep the inputs small
+        return obj
+    return {"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []},
+            "pre_tokenizer": {"type": "ByteLevel"}}
+
+
+# target name -> (function, input strategy)
+TARGETS: dict[str, tuple[Callable[..., None], st.SearchStrategy]] = {
+    "config file": (config, near_json(TINY)),
+    "config object": (config_object, JSON | st.builds(lambda: json.loads(json.dumps(TINY)))),
+    "run-file lines": (run_file_lines, st.lists(near_json({"step": 1, "loss": 2.0, "t": 1.0,
+                                                            "event": "resume"}), max_size=6)
+                       .map(lambda xs: b"\n".join(xs))),
+    "run state (app)": (run_state, st.lists(near_json({"step": 3, "event": "checkpoint",
+                                                       "status": "running", "pid": 5,
+                                                       "text": "x", "t": 2.0}), max_size=8)
+                        .map(lambda xs: b"\n".join(xs))),
+    "checkpoint state.json": (checkpoint_state, near_json({"format_version": 1, "step": 3,
+                                                           "n_params": 12})),
+    "checkpoint model.ckpt": (checkpoint_model, st.binary(max_size=200)),
+    "shard header": (shard, st.binary(max_size=120)),
+    "tokenizer file": (tokenizer, near_json(_tokenizer_base())),
+}
