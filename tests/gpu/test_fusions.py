@@ -284,3 +284,31 @@ def test_kernels_per_step_fall():
     print(f"kernels per step (2 layers): unfused {counts[False]}, fused {counts[True]}")
     # (the fused LayerNorm backward is off by default: the count is that of the default path)
     assert 0 < counts[True] < counts[False], counts
+
+
+@pytest.mark.parametrize("fusions", [True, False])
+def test_adamw_decays_exactly_the_2d_tensors(fusions):
+    """The optimizer's tensor table on the device is the layout's (it was once zeroed by the
+    start-up memset of the scratch group: k_adamw then searched a table of zeros, read past its
+    shared arrays and decayed tensors at random). With zero gradients an AdamW step changes only
+    the 2-D tensors, by p·(1 - lr·wd); 1-D tensors keep their bits."""
+    from engine.backends.cuda import CudaBackend
+
+    params = init_params(SHAPES, seed=4)
+    bk = CudaBackend(SHAPES, 4, "fp32", fusions=fusions)
+    try:
+        starts = np.empty(bk.nseg + 1, np.int64)
+        bk.drv.memcpy_dtoh(starts, bk._plan["seg_start"])
+        assert np.array_equal(starts, bk.seg_start) and starts[-1] == bk.n
+        bk.load_params(params)
+        bk.zero_grads()
+        bk.adamw(1e-2, 0.9, 0.95, 1e-8, 0.1, 1)
+        p = bk.read_params()
+    finally:
+        bk.close()
+    for t in bk.table:
+        a, b = params[t.offset : t.offset + t.size], p[t.offset : t.offset + t.size]
+        if len(t.shape) == 2:
+            check_close(b, a * np.float32(1 - 1e-3), 1e-6, f"decayed {t.name}", "fp32")
+        else:
+            assert np.array_equal(a, b), f"{t.name} is 1-D and must not decay"

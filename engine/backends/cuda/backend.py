@@ -167,11 +167,6 @@ class CudaBackend:
         self.p, self.g = plan["params"], plan["grads"]
         self.plp = plan["params_lp"] if precision != "fp32" else self.p
         self.m, self.v = plan["m"], plan["v"]
-        starts = np.array([t.offset for t in self.table] + [n], dtype=np.int64)
-        decay = np.array([len(t.shape) == 2 for t in self.table], dtype=np.int32)
-        drv.memcpy_htod(plan["seg_start"], starts)
-        drv.memcpy_htod(plan["seg_decay"], decay)
-        drv.Context.synchronize()  # pageable copies may still be in flight for our stream
         self.nseg = nseg
         # page-locked host staging for the per-call inputs and outputs
         self.h_io = {b.p: drv.pagelocked_zeros(b.io_words, np.int32)
@@ -189,6 +184,15 @@ class CudaBackend:
         for group in ("activations", "scratch"):
             base, size = plan.span(group)
             drv.memset_d8_async(base, 0, size, self.stream)
+        # The optimizer's tensor table lives in "scratch" too: written only after that zeroing (it
+        # was written before it once, so k_adamw read a table of zeros and its segment search
+        # ran past the shared arrays: the illegal address and the wrong weight decay).
+        self.stream.synchronize()
+        self.seg_start = np.array([t.offset for t in self.table] + [n], dtype=np.int64)
+        self.seg_decay = np.array([len(t.shape) == 2 for t in self.table], dtype=np.int32)
+        drv.memcpy_htod(plan["seg_start"], self.seg_start)
+        drv.memcpy_htod(plan["seg_decay"], self.seg_decay)
+        drv.Context.synchronize()  # pageable copies may still be in flight for our stream
         self._zero_state()
         if tune is None:
             tune = os.environ.get("ANDREA_GEMM_TUNE", "1") != "0"
