@@ -52,7 +52,14 @@ __device__ __forceinline__ float row_lse(const float* z, int V, float* shared) {
         const float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
         lse_merge(m, s, m2, s2);
     }
-    return m + logf(s);
+    // The butterflies leave each lane a merge in its own order (lse_merge's sum contracts to an
+    // fma, which is not symmetric): lanes may differ in the last bit. Every thread takes thread
+    // 0's value, the one k_loss_fwd stores, so k_loss_fwd_bwd's dlogits are k_loss_bwd's bits.
+    const float l = m + logf(s);
+    __syncthreads();  // every warp has read the warp partials
+    if (threadIdx.x == 0) shared[0] = l;
+    __syncthreads();
+    return shared[0];
 }
 
 // dz = scale·(softmax(z) - onehot(target)) for one row, padding columns V <= j < ldv set to 0;
