@@ -37,7 +37,7 @@ class CudaBackend:
     name = "cuda"
 
     def __init__(self, shapes: ModelShapes, micro_batch: int, precision: str = "bf16",
-                 dtype: type = np.float32) -> None:
+                 dtype: type = np.float32, separate_micro: bool = False) -> None:
         if precision not in ACT_BYTES:
             raise UserError(f"train/precision: expected fp32, bf16 or fp16, got {precision!r}")
         if np.dtype(dtype) != np.float32:
@@ -59,7 +59,9 @@ class CudaBackend:
         self.wte_rows = n // shapes.d_model  # rows readable from wte on (see ops.loss_fwd)
         self.use_graphs = os.environ.get("ANDREA_CUDA_GRAPHS", "1") != "0"
 
-        plan, self.train, self.sample = plan_memory(shapes, micro_batch, precision)
+        plan, self.train, self.sample = plan_memory(shapes, micro_batch, precision,
+                                                    separate_micro)
+        self.separate_micro = separate_micro
         self._plan = plan
         nseg = len(self.table)
         if nseg > ADAMW_MAX_SEGS:  # k_adamw keeps the tensor table in shared memory
@@ -221,7 +223,28 @@ class CudaBackend:
 
     # --- the interface ----------------------------------------------------------------------------
     def forward_backward(self, inputs: np.ndarray, targets: np.ndarray,
-                         loss_scale: float = 1.0) -> np.ndarray:
+                         loss_scale: float = 1.0, separate: bool = False) -> np.ndarray:
+        if separate:
+            # This micro-batch's gradient on its own, then one add (see the interface).
+            if not self.separate_micro:
+                raise RunError("separate micro-batch gradients need separate_micro=True")
+            self._settle_scale()
+            save = self._plan["grads_save"]
+            self.drv.memcpy_dtod_async(save, self.g, self.n * 4, self.stream)
+            self.drv.memset_d32_async(self.g, 0, self.n, self.stream)
+            rows = self._forward_backward(inputs, targets, loss_scale)
+            self.ops.grad_add(self.g, save, self.n)
+            return rows
+        return self._forward_backward(inputs, targets, loss_scale)
+
+    def grad_device(self) -> tuple[int, int, Any]:
+        """(device pointer, float32 count, stream) of the live gradient buffer, every deferred
+        scale settled: what a data-parallel all-reduce sums in place, on this stream."""
+        self._settle_scale()
+        return self.g, self.n, self.stream
+
+    def _forward_backward(self, inputs: np.ndarray, targets: np.ndarray,
+                          loss_scale: float) -> np.ndarray:
         b = self.train
         x = self._check_tokens(inputs, "inputs", self.B)
         y = self._check_tokens(targets, "targets", self.B)

@@ -137,8 +137,8 @@ class BatchBuffers:
         return T
 
 
-def plan_memory(shapes: ModelShapes, micro_batch: int,
-                precision: str) -> tuple[Plan, BatchBuffers, BatchBuffers]:
+def plan_memory(shapes: ModelShapes, micro_batch: int, precision: str,
+                separate_micro: bool = False) -> tuple[Plan, BatchBuffers, BatchBuffers]:
     """The whole memory plan (DESIGN §5), not yet allocated: weights, grads, Adam m and v, the
     training and sampling buffers, and the step's own scratch. Returns (plan, train, sample)."""
     n, es, ldv = n_params(shapes), ACT_BYTES[precision], logits_ld(shapes.vocab_size)
@@ -147,6 +147,8 @@ def plan_memory(shapes: ModelShapes, micro_batch: int,
     if precision != "fp32":
         plan.add("weights", "params_lp", n * es)
     plan.add("grads", "grads", n * 4)
+    if separate_micro:  # the sum so far, while a micro-batch forms its own gradient
+        plan.add("grads", "grads_save", n * 4)
     plan.add("adam_m", "m", n * 4)
     plan.add("adam_v", "v", n * 4)
     train = BatchBuffers("t.", micro_batch, shapes, es, ldv, training=True)

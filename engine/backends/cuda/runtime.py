@@ -41,6 +41,7 @@ SIGNATURES: dict[str, str] = {
     "k_grad_norm_partial": "PPqf",
     "k_grad_norm_final": "PPi",
     "k_grad_scale": "Pqf",
+    "k_grad_add": "PPq",
     "k_adamw": "PPPPPPPiqffffffff",
     "k_params_to_lp": "PPq",
 }
