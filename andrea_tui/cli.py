@@ -1,6 +1,7 @@
 """`andrea-tui`: launch and watch a run, attach to one, or browse checkpoints (DESIGN §10).
 
   andrea-tui CONFIG.json [--run-dir DIR] [--resume] [--max-steps N] [--backend auto|numpy|cuda]
+             [--gpus N]
   andrea-tui attach RUN_DIR
   andrea-tui ckpt PATH
 """
@@ -39,6 +40,7 @@ def _launch_parser() -> argparse.ArgumentParser:
                    help="resume from the newest valid checkpoint if there is one")
     p.add_argument("--max-steps", type=int, help="override train.max_steps")
     p.add_argument("--backend", choices=("auto", "numpy", "cuda"), default=None)
+    p.add_argument("--gpus", type=int, default=1, help="data parallel over N GPUs of this host")
     return p
 
 
@@ -121,7 +123,10 @@ def launch(argv: list[str]) -> int:
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"{run_dir}: not a directory, expected a run directory")
     refuse_busy_run_dir(run_dir, args.resume)
-    proc = start(train_argv(config, run_dir, args.resume, args.max_steps, args.backend), run_dir)
+    if args.gpus < 1:
+        raise UserError(f"--gpus: expected an integer >= 1, got {args.gpus}")
+    proc = start(train_argv(config, run_dir, args.resume, args.max_steps, args.backend,
+                            args.gpus), run_dir)
     refusal = wait_for_acceptance(proc, run_dir)
     if refusal is not None:  # bad input the engine refused: its one line, before any screen
         raise UserError(refusal.removeprefix("error: "))

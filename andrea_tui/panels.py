@@ -43,8 +43,9 @@ def header(st: RunState, now: float, note: str = "", dead: bool = False) -> Text
     attention = st.ready.attention.split(" ", 1)[0] if st.ready and st.ready.attention else ""
     parts = [
         f"[bold]{escape(st.name)}[/]",
-        f"{escape(st.backend)}/{escape(st.device)}" + (f" attn {escape(attention)}"
-                                                       if attention else ""),
+        f"{escape(st.backend)}/{escape(st.device)}"
+        + (f" ×{st.world_size}" if st.world_size > 1 else "")
+        + (f" attn {escape(attention)}" if attention else ""),
         f"[{style}]{escape(status)}[/]",
         f"step [bold]{fmt_int(step)}[/]/{fmt_int(st.max_steps)}",
         f"tokens {fmt_num(st.tokens)}",
@@ -75,10 +76,37 @@ def training(st: RunState) -> Text:
     lc = st.last_checkpoint
     if lc:
         text.append(f"\nckpt      step {fmt_int(lc.step)} {lc.reason} {Path(lc.path).name}")
+    for line, bad in ranks_lines(st):
+        text.append("\n" + line, style="bold red" if bad else "")
     if st.bad_lines or st.unreadable:
         text.append(f"\n{st.bad_lines + st.unreadable} corrupt line(s) skipped", style="yellow")
     text.no_wrap, text.overflow = True, "ellipsis"
     return text
+
+
+BEHIND = 1.25  # a rank whose step takes this much longer than the fastest's is falling behind
+
+
+def ranks_lines(st: RunState) -> list[tuple[str, bool]]:
+    """A data-parallel job's ranks: each one's device and tok/s, a rank that falls behind or
+    ended. (line, is it bad news)"""
+    if st.world_size <= 1:
+        return []
+    last = st.last_record
+    ms = last.rank_ms if last is not None else []
+    per_rank = (st.ready.tokens_per_step or 0) / st.world_size if st.ready else 0
+    devices = {r.rank: r.device for r in st.engine.ranks} if st.engine else {}
+    fastest = min(ms) if ms else math.nan
+    dead = {int(m.split()[1]) for m in st.errors
+            if m.startswith("rank ") and m.split()[1].isdigit()}
+    out = []
+    for r in range(st.world_size):
+        t = ms[r] if r < len(ms) else math.nan
+        tok_s = per_rank / (t / 1e3) if t and math.isfinite(t) and t > 0 else math.nan
+        note = " ended" if r in dead else (" behind" if t > BEHIND * fastest else "")
+        out.append((f"rank {r:<3} {devices.get(r, '?'):<8} {fmt_num(tok_s)} tok/s"
+                    f"  {fmt_num(t)} ms{note}", bool(note)))
+    return out
 
 
 def bandit(st: RunState, bar_width: int = 10, src_loss: dict[str, float] | None = None) -> Text:

@@ -236,6 +236,12 @@ class RunState:
         return None
 
     @property
+    def world_size(self) -> int:
+        """Ranks of a data-parallel job (1 for one process)."""
+        return max(self.ready.world_size if self.ready else 1,
+                   self.engine.world_size if self.engine else 1)
+
+    @property
     def backend(self) -> str:
         return ((self.state.backend if self.state else "")
                 or (self.ready.backend if self.ready else "")

@@ -122,6 +122,7 @@ class StepRecord:
     src_loss: dict[str, float | None]
     skipped: bool
     t: float
+    rank_ms: list[float] = field(default_factory=list)  # each rank's step time (data parallel)
 
     NUMERIC: ClassVar[tuple[str, ...]] = (
         "loss", "grad_norm", "clip_scale", "lr", "tokens", "tok_s", "step_ms", "t")
@@ -145,6 +146,8 @@ class StepRecord:
             weights=as_number_map(obj.get("weights")),
             src_loss=as_optional_number_map(obj.get("src_loss")),
             skipped=obj.get("skipped") is True, t=as_float(obj.get("t")),
+            rank_ms=[as_float(x) for x in obj["rank_ms"][:4096]]
+            if isinstance(obj.get("rank_ms"), list) else [],
         )
 
     def number(self, name: str) -> float:
@@ -291,6 +294,7 @@ class ReadyEvent(Event):
     max_steps: int | None = None
     tokens_per_step: int | None = None
     attention: str = ""  # which attention runs, e.g. "cudnn (cuDNN 91900 ...)"; "" when none said
+    world_size: int = 1
 
     @classmethod
     def _read(cls, o: Mapping[str, Any], t: float) -> ReadyEvent:
@@ -300,7 +304,7 @@ class ReadyEvent(Event):
         return cls(t, plan_ok, as_int(o.get("n_params"), 0), as_str(o.get("backend")),
                    as_str(o.get("device")), _valid_step(o.get("step")),
                    as_int(o.get("max_steps"), 1), as_int(o.get("tokens_per_step"), 1),
-                   as_str(o.get("attention"))[:200])
+                   as_str(o.get("attention"))[:200], as_int(o.get("world_size"), 1) or 1)
 
 
 @dataclass(frozen=True)
@@ -332,12 +336,13 @@ class ResumeEvent(Event):
     path: str = ""
     skipped: list[SkippedCheckpoint] = field(default_factory=list)
     ignored: list[IgnoredSetting] = field(default_factory=list)
+    world_size_was: int | None = None  # the checkpoint's world size, when it differs (re-shard)
 
     def to_json(self) -> dict[str, Any]:
         return {"t": self.t, "event": self.KIND, "step": self.step, "path": self.path,
                 "skipped": [{"path": s.path, "reason": s.reason} for s in self.skipped],
                 "ignored": [{"key": i.key, "kept": i.kept, "given": i.given}
-                            for i in self.ignored]}
+                            for i in self.ignored], "world_size_was": self.world_size_was}
 
     @classmethod
     def _read(cls, o: Mapping[str, Any], t: float) -> ResumeEvent | Unreadable:
@@ -349,7 +354,8 @@ class ResumeEvent(Event):
                    for s in sk if isinstance(s, Mapping)] if isinstance(sk, list) else []
         ignored = [IgnoredSetting(as_str(i.get("key")), i.get("kept"), i.get("given"))
                    for i in ig if isinstance(i, Mapping)] if isinstance(ig, list) else []
-        return cls(t, step, as_str(o.get("path")), skipped, ignored)
+        return cls(t, step, as_str(o.get("path")), skipped, ignored,
+                   as_int(o.get("world_size_was"), 1))
 
 
 @dataclass(frozen=True)
@@ -654,6 +660,28 @@ class GemmPlan:
 
 
 @dataclass(frozen=True)
+class RankInfo:
+    """One rank of a data-parallel job: its process, host and device."""
+
+    rank: int
+    pid: int
+    host: str
+    device: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "pid": self.pid, "host": self.host, "device": self.device}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> RankInfo | None:
+        if not isinstance(obj, Mapping):
+            return None
+        rank, pid = as_int(obj.get("rank"), 0), as_int(obj.get("pid"), 1)
+        if rank is None or pid is None:
+            return None
+        return cls(rank, pid, as_str(obj.get("host")), as_str(obj.get("device")))
+
+
+@dataclass(frozen=True)
 class EngineInfo:
     """`engine.json`: who the engine of a run directory is, for verified control (DESIGN §8):
     `start_time` is field 22 of /proc/PID/stat (clock ticks since boot), `boot_id` the kernel's."""
@@ -665,9 +693,14 @@ class EngineInfo:
     run_id: str = ""
     argv: list[str] = field(default_factory=list)
     started_at: float | None = None
+    launcher: str = "single"  # single | andrea (andrea-train --gpus) | torchrun | slurm
+    world_size: int = 1
+    ranks: list[RankInfo] = field(default_factory=list)  # a data-parallel job's ranks
 
     def to_json(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["ranks"] = [r.to_json() for r in self.ranks]
+        return out
 
     @classmethod
     def from_json(cls, obj: Any) -> EngineInfo | Unreadable:
@@ -678,9 +711,14 @@ class EngineInfo:
             return Unreadable("engine.json", f"pid: expected an integer, got "
                               f"{obj.get('pid')!r:.40}" if pid is None else "no boot_id")
         argv = obj.get("argv")
-        return cls(pid, as_int(obj.get("start_time"), 0), boot, as_str(obj.get("host")), as_str(obj.get("run_id")),
+        ranks = obj.get("ranks")
+        return cls(pid, as_int(obj.get("start_time"), 0), boot, as_str(obj.get("host")),
+                   as_str(obj.get("run_id")),
                    [str(a) for a in argv] if isinstance(argv, list) else [],
-                   as_finite(obj.get("started_at")))
+                   as_finite(obj.get("started_at")), as_str(obj.get("launcher"), "single"),
+                   as_int(obj.get("world_size"), 1, 1 << 16) or 1,
+                   [r for r in map(RankInfo.from_json, ranks[:4096]) if r is not None]
+                   if isinstance(ranks, list) else [])
 
 
 def parse_all(reader: Any, objects: Iterable[Any]) -> tuple[list[Any], int]:

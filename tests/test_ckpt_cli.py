@@ -192,6 +192,7 @@ def expected_summary(run: Path, step: int) -> dict[str, Any]:
         "data": {"tokenizer_sha256": manifest["shards"]["python-reference"]["tokenizer"],
                  "tokens": {n: sh["tokens"] for n, sh in manifest["shards"].items()}},
         "versions": {"python": platform.python_version(), "numpy": np.__version__},
+        "world_size": 1,
     }
 
 
@@ -218,7 +219,7 @@ def test_inspect_json_shows_what_the_engine_wrote(real_run: Path, step: int, cap
     state = json.loads((real_run / "checkpoints" / f"step_{step:08d}" / "state.json").read_text())
     assert s["wall_time"] == state["wall_time"]
     assert set(s["other_keys"]) == {"backend", "bandit", "config", "data", "run_id", "sampler",
-                                    "schedule", "tokens", "trainer", "versions"}
+                                    "schedule", "tokens", "trainer", "versions", "world_size"}
 
 
 @pytest.mark.slow

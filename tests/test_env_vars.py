@@ -7,8 +7,10 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# os.environ.get("ANDREA_X" ...), os.environ["ANDREA_X"], os.getenv("ANDREA_X")
-READ = re.compile(r"""(?:environ\.get\(|environ\[|getenv\()\s*["'](ANDREA_\w+)["']""")
+# os.environ.get("ANDREA_X" ...), os.environ["ANDREA_X"], os.getenv("ANDREA_X"), or a module
+# constant naming one (`TOKEN = "ANDREA_X"`, read through it)
+READ = re.compile(r"""(?:environ\.get\(|environ\[|getenv\(|^[A-Z_]+ = )\s*["'](ANDREA_\w+)["']""",
+                  re.M)
 ROW = re.compile(r"^\| `(ANDREA_\w+)` \|", re.M)
 
 

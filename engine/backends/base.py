@@ -30,9 +30,11 @@ class Backend(Protocol):
         micro_batch: int,
         precision: str = "fp32",
         dtype: type = np.float32,
+        separate_micro: bool = False,
     ) -> None:
         """Allocate everything for micro-batches of `micro_batch` rows of up to seq_len tokens.
-        `dtype` is for the numpy backend only (float64 for gradient checks)."""
+        `dtype` is for the numpy backend only (float64 for gradient checks). `separate_micro`
+        also allocates the buffer `forward_backward(separate=True)` needs."""
 
     def load_params(self, params: np.ndarray) -> None:
         """Copy a flat float32 host array (tensor_table order) into the weights."""
@@ -57,10 +59,15 @@ class Backend(Protocol):
         """grads = 0."""
 
     def forward_backward(
-        self, inputs: np.ndarray, targets: np.ndarray, loss_scale: float = 1.0
+        self, inputs: np.ndarray, targets: np.ndarray, loss_scale: float = 1.0,
+        separate: bool = False,
     ) -> np.ndarray:
         """inputs/targets int [B, T] (B == micro_batch, T <= seq_len). Accumulates (+=)
-        loss_scale · d(mean CE over B·T)/dθ into the grads; returns per-row mean CE, float64 [B]."""
+        loss_scale · d(mean CE over B·T)/dθ into the grads; returns per-row mean CE, float64 [B].
+        separate: this micro-batch's gradient is formed on its own and then added with one add
+        (grads = grads + g_micro), as a data-parallel all-reduce adds whole micro-batch
+        gradients: so gradient accumulation over k micro-batches and k ranks give the same bits
+        (for two; beyond, the sums' order decides)."""
 
     def forward_loss(self, inputs: np.ndarray, targets: np.ndarray) -> np.ndarray:
         """Per-row mean CE, float64 [B]; grads untouched."""

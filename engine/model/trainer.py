@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -71,18 +71,36 @@ class LossScaler:
         self.growth_interval = int(d["growth_interval"])
 
 
+class GradientReducer(Protocol):
+    """Data parallelism, as the trainer sees it: `world` ranks, each with its own micro-batches;
+    `reduce(backend)` replaces the backend's gradient buffer by the sum over all ranks (the same
+    bits on every rank), so that every rank then takes the same optimizer step."""
+
+    world: int
+
+    def reduce(self, backend: Any) -> None: ...
+
+
 class Trainer:
-    """`Trainer(config, backend="numpy"|"cuda")`: the model, its optimizer and one step at a time."""
+    """`Trainer(config, backend="numpy"|"cuda")`: the model, its optimizer and one step at a time.
+    `reducer`: the data-parallel gradient sum (engine.run.ddp), when this is one rank of many."""
 
     def __init__(self, config: Config, backend: str = "numpy", *,
-                 dtype: Any = np.float32, backend_options: dict[str, Any] | None = None) -> None:
+                 dtype: Any = np.float32, backend_options: dict[str, Any] | None = None,
+                 reducer: GradientReducer | None = None) -> None:
         """backend_options: keyword arguments for the backend's constructor beyond the shapes,
         batch and precision (the CUDA backend's attention, fusions, gemm_plan, tune)."""
         self.config = config
         self.shapes = ModelShapes.from_config(config.model)
+        self.reducer = reducer
+        self.world = reducer.world if reducer is not None else 1
         train = config.train
         cls = get_backend(backend)
-        kwargs: dict[str, Any] = {"precision": train.precision, **(backend_options or {})}
+        # grad_accum > 1: a micro-batch beyond the first forms its gradient on its own and adds
+        # it whole, as a data-parallel all-reduce adds ranks' gradients (the same bits)
+        self._separate = train.grad_accum > 1
+        kwargs: dict[str, Any] = {"precision": train.precision, **(backend_options or {}),
+                                  "separate_micro": self._separate}
         if backend == "numpy":
             kwargs["dtype"] = dtype
         self.backend = cls(self.shapes, train.batch_size, **kwargs)
@@ -103,6 +121,11 @@ class Trainer:
         self._row_losses: list[np.ndarray] = []
         self._micro_tokens = 0
 
+    def join(self, reducer: GradientReducer) -> None:
+        """Become one rank of a data-parallel job (the reducer needs the backend's device)."""
+        self.reducer = reducer
+        self.world = reducer.world
+
     # -- the Python API of DESIGN §10 ---------------------------------------------------
 
     @property
@@ -122,8 +145,11 @@ class Trainer:
         """One micro-batch: tokens `[B, T+1]`; accumulates gradients, returns the mean loss."""
         tokens = np.ascontiguousarray(tokens, dtype=np.int32)
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        # After the first micro-batch each one's gradient is formed on its own and added
+        # whole: accumulation then sums exactly what a data-parallel all-reduce sums.
         rows = self.backend.forward_backward(
-            np.ascontiguousarray(inputs), np.ascontiguousarray(targets), self.scaler.scale
+            np.ascontiguousarray(inputs), np.ascontiguousarray(targets), self.scaler.scale,
+            separate=self._separate and bool(self._row_losses),
         )
         self._row_losses.append(np.asarray(rows, dtype=np.float64))
         self._micro_tokens += inputs.size
@@ -146,7 +172,9 @@ class Trainer:
         o = self.config.optim
         step = self.step_count + 1
         lr = self.lr_at(step)
-        self.backend.scale_grads(1.0 / (n_micro * self.scaler.scale))
+        if self.reducer is not None:
+            self.reducer.reduce(self.backend)  # the gradient of the whole job, on every rank
+        self.backend.scale_grads(1.0 / (n_micro * self.world * self.scaler.scale))
         norm = float(self.backend.grad_norm())
         finite = math.isfinite(norm)
         self.scaler.update(finite)
@@ -161,7 +189,7 @@ class Trainer:
         else:
             self.skipped_steps += 1
         self.step_count = step
-        self.tokens += self._micro_tokens
+        self.tokens += self._micro_tokens * self.world
         return StepResult(step=step, loss=float(np.mean(self.row_losses)), grad_norm=norm,
                           clip_scale=scale, lr=lr, tokens=self.tokens, skipped=not finite)
 
@@ -171,7 +199,8 @@ class Trainer:
         step) in one backend call with one host read. The numbers it feeds the backend are
         those `step()` would use (grads·1/loss_scale, the clip, lr and Adam's t)."""
         be = self.backend
-        if not getattr(be, "fused_step", False):
+        if not getattr(be, "fused_step", False) or self.reducer is not None:
+            # data parallel: the ranks' gradients are summed between backward and optimizer
             self.zero_grads()
             self.forward_backward(tokens)
             return self.step()

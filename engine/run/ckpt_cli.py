@@ -97,6 +97,7 @@ def state_summary(state: dict[str, Any]) -> dict[str, Any]:
         "sampler": _pick(state.get("sampler"), "seed", "seq_len", "n_sources"),
         "data": _pick(state.get("data"), "tokenizer_sha256", "tokens"),
         "versions": state.get("versions"),
+        "world_size": state.get("world_size", 1),  # data-parallel ranks that wrote it
         "other_keys": sorted(k for k in state if k not in CORE_FIELDS),
     }
 
@@ -144,7 +145,7 @@ def _summary_lines(s: dict[str, Any]) -> list[str]:
     return [
         f"reason: {_v(s['reason'])}  written {_when(s['wall_time'])}",
         f"run: {_v(s['run_id'])}  backend {_v(s['backend'])}  experiment {_v(s['experiment'])}"
-        f"  precision {_v(s['precision'])}",
+        f"  precision {_v(s['precision'])}  ranks {_v(s['world_size'])}",
         f"tokens: {_v(s['tokens'], ',')}",
         f"schedule: step {_v(sch['step'])} of {_v(sch['max_steps'])}  lr {_v(sch['lr'], '.3e')}"
         f"  warmup {_v(sch['warmup_steps'])} steps",

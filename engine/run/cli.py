@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--retune", action="store_true",
                    help="CUDA backend: time the GEMM algorithms again instead of using the run "
                         "directory's gemm_plan.json on --resume (the bits may then differ)")
+    p.add_argument("--gpus", type=int, default=1,
+                   help="data parallel: N ranks on this host, one GPU each (with --backend "
+                        "numpy, N CPU processes); under torchrun or srun leave it out")
     return p
 
 
@@ -45,6 +48,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         raise SystemExit(e.code) from None
     if args.max_steps is not None and args.max_steps < 1:
         raise UserError(f"--max-steps: must be >= 1, got {args.max_steps}")
+    if args.gpus < 1:
+        raise UserError(f"--gpus: must be >= 1, got {args.gpus}")
+    if args.gpus > 1 and ("WORLD_SIZE" in os.environ or "SLURM_NTASKS" in os.environ):
+        raise UserError("--gpus: this process is already one rank of a launcher's job "
+                        "(WORLD_SIZE or SLURM_NTASKS is set): leave --gpus out")
     return args
 
 
@@ -69,12 +77,43 @@ def main(argv: list[str] | None = None) -> int:
                          attention=args.attention, retune=args.retune)
     try:
         require_writable(run_dir)
+        if args.gpus > 1:
+            code = _launch(args, run_dir)
+            if code == 2 and created:  # rank 0 refused its input: leave no trace
+                shutil.rmtree(run_dir, ignore_errors=True)
+            return code
         return TrainingRun(cfg, run_dir, options, flags,
                            argv if argv is not None else sys.argv).run()
     except UserError:
         if created:  # refused: leave no trace of a run that never was
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
+
+
+def _launch(args: argparse.Namespace, run_dir: Path) -> int:
+    """`--gpus N`: hold the run's lock and run N ranks of this command (engine.run.launch)."""
+    from engine.backends import resolve_backend
+    from engine.run.identity import EngineLock
+    from engine.run.launch import run_ranks
+
+    backend, _ = resolve_backend(args.backend)
+    if backend == "cuda":
+        import pycuda.driver as drv
+
+        drv.init()
+        if drv.Device.count() < args.gpus:
+            raise UserError(f"--gpus {args.gpus}: this host has {drv.Device.count()} GPU(s)")
+    lock = EngineLock().acquire(run_dir)  # the job's lock, for as long as any rank runs
+    rank_argv = [args.config, "--run-dir", str(run_dir), "--backend", backend]
+    if args.resume:
+        rank_argv.append("--resume")
+    if args.max_steps is not None:
+        rank_argv += ["--max-steps", str(args.max_steps)]
+    rank_argv += ["--attention", args.attention] + (["--retune"] if args.retune else [])
+    try:
+        return run_ranks(args.gpus, rank_argv, run_dir, cuda=backend == "cuda")
+    finally:
+        lock.release()
 
 
 def require_writable(run_dir: Path) -> None:

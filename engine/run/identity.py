@@ -12,10 +12,15 @@ import fcntl
 import os
 import socket
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.errors import UserError
-from engine.records import EngineInfo, Unreadable
+from engine.records import EngineInfo, RankInfo, Unreadable
+
+if TYPE_CHECKING:
+    from engine.run.world import World
 from engine.runfiles import LOCK, RunPaths, read_json, write_json_atomic
 
 BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
@@ -90,12 +95,17 @@ class EngineLock:
             self._fd = None
 
 
-def engine_info(argv: list[str], run_id: str) -> EngineInfo:
-    """This process's identity, as `engine.json` records it."""
-    pid = os.getpid()
+def engine_info(argv: list[str], run_id: str, world: World | None = None,
+                ranks: Sequence[RankInfo] = ()) -> EngineInfo:
+    """This job's identity, as `engine.json` records it: the process a controller signals (this
+    one; or, under `andrea-train --gpus`, the launcher that holds the lock and passes signals on
+    to every rank) and, for a data-parallel job, its ranks."""
+    pid = world.launcher_pid if world is not None and world.launcher_pid else os.getpid()
     return EngineInfo(pid=pid, start_time=proc_start_time(pid), boot_id=boot_id(),
                       host=socket.gethostname(), run_id=run_id, argv=list(argv),
-                      started_at=time.time())
+                      started_at=time.time(),
+                      launcher=world.launcher if world is not None else "single",
+                      world_size=world.size if world is not None else 1, ranks=list(ranks))
 
 
 def write_engine_json(run_dir: Path, argv: list[str], run_id: str) -> EngineInfo:

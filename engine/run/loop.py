@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import platform
+import socket
+import struct
 import sys
 import time
 import traceback
@@ -25,7 +27,11 @@ from engine.config import Config, config_diff, parse_config
 from engine.errors import UserError
 from engine.records import Status
 from engine.run.checkpoint import cleanup_tmp
+from engine.run.comm import Channel
+from engine.run.ddp import make_reducer, my_micro_batches
 from engine.run.signals import SignalFlags
+from engine.run.world import world_from_env
+from engine.run.writer import QuietWriter
 from engine.runfiles import has_checkpoints
 
 
@@ -58,11 +64,16 @@ class TrainingRun:
 
         self.cfg, self.run_dir, self.args, self.flags = cfg, run_dir, args, flags
         self.ckpt_root = run_dir / "checkpoints"
-        self.lock = EngineLock().acquire(run_dir)  # refuses when another engine holds the run
-        self.run_id = uuid.uuid4().hex[:12]
+        self.world = world = world_from_env()
+        self.channel: Channel | None = None  # the other ranks, when there are any
+        # Rank 0 owns the run directory; `andrea-train --gpus` holds its lock for the job.
+        self.lock = (EngineLock().acquire(run_dir)  # refuses when another engine holds the run
+                     if world.main and world.launcher_pid is None else None)
+        self.run_id = world.job_id[:12] if world.distributed and world.job_id else \
+            uuid.uuid4().hex[:12]
         self.argv = list(argv)
         try:
-            self.out = RunWriter(run_dir)
+            self.out = RunWriter(run_dir) if world.main else QuietWriter(run_dir)
         except OSError as e:
             raise UserError(f"{run_dir}: cannot write the run's files: {e.strerror or e}") from None
         self.writer: Any = None
@@ -70,6 +81,9 @@ class TrainingRun:
         self.inflight: list[str] = []  # reasons of checkpoints submitted, not yet collected
         self.snapshot_pending = False
         self.last_write_failed = False
+        self._stop = False  # the job agreed to stop at this step boundary
+        self._snapshots = 0  # snapshot requests the job agreed on, not acted on yet
+        self.world_size_was: int | None = None
 
     # -- start-up -----------------------------------------------------------------------
 
@@ -83,10 +97,11 @@ class TrainingRun:
                 cleanup_tmp(self.ckpt_root)  # half-written dirs of writers that died
                 resume = self._pick_resume()
                 backend = resolve_backend(self.args.backend)
+                ranks = self._join(backend[0])
                 # Only now, with the quick refusals behind it, does the engine say who it is: a
                 # launcher that waits for engine.json knows the engine has accepted its input.
-                self.out.write_json(self.out.paths.engine,
-                                    engine_info(self.argv, self.run_id).to_json())
+                info = engine_info(self.argv, self.run_id, self.world, ranks)
+                self.out.write_json(self.out.paths.engine, info.to_json())
                 self._start(resume, *backend)
             except UserError:
                 # Bad input, found before anything was trained: the run's files go back to what
@@ -117,12 +132,29 @@ class TrainingRun:
             self.out.close()
 
     def _crashed(self, e: BaseException) -> int:
+        lost = self.channel.lost if self.channel is not None else None
+        what = lost or f"{type(e).__name__}: {e}"  # a rank that died explains what followed
         self.out.log("error: " + "".join(traceback.format_exception(e)).rstrip(), echo=False)
-        self.out.event(rec.ErrorEvent(message=f"{type(e).__name__}: {e}"))
+        self.out.event(rec.ErrorEvent(message=what))
         self.out.set_status(status=Status.FAILED)
-        print(f"error: {type(e).__name__}: {e} (traceback in {self.out.paths.log})",
-              file=sys.stderr)
+        where = f" (traceback in {self.out.paths.log})" if self.world.main else ""
+        print(f"error: [{self.world.describe()}] {what}{where}", file=sys.stderr)
         return 1
+
+    def _join(self, backend: str) -> list[rec.RankInfo]:
+        """Meet the job's other ranks; every rank's pid, host and device, in rank order."""
+        w = self.world
+        if backend == "cuda" and w.distributed:
+            os.environ.setdefault("ANDREA_CUDA_DEVICE", str(w.local_rank))  # one GPU a rank
+        me = rec.RankInfo(w.rank, os.getpid(), socket.gethostname(),
+                          f"cuda:{os.environ.get('ANDREA_CUDA_DEVICE', '0')}"
+                          if backend == "cuda" else "cpu")
+        if not w.distributed:
+            return []
+        self.channel = Channel.join(w, self.run_dir)
+        self.out.log(f"data parallel: {w.describe()}, {w.size} ranks joined")
+        return [rec.RankInfo.from_json(json.loads(b))  # type: ignore[misc]
+                for b in self.channel.allgather(json.dumps(me.to_json()).encode())]
 
     def _unwritable(self) -> int:
         """The run directory stopped taking writes: say what was kept and end (exit 1)."""
@@ -161,10 +193,17 @@ class TrainingRun:
                          f"{saved.train.max_steps} (the lr schedule changes with it)")
             self.cfg = saved.with_max_steps(self.args.max_steps)
         self.out.log(f"resume: from {path} (step {ck.step})")
+        was = ck.state.get("world_size", 1)
+        self.world_size_was = was if was != self.world.size else None
+        if self.world_size_was is not None:
+            self.out.log(f"resume: the checkpoint was written by {was} rank(s), this job has "
+                         f"{self.world.size}: the global batch is drawn anew (not bit-exact "
+                         "with a run that kept its world size)")
         self.out.set_status(step=ck.step, last_checkpoint=rec.CheckpointRef(
             str(path), ck.step, str(ck.state.get("reason"))))
         self.out.event(rec.ResumeEvent(step=ck.step, path=str(path), skipped=[
-            rec.SkippedCheckpoint(str(p), str(w)) for p, w in skipped], ignored=ignored))
+            rec.SkippedCheckpoint(str(p), str(w)) for p, w in skipped], ignored=ignored,
+            world_size_was=self.world_size_was))
         return ck
 
     def _warn_ignored(self, ignored: list[rec.IgnoredSetting]) -> None:
@@ -200,7 +239,10 @@ class TrainingRun:
             self.out.log(f"prep: {msg}")
             self.out.event(rec.PrepEvent(message=msg))
 
-        prepare(cfg, progress=progress, should_stop=lambda: self.flags.stop_requested)
+        if self.world.main:
+            prepare(cfg, progress=progress, should_stop=lambda: self.flags.stop_requested)
+        if self.channel is not None:
+            self.channel.broadcast(b"prepared")  # the others read what rank 0 prepared
         self.data = load_prepared(cfg)
         self.tokenizer = self.data.tokenizer
         self.source_names = cfg.data.source_names
@@ -213,7 +255,21 @@ class TrainingRun:
 
         self.out.log(f"building the {backend} trainer")
         options = self._backend_options(backend, resume)
-        self.trainer = Trainer(cfg, backend, backend_options=options)
+        if self.channel is not None and backend == "cuda":
+            # One set of GEMM algorithms for the whole job: rank 0 times them (or reads the
+            # run's plan) and the others take its choice, so every rank computes the same bits.
+            if self.world.main:
+                self.trainer = Trainer(cfg, backend, backend_options=options)
+                plan = self.trainer.backend.gemm_plan
+                self.channel.broadcast(json.dumps(plan).encode())
+            else:
+                plan = json.loads(self.channel.broadcast(b""))
+                self.trainer = Trainer(cfg, backend,
+                                       backend_options={**options, "gemm_plan": plan})
+        else:
+            self.trainer = Trainer(cfg, backend, backend_options=options)
+        if self.channel is not None:
+            self.trainer.join(make_reducer(self.channel, backend))
         be = self.trainer.backend
         attention = self._report_backend(be)
         self.sampler = Sampler(self.data.shards, cfg.model.seq_len, cfg.train.seed)
@@ -230,7 +286,7 @@ class TrainingRun:
         self.snap = {k: np.empty(n, dtype=np.float32) for k in ("params", "m", "v")}
         from engine.run.checkpoint import CheckpointWriter
 
-        self.writer = CheckpointWriter(self.ckpt_root)
+        self.writer = CheckpointWriter(self.ckpt_root) if self.world.main else None
         plan = dict(be.memory_plan())
         plan["host_checkpoint_copy"] = 3 * 4 * n
         self.out.log(f"model {cfg.name}: {n:,} parameters; backend {be.name} on {be.device}")
@@ -240,7 +296,8 @@ class TrainingRun:
         self.out.event(rec.ReadyEvent(memory_plan=plan, n_params=n, backend=be.name,
                                       device=be.device, step=self.trainer.step_count,
                                       max_steps=cfg.train.max_steps,
-                                      tokens_per_step=cfg.tokens_per_step, attention=attention))
+                                      tokens_per_step=cfg.tokens_per_step * self.world.size,
+                                      world_size=self.world.size, attention=attention))
 
     def _backend_options(self, backend: str, resume: Any) -> dict[str, Any]:
         """The CUDA backend's options: attention, and the run directory's GEMM plan
@@ -274,8 +331,6 @@ class TrainingRun:
         the run directory; returns the attention line for the ready event."""
         if be.name != "cuda":
             return ""
-        from engine.runfiles import write_json_atomic
-
         self.out.log(f"cuda: {be.describe()}")
         for note in be.notes:
             self.out.log(f"cuda: {note}")
@@ -283,7 +338,7 @@ class TrainingRun:
         if plan is not None:
             record = rec.GemmPlan.from_json(plan)
             if isinstance(record, rec.GemmPlan):
-                write_json_atomic(self.out.paths.gemm_plan, record.to_json())
+                self.out.write_json(self.out.paths.gemm_plan, record.to_json())
         return str(be.attention_info)
 
     def _check_same_data(self, saved: dict[str, Any]) -> None:
@@ -309,37 +364,44 @@ class TrainingRun:
         every_ckpt = cfg.checkpoint.every
         every_sample = cfg.samples.every_steps
         last_print = 0.0
+        world = self.world
+        mine = my_micro_batches(world.rank, n_micro, n_micro * world.size)
+        tokens_per_step = cfg.tokens_per_step * world.size
+        self._exchange(np.zeros(0), 0.0)  # a stop asked for while starting up: all see it
         # step_ms is the loop's whole time per step: from the end of the previous step's
-        # bookkeeping (records, bandit, log) to the end of this step's optimizer update, so it
-        # counts the data, the staging and the host's share too; checkpoint writes and text
-        # samples (restarting the clock) are not counted.
+        # bookkeeping (records, bandit, log) to the end of this step's optimizer update and the
+        # ranks' exchange, so it counts the data, the staging and the host's share too;
+        # checkpoint writes and text samples (restarting the clock) are not counted.
         t0 = time.perf_counter()
-        while (tr.step_count < max_steps and not self.flags.stop_requested
-               and self.out.failed is None):
+        while tr.step_count < max_steps and not self._stop and self.out.failed is None:
             weights = self.bandit.weights.copy()
             phase = (self.bandit.phase, self.bandit.phase_step + 1, self.bandit.phase_len)
             srcs = []
-            if n_micro == 1:  # the fused step where the backend has one
+            if n_micro == 1 and world.size == 1:  # the fused step where the backend has one
                 tokens, src = self.sampler.sample(B, weights)
                 done = tr.train_step(tokens)
                 srcs.append(src)
             else:
                 tr.zero_grads()
-                for _ in range(n_micro):
+                # The whole job's micro-batches in one order (every rank draws them all and
+                # trains its own share): the sampler and the bandit stay the same everywhere.
+                for m in range(n_micro * world.size):
                     tokens, src = self.sampler.sample(B, weights)
-                    tr.forward_backward(tokens)
+                    if m in mine:
+                        tr.forward_backward(tokens)
                     srcs.append(src)
                 done = tr.step()
             self.steps_run += 1
+            rows, rank_ms = self._exchange(tr.row_losses, time.perf_counter() - t0)
             step_s = time.perf_counter() - t0
-            src_loss = self._src_loss(tr.row_losses, np.concatenate(srcs))
+            src_loss = self._src_loss(rows, np.concatenate(srcs))
             change = self.bandit.observe(src_loss)
             record = rec.StepRecord(
-                step=done.step, loss=done.loss, grad_norm=done.grad_norm,
+                step=done.step, loss=float(np.mean(rows)), grad_norm=done.grad_norm,
                 clip_scale=done.clip_scale, lr=done.lr, tokens=done.tokens,
-                tok_s=cfg.tokens_per_step / step_s, step_ms=step_s * 1e3, phase=phase[0],
+                tok_s=tokens_per_step / step_s, step_ms=step_s * 1e3, phase=phase[0],
                 phase_step=phase[1], phase_len=phase[2], weights=self._by_source(weights),
-                src_loss=src_loss, skipped=done.skipped, t=time.time())
+                src_loss=src_loss, skipped=done.skipped, t=time.time(), rank_ms=rank_ms)
             self.out.step(record)
             step = record.step
             if record.skipped:
@@ -363,11 +425,33 @@ class TrainingRun:
                 self._sample(step)
                 t0 = time.perf_counter()  # ... or after a text sample
             self._collect_writes()
+            if not world.main:
+                continue  # rank 0 writes the checkpoints
             periodic_due = step % every_ckpt == 0 and step != max_steps
             if not self._handle_snapshot_requests(periodic_due) and periodic_due:
                 self._checkpoint("periodic", wait=False)
                 t0 = time.perf_counter()  # ... or after a checkpoint's copy
+        if self.channel is not None:
+            self.channel.finish()  # no collective after this: the others may end now
         return self._finish(max_steps)
+
+    def _exchange(self, rows: np.ndarray, step_s: float) -> tuple[np.ndarray, list[float]]:
+        """What the ranks tell each other after a step, in one exchange: every rank's row
+        losses (global micro-batch order) and step time, and the stop and snapshot requests,
+        which all ranks then act on at this same step boundary (`_stop`, `_snapshots`).
+        Returns (rows, each rank's step ms)."""
+        stop, snaps = self.flags.stop_requested, self.flags.take_snapshot_requests()
+        if self.channel is None:
+            self._stop, self._snapshots = stop, self._snapshots + snaps
+            return rows, []
+        head = struct.Struct(">qqd")
+        rows = np.asarray(rows, dtype=np.float64)
+        parts = self.channel.allgather(head.pack(stop, snaps, step_s * 1e3) + rows.tobytes())
+        heads = [head.unpack(p[: head.size]) for p in parts]
+        self._stop = any(h[0] for h in heads)
+        self._snapshots += max(h[1] for h in heads)
+        every = np.concatenate([np.frombuffer(p[head.size :], dtype=np.float64) for p in parts])
+        return every, [h[2] for h in heads]
 
     def _by_source(self, values: Any) -> dict[str, float]:
         return {n: float(x) for n, x in zip(self.source_names, values, strict=True)}
@@ -404,6 +488,7 @@ class TrainingRun:
             "tokens": tr.tokens,
             "run_id": self.run_id,
             "backend": tr.backend.name,
+            "world_size": self.world.size,
             "versions": {"python": platform.python_version(), "numpy": np.__version__},
         }
 
@@ -426,6 +511,8 @@ class TrainingRun:
     def _collect_writes(self) -> None:
         from engine.run.checkpoint import MANUAL_REASONS, prune, prune_periodic
 
+        if self.writer is None:
+            return
         for res in self.writer.poll():
             if res.reason in self.inflight:
                 self.inflight.remove(res.reason)
@@ -456,7 +543,7 @@ class TrainingRun:
         pending or being written coalesce into it; one that arrives while another kind of
         checkpoint is being written waits for it (a periodic one may be pruned later). A
         snapshot due with a periodic one is written once, as the snapshot. True when written."""
-        n = self.flags.take_snapshot_requests()
+        n, self._snapshots = self._snapshots, 0
         step = self.trainer.step_count
         if n:
             if self.snapshot_pending or "snapshot" in self.inflight:
@@ -476,7 +563,8 @@ class TrainingRun:
 
     def _coalesce_pending_snapshots(self, into: str) -> None:
         """A snapshot asked for at the last step is covered by the stop or final checkpoint."""
-        n = self.flags.take_snapshot_requests() + int(self.snapshot_pending)
+        n = self._snapshots + self.flags.take_snapshot_requests() + int(self.snapshot_pending)
+        self._snapshots = 0
         self.snapshot_pending = False
         if n:
             self.out.event(rec.SignalEvent(signal="SIGUSR1", step=self.trainer.step_count,
@@ -487,14 +575,15 @@ class TrainingRun:
         step = self.trainer.step_count
         if self.out.failed is not None:
             return self._unwritable()
+        if not self.world.main:
+            return 0  # rank 0 writes the run's end
         self.last_write_failed = False
-        if self.flags.stop_requested and self.steps_run == 0:
-            sig = self.flags.stop_name
+        sig = self.flags.stop_name or "stop (asked of another rank)"
+        if self._stop and self.steps_run == 0:
             self.out.event(rec.SignalEvent(signal=sig, step=step, action="stop"))
             self.out.log(f"{sig} before any step: stopping without a new checkpoint")
             status = Status.STOPPED
-        elif self.flags.stop_requested and step < max_steps:
-            sig = self.flags.stop_name
+        elif self._stop and step < max_steps:
             self.out.event(rec.SignalEvent(signal=sig, step=step, action="stop"))
             self.out.log(f"{sig}: writing a stop checkpoint at step {step}")
             self.out.set_status(status=Status.STOPPING)

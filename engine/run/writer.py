@@ -167,3 +167,40 @@ class RunWriter:
             self._log.close()
         except OSError:
             pass
+
+
+class QuietWriter(RunWriter):
+    """The writer of a rank other than 0: rank 0 owns the run directory, so this one writes
+    nothing there (its errors still reach stderr)."""
+
+    def __init__(self, root: Path) -> None:  # not super().__init__: that opens the files
+        self.paths = RunPaths(Path(root))
+        self.failed = None
+        self.status = RunStatus(Status.STARTING)
+
+    def log(self, msg: str, *, echo: bool = True) -> None:
+        pass
+
+    def _append(self, w: JsonlWriter, obj: dict[str, Any]) -> None:
+        pass
+
+    def event(self, event: Event) -> None:
+        pass
+
+    def step(self, record: StepRecord) -> None:
+        pass
+
+    def sample(self, sample: Sample) -> None:
+        pass
+
+    def set_status(self, *, durable: bool = True, **changes: Any) -> None:
+        self.status = dataclasses.replace(self.status, **changes)
+
+    def write_json(self, path: Path, obj: Any) -> None:
+        pass
+
+    def rollback(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

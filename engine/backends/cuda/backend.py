@@ -77,12 +77,13 @@ class CudaBackend:
     def __init__(self, shapes: ModelShapes, micro_batch: int, precision: str = "bf16",
                  dtype: type = np.float32, *, attention: str | None = None,
                  fusions: bool | None = None, gemm_plan: dict[str, Any] | None = None,
-                 tune: bool | None = None) -> None:
+                 tune: bool | None = None, separate_micro: bool = False) -> None:
         """attention: "auto" | "cudnn" | "classic" (default ANDREA_ATTENTION or auto);
         fusions: see the module doc (default ANDREA_FUSIONS or on); gemm_plan: a recorded
         GEMM plan (engine.records.GemmPlan.to_json()) to use instead of timing; tune: time the
         GEMM candidates at start when no plan covers them (else cuBLASLt's first choice;
-        default ANDREA_GEMM_TUNE or on)."""
+        default ANDREA_GEMM_TUNE or on); separate_micro: the buffer that
+        forward_backward(separate=True) needs (gradient accumulation, see the interface)."""
         if precision not in ACT_BYTES:
             raise UserError(f"train/precision: expected fp32, bf16 or fp16, got {precision!r}")
         if np.dtype(dtype) != np.float32:
@@ -116,7 +117,9 @@ class CudaBackend:
         cudnn_ws = (max(self.cudnn.workspace_bytes(self.B, self.S),
                         self.cudnn.workspace_bytes(1, self.S)) if self.cudnn else 0)
         plan, self.train, self.sample = plan_memory(shapes, micro_batch, precision,
-                                                    self.attention, self.fusions, cudnn_ws)
+                                                    self.attention, self.fusions, cudnn_ws,
+                                                    separate_micro)
+        self.separate_micro = separate_micro
         self._plan = plan
         nseg = len(self.table)
         if nseg > ADAMW_MAX_SEGS:  # k_adamw keeps the tensor table in shared memory
@@ -506,7 +509,28 @@ class CudaBackend:
 
     # --- the interface ----------------------------------------------------------------------------
     def forward_backward(self, inputs: np.ndarray, targets: np.ndarray,
-                         loss_scale: float = 1.0) -> np.ndarray:
+                         loss_scale: float = 1.0, separate: bool = False) -> np.ndarray:
+        if separate:
+            # This micro-batch's gradient on its own, then one add (see the interface).
+            if not self.separate_micro:
+                raise RunError("separate micro-batch gradients need separate_micro=True")
+            self._settle_scale()
+            save = self._plan["grads_save"]
+            self.drv.memcpy_dtod_async(save, self.g, self.n * 4, self.stream)
+            self.drv.memset_d32_async(self.g, 0, self.n, self.stream)
+            rows = self._forward_backward(inputs, targets, loss_scale)
+            self.ops.grad_add(self.g, save, self.n)
+            return rows
+        return self._forward_backward(inputs, targets, loss_scale)
+
+    def grad_device(self) -> tuple[int, int, Any]:
+        """(device pointer, float32 count, stream) of the live gradient buffer, every deferred
+        scale settled: what a data-parallel all-reduce sums in place, on this stream."""
+        self._settle_scale()
+        return self.g, self.n, self.stream
+
+    def _forward_backward(self, inputs: np.ndarray, targets: np.ndarray,
+                          loss_scale: float) -> np.ndarray:
         b = self.train
         x, y = self._xy(inputs, targets)
         T = self._stage(b, x, y, loss_scale)

@@ -173,9 +173,10 @@ class BatchBuffers:
         h[at : at + len(HP_FIELDS)].view(np.float32)[:] = [values[k] for k in HP_FIELDS]
 
 
+
 def plan_memory(shapes: ModelShapes, micro_batch: int, precision: str,
-                attention: str = "classic", fused: bool = False,
-                cudnn_workspace: int = 0) -> tuple[Plan, BatchBuffers, BatchBuffers]:
+                attention: str = "classic", fused: bool = False, cudnn_workspace: int = 0,
+                separate_micro: bool = False) -> tuple[Plan, BatchBuffers, BatchBuffers]:
     """The whole memory plan (DESIGN §5), not yet allocated: weights, grads, Adam m and v, the
     training and sampling buffers, and the step's own scratch. Returns (plan, train, sample).
     attention/fused: see the module doc; cudnn_workspace: the bytes cuDNN's graphs need."""
@@ -185,6 +186,8 @@ def plan_memory(shapes: ModelShapes, micro_batch: int, precision: str,
     if precision != "fp32":
         plan.add("weights", "params_lp", n * es)
     plan.add("grads", "grads", n * 4)
+    if separate_micro:  # the sum so far, while a micro-batch forms its own gradient
+        plan.add("grads", "grads_save", n * 4)
     plan.add("adam_m", "m", n * 4)
     plan.add("adam_v", "v", n * 4)
     train = BatchBuffers("t.", micro_batch, shapes, es, ldv, True, attention, fused)

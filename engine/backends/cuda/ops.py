@@ -472,6 +472,10 @@ class Ops:
     def grad_scale(self, grads: int, n: int, s: float) -> None:
         self._go("k_grad_scale", _blocks(n), grads, n, s)
 
+    def grad_add(self, grads: int, other: int, n: int) -> None:
+        """grads += other (a micro-batch's own gradient into the sum)."""
+        self._go("k_grad_add", _blocks(n), grads, other, n)
+
     def adamw(self, params: int, params_lp: int, grads: int, m: int, v: int, seg_start: int,
               seg_decay: int, nseg: int, n: int, lr: float, beta1: float, beta2: float,
               eps: float, weight_decay: float, t: int, gs: float = 1.0) -> None:

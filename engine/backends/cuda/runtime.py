@@ -45,6 +45,7 @@ SIGNATURES: dict[str, str] = {
     "k_grad_norm_final": "PPi",
     "k_grad_norm": "PPPPqfP",
     "k_grad_scale": "Pqf",
+    "k_grad_add": "PPq",
     "k_adamw": "PPPPPPPiqffffffff",
     "k_adamw_step": "PPPPPPPiqPPP",
     "k_params_to_lp": "PPq",

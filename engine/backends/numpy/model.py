@@ -102,6 +102,7 @@ class NumpyBackend:
         micro_batch: int,
         precision: str = "fp32",
         dtype: type = np.float32,
+        separate_micro: bool = False,
     ) -> None:
         if precision not in PRECISIONS:
             raise UserError(f"train/precision: expected one of {PRECISIONS}, got {precision!r}")
@@ -137,12 +138,14 @@ class NumpyBackend:
         }
         sample = _saved_sizes(s, 1, sampling=True)
         es = self.dtype.itemsize
-        hostmem.require({"weights": n * es, "grads": n * es, "adam_m": n * es, "adam_v": n * es,
+        grads = n * es * (2 if separate_micro else 1)
+        hostmem.require({"weights": n * es, "grads": grads, "adam_m": n * es, "adam_v": n * es,
                          "activations": sum(acts.values()) * es,
                          "scratch": (sum(scratch.values()) + sum(sample.values()) + n) * es},
                         "the numpy backend")
         self._params = np.zeros(n, dtype=self.dtype)
         self._grads = np.zeros(n, dtype=self.dtype)
+        self._gsave = np.zeros(n, dtype=self.dtype) if separate_micro else None
         self._m = np.zeros(n, dtype=self.dtype)
         self._v = np.zeros(n, dtype=self.dtype)
         self._decay = decay_mask(s).astype(self.dtype)
@@ -279,7 +282,27 @@ class NumpyBackend:
         return self._forward(inputs, targets)
 
     def forward_backward(
-        self, inputs: np.ndarray, targets: np.ndarray, loss_scale: float = 1.0
+        self, inputs: np.ndarray, targets: np.ndarray, loss_scale: float = 1.0,
+        separate: bool = False,
+    ) -> np.ndarray:
+        if not separate:
+            return self._forward_backward(inputs, targets, loss_scale)
+        # This micro-batch's gradient on its own, then one add: the sum over micro-batches is
+        # then the sum a data-parallel all-reduce forms from whole micro-batch gradients.
+        if self._gsave is None:
+            raise RuntimeError("separate micro-batch gradients need separate_micro=True")
+        np.copyto(self._gsave, self._grads)
+        self._grads.fill(0)
+        rows = self._forward_backward(inputs, targets, loss_scale)
+        self._grads += self._gsave
+        return rows
+
+    def grad_array(self) -> np.ndarray:
+        """The live gradient buffer (writable): what a data-parallel all-reduce sums."""
+        return self._grads
+
+    def _forward_backward(
+        self, inputs: np.ndarray, targets: np.ndarray, loss_scale: float
     ) -> np.ndarray:
         row_losses = self._forward(inputs, targets)
         s, p, g, ar, sc = self.shapes, self.p, self.g, self._acts, self._scratch
@@ -359,7 +382,7 @@ class NumpyBackend:
     def memory_plan(self) -> dict[str, int]:
         plan = {
             "weights": self._params.nbytes,
-            "grads": self._grads.nbytes,
+            "grads": self._grads.nbytes + (self._gsave.nbytes if self._gsave is not None else 0),
             "adam_m": self._m.nbytes,
             "adam_v": self._v.nbytes,
             "activations": self._acts.nbytes,

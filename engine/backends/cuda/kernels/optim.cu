@@ -82,6 +82,16 @@ extern "C" __global__ void k_grad_scale(float* g, long n, float s) {
         g[i] *= s;
 }
 
+// numpy twin: model.NumpyBackend.forward_backward
+// >   self._grads += self._gsave
+// A micro-batch's gradient formed on its own (separate=True) is added to the others' sum in one
+// pass: gradient accumulation then adds whole micro-batch gradients, as an all-reduce does.
+extern "C" __global__ void k_grad_add(float* g, const float* other, long n) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n;
+         i += (long)gridDim.x * blockDim.x)
+        g[i] = g[i] + other[i];
+}
+
 #define ADAMW_MAX_SEGS 1024
 
 // AdamW over the flat buffers with g·gm·gc as the gradient (each product rounded to float, as

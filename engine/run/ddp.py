@@ -1,0 +1,68 @@
+"""Data parallelism for the training loop: the gradient sum across ranks, and the share of the
+global batch that is this rank's.
+
+Every rank draws the whole global batch from the same sampler stream (world × grad_accum
+micro-batches of batch_size rows, in one order), keeps the micro-batches m with m // grad_accum
+== rank, and forms each one's gradient; the reducer then sums the ranks' gradients in fp32, so
+that every rank holds the same bits and takes the same clip and AdamW step. Because a micro-batch
+beyond the first is formed on its own and added whole (Trainer.forward_backward), two ranks with
+batch B give the same bits as one rank with batch B and grad_accum 2.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from engine.run.comm import Channel
+
+
+class HostReducer:
+    """The numpy backend: gradients summed on the host through the control channel."""
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+        self.world = channel.world.size
+
+    def reduce(self, backend: Any) -> None:
+        g = backend.grad_array()
+        g[:] = self.channel.allreduce_sum(g)
+
+
+class NcclReducer:
+    """The CUDA backend: an fp32 NCCL all-reduce in place on the training stream."""
+
+    def __init__(self, channel: Channel) -> None:
+        from engine.backends.cuda.nccl import Nccl
+
+        w = channel.world
+        self.world = w.size
+        self.nccl = Nccl()
+        uid = channel.broadcast(self.nccl.new_id() if w.main else b"")
+        self.nccl.init(w.size, w.rank, uid)
+        # A rank that dies leaves the others blocked in the all-reduce: end it from the watch.
+        channel.on_peer_lost(lambda _why: self.nccl.abort())
+
+    def reduce(self, backend: Any) -> None:
+        ptr, n, stream = backend.grad_device()
+        self.nccl.all_reduce_sum(ptr, n, stream)
+
+    def close(self) -> None:
+        self.nccl.close()
+
+
+def make_reducer(channel: Channel, backend_name: str) -> HostReducer | NcclReducer:
+    return NcclReducer(channel) if backend_name == "cuda" else HostReducer(channel)
+
+
+def my_micro_batches(world_rank: int, grad_accum: int, total: int) -> range:
+    """The global micro-batch indices of one rank (contiguous: rank r has r·A … r·A + A - 1)."""
+    return range(world_rank * grad_accum, min(total, (world_rank + 1) * grad_accum))
+
+
+def gather_rows(channel: Channel | None, rows: np.ndarray) -> np.ndarray:
+    """Every rank's per-row losses, in global micro-batch order (rank order)."""
+    if channel is None:
+        return rows
+    return np.concatenate(channel.allgather_array(np.asarray(rows, dtype=np.float64)))

@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""Data-parallel benchmark: `andrea-train` itself on 1 GPU and on N GPUs of this host
+(`--gpus N`), batch_size per GPU as the config says, in one run. Prints one table: the median
+`step_ms` the engine records in loss.jsonl (after a warm-up), tok/s of the job, the speed-up
+against one GPU, and the NCCL fp32 all-reduce time of the model's gradients on its own.
+
+    python3 scripts/bench_ddp.py [--models 120M,12M] [--gpus 2] [--steps 80] [--warmup 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from engine.runfiles import read_steps  # noqa: E402
+
+ALLREDUCE = r"""
+import os, sys, time, numpy as np
+from pathlib import Path
+from engine.run.comm import Channel
+from engine.run.world import world_from_env
+from engine.backends.cuda.runtime import Gpu
+from engine.run.ddp import NcclReducer
+w = world_from_env()
+os.environ["ANDREA_CUDA_DEVICE"] = str(w.local_rank)
+gpu = Gpu.get()
+ch = Channel.join(w, Path(sys.argv[1]))
+red = NcclReducer(ch)
+n = int(sys.argv[2])
+buf = gpu.drv.mem_alloc(n * 4)
+gpu.drv.memset_d32(buf, 0, n)
+class B:
+    def grad_device(self): return int(buf), n, gpu.stream
+b = B()
+for _ in range(3): red.reduce(b)
+gpu.stream.synchronize(); ch.allgather(b"")
+ts = []
+for _ in range(20):
+    t0 = time.perf_counter(); red.reduce(b); gpu.stream.synchronize(); ts.append(time.perf_counter() - t0)
+ch.finish()
+if w.main: print("ALLREDUCE_MS", sorted(ts)[len(ts) // 2] * 1e3)
+"""
+
+
+def train(cfg: Path, run: Path, steps: int, gpus: int) -> list[float]:
+    cmd = [sys.executable, "-m", "engine.run.cli", str(cfg), "--run-dir", str(run),
+           "--backend", "cuda", "--max-steps", str(steps)]
+    if gpus > 1:
+        cmd += ["--gpus", str(gpus)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ,
+                                                                "PYTHONPATH": str(ROOT)})
+    if r.returncode != 0:
+        raise SystemExit(f"andrea-train failed ({r.returncode}):\n{r.stdout[-2000:]}\n"
+                         f"{r.stderr[-2000:]}")
+    return [rec.step_ms for rec in read_steps(run / "loss.jsonl")[0]]
+
+
+def allreduce_ms(n: int, gpus: int, tmp: Path) -> float:
+    from engine.run.launch import free_port
+
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", ALLREDUCE, str(tmp), str(n)],
+                              stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT), "RANK": str(r),
+                                   "WORLD_SIZE": str(gpus), "LOCAL_RANK": str(r),
+                                   "MASTER_PORT": port}) for r in range(gpus)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    line = next(ln for ln in outs[0].splitlines() if ln.startswith("ALLREDUCE_MS"))
+    return float(line.split()[1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="120M,12M")
+    ap.add_argument("--gpus", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--json", help="write the rows here too")
+    args = ap.parse_args()
+    from engine.config import load_config
+    from engine.model.layout import ModelShapes, n_params
+
+    rows = []
+    print("| model | GPUs | step ms (median) | tok/s | × one GPU | all-reduce ms (fp32, "
+          "alone) |\n| --- | ---: | ---: | ---: | ---: | ---: |", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models.split(","):
+            cfg = ROOT / "experiments" / f"ANDREA-{name}-TRAIN.json"
+            c = load_config(cfg)
+            base = None
+            for g in (1, args.gpus):
+                t0 = time.time()
+                ms = train(cfg, Path(tmp) / f"{name}-{g}", args.steps, g)
+                med = statistics.median(ms[args.warmup:])
+                tok_s = c.tokens_per_step * g / (med / 1e3)
+                base = base or tok_s
+                ar = (allreduce_ms(n_params(ModelShapes.from_config(c.model)), g, Path(tmp))
+                      if g > 1 else float("nan"))
+                rows.append({"model": name, "gpus": g, "step_ms": med, "tok_s": tok_s,
+                             "speedup": tok_s / base, "allreduce_ms": ar,
+                             "wall_s": time.time() - t0})
+                print(f"| ANDREA-{name} | {g} | {med:.2f} | {tok_s / 1e3:,.0f}K | "
+                      f"{tok_s / base:.2f} | {'–' if g == 1 else f'{ar:.2f}'} |", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,281 @@
+"""Data parallelism on the CPU: the launcher, the launchers' environments, the rendezvous, rank 0
+owning the run directory, signals reaching every rank, a rank that dies — real processes, the
+numpy backend and the host stand-in for NCCL (engine.run.ddp.HostReducer)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from engine.errors import UserError
+from engine.run.checkpoint import verify_checkpoint
+from engine.run.world import World, world_from_env
+from tests.conftest import ROOT, loss_records, micro_config_dict, run_engine, wait_for_step
+
+KEYS = ("step", "loss", "grad_norm", "clip_scale", "lr", "tokens", "phase", "weights", "src_loss")
+
+
+def trajectory(run: Path) -> list[tuple]:
+    return [tuple(json.dumps(getattr(r, k), sort_keys=True) for k in KEYS)
+            for r in loss_records(run)]
+
+
+def ckpt(run: Path, step: int) -> bytes:
+    return (run / "checkpoints" / f"step_{step:08d}" / "model.ckpt").read_bytes()
+
+
+def gpus(cfg: Path, run: Path, n: int, *extra: str, backend: str = "numpy",
+         **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "engine.run.cli", str(cfg), "--run-dir",
+                             str(run), "--backend", backend, "--gpus", str(n), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, **kw)
+
+
+# ---------------------------------------------------------------- environments
+
+
+def test_world_from_the_launchers_environments() -> None:
+    assert world_from_env({}) == World()
+    w = world_from_env({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
+                        "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.7",
+                        "MASTER_PORT": "2345", "TORCHELASTIC_RUN_ID": "j1"})
+    assert (w.rank, w.size, w.local_rank, w.local_size, w.master_addr, w.master_port,
+            w.launcher, w.job_id) == (1, 4, 1, 2, "10.0.0.7", 2345, "torchrun", "j1")
+    s = world_from_env({"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+                        "SLURM_NTASKS_PER_NODE": "4(x2)", "SLURM_JOB_ID": "77",
+                        "MASTER_ADDR": "n1"})
+    assert (s.rank, s.size, s.local_rank, s.local_size, s.launcher, s.job_id) == (
+        3, 8, 1, 4, "slurm", "77")
+    for env, says in (({"RANK": "2", "WORLD_SIZE": "2"}, "RANK: expected an integer in"),
+                      ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK: expected an integer"),
+                      ({"RANK": "0"}, "WORLD_SIZE is missing"),
+                      ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "99999"},
+                       "MASTER_PORT"),
+                      ({"RANK": "0", "WORLD_SIZE": "2", "ANDREA_RENDEZVOUS": "dns"},
+                       "ANDREA_RENDEZVOUS")):
+        with pytest.raises(UserError, match=says):
+            world_from_env(env)
+
+
+CHANNEL = r"""
+import json, sys, numpy as np
+from pathlib import Path
+from engine.run.comm import Channel
+from engine.run.world import world_from_env
+w = world_from_env()
+ch = Channel.join(w, Path(sys.argv[1]), timeout=float(sys.argv[2]))
+parts = ch.allgather(f"r{w.rank}".encode())
+s = ch.allreduce_sum(np.arange(4, dtype=np.float32) + w.rank)
+m = ch.max_int(10 * w.rank)
+b = ch.broadcast(b"id-from-0" if w.main else b"")
+ch.finish(); ch.close()
+print(json.dumps({"parts": [p.decode() for p in parts], "sum": s.tolist(), "max": m,
+                  "b": b.decode()}))
+"""
+
+
+def ranks(n: int, tmp: Path, extra_env: dict[str, str], timeout: float = 30,
+          only: list[int] | None = None) -> list[subprocess.Popen]:
+    from engine.run.launch import free_port
+
+    port = free_port()
+    out = []
+    for r in only if only is not None else range(n):
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": str(r), "WORLD_SIZE": str(n),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "ANDREA_JOB_TOKEN": "t0k", "TORCHELASTIC_RUN_ID": "job", **extra_env}
+        out.append(subprocess.Popen([sys.executable, "-c", CHANNEL, str(tmp), str(timeout)],
+                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True))
+    return out
+
+
+@pytest.mark.parametrize("rendezvous", ["tcp", "file"])
+def test_rendezvous_and_collectives(tmp_path: Path, rendezvous: str) -> None:
+    procs = ranks(3, tmp_path, {"ANDREA_RENDEZVOUS": rendezvous})
+    got = []
+    for p in procs:
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+        got.append(json.loads(out.strip().splitlines()[-1]))
+    for g in got:  # the same answers, in rank order, on every rank
+        assert g == {"parts": ["r0", "r1", "r2"], "sum": [3.0, 6.0, 9.0, 12.0], "max": 20,
+                     "b": "id-from-0"}
+
+
+def test_a_rank_that_cannot_join_fails_naming_who_is_missing(tmp_path: Path) -> None:
+    [p0] = ranks(3, tmp_path, {}, timeout=2, only=[0])
+    _, err = p0.communicate(timeout=60)
+    assert p0.returncode != 0 and "rank(s) 1, 2 did not join within 2 s" in err, err
+    [p1] = ranks(2, tmp_path, {}, timeout=2, only=[1])
+    _, err = p1.communicate(timeout=60)
+    assert p1.returncode != 0 and "rank 1 could not join within 2 s" in err, err
+
+
+# ---------------------------------------------------------------- training
+
+
+@pytest.fixture
+def cfgs(write_config) -> tuple[Path, Path]:
+    one = write_config(micro_config_dict(max_steps=12), "one.json")
+    two = write_config(micro_config_dict(max_steps=12, grad_accum=2), "accum2.json")
+    return one, two
+
+
+def test_two_ranks_equal_one_rank_with_two_micro_batches(tmp_path: Path, cfgs) -> None:
+    two_ranks_equal_one_rank_with_two_micro_batches(tmp_path, cfgs, "numpy")
+
+
+def two_ranks_equal_one_rank_with_two_micro_batches(tmp_path: Path, cfgs, backend: str) -> None:
+    one, accum2 = cfgs
+    ref = tmp_path / "accum2"
+    r = run_engine(accum2, ref, "--backend", backend)
+    assert r.returncode == 0, r.stdout + r.stderr
+    p = gpus(one, tmp_path / "ddp", 2, backend=backend)
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, out
+    assert trajectory(tmp_path / "ddp") == trajectory(ref)
+    assert ckpt(tmp_path / "ddp", 12) == ckpt(ref, 12)
+    info = json.loads((tmp_path / "ddp" / "engine.json").read_text())
+    assert info["pid"] == p.pid and info["world_size"] == 2 and info["launcher"] == "andrea"
+    assert [r["rank"] for r in info["ranks"]] == [0, 1]
+    rec = loss_records(tmp_path / "ddp")[-1]
+    assert len(rec.rank_ms) == 2 and rec.tokens == 12 * 2 * 4 * 32
+
+
+def test_signals_reach_every_rank_and_resume_is_bit_exact(tmp_path: Path, write_config) -> None:
+    signals_reach_every_rank_and_resume_is_bit_exact(tmp_path, write_config, "numpy")
+
+
+def signals_reach_every_rank_and_resume_is_bit_exact(tmp_path: Path, write_config,
+                                                     backend: str) -> None:
+    cfg = write_config(micro_config_dict(max_steps=30))
+    straight = tmp_path / "straight"
+    p = gpus(cfg, straight, 2, backend=backend)
+    assert p.wait(timeout=300) == 0
+    run = tmp_path / "run"
+    p = gpus(cfg, run, 2, backend=backend)
+    wait_for_step(run, 4, p)
+    from engine.run.control import signal_engine
+
+    signal_engine(run, signal.SIGUSR1)  # to the launcher, verified: it passes it on
+    wait_for_step(run, 12, p)
+    signal_engine(run, signal.SIGTERM)
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, out
+    state = json.loads((run / "state.json").read_text())
+    assert state["status"] == "stopped" and state["last_checkpoint"]["reason"] == "stop"
+    reasons = sorted(json.loads(ln).get("reason", "") for ln in
+                     (run / "events.jsonl").read_text().splitlines() if '"checkpoint"' in ln)
+    assert "snapshot" in reasons and "stop" in reasons
+    p = gpus(cfg, run, 2, "--resume", backend=backend)
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, out
+    assert trajectory(run) == trajectory(straight) and ckpt(run, 30) == ckpt(straight, 30)
+
+
+def test_kill_9_of_one_rank_fails_the_job_in_bounded_time(tmp_path: Path, write_config) -> None:
+    kill_9_of_one_rank_fails_the_job_in_bounded_time(tmp_path, write_config, "numpy")
+
+
+def kill_9_of_one_rank_fails_the_job_in_bounded_time(tmp_path: Path, write_config,
+                                                     backend: str) -> None:
+    cfg = write_config(micro_config_dict(max_steps=100000))
+    run = tmp_path / "run"
+    p = gpus(cfg, run, 2, backend=backend)
+    wait_for_step(run, 12, p)  # past the periodic checkpoint at 10
+    info = json.loads((run / "engine.json").read_text())
+    t0 = time.monotonic()
+    os.kill(info["ranks"][1]["pid"], signal.SIGKILL)
+    out, _ = p.communicate(timeout=120)
+    took = time.monotonic() - t0
+    assert p.returncode == 1 and took < 40, (took, out)
+    assert "rank 1 ended" in out
+    state = json.loads((run / "state.json").read_text())
+    assert state["status"] == "failed"
+    events = (run / "events.jsonl").read_text()
+    assert "rank 1 ended" in events
+    verify_checkpoint(Path(state["last_checkpoint"]["path"]))
+    p = gpus(cfg, run, 2, "--resume", "--max-steps", "14", backend=backend)
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, out
+    assert loss_records(run)[-1].step == 14
+
+
+def test_resume_at_another_world_size_says_so(tmp_path: Path, write_config) -> None:
+    cfg = write_config(micro_config_dict(max_steps=12))
+    run = tmp_path / "run"
+    p = gpus(cfg, run, 2, "--max-steps", "10")
+    assert p.wait(timeout=300) == 0
+    r = run_engine(cfg, run, "--resume")
+    assert r.returncode == 0, r.stderr
+    assert "was written by 2 rank(s), this job has 1" in (run / "engine.log").read_text()
+    resume = [json.loads(ln) for ln in (run / "events.jsonl").read_text().splitlines()
+              if '"resume"' in ln][-1]
+    assert resume["world_size_was"] == 2
+
+
+def test_torchrun_style_ranks_with_the_file_rendezvous(tmp_path: Path, cfgs) -> None:
+    torchrun_style_ranks_with_the_file_rendezvous(tmp_path, cfgs, "numpy")
+
+
+def torchrun_style_ranks_with_the_file_rendezvous(tmp_path: Path, cfgs, backend: str) -> None:
+    one, accum2 = cfgs
+    ref = tmp_path / "ref"
+    assert run_engine(accum2, ref, "--backend", backend).returncode == 0
+    run = tmp_path / "run"
+    procs = []
+    for r in range(2):  # as torchrun starts them: no launcher of ours, rank 0 takes the lock
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": str(r), "WORLD_SIZE": "2",
+               "LOCAL_RANK": str(r), "ANDREA_RENDEZVOUS": "file", "TORCHELASTIC_RUN_ID": "t1"}
+        procs.append(subprocess.Popen([sys.executable, "-m", "engine.run.cli", str(one),
+                                       "--run-dir", str(run), "--backend", backend], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    for p in procs:
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, out
+    assert trajectory(run) == trajectory(ref) and ckpt(run, 12) == ckpt(ref, 12)
+    info = json.loads((run / "engine.json").read_text())
+    assert info["launcher"] == "torchrun" and info["pid"] == procs[0].pid
+
+
+def test_bad_gpus_values_are_refused(tmp_path: Path, cfgs) -> None:
+    one, _ = cfgs
+    for extra, env, says in ((("--gpus", "0"), {}, "--gpus: must be >= 1"),
+                             (("--gpus", "2"), {"WORLD_SIZE": "2", "RANK": "0"},
+                              "already one rank")):
+        r = subprocess.run([sys.executable, "-m", "engine.run.cli", str(one), "--run-dir",
+                            str(tmp_path / "r"), "--backend", "numpy", *extra],
+                           capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "PYTHONPATH": str(ROOT), **env})
+        assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_the_dashboard_shows_each_rank(tmp_path: Path) -> None:
+    from andrea_tui import panels
+    from andrea_tui.runstate import RunState
+    from engine import records as rec
+    from tests.fakerun import loss_record
+
+    st = RunState()
+    st.add_events([rec.ReadyEvent(t=1.0, backend="cuda", device="H200", tokens_per_step=16384,
+                                  world_size=2).to_json()])
+    st.set_files(engine=rec.EngineInfo(pid=9, start_time=1, boot_id="b", world_size=2,
+                                       ranks=[rec.RankInfo(0, 10, "h", "cuda:0"),
+                                              rec.RankInfo(1, 11, "h", "cuda:1")]).to_json())
+    st.add_loss([{**loss_record(5, 2e9), "rank_ms": [10.0, 20.0]}])
+    text = panels.training(st).plain
+    assert "rank 0   cuda:0   819k tok/s" in text, text
+    assert "rank 1   cuda:1   410k tok/s  20 ms behind" in text, text
+    assert "×2" in panels.header(st, 2e9).plain
+    st.add_events([rec.ErrorEvent(t=2.0, message="rank 1 ended (killed by signal 9)").to_json()])
+    assert "20 ms ended" in panels.training(st).plain
