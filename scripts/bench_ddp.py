@@ -58,7 +58,7 @@ def train(cfg: Path, run: Path, steps: int, gpus: int) -> list[float]:
     if gpus > 1:
         cmd += ["--gpus", str(gpus)]
     r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ,
-                                                                "PYTHONPATH": str(ROOT)})
+                                                                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
     if r.returncode != 0:
         raise SystemExit(f"andrea-train failed ({r.returncode}):\n{r.stdout[-2000:]}\n"
                          f"{r.stderr[-2000:]}")
@@ -71,7 +71,7 @@ def allreduce_ms(n: int, gpus: int, tmp: Path) -> float:
     port = str(free_port())
     procs = [subprocess.Popen([sys.executable, "-c", ALLREDUCE, str(tmp), str(n)],
                               stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(ROOT), "RANK": str(r),
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), "RANK": str(r),
                                    "WORLD_SIZE": str(gpus), "LOCAL_RANK": str(r),
                                    "MASTER_PORT": port}) for r in range(gpus)]
     outs = [p.communicate(timeout=300)[0] for p in procs]

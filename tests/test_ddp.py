@@ -36,7 +36,7 @@ def gpus(cfg: Path, run: Path, n: int, *extra: str, backend: str = "numpy",
     return subprocess.Popen([sys.executable, "-m", "engine.run.cli", str(cfg), "--run-dir",
                              str(run), "--backend", backend, "--gpus", str(n), *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)}, **kw)
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}, **kw)
 
 
 # ---------------------------------------------------------------- environments
@@ -89,7 +89,7 @@ def ranks(n: int, tmp: Path, extra_env: dict[str, str], timeout: float = 30,
     port = free_port()
     out = []
     for r in only if only is not None else range(n):
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": str(r), "WORLD_SIZE": str(n),
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), "RANK": str(r), "WORLD_SIZE": str(n),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "ANDREA_JOB_TOKEN": "t0k", "TORCHELASTIC_RUN_ID": "job", **extra_env}
         out.append(subprocess.Popen([sys.executable, "-c", CHANNEL, str(tmp), str(timeout)],
@@ -234,7 +234,7 @@ def torchrun_style_ranks_with_the_file_rendezvous(tmp_path: Path, cfgs, backend:
     run = tmp_path / "run"
     procs = []
     for r in range(2):  # as torchrun starts them: no launcher of ours, rank 0 takes the lock
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": str(r), "WORLD_SIZE": "2",
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), "RANK": str(r), "WORLD_SIZE": "2",
                "LOCAL_RANK": str(r), "ANDREA_RENDEZVOUS": "file", "TORCHELASTIC_RUN_ID": "t1"}
         procs.append(subprocess.Popen([sys.executable, "-m", "engine.run.cli", str(one),
                                        "--run-dir", str(run), "--backend", backend], env=env,
@@ -256,7 +256,7 @@ def test_bad_gpus_values_are_refused(tmp_path: Path, cfgs) -> None:
         r = subprocess.run([sys.executable, "-m", "engine.run.cli", str(one), "--run-dir",
                             str(tmp_path / "r"), "--backend", "numpy", *extra],
                            capture_output=True, text=True, timeout=60,
-                           env={**os.environ, "PYTHONPATH": str(ROOT), **env})
+                           env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **env})
         assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
