@@ -295,6 +295,7 @@ class ReadyEvent(Event):
     tokens_per_step: int | None = None
     attention: str = ""  # which attention runs, e.g. "cudnn (cuDNN 91900 ...)"; "" when none said
     world_size: int = 1
+    topology: dict[str, Any] = field(default_factory=dict)  # GPU links and NCCL settings (DP)
 
     @classmethod
     def _read(cls, o: Mapping[str, Any], t: float) -> ReadyEvent:
@@ -304,7 +305,8 @@ class ReadyEvent(Event):
         return cls(t, plan_ok, as_int(o.get("n_params"), 0), as_str(o.get("backend")),
                    as_str(o.get("device")), _valid_step(o.get("step")),
                    as_int(o.get("max_steps"), 1), as_int(o.get("tokens_per_step"), 1),
-                   as_str(o.get("attention"))[:200], as_int(o.get("world_size"), 1) or 1)
+                   as_str(o.get("attention"))[:200], as_int(o.get("world_size"), 1) or 1,
+                   dict(o["topology"]) if isinstance(o.get("topology"), Mapping) else {})
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ import uuid
 from pathlib import Path
 
 from engine import records as rec
+from engine.run.topology import pin_reduction_order
 from engine.run.world import JOB_TOKEN, LAUNCHER_PID
 from engine.runfiles import JsonlWriter, RunPaths, read_json, write_json_atomic
 
@@ -43,7 +44,7 @@ def rank_env(rank: int, n: int, port: int, token: str, job: str, cuda: bool) -> 
                 "TORCHELASTIC_RUN_ID": job})
     if cuda:
         env["ANDREA_CUDA_DEVICE"] = str(rank)
-    return env
+    return pin_reduction_order(env, n)
 
 
 def _how(code: int) -> str:

@@ -268,8 +268,17 @@ class TrainingRun:
                                        backend_options={**options, "gemm_plan": plan})
         else:
             self.trainer = Trainer(cfg, backend, backend_options=options)
+        topology: dict[str, Any] = {}
         if self.channel is not None:
-            self.trainer.join(make_reducer(self.channel, backend))
+            reducer = make_reducer(self.channel, backend)
+            self.trainer.join(reducer)
+            if backend == "cuda":
+                from engine.run.topology import describe
+
+                topology = describe(reducer.nccl.version)  # type: ignore[union-attr]
+                self.out.log(f"data parallel over NCCL {topology['nccl_version']}: GPU links "
+                             f"{topology['links'] or 'unknown'}, settings "
+                             f"{topology['nccl'] or 'NCCL defaults'}")
         be = self.trainer.backend
         attention = self._report_backend(be)
         self.sampler = Sampler(self.data.shards, cfg.model.seq_len, cfg.train.seed)
@@ -297,7 +306,8 @@ class TrainingRun:
                                       device=be.device, step=self.trainer.step_count,
                                       max_steps=cfg.train.max_steps,
                                       tokens_per_step=cfg.tokens_per_step * self.world.size,
-                                      world_size=self.world.size, attention=attention))
+                                      world_size=self.world.size, attention=attention,
+                                      topology=topology))
 
     def _backend_options(self, backend: str, resume: Any) -> dict[str, Any]:
         """The CUDA backend's options: attention, and the run directory's GEMM plan

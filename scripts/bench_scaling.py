@@ -1,10 +1,13 @@
 #!/usr/bin/env python3
-"""Data-parallel benchmark: `andrea-train` itself on 1 GPU and on N GPUs of this host
-(`--gpus N`), batch_size per GPU as the config says, in one run. Prints one table: the median
-`step_ms` the engine records in loss.jsonl (after a warm-up), tok/s of the job, the speed-up
-against one GPU, and the NCCL fp32 all-reduce time of the model's gradients on its own.
+"""Scaling table: `andrea-train` itself on 1, 2, 4, 8 GPUs of this host (as many as it has;
+`--gpus N`), batch_size per GPU as the config says, in one run. Prints one table per model: the
+median `step_ms` the engine records in loss.jsonl (after a warm-up), tok/s of the job, the
+speed-up and the scaling efficiency against one GPU, the NCCL fp32 all-reduce of the model's
+gradients timed on its own, and how much of it the step shows (exposed: the step's growth over
+one GPU's; hidden: the rest, overlapped with compute).
 
-    python3 scripts/bench_ddp.py [--models 120M,12M] [--gpus 2] [--steps 80] [--warmup 20]
+    python3 scripts/bench_scaling.py [--models 120M,12M] [--gpus 1,2,4,8] [--steps 80]
+                                     [--warmup 20] [--json FILE]
 """
 
 from __future__ import annotations
@@ -82,35 +85,52 @@ def allreduce_ms(n: int, gpus: int, tmp: Path) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="120M,12M")
-    ap.add_argument("--gpus", type=int, default=2)
+    ap.add_argument("--gpus", default="", help="GPU counts, e.g. 1,2,4,8 (default: 1 and "
+                    "every power of two up to this host's GPUs)")
     ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--json", help="write the rows here too")
     args = ap.parse_args()
+    import pycuda.driver as drv
+
     from engine.config import load_config
     from engine.model.layout import ModelShapes, n_params
 
+    drv.init()
+    have = drv.Device.count()
+    counts = ([int(x) for x in args.gpus.split(",")] if args.gpus else
+              [g for g in (1, 2, 4, 8, 16) if g <= have])
+    if counts[0] != 1 or max(counts) > have:
+        raise SystemExit(f"--gpus {args.gpus}: starts at 1, at most the {have} GPUs here")
     rows = []
-    print("| model | GPUs | step ms (median) | tok/s | × one GPU | all-reduce ms (fp32, "
-          "alone) |\n| --- | ---: | ---: | ---: | ---: | ---: |", flush=True)
+    print("| model | GPUs | step ms (median) | tok/s | × one GPU | efficiency | all-reduce ms "
+          "(fp32, alone) | exposed ms | hidden ms |\n"
+          "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             cfg = ROOT / "experiments" / f"ANDREA-{name}-TRAIN.json"
             c = load_config(cfg)
-            base = None
-            for g in (1, args.gpus):
+            n = n_params(ModelShapes.from_config(c.model))
+            base_tok = base_ms = None
+            for g in counts:
                 t0 = time.time()
                 ms = train(cfg, Path(tmp) / f"{name}-{g}", args.steps, g)
                 med = statistics.median(ms[args.warmup:])
                 tok_s = c.tokens_per_step * g / (med / 1e3)
-                base = base or tok_s
-                ar = (allreduce_ms(n_params(ModelShapes.from_config(c.model)), g, Path(tmp))
-                      if g > 1 else float("nan"))
+                base_tok, base_ms = base_tok or tok_s, base_ms or med
+                ar = allreduce_ms(n, g, Path(tmp)) if g > 1 else float("nan")
+                exposed = max(0.0, med - base_ms) if g > 1 else float("nan")
+                hidden = max(0.0, ar - exposed) if g > 1 else float("nan")
                 rows.append({"model": name, "gpus": g, "step_ms": med, "tok_s": tok_s,
-                             "speedup": tok_s / base, "allreduce_ms": ar,
+                             "speedup": tok_s / base_tok, "efficiency": tok_s / base_tok / g,
+                             "allreduce_ms": ar, "exposed_ms": exposed, "hidden_ms": hidden,
                              "wall_s": time.time() - t0})
+                dash = "–"
                 print(f"| ANDREA-{name} | {g} | {med:.2f} | {tok_s / 1e3:,.0f}K | "
-                      f"{tok_s / base:.2f} | {'–' if g == 1 else f'{ar:.2f}'} |", flush=True)
+                      f"{tok_s / base_tok:.2f} | {tok_s / base_tok / g:.0%} | "
+                      f"{dash if g == 1 else f'{ar:.2f}'} | "
+                      f"{dash if g == 1 else f'{exposed:.2f}'} | "
+                      f"{dash if g == 1 else f'{hidden:.2f}'} |", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0
