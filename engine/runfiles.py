@@ -33,6 +33,8 @@ LOG = "engine.log"
 LOSS = "loss.jsonl"
 EVENTS = "events.jsonl"
 SAMPLES = "samples.jsonl"
+EVAL = "eval.jsonl"
+SYSTEM = "system.jsonl"
 STATE = "state.json"
 CHECKPOINTS = "checkpoints"
 
@@ -74,6 +76,14 @@ class RunPaths:
     @property
     def samples(self) -> Path:
         return self.root / SAMPLES
+
+    @property
+    def eval(self) -> Path:
+        return self.root / EVAL
+
+    @property
+    def system(self) -> Path:
+        return self.root / SYSTEM
 
     @property
     def state(self) -> Path:
