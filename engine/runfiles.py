@@ -215,6 +215,17 @@ class JsonlTail:
         self.reset = False
         self.more = False
 
+    def skip_to_end(self, keep_bytes: int) -> None:
+        """Start reading at the last `keep_bytes` of the file (a reader that wants only the
+        newest records, e.g. telemetry): the line cut by the jump is dropped."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return
+        if st.st_size > keep_bytes:
+            self._ino, self._offset, self._partial = st.st_ino, st.st_size - keep_bytes, b""
+            self._skipping = True
+
     def read_new(self, max_bytes: int = CHUNK_BYTES) -> list[dict[str, Any]]:
         self.reset = False
         self.more = False

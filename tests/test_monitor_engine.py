@@ -247,7 +247,7 @@ def test_holdout_keeps_validation_tokens_out_of_training() -> None:
     a, b = Sampler(sh, 16, 5), Sampler(sh, 16, 5, holdout=0.0)
     assert all(np.array_equal(a.sample(4, np.array([1.0, 1.0]))[0],
                               b.sample(4, np.array([1.0, 1.0]))[0]) for _ in range(5))
-    with pytest.raises(UserError, match="eval.holdout"):
+    with pytest.raises(UserError, match=r"eval\.holdout"):
         Sampler([shard(40)], 16, 1, holdout=0.3)
 
 
