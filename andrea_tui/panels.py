@@ -14,7 +14,7 @@ from typing import Any
 from rich.markup import escape
 from rich.text import Text
 
-from andrea_tui.runstate import RunState
+from andrea_tui.runstate import RunState, peak_flops
 from andrea_tui.textfmt import as_number, bar, fmt_bytes, fmt_duration, fmt_int, fmt_num
 from engine import records as rec
 
@@ -168,14 +168,16 @@ def system(st: RunState, now: float) -> Text:
     for g in sysrec.gpus:
         name = g.name.replace("NVIDIA ", "")[:14] or "gpu"
         text.append(f"\ngpu{g.index} {name} {fmt_num(g.util, 3)}% · {fmt_num(g.temp_c, 3)}°C · "
-                    f"{fmt_num(g.power_w, 3)} W · {fmt_num(g.sm_clock_mhz, 4)} MHz")
+                    f"{fmt_num(g.power_w, 3)} W · {fmt_int(g.sm_clock_mhz).replace(',', '')} MHz")
         text.append(f"\n  mem {fmt_bytes(g.mem_used)} / {fmt_bytes(g.mem_total)}"
                     + (f" (plan {fmt_bytes(total)})" if total else ""))
     text.append(f"\ncpu {fmt_num(sysrec.cpu_pct, 3)}% of a core · rss {fmt_bytes(sysrec.rss_bytes)}")
     mfu = st.mfu()
-    text.append(f"\nMFU {fmt_num(100 * mfu, 3)}% of {st.gpu_name} bf16 peak" if mfu is not None
-                else "\nMFU – (peak of this device unknown)", style="" if mfu is not None
-                else "dim")
+    if mfu is not None:
+        text.append(f"\nMFU {fmt_num(100 * mfu, 3)}% of {st.gpu_name} bf16 peak")
+    else:
+        why = "model size" if peak_flops(st.gpu_name) else "peak of this device"
+        text.append(f"\nMFU – ({why} unknown)", style="dim")
     if stale:
         text.append(f"\nlast sample {fmt_duration(now - sysrec.t)} ago", style="yellow")
     return text

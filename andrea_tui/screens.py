@@ -15,8 +15,8 @@ HELP = """[b]ANDREA keys[/b]
 
   s    snapshot: the engine writes a checkpoint, trains on
   q    checkpoint and exit (waits for the stop checkpoint)
-  d    detach: the engine keeps running; prints how to attach
-  c    checkpoint browser (enter details, m marks two to compare)
+  d    detach: the engine trains on; prints how to attach
+  c    checkpoints (enter: details, m: mark two to compare)
   l    engine log: / search, n N next/previous, f filter
   p    samples, by step and prompt
   ?    this help            ctrl+p  command palette
@@ -35,7 +35,7 @@ sent only after the pid, its start time, the boot id and
 engine.lock are checked.
 
 [dim]escape or ? closes this help[/dim]"""
-HELP_WIDTH = 66
+HELP_WIDTH = 70
 
 
 class HelpScreen(ModalScreen[None]):
