@@ -135,6 +135,7 @@ class AndreaApp(App[str]):
 
     def on_resize(self, event: events.Resize) -> None:
         self.view.fit(*event.size)  # the event's size: self.size may still be the old one
+        self.call_after_refresh(self.view.redraw_charts)  # columns for the new width
 
     def on_mount(self) -> None:
         self.view.fit(*self.size)
