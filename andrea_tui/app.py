@@ -20,19 +20,22 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import ClassVar
 
-from textual import work
+from textual import events, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Footer, Static
 
+from andrea_tui import settings as user_settings
 from andrea_tui.charts import GradNormChart, LossChart
 from andrea_tui.dashboard import LAST_N, DashboardView
 from andrea_tui.linepanel import LinePanel
+from andrea_tui.logscreen import LogScreen
 from andrea_tui.pacing import FramePacer
 from andrea_tui.runreader import RunReader
 from andrea_tui.runstate import LossHistory, RunState
-from andrea_tui.screens import ForceStopScreen, HelpScreen, LogScreen
+from andrea_tui.samplescreen import SamplesScreen
+from andrea_tui.screens import ForceStopScreen, HelpScreen
 from andrea_tui.supervisor import EngineSupervisor, Outcome
 from andrea_tui.watcher import FilesChanged, RunWatcher
 
@@ -48,6 +51,11 @@ class Backlog:
 
 
 RESUME_NEWS_S = 60.0  # a resume this much older than the app is old news, not told again
+NEWS_SLACK_S = 5.0  # checkpoints and alerts written this long before the app started are news
+# Keys that act on the dashboard itself: off (and out of the footer) on a screen pushed over it.
+DASHBOARD_ACTIONS = frozenset({
+    "toggle_log_y", "toggle_log_y_grad", "toggle_window", "smoother", "robust_y", "x_axis",
+    "toggle_bell", "checkpoints", "log", "samples", "help"})
 
 
 class AndreaApp(App[str]):
@@ -62,8 +70,15 @@ class AndreaApp(App[str]):
         Binding("d", "detach", "detach"),
         Binding("c", "checkpoints", "checkpoints"),
         Binding("l", "log", "log"),
+        Binding("p", "samples", "samples"),
         Binding("y", "toggle_log_y", "log y"),
+        Binding("g", "toggle_log_y_grad", "log y (grad)", show=False),
         Binding("w", "toggle_window", "window"),
+        Binding("left_square_bracket", "smoother(-1)", "less smoothing", show=False),
+        Binding("right_square_bracket", "smoother(1)", "more smoothing", show=False),
+        Binding("r", "robust_y", "robust y", show=False),
+        Binding("t", "x_axis", "x: step/time", show=False),
+        Binding("b", "toggle_bell", "bell", show=False),
         Binding("question_mark", "help", "help"),
     ]
 
@@ -93,7 +108,10 @@ class AndreaApp(App[str]):
         self.pacer = FramePacer(self._read, self._draw)
         self.watcher = RunWatcher(self.run_dir, self)
         self._started = time.time()
+        self.settings = user_settings.load()
         self._resumes_told = 0
+        self._alerts_seen = 0
+        self.alerts_told: list[str] = []  # the alert toasts of this session (tests read them)
         self._loading = False  # a history load is running in its thread
 
     # ------------------------------------------------------------ layout
@@ -108,19 +126,21 @@ class AndreaApp(App[str]):
             with Vertical(id="side"):
                 yield LinePanel(id="training", classes="panel")
                 yield LinePanel(id="bandit", classes="panel")
-                yield Static(id="memory", classes="panel")
+                yield Static(id="system", classes="panel")
         with Horizontal(id="bottom"):
             yield Static(id="events", classes="panel")
             yield Static(id="logtail", classes="panel")
         yield Static(id="sample", classes="panel")
         yield Footer()
 
-    def on_resize(self) -> None:
-        self.view.fit(*self.size)
+    def on_resize(self, event: events.Resize) -> None:
+        self.view.fit(*event.size)  # the event's size: self.size may still be the old one
+        self.call_after_refresh(self.view.redraw_charts)  # columns for the new width
 
     def on_mount(self) -> None:
         self.view.fit(*self.size)
         self.view.set_titles()
+        self.view.apply(self.settings)
         # First frame from the end of loss.jsonl; the whole history follows from a thread.
         self.state.set_history(LossHistory.build(self.reader.read_preview()))
         self.reader.poll(include_loss=False)
@@ -176,10 +196,32 @@ class AndreaApp(App[str]):
         if self.reader.backlog:
             self.pacer.files_changed(Backlog(self.reader.backlog))  # the rest, next frame
         if changed:
-            for text in self.supervisor.checkpoint_news(self.state):
+            for text in self.supervisor.checkpoint_news(self.state,
+                                                        since=self._started - NEWS_SLACK_S):
                 self.notify(text, title="checkpoint written")
             self._tell_ignored_settings()
+            self._tell_alerts()
         return changed
+
+    def _tell_alerts(self) -> None:
+        """The engine's new alerts: a toast each (a burst: the newest few and a count), and the
+        terminal bell when the user wants it. Alerts from before this app started are history:
+        they are on the charts and in the events panel, not news."""
+        alerts = list(self.state.alerts)
+        fresh = [a for a in alerts[self._alerts_seen:] if a.t >= self._started - NEWS_SLACK_S]
+        self._alerts_seen = len(alerts)
+        if not fresh:
+            return
+        for a in fresh[-3:]:
+            self.alerts_told.append(a.alert)
+            self.notify(a.message or a.alert, title=f"alert: {a.alert.replace('_', ' ')}",
+                        severity="error" if a.alert in ("nonfinite", "stall") else "warning",
+                        timeout=15)
+        if len(fresh) > 3:
+            self.notify(f"and {len(fresh) - 3} more alert(s): see the events panel",
+                        severity="warning")
+        if self.settings.bell:
+            self.bell()
 
     def _tell_ignored_settings(self) -> None:
         """A resume of this session that trains on with the checkpoint's config while the given
@@ -271,11 +313,56 @@ class AndreaApp(App[str]):
     def action_log(self) -> None:
         self.push_screen(LogScreen(self.reader.paths.log))
 
+    def action_samples(self) -> None:
+        self.push_screen(SamplesScreen(self.reader.paths.samples))
+
     def action_help(self) -> None:
         self.push_screen(HelpScreen(LAST_N))
 
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """Dashboard keys mean nothing on a screen pushed over it (a log, a browser): off."""
+        if action in DASHBOARD_ACTIONS and len(self.screen_stack) > 1:
+            return False
+        return True
+
+    def deliver_screenshot(self, filename: str | None = None, path: str | None = None,
+                           time_format: str | None = None) -> str | None:
+        """The command palette's screenshot: into the run directory (Textual's default,
+        ~/Downloads, need not exist), and say where."""
+        where = path or str(self.run_dir)
+        key = super().deliver_screenshot(filename, where, time_format)
+        self.notify(f"screenshot saved in {where}", title="screenshot")
+        return key
+
+    def _choose(self, what: str, **change: object) -> None:
+        """A chart choice: shown now, kept for the next session (andrea_tui.settings)."""
+        import dataclasses
+
+        self.settings = dataclasses.replace(self.settings, **change)  # type: ignore[arg-type]
+        self.view.apply(self.settings)
+        if not user_settings.save(self.settings):
+            self.notify(f"{what}: not kept for next time ({user_settings.settings_path()} "
+                        "cannot be written)", severity="warning")
+
     def action_toggle_log_y(self) -> None:
-        self.view.toggle_log_y()
+        self._choose("log y", log_y_loss=not self.settings.log_y_loss)
+
+    def action_toggle_log_y_grad(self) -> None:
+        self._choose("log y", log_y_grad=not self.settings.log_y_grad)
 
     def action_toggle_window(self) -> None:
-        self.view.toggle_window()
+        self._choose("window", window=not self.settings.window)
+
+    def action_smoother(self, direction: int) -> None:
+        new = self.settings.smoother(direction)
+        self._choose("smoothing", smoothing=new.smoothing)
+
+    def action_robust_y(self) -> None:
+        self._choose("robust y", robust_y=not self.settings.robust_y)
+
+    def action_x_axis(self) -> None:
+        self._choose("x axis", x_axis="time" if self.settings.x_axis == "step" else "step")
+
+    def action_toggle_bell(self) -> None:
+        self._choose("bell", bell=not self.settings.bell)
+        self.notify(f"terminal bell on alerts: {'on' if self.settings.bell else 'off'}")

@@ -1,5 +1,10 @@
 """Loss and grad-norm charts: textual-plotext (plotext 5.3.2) fed from a StepSeries.
 
+What the user controls (ChartOptions, kept by andrea_tui.settings): log y, a robust y-range (the
+1st to 99th percentile of what is shown: one outlier no longer flattens the rest), x by step
+(whole-number ticks) or wall time, the window, and the loss smoothing. The loss chart overlays
+the validation loss (eval.jsonl); both mark the steps of the engine's alerts with `!`.
+
 The charts only draw what `update_from()` handed them: downsampled (min and max per column) and
 windowed in numpy, so a 200k-step history costs the same to draw as a short one. A noisy series
 is drawn as two lines, one through each column's min and one through each column's max: every
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import numpy as np
 from rich.text import Text
@@ -25,8 +31,127 @@ from textual_plotext import PlotextPlot
 
 from andrea_tui.series import StepSeries, column_ranges, downsample_minmax, window
 from andrea_tui.textfmt import fmt_num
+from engine.records import AlertEvent, EvalRecord
 
 AXIS_COLUMNS = 10  # plotext's y-axis labels and frame take about this many columns
+ROBUST_PCT = (1.0, 99.0)  # the robust y-range: these percentiles of what is shown, padded
+MARKS_MAX = 40  # alert marks drawn at most (the newest)
+LOSS_ALERTS = ("loss_spike", "nonfinite", "stall", "slow")
+GRAD_ALERTS = ("grad_spike", "nonfinite")
+
+
+@dataclass(frozen=True)
+class ChartOptions:
+    """What the user chose for a chart: log y, robust y-range, x by step or wall time (minutes
+    since the first record shown), the last `last_n` steps or all."""
+
+    log_y: bool = False
+    robust_y: bool = False
+    x_axis: str = "step"
+    last_n: int | None = None
+
+    @property
+    def by_time(self) -> bool:
+        return self.x_axis == "time"
+
+
+def _log10(y: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(y > 0, np.log10(np.where(y > 0, y, 1.0)), np.nan)
+
+
+def _int_ticks(lo: float, hi: float, n: int = 5) -> tuple[list[float], list[str]]:
+    """Tick positions at whole numbers (steps are integers) between lo and hi."""
+    if not (math.isfinite(lo) and math.isfinite(hi)) or hi < lo:
+        return [], []
+    ticks = sorted({round(v) for v in np.linspace(lo, hi, n)})
+    return [float(v) for v in ticks], [f"{v:,}" if abs(v) < 1e6 else fmt_num(v) for v in ticks]
+
+
+def _time_ticks(lo: float, hi: float, n: int = 5) -> tuple[list[float], list[str]]:
+    """Ticks for an x axis in minutes."""
+    if not (math.isfinite(lo) and math.isfinite(hi)) or hi < lo:
+        return [], []
+    ticks = list(np.linspace(lo, hi, n)) if hi > lo else [lo]
+    if hi >= 120:
+        return ticks, [f"{v / 60:.1f}h" for v in ticks]
+    return ticks, [f"{v:.1f}m" if hi < 10 else f"{v:.0f}m" for v in ticks]
+
+
+def _robust_range(*ys: np.ndarray) -> tuple[float, float] | None:
+    """A y-range holding the bulk of the values (outliers left outside), or None."""
+    vals = np.concatenate([y[np.isfinite(y)] for y in ys]) if ys else np.zeros(0)
+    if vals.size < 2:
+        return None
+    lo, hi = np.percentile(vals, ROBUST_PCT)
+    pad = 0.05 * (hi - lo) or 0.05 * abs(hi) or 0.05
+    return float(lo - pad), float(hi + pad)
+
+
+def _x_of(series: StepSeries, opts: ChartOptions) -> tuple[np.ndarray, float]:
+    """The x values of the rows (steps, or minutes since the first row shown) and the time
+    origin (unix seconds) for converting event times."""
+    steps = series.steps
+    if not opts.by_time:
+        return steps, math.nan
+    t = series.col("t")
+    _, tw = window(steps, t, opts.last_n)
+    finite = tw[np.isfinite(tw)]
+    t0 = float(finite.min()) if finite.size else 0.0
+    return (t - t0) / 60.0, t0
+
+
+def _mark_x(alerts: list[AlertEvent], kinds: tuple[str, ...], opts: ChartOptions,
+            t0: float) -> list[float]:
+    out = []
+    for a in alerts:
+        if a.alert not in kinds:
+            continue
+        x = (a.t - t0) / 60.0 if opts.by_time else a.step
+        if x is not None and math.isfinite(x):
+            out.append(float(x))
+    return out[-MARKS_MAX:]
+
+
+def _in_view(xs: list[float], x: np.ndarray) -> list[float]:
+    if not len(x):
+        return []
+    lo, hi = float(np.nanmin(x)), float(np.nanmax(x))
+    return [v for v in xs if lo <= v <= hi]
+
+
+def _axes(plt, opts: ChartOptions, x: np.ndarray, ylo: np.ndarray, yhi: np.ndarray,
+          extra_y: tuple[np.ndarray, ...] = ()) -> tuple[float, float] | None:
+    """x ticks (whole steps, or minutes), log-y tick labels and the robust y-range; returns
+    the y-range drawn when it is set by hand."""
+    if len(x):
+        lo, hi = float(np.nanmin(x)), float(np.nanmax(x))
+        plt.xticks(*(_time_ticks(lo, hi) if opts.by_time else _int_ticks(lo, hi)))
+    yr = _robust_range(ylo, yhi, *extra_y) if opts.robust_y else None
+    if yr is not None:
+        plt.ylim(*yr)
+    if opts.log_y:
+        lo = yr[0] if yr else float(np.nanmin(ylo)) if len(ylo) else 0.0
+        hi = yr[1] if yr else float(np.nanmax(yhi)) if len(yhi) else 1.0
+        plt.yticks(*_log_ticks(lo, hi))
+    return yr
+
+
+def _marks(plt, xs: list[float], top: float) -> None:
+    """Alert marks: a `!` at the top of the plot at each alert's x."""
+    if xs:
+        plt.scatter(xs, [top] * len(xs), color="red+", marker="!")
+
+
+def _scope(opts: ChartOptions) -> str:
+    parts = ["all" if opts.last_n is None else f"last {opts.last_n}"]
+    if opts.log_y:
+        parts.append("log y")
+    if opts.robust_y:
+        parts.append("robust y")
+    if opts.by_time:
+        parts.append("x: time")
+    return ", ".join(parts)
 
 
 def _log_ticks(lo: float, hi: float) -> tuple[list[float], list[str]]:
@@ -100,71 +225,101 @@ class CachedPlot(PlotextPlot):
 
 
 class LossChart(CachedPlot):
-    """Raw loss (dim) and its debiased EMA, whole run or the last N steps, linear or log y."""
+    """Raw loss (dim), its debiased EMA, the validation loss (yellow) and alert marks (`!`)."""
 
     def __init__(self, **kw) -> None:
         super().__init__(**kw)
-        self.log_y = False
-        self.last_n: int | None = None
+        self.opts = ChartOptions()
+        self.smoothing = 0.9
 
-    def update_from(self, series: StepSeries) -> None:
+    def update_from(self, series: StepSeries, evals: list[EvalRecord] | None = None,
+                    alerts: list[AlertEvent] | None = None) -> None:
+        opts = self.opts
         cols = max(10, self.size.width - AXIS_COLUMNS)
-        x, y = window(series.steps, series.col("loss"), self.last_n)
-        _, e = window(series.steps, series.ema(), self.last_n)
-        if self.log_y:
-            with np.errstate(divide="ignore", invalid="ignore"):
-                y = np.where(y > 0, np.log10(np.where(y > 0, y, 1.0)), np.nan)
-                e = np.where(e > 0, np.log10(np.where(e > 0, e, 1.0)), np.nan)
+        xall, t0 = _x_of(series, opts)
+        x, y = window(xall, series.col("loss"), opts.last_n)
+        _, e = window(xall, series.ema(), opts.last_n)
+        _, steps = window(xall, series.steps, opts.last_n)
+        vx, vy = np.zeros(0), np.zeros(0)
+        if evals and len(steps):
+            first = int(steps[0])
+            shown = [v for v in evals if v.step >= first and math.isfinite(v.val_loss)]
+            vx = np.array([(v.t - t0) / 60.0 if opts.by_time else v.step for v in shown],
+                          dtype=float)
+            vy = np.array([v.val_loss for v in shown], dtype=float)
+        if opts.log_y:
+            y, e, vy = _log10(y), _log10(e), _log10(vy)
         rx, rlo, rhi = column_ranges(x, y, cols)
         ex, ey = downsample_minmax(x, e, cols)  # smooth: its zig-zag is short and cheap
-        data = (rx, rlo, rhi, ex, ey)
-        self._set_inputs((*data, self.log_y, self.last_n), data)
+        vx, vy = downsample_minmax(vx, vy, cols) if len(vx) > 2 * cols else (vx, vy)
+        marks = np.array(_in_view(_mark_x(list(alerts or []), LOSS_ALERTS, opts, t0), x))
+        data = (rx, rlo, rhi, ex, ey, vx, vy, marks)
+        self._set_inputs((*data, opts, self.smoothing), data)
 
     def _draw(self) -> None:
         plt = self.plt
-        scope = "all" if self.last_n is None else f"last {self.last_n}"
-        plt.title(f"loss ({scope}{', log y' if self.log_y else ''}) · raw + EMA")
+        smooth = f"EMA {self.smoothing:g}" if self.smoothing else "no smoothing"
+        title = f"loss ({_scope(self.opts)}) · raw + {smooth}"
         if self._data is not None and len(self._data[0]):
-            rx, rlo, rhi, ex, ey = self._data
+            rx, rlo, rhi, ex, ey, vx, vy, marks = self._data
             _plot_range(plt, rx, rlo, rhi, "gray")
-            if len(ex):
+            if len(ex) and self.smoothing:
                 plt.plot(ex.tolist(), ey.tolist(), color="cyan", marker="braille")
-            if self.log_y:
-                lo = float(np.nanmin(rlo)) if len(rlo) else 0.0
-                hi = float(np.nanmax(rhi)) if len(rhi) else 1.0
-                plt.yticks(*_log_ticks(lo, hi))
+            if len(vx):
+                plt.scatter(vx.tolist(), vy.tolist(), color="yellow", marker="dot")
+                title += " · val ●"
+            yr = _axes(plt, self.opts, rx, rlo, rhi, (vy,))
+            if len(marks):
+                top = yr[1] if yr else float(np.nanmax(np.concatenate([rhi, vy])))
+                _marks(plt, marks.tolist(), top)
+                title += f" · alerts ! {len(marks)}"
+        plt.title(title)
 
 
 class GradNormChart(CachedPlot):
-    """Global grad norm (before clipping), the max_norm line, and clipped steps marked."""
+    """Global grad norm (before clipping), the clip threshold, clipped steps (✕) and grad-norm
+    alerts (`!`)."""
 
     def __init__(self, **kw) -> None:
         super().__init__(**kw)
-        self.last_n: int | None = None
+        self.opts = ChartOptions()
         self.max_norm: float | None = None
 
-    def update_from(self, series: StepSeries, max_norm: float | None) -> None:
+    def update_from(self, series: StepSeries, max_norm: float | None,
+                    alerts: list[AlertEvent] | None = None) -> None:
+        opts = self.opts
         cols = max(10, self.size.width - AXIS_COLUMNS)
-        x, g = window(series.steps, series.col("grad_norm"), self.last_n)
-        _, cs = window(series.steps, series.col("clip_scale"), self.last_n)
-        gx, glo, ghi = column_ranges(x, g, cols)
+        xall, t0 = _x_of(series, opts)
+        x, g = window(xall, series.col("grad_norm"), opts.last_n)
+        _, cs = window(xall, series.col("clip_scale"), opts.last_n)
         clipped = cs < 1.0
+        n_clipped = int(np.count_nonzero(clipped))
+        line = max_norm
+        if opts.log_y:
+            g = _log10(g)
+            line = math.log10(max_norm) if max_norm else None
+        gx, glo, ghi = column_ranges(x, g, cols)
         # Clipped steps: one mark per column is enough to see where clipping happened.
         cx, cy = downsample_minmax(x[clipped], g[clipped], cols // 2 or 1)
+        marks = np.array(_in_view(_mark_x(list(alerts or []), GRAD_ALERTS, opts, t0), x))
         self.max_norm = max_norm
-        data = (gx, glo, ghi, cx, cy, int(np.count_nonzero(clipped)))
-        self._set_inputs((*data, max_norm, self.last_n), data)
+        data = (gx, glo, ghi, cx, cy, n_clipped, line, marks)
+        self._set_inputs((*data, max_norm, opts), data)
 
     def _draw(self) -> None:
         plt = self.plt
-        title = "grad norm"
+        title = f"grad norm ({_scope(self.opts)})"
         if self._data is not None:
-            gx, glo, ghi, cx, cy, n_clipped = self._data
-            title += f" · max_norm {fmt_num(self.max_norm)} · clipped steps ✕ {n_clipped}"
+            gx, glo, ghi, cx, cy, n_clipped, line, marks = self._data
+            title += f" · clip at {fmt_num(self.max_norm)} · clipped steps ✕ {n_clipped}"
             if len(gx):
                 _plot_range(plt, gx, glo, ghi, "green")
-                if self.max_norm is not None:
-                    plt.hline(self.max_norm, color="red")
+                if line is not None:
+                    plt.hline(line, color="red")
                 if len(cx):
                     plt.scatter(cx.tolist(), cy.tolist(), color="red", marker="x")
+                yr = _axes(plt, self.opts, gx, glo, ghi)
+                if len(marks):
+                    _marks(plt, marks.tolist(), yr[1] if yr else float(np.nanmax(ghi)))
+                    title += f" · alerts ! {len(marks)}"
         plt.title(title)

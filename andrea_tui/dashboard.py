@@ -5,7 +5,8 @@ What it costs to follow a live run is mostly Textual frames and plotext builds, 
 - panels that change with events, samples or the log (not with every step) are built only then;
 - the per-source losses (3+ lines) move at most every SOURCE_LOSS_INTERVAL;
 - charts redraw on the app's timer, only when the dashboard is the screen shown, only when
-  their data changed, and no more often than keeps plotext under CHART_CPU_SHARE of a core.
+  their data changed, and no more often than keeps plotext under CHART_CPU_SHARE of a core,
+  yet at least every CHART_MAX_AGE seconds (a chart never lags the run by more than that).
 The widgets themselves are composed by the app; this class finds them on the dashboard (the
 screen at the bottom of the stack) whatever screen is on top.
 """
@@ -25,18 +26,21 @@ from textual.widget import Widget
 from textual.widgets import Static
 
 from andrea_tui import panels
-from andrea_tui.charts import GradNormChart, LossChart
+from andrea_tui.charts import ChartOptions, GradNormChart, LossChart
 from andrea_tui.linepanel import LinePanel
 from andrea_tui.runstate import RunState
+from andrea_tui.settings import Settings
 from andrea_tui.supervisor import Banner
 from engine.runfiles import tail_text
 
 LAST_N = 500  # steps the charts show in window mode
 SOURCE_LOSS_INTERVAL = 1.0  # seconds between updates of the per-source losses (3+ lines)
-CHART_CPU_SHARE = 0.006  # redraw charts no more often than this share of a core allows
+CHART_CPU_SHARE = 0.006  # redraw charts no more often than this share of a core allows...
+CHART_MAX_AGE = 1.9  # ...but data that moved is on the charts within this many seconds
+LOG_TAIL_READ = 60  # engine.log lines read for the panel (echoes of events are left out)
 COMPACT_BELOW = (100, 30)  # columns, rows: smaller terminals drop events/log/sample rows
 TITLES = (("training", "training"), ("bandit", "data mixture (bandit)"),
-          ("memory", "memory plan"), ("events", "events"), ("logtail", "engine.log"),
+          ("system", "system"), ("events", "events"), ("logtail", "engine.log"),
           ("sample", "latest sample"))
 W = TypeVar("W", bound=Widget)
 
@@ -95,10 +99,11 @@ class DashboardView:
         self._set("bandit", panels.bandit(st, src_loss=self._source_losses()))
         # These change with events, samples or the log, not with every step: build them only then.
         slow_key = (id(st.ready), id(st.last_sample), len(st.events),
-                    st.events[-1] if st.events else None, self._log_stat())
+                    st.events[-1] if st.events else None, self._log_stat(), id(st.system),
+                    st.live and int(self.clock() // 10))
         if slow_key != self._slow_panels_key:
             self._slow_panels_key = slow_key
-            self._set("memory", panels.memory(st))
+            self._set("system", panels.system(st, self.clock()))
             self._set("sample", panels.sample(st))
             self._set("events", panels.events(st, 7))
             self._set("logtail", self._log_tail())
@@ -142,7 +147,7 @@ class DashboardView:
         key = self._log_stat()
         if key != self._log_key:
             self._log_key = key
-            lines = tail_text(self.log_path, 7)
+            lines = panels.log_tail(tail_text(self.log_path, LOG_TAIL_READ), 7)
             self._log_lines = Text("\n".join(lines) or "(empty)", no_wrap=True,
                                    overflow="ellipsis")
         return self._log_lines
@@ -165,8 +170,11 @@ class DashboardView:
         self._drawn_key = self._chart_key()
         self._charts_drawn_at = time.monotonic()
         loss, grad = self._charts()
-        loss.update_from(self.state.series)
-        grad.update_from(self.state.series, self.state.max_grad_norm)
+        st = self.state
+        evals = [st.evals[k] for k in sorted(st.evals)] if st.evals else []
+        alerts = list(st.alerts)
+        loss.update_from(st.series, evals, alerts)
+        grad.update_from(st.series, st.max_grad_norm, alerts)
 
     def redraw_charts_if_due(self) -> None:
         """The chart timer: redraw when the dashboard shows, the data moved and the CPU budget
@@ -177,19 +185,19 @@ class DashboardView:
         if self._chart_key() == self._drawn_key:
             return
         cost = sum(c.build_seconds for c in self._charts())
-        if time.monotonic() - self._charts_drawn_at < cost / CHART_CPU_SHARE:
+        wait = min(cost / CHART_CPU_SHARE, CHART_MAX_AGE)
+        if time.monotonic() - self._charts_drawn_at < wait:
             return  # a large chart on a slow machine: keep plotext within its CPU budget
         self.redraw_charts()
 
-    def toggle_log_y(self) -> None:
-        chart = self.widget("loss", LossChart)
-        chart.log_y = not chart.log_y
-        self.redraw_charts()
-
-    def toggle_window(self) -> None:
-        """Whole run / last LAST_N steps, both charts."""
-        for chart in self._charts():
-            chart.last_n = None if chart.last_n else LAST_N
+    def apply(self, settings: Settings) -> None:
+        """The user's chart choices (andrea_tui.settings), on both charts, drawn at once."""
+        loss, grad = self._charts()
+        last_n = LAST_N if settings.window else None
+        loss.opts = ChartOptions(settings.log_y_loss, settings.robust_y, settings.x_axis, last_n)
+        grad.opts = ChartOptions(settings.log_y_grad, settings.robust_y, settings.x_axis, last_n)
+        loss.smoothing = settings.smoothing
+        self.state.series.set_ema_alpha(settings.smoothing)
         self.redraw_charts()
 
     def _charts(self) -> tuple[LossChart, GradNormChart]:

@@ -6,6 +6,7 @@ Kept apart from the widgets so tests can check the values on a panel without a s
 from __future__ import annotations
 
 import math
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ from typing import Any
 from rich.markup import escape
 from rich.text import Text
 
-from andrea_tui.runstate import RunState
+from andrea_tui.runstate import RunState, peak_flops
 from andrea_tui.textfmt import as_number, bar, fmt_bytes, fmt_duration, fmt_int, fmt_num
 from engine import records as rec
 
@@ -49,20 +50,28 @@ def header(st: RunState, now: float, note: str = "", dead: bool = False) -> Text
         f"[{style}]{escape(status)}[/]",
         f"step [bold]{fmt_int(step)}[/]/{fmt_int(st.max_steps)}",
         f"tokens {fmt_num(st.tokens)}",
-        f"{fmt_num(st.tok_s)} tok/s",
+        f"{fmt_num(st.smooth_tok_s())} tok/s" + mfu_text(st),
         f"elapsed {fmt_duration(st.elapsed(now))}",
         f"ETA {fmt_duration(None if dead else st.eta())}",
     ]
     return Text.from_markup(" · ".join(parts))
 
 
+def mfu_text(st: RunState) -> str:
+    """` · MFU 41%` when the GPU's peak is known, else nothing."""
+    mfu = st.mfu()
+    return f" · MFU {fmt_num(100 * mfu, 2)}%" if mfu is not None else ""
+
+
 def training(st: RunState) -> Text:
-    """Loss, clip ratio, lr, skipped steps, last checkpoint."""
+    """Loss, validation loss, clip ratio, lr, skipped steps, last checkpoint."""
     s = st.series
     ema = s.ema()
+    ev = st.val_loss
     lines = [
         f"loss      {fmt_num(s.last('loss'), 4)}  (EMA {fmt_num(ema[-1] if len(ema) else None, 4)})",
-        f"grad norm {fmt_num(s.last('grad_norm'))}  max {fmt_num(st.max_grad_norm)}",
+        *([f"val loss  {fmt_num(ev.val_loss, 4)}  (step {fmt_int(ev.step)})"] if ev else []),
+        f"grad norm {fmt_num(s.last('grad_norm'))}  (clip at {fmt_num(st.max_grad_norm)})",
         f"clip      {fmt_num(s.last('clip_scale'))} now · "
         f"{fmt_num(100 * s.clip_share(100), 3)}% of last {min(100, s.n)}",
         f"lr        {fmt_num(s.last('lr'))}",
@@ -124,25 +133,56 @@ def bandit(st: RunState, bar_width: int = 10, src_loss: dict[str, float] | None 
         text.append(f" · began at step {pc.step}",
                     style="bold reverse magenta" if recent else "magenta")
     weights = r.weights if r else {}
-    name_w = max((len(n) for n in weights), default=0)
+    name_w = min(max((len(n) for n in weights), default=0), 18)
+    ev = st.val_loss
+    if ev:
+        bar_width = max(3, bar_width - 5)  # room for the validation column
+    if weights:
+        text.append(f"\n{'':<{name_w}} {'weight':<{bar_width + 5}} {'train':>6}"
+                    + (f" {'val':>6}" if ev else ""), style="dim")
     for name, w in weights.items():
         loss = src_loss.get(name)
-        text.append(f"\n{name[:18]:<{min(name_w, 18)}} ")
+        text.append(f"\n{name[:name_w]:<{name_w}} ")
         text.append(bar(w, bar_width), style="cyan")
         text.append(f" {fmt_num(w, 2):>4} {fmt_num(loss, 4):>6}")
+        if ev:
+            text.append(f" {fmt_num(ev.src_val_loss.get(name), 4):>6}", style="yellow")
     text.no_wrap, text.overflow = True, "ellipsis"
     return text
 
 
-def memory(st: RunState) -> Text:
+SYSTEM_STALE_S = 30.0  # a telemetry sample older than this (by the engine's clock) is dimmed
+
+
+def system(st: RunState, now: float) -> Text:
+    """Telemetry (system.jsonl) beside the memory plan: per GPU its utilization, memory used
+    against the plan's total, power, temperature and SM clock; the engine's CPU use and RSS;
+    the model FLOPs utilization."""
     plan = st.memory_plan
-    if not plan:
-        return Text("memory plan: not yet reported", style="dim")
-    lines = [f"params {fmt_int(st.ready.n_params if st.ready else None)}"]
-    for k in ("weights", "grads", "adam_m", "adam_v", "activations", "scratch", "total"):
-        if k in plan:
-            lines.append(f"{k:<12}{fmt_bytes(plan[k]):>10}")
-    return Text("\n".join(lines))
+    total = plan.get("total")
+    n = st.ready.n_params if st.ready else None
+    text = Text(f"params {fmt_int(n)} · plan {fmt_bytes(total) if total else '–'}")
+    sysrec = st.system
+    if sysrec is None:
+        text.append("\nno telemetry yet (system.jsonl)", style="dim")
+        return text
+    stale = st.live and now - sysrec.t > SYSTEM_STALE_S
+    for g in sysrec.gpus:
+        name = g.name.replace("NVIDIA ", "")[:14] or "gpu"
+        text.append(f"\ngpu{g.index} {name} {fmt_num(g.util, 3)}% · {fmt_num(g.temp_c, 3)}°C · "
+                    f"{fmt_num(g.power_w, 3)} W · {fmt_int(g.sm_clock_mhz).replace(',', '')} MHz")
+        text.append(f"\n  mem {fmt_bytes(g.mem_used)} / {fmt_bytes(g.mem_total)}"
+                    + (f" (plan {fmt_bytes(total)})" if total else ""))
+    text.append(f"\ncpu {fmt_num(sysrec.cpu_pct, 3)}% of a core · rss {fmt_bytes(sysrec.rss_bytes)}")
+    mfu = st.mfu()
+    if mfu is not None:
+        text.append(f"\nMFU {fmt_num(100 * mfu, 3)}% of {st.gpu_name} bf16 peak")
+    else:
+        why = "model size" if peak_flops(st.gpu_name) else "peak of this device"
+        text.append(f"\nMFU – ({why} unknown)", style="dim")
+    if stale:
+        text.append(f"\nlast sample {fmt_duration(now - sysrec.t)} ago", style="yellow")
+    return text
 
 
 def sample(st: RunState) -> Text:
@@ -166,6 +206,8 @@ def event_line(e: rec.Event) -> str:
         detail = f"pid {e.pid} resumed={e.resumed}"
     elif isinstance(e, (rec.PrepEvent, rec.ErrorEvent)):
         detail = e.message
+    elif isinstance(e, rec.AlertEvent):
+        return f"{clock(e.t)} alert {e.alert}: {e.message}"
     else:
         detail = " ".join(f"{k}={v}" for k, v in e.details().items()
                           if not isinstance(v, (dict, list)))
@@ -173,6 +215,35 @@ def event_line(e: rec.Event) -> str:
 
 
 def events(st: RunState, n: int) -> Text:
-    lines = [event_line(e) for e in list(st.events)[-n:]]
-    return Text("\n".join(lines) if lines else "no events yet", style="" if lines else "dim",
-                no_wrap=True, overflow="ellipsis")
+    evs = list(st.events)[-n:]
+    if not evs:
+        return Text("no events yet", style="dim")
+    text = Text(no_wrap=True, overflow="ellipsis")
+    for i, e in enumerate(evs):
+        text.append(("\n" if i else "") + event_line(e),
+                    style="bold red" if isinstance(e, rec.AlertEvent) else "")
+    return text
+
+
+# engine.log lines that say what an event of the events panel says already
+EVENT_ECHO = re.compile(r"^\d\d:\d\d:\d\d (checkpoint \w+ step \d+:|prep: |SIG\w+ |alert |"
+                        r"step \d+: non-finite|resume: from )")
+
+
+def log_tail(lines: list[str], n: int) -> list[str]:
+    """The last `n` lines of engine.log worth a panel beside the events: lines that echo an
+    event are left out (the full log, `l`, has them all), and a line repeated back to back
+    shows once with its count."""
+    out: list[str] = []
+    counts: list[int] = []
+    for line in lines:
+        if EVENT_ECHO.match(line):
+            continue
+        if out and line[9:] == out[-1][9:] and line[9:]:
+            counts[-1] += 1
+            out[-1] = line
+            continue
+        out.append(line)
+        counts.append(1)
+    shown = [f"{x} (×{c})" if c > 1 else x for x, c in zip(out, counts, strict=True)]
+    return shown[-n:] if n > 0 else []

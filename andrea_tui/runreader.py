@@ -25,6 +25,7 @@ from engine.runfiles import JsonlTail, RunPaths, parse_lines, read_json
 
 PREVIEW_BYTES = 2 << 20  # the tail of loss.jsonl shown while the whole history loads
 POLL_BYTES = 256 << 10  # what one poll reads of a file at most (about 800 step records)
+SYSTEM_TAIL_BYTES = 16 << 10  # only the newest telemetry is shown: read from the end
 
 
 def _stat_key(path: Path) -> tuple[int, int, int] | None:
@@ -63,6 +64,9 @@ class RunReader:
         self.loss = JsonlTail(self.paths.loss)
         self.events = JsonlTail(self.paths.events)
         self.samples = JsonlTail(self.paths.samples)
+        self.evals = JsonlTail(self.paths.eval)
+        self.system = JsonlTail(self.paths.system)
+        self.system.skip_to_end(SYSTEM_TAIL_BYTES)
         self._json_keys: dict[str, tuple[int, int, int] | None] = {}
         self.backlog: set[str] = set()  # files with bytes left after the last poll
         self.loss_backlog = False  # loss.jsonl has more than a poll takes: load it in a thread
@@ -152,8 +156,13 @@ class RunReader:
                 st.add_loss(recs)
         if wanted(self.samples):
             st.add_samples(self.samples.read_new(POLL_BYTES))
-        self.backlog = {t.path.name for t in (self.events, self.samples) if t.more}
-        st.bad_lines = self.loss.bad_lines + self.events.bad_lines + self.samples.bad_lines
+        if wanted(self.evals):
+            st.add_evals(self.evals.read_new(POLL_BYTES))
+        if wanted(self.system):
+            st.add_system(self.system.read_new(POLL_BYTES))
+        tails = (self.events, self.samples, self.evals, self.system)
+        self.backlog = {t.path.name for t in tails if t.more}
+        st.bad_lines = self.loss.bad_lines + sum(t.bad_lines for t in tails)
         return st.version != before
 
 

@@ -20,6 +20,10 @@ from engine.records import Status
 from engine.runfiles import JsonlTail
 
 EVENT_TAIL = 200
+ALERTS_KEPT = 1000  # alerts a state holds (the newest)
+EVALS_KEPT = 100_000  # validation records a state holds (the newest steps)
+TOK_S_WINDOW_S = 10.0  # the header's tok/s: tokens over the last this many seconds
+PEAK_FLOPS = (("H100", 989e12), ("H200", 989e12))  # dense bf16 per GPU, by device name
 RECENT_RECORDS = 512  # step records kept to find the newest survivor after a resume
 MAX_ROWS = 1_000_000  # steps a history holds (the newest): about 100 MB of columns
 HISTORY_CHUNK_BYTES = 4 << 20  # what a history load parses at a time
@@ -41,6 +45,14 @@ def _merge_src_loss(into: dict[str, float], r: rec.StepRecord) -> None:
 
 def _steps(objects: Iterable[Any]) -> tuple[list[rec.StepRecord], int]:
     return rec.parse_all(rec.StepRecord, objects)
+
+
+def peak_flops(device: str) -> float | None:
+    """A GPU's dense bf16 peak (FLOP/s) from its name, or None when unknown."""
+    for key, peak in PEAK_FLOPS:
+        if key in device.upper():
+            return peak
+    return None
 
 
 @dataclass
@@ -71,6 +83,10 @@ class RunState:
     errors: list[str] = field(default_factory=list)
     resumes: list[rec.ResumeEvent] = field(default_factory=list)
     recent: deque[rec.StepRecord] = field(default_factory=lambda: deque(maxlen=RECENT_RECORDS))
+    evals: dict[int, rec.EvalRecord] = field(default_factory=dict)  # by step, later wins
+    system: rec.SystemRecord | None = None  # the newest telemetry sample
+    alerts: deque[rec.AlertEvent] = field(default_factory=lambda: deque(maxlen=ALERTS_KEPT))
+    runs: list[tuple[float, float | None]] = field(default_factory=list)  # (start, end) times
     bad_lines: int = 0  # lines that were not JSON objects
     unreadable: int = 0  # JSON objects that were not usable records
     version: int = 0  # bumped on every change; the app redraws when it moved
@@ -120,6 +136,7 @@ class RunState:
             return bool(rec.abandoned(step, t, resume.step, resume.t))
 
         self.series.drop_abandoned(resume)
+        self.evals = {k: e for k, e in self.evals.items() if not gone(e.step, e.t)}
         self.phase_changes = [pc for pc in self.phase_changes if not gone(pc.step, pc.t)]
         self.recent = deque((r for r in self.recent if not gone(r.step, r.t)),
                             maxlen=RECENT_RECORDS)
@@ -149,6 +166,10 @@ class RunState:
                 self.start_event = e
                 if self.first_start_t is None:
                     self.first_start_t = t
+                if t is not None:
+                    self.runs.append((t, None))
+            elif isinstance(e, rec.AlertEvent):
+                self.alerts.append(e)
             elif isinstance(e, rec.ReadyEvent):
                 self.ready = e
             elif isinstance(e, rec.CheckpointEvent):
@@ -160,14 +181,41 @@ class RunState:
             elif isinstance(e, rec.PhaseEvent):
                 self._note_phase(e.step, e.phase, e.t)
             elif isinstance(e, rec.FinishedEvent):
-                pass
+                self._end_run(t)
             elif isinstance(e, rec.StopEvent):
                 self.last_stop = e
+                self._end_run(t)
             elif isinstance(e, rec.ErrorEvent):
                 self.errors.append(e.message)
+                self._end_run(t)
             elif isinstance(e, rec.CheckpointErrorEvent):
                 self.errors.append(e.error)
         if objects:
+            self.version += 1
+
+    def _end_run(self, t: float | None) -> None:
+        """The engine's process ended at `t`: its running interval closes."""
+        if t is not None and self.runs and self.runs[-1][1] is None:
+            self.runs[-1] = (self.runs[-1][0], t)
+
+    def add_evals(self, objects: list[Any]) -> None:
+        """Validation records as read from eval.jsonl."""
+        evals, bad = rec.parse_all(rec.EvalRecord, objects)
+        self.unreadable += bad
+        for e in rec.drop_abandoned(evals, self.resumes) if self.resumes else evals:
+            self.evals[e.step] = e
+        if len(self.evals) > EVALS_KEPT:
+            for k in sorted(self.evals)[: len(self.evals) - EVALS_KEPT]:
+                del self.evals[k]
+        if evals:
+            self.version += 1
+
+    def add_system(self, objects: list[Any]) -> None:
+        """Telemetry samples as read from system.jsonl: the newest is what is shown."""
+        samples, bad = rec.parse_all(rec.SystemRecord, objects)
+        self.unreadable += bad
+        if samples:
+            self.system = max(samples, key=lambda s: s.t)
             self.version += 1
 
     def add_samples(self, objects: list[Any]) -> None:
@@ -271,19 +319,68 @@ class RunState:
         return self.state.updated if self.state else None
 
     def elapsed(self, now: float) -> float | None:
-        """Wall time since the run first started; frozen at the last record once not live."""
-        t0 = self.first_start_t
-        if t0 is None and self.series.n:
-            t0 = float(self.series.col("t")[0])
-        if t0 is None or not math.isfinite(t0):
-            return None
+        """Time the run has been running: the sum of its engines' running intervals (from each
+        start event to its stop, finish or error event), so the hours a run sat stopped do not
+        count. An interval with no end: to `now` for the live engine, else to its last step
+        record (a crash). Frozen at the last record once not live."""
         end = now if self.live else self.updated or self.series.last("t")
-        return max(0.0, end - t0) if end is not None and math.isfinite(end) else None
+        if not self.runs:
+            t0 = float(self.series.col("t")[0]) if self.series.n else None
+            if t0 is None or end is None or not math.isfinite(t0) or not math.isfinite(end):
+                return None
+            return max(0.0, end - t0)
+        total = 0.0
+        for i, (start, stop) in enumerate(self.runs):
+            if stop is None:
+                last = i == len(self.runs) - 1
+                stop = end if last else self._last_record_before(self.runs[i + 1][0])
+            if stop is not None and math.isfinite(stop):
+                total += max(0.0, stop - start)
+        return total
+
+    def _last_record_before(self, t: float) -> float | None:
+        ts = self.series.col("t")
+        before = ts[ts < t]
+        return float(before.max()) if before.size else None
 
     def eta(self) -> float | None:
+        """Time left at the rate since the engine last started (a stop's gap is no step)."""
         if self.status not in (Status.STARTING.value, Status.RUNNING.value):
             return None
-        return eta_seconds(self.step, self.max_steps, self.series.steps_per_second())
+        since = self.runs[-1][0] if self.runs else None
+        return eta_seconds(self.step, self.max_steps,
+                           self.series.steps_per_second(since_t=since))
+
+    def smooth_tok_s(self, window_s: float = TOK_S_WINDOW_S) -> float:
+        """Tokens per second over the last `window_s` seconds of records (the last step's own
+        tok/s jumps with every checkpoint, sample or hiccup); the last step's when too few."""
+        return self.series.rate("tokens", window_s, since_t=self.runs[-1][0] if self.runs
+                                else None, fallback=self.tok_s)
+
+    @property
+    def gpu_name(self) -> str:
+        gpus = self.system.gpus if self.system else []
+        return gpus[0].name if gpus and gpus[0].name else self.device
+
+    def flops_per_token(self) -> float | None:
+        """Training FLOPs per token: 6·N + 6·L·d·T (weights, then attention scores)."""
+        n = self.ready.n_params if self.ready else None
+        if n is None or self.config is None:
+            return None
+        m = self.config.model
+        return 6.0 * n + 6.0 * m.n_layer * m.d_model * m.seq_len
+
+    def mfu(self) -> float | None:
+        """Model FLOPs utilization against the GPUs' dense bf16 peak (None when unknown)."""
+        peak, fpt = peak_flops(self.gpu_name), self.flops_per_token()
+        tok_s = self.smooth_tok_s()
+        if peak is None or fpt is None or not math.isfinite(tok_s):
+            return None
+        return tok_s * fpt / (peak * self.world_size)
+
+    @property
+    def val_loss(self) -> rec.EvalRecord | None:
+        return self.evals[max(self.evals)] if self.evals else None
 
     @property
     def memory_plan(self) -> dict[str, int]:

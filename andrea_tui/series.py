@@ -170,6 +170,12 @@ class StepSeries:
     def last_step(self) -> int | None:
         return int(self._steps[self.n - 1]) if self.n else None
 
+    def set_ema_alpha(self, alpha: float) -> None:
+        """Another smoothing strength: the EMA is computed anew at its next use."""
+        if alpha != self.ema_alpha:
+            self.ema_alpha = alpha
+            self._ema_valid = 0
+
     def ema(self) -> np.ndarray:
         """Debiased EMA of the loss (TensorBoard style); non-finite losses hold the last value.
 
@@ -202,15 +208,42 @@ class StepSeries:
     def skipped_count(self) -> int:
         return int(np.count_nonzero(self.skipped))
 
-    def steps_per_second(self, window: int = 50) -> float:
-        """Rate over the trailing `window` rows (by their unix time `t`); NaN when unknown."""
+    def steps_per_second(self, window: int = 50, since_t: float | None = None) -> float:
+        """Rate over the trailing `window` rows (by their unix time `t`), only rows written at
+        or after `since_t` (the engine's last start: a stopped gap is no rate); NaN when
+        unknown."""
         if self.n < 2:
             return math.nan
         j = max(0, self.n - 1 - window)
         st, t = self.steps, self.col("t")
+        if since_t is not None:
+            while j < self.n - 1 and not t[j] >= since_t:
+                j += 1
         dt = t[-1] - t[j]
         ds = st[-1] - st[j]
         return float(ds / dt) if dt > 0 and math.isfinite(dt) else math.nan
+
+    def rate(self, name: str, window_s: float, since_t: float | None = None,
+             fallback: float = math.nan, max_rows: int = 4096) -> float:
+        """d(column)/dt over the rows of the last `window_s` seconds (at most `max_rows`, and
+        none before `since_t`): e.g. tokens per second, smoothed. `fallback` when fewer than
+        two rows or no time passed."""
+        if self.n < 2:
+            return fallback
+        lo = max(0, self.n - max_rows)
+        t = self.col("t")[lo:]
+        v = self.col(name)[lo:]
+        start = t[-1] - window_s
+        if since_t is not None and math.isfinite(since_t):
+            start = max(start, since_t)
+        inside = t >= start
+        if not inside.any():
+            return fallback
+        j = min(int(np.argmax(inside)), len(t) - 2)
+        dt, dv = t[-1] - t[j], v[-1] - v[j]
+        if not (dt > 0 and math.isfinite(dt) and math.isfinite(dv)):
+            return fallback
+        return float(dv / dt)
 
 
 def eta_seconds(step: int | None, max_steps: int | None, steps_per_s: float) -> float | None:

@@ -14,6 +14,7 @@ which cannot reach another process.
 
 from __future__ import annotations
 
+import math
 import signal
 import subprocess
 import time
@@ -174,12 +175,15 @@ class EngineSupervisor:
             return 2  # the engine refused its input before it started: a usage error
         return 1 if self.proc is not None and self.engine_exit not in (None, 0) else 0
 
-    def checkpoint_news(self, state: RunState) -> list[str]:
+    def checkpoint_news(self, state: RunState, since: float = -math.inf) -> list[str]:
         """Toast texts for the checkpoints written since the last call that the user waits
-        for: snapshot and stop checkpoints, and any checkpoint while a snapshot is pending."""
+        for: snapshot and stop checkpoints, and any checkpoint while a snapshot is pending.
+        Checkpoints written before `since` (an attach reading a run's history) are not news."""
         cks = state.checkpoints
         news = []
         for ev in cks[self._checkpoints_seen:]:
+            if math.isfinite(ev.t) and ev.t < since:
+                continue
             if ev.reason in ("snapshot", "stop") or self._snapshot_pending:
                 news.append(f"checkpoint step {ev.step} ({ev.reason}): "
                             f"{ev.path} in {fmt_num(ev.seconds)} s")
@@ -305,6 +309,10 @@ class EngineSupervisor:
         if self.controllable:
             return Banner("")
         if self.proc is not None:
-            return Banner("engine starting…" if state.status == "starting"
+            # Until our child has written engine.json, the run's files are the previous engine's
+            # (a resume): it is starting, not unreachable.
+            starting = state.status == "starting" or (
+                self.proc.poll() is None and self._engine_json_pid() != self.proc.pid)
+            return Banner("engine starting…" if starting
                           else f"engine not reachable: {escape(self.reason)}")
         return Banner(f"read-only: {escape(self.readonly_why(state))}; s and q are off")

@@ -257,6 +257,31 @@ class SamplesConfig:
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    """Validation: the last `holdout` share of every source's tokens is kept out of training
+    (engine.data.sampler), and every `every_steps` steps the loss over `batches` batches of
+    `train.batch_size` held-out windows of each source is written to eval.jsonl."""
+
+    every_steps: int = spec(Num(int, ge=1, le=2**31 - 1))
+    batches: int = spec(Num(int, ge=1, le=1024), 4)
+    holdout: float = spec(Num(float, gt=0, le=0.5), 0.05)
+
+
+@dataclass(frozen=True)
+class AlertsConfig:
+    """How the engine's alerts (engine.run.alerts) are raised and passed on. `command`: argv of
+    a program run with each alert as JSON on its stdin (a webhook, a desktop notification),
+    killed after `timeout_s`; a stall is `stall_factor` times the median step time without a
+    step, and at least `stall_min_s` seconds."""
+
+    command: tuple[str, ...] | None = spec(List(Str(), min_len=1, max_len=64), None)
+    timeout_s: float = spec(Num(float, gt=0, le=3600), 10.0)
+    stall_factor: float = spec(Num(float, gt=1, le=1e6), 20.0)
+    stall_min_s: float = spec(Num(float, gt=0, le=86400), 60.0)
+    spike_mads: float = spec(Num(float, gt=0, le=1e6), 8.0)
+
+
+@dataclass(frozen=True)
 class Config:
     """One experiment: the model, how to train it, on what data, and what to record."""
 
@@ -268,6 +293,8 @@ class Config:
     bandit: BanditConfig = spec(Section(BanditConfig))
     checkpoint: CheckpointConfig = spec(Section(CheckpointConfig))
     samples: SamplesConfig = spec(Section(SamplesConfig))
+    eval: EvalConfig | None = spec(Section(EvalConfig), None)  # off when absent
+    alerts: AlertsConfig | None = spec(Section(AlertsConfig), None)  # the defaults when absent
     description: str = spec(Str(nonempty=False, max_len=DESCRIPTION_MAX), "")
 
     def to_json(self) -> dict[str, Any]:

@@ -35,6 +35,8 @@ LOG = "engine.log"
 LOSS = "loss.jsonl"
 EVENTS = "events.jsonl"
 SAMPLES = "samples.jsonl"
+EVAL = "eval.jsonl"
+SYSTEM = "system.jsonl"
 STATE = "state.json"
 GEMM_PLAN = "gemm_plan.json"
 CHECKPOINTS = "checkpoints"
@@ -77,6 +79,14 @@ class RunPaths:
     @property
     def samples(self) -> Path:
         return self.root / SAMPLES
+
+    @property
+    def eval(self) -> Path:
+        return self.root / EVAL
+
+    @property
+    def system(self) -> Path:
+        return self.root / SYSTEM
 
     @property
     def state(self) -> Path:
@@ -211,6 +221,17 @@ class JsonlTail:
         self.bad_lines = 0
         self.reset = False
         self.more = False
+
+    def skip_to_end(self, keep_bytes: int) -> None:
+        """Start reading at the last `keep_bytes` of the file (a reader that wants only the
+        newest records, e.g. telemetry): the line cut by the jump is dropped."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return
+        if st.st_size > keep_bytes:
+            self._ino, self._offset, self._partial = st.st_ino, st.st_size - keep_bytes, b""
+            self._skipping = True
 
     def read_new(self, max_bytes: int = CHUNK_BYTES) -> list[dict[str, Any]]:
         self.reset = False

@@ -9,6 +9,9 @@
 2. A writer appends records at RATE steps/s while the app (a separate headless process) follows
    it: latency from each append to the first frame showing that step (p50/p95/max), and the
    app process's CPU time over the follow period as a share of one core.
+3. The engine's monitoring cost, on this CPU: one telemetry sample (engine.run.telemetry: /proc
+   reads, plus NVML where there are GPUs), as a share of a core at its 5 s interval; and the
+   alert detectors' work per step (engine.run.alerts.AlertMonitor.observe, on the loop's thread).
 Headless means Textual renders every frame but writes no terminal output.
 """
 
@@ -118,6 +121,27 @@ def follow(run_dir: Path, start: int, rate: float, seconds: float) -> dict[str, 
             "max": lat[-1] if lat else float("nan"), "cpu": cpu}
 
 
+def engine_monitoring(n: int = 500) -> dict[str, float]:
+    from engine import records as rec
+    from engine.run.alerts import AlertMonitor
+    from engine.run.telemetry import SAMPLE_EVERY_S, SystemSampler
+
+    sampler = SystemSampler(lambda r: None, lambda: 0, gpus=[])
+    sampler.sample()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        sampler.sample()
+    per_sample = (time.perf_counter() - t0) / n
+    monitor = AlertMonitor()
+    recs = [rec.StepRecord.from_json(loss_record(s, float(s))) for s in range(1, n + 1)]
+    t0 = time.perf_counter()
+    for r in recs:
+        monitor.observe(r)
+    per_step = (time.perf_counter() - t0) / n
+    return {"sample": per_sample, "share": per_sample / SAMPLE_EVERY_S, "observe": per_step,
+            "every": SAMPLE_EVERY_S}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--records", type=int, default=200_000)
@@ -130,6 +154,7 @@ def main() -> int:
         size = (run_dir / "loss.jsonl").stat().st_size
         first, history = first_frame(run_dir, a.records)
         fol = follow(run_dir, a.records, a.rate, a.follow_s)
+    mon = engine_monitoring()
     rows = [
         ("loss.jsonl", f"{a.records:,} records, {size / 1e6:.1f} MB", ""),
         ("first full frame (attach)", f"{first * 1000:.0f} ms", "< 1 s"),
@@ -140,6 +165,10 @@ def main() -> int:
         ("append-to-screen latency p95", f"{fol['p95'] * 1000:.0f} ms", "< 250 ms"),
         ("append-to-screen latency max", f"{fol['max'] * 1000:.0f} ms", ""),
         ("TUI CPU while following", f"{fol['cpu'] * 100:.1f}% of a core", "< 5%"),
+        ("engine: one telemetry sample (CPU)", f"{mon['sample'] * 1e6:.0f} µs", ""),
+        (f"engine: telemetry every {mon['every']:g} s", f"{mon['share'] * 100:.4f}% of a core",
+         ""),
+        ("engine: alert checks per step", f"{mon['observe'] * 1e6:.0f} µs", ""),
     ]
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)

@@ -45,6 +45,15 @@ def as_source(d: dict[str, Any]) -> Any:
     return SourceConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
 
 
+@pytest.fixture(autouse=True)
+def user_config_home(tmp_path_factory, monkeypatch) -> Path:
+    """Each test's own user config directory: the dashboard's settings (andrea_tui.settings)
+    a test changes never reach the developer's, nor another test."""
+    home = tmp_path_factory.mktemp("config")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(home))
+    return home
+
+
 @pytest.fixture(scope="session")
 def prepared_data() -> Path:
     """Prepare the built-in tokenizer and shards once (idempotent: skipped when up to date)."""

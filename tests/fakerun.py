@@ -4,7 +4,11 @@
 `python -m tests.fakerun RUN_DIR [--rate HZ] [--steps N]` behaves like andrea-train towards
 a controller: holds engine.lock, writes engine.json with its real identity, appends one loss
 record per tick, writes a `snapshot` checkpoint event on SIGUSR1 and on SIGTERM a `stop`
-checkpoint event, a stop event and status "stopped", then exits 0. It trains nothing.
+checkpoint event, a stop event and status "stopped", then exits 0. It trains nothing. Like the
+engine it writes system.jsonl (each second), eval.jsonl (every 10 steps) and raises alerts
+through the engine's own detectors (engine.run.alerts): `--spike-at S` makes step S's loss and
+grad norm jump, `--nan-at S` makes step S non-finite, `--stall-at S --stall-s X` stops for X
+seconds after step S (the watchdog, at `--stall-min-s`, raises the stall).
 """
 
 from __future__ import annotations
@@ -64,9 +68,22 @@ def loss_record(step: int, t: float) -> dict[str, Any]:
         skipped=skipped, t=t).to_json()
 
 
+def eval_record(step: int, t: float) -> dict[str, Any]:
+    """A deterministic eval.jsonl record for `step` (a little above the training loss)."""
+    base = 9.0 * math.exp(-step / 400.0) + 2.15
+    return rec.EvalRecord(step=step, t=t, val_loss=round(base + 0.1, 6), src_val_loss={
+        s: round(base + 0.1 * i, 4) for i, s in enumerate(SOURCES)}).to_json()
+
+
+def system_record(step: int, t: float) -> dict[str, Any]:
+    return rec.SystemRecord(t=t, step=step, cpu_pct=97.5, rss_bytes=412 << 20).to_json()
+
+
 def write_run(run_dir: Path, n_steps: int, *, t0: float = 1_700_000_000.0, dt: float = 0.1,
-              status: str = "finished", max_steps: int = 2000) -> RunPaths:
-    """A complete run directory with `n_steps` steps, as an engine would leave it."""
+              status: str = "finished", max_steps: int = 2000,
+              monitor: bool = False) -> RunPaths:
+    """A complete run directory with `n_steps` steps, as an engine would leave it; `monitor`
+    adds validation records (every 100 steps), a telemetry sample and two alerts."""
     paths = RunPaths(Path(run_dir))
     paths.root.mkdir(parents=True, exist_ok=True)
     cfg = {**CONFIG, "train": {**CONFIG["train"], "max_steps": max_steps}}
@@ -86,6 +103,15 @@ def write_run(run_dir: Path, n_steps: int, *, t0: float = 1_700_000_000.0, dt: f
         ev.write(rec.CheckpointEvent(t=t0 + s * dt, step=s, reason="periodic",
                                      path=str(paths.checkpoints / f"step_{s:08d}"),
                                      bytes=12_582_920, seconds=0.25).to_json())
+    if monitor:
+        for s, kind, value in ((n_steps // 3, "loss_spike", 7.5), (n_steps // 2, "grad_spike", 9.0)):
+            ev.write(rec.AlertEvent(t=t0 + s * dt, alert=kind, step=s, value=value, baseline=2.5,
+                                    threshold=3.0, message=f"{kind} at step {s}").to_json())
+        with open(paths.eval, "w") as f:
+            for s in range(100, n_steps + 1, 100):
+                f.write(json.dumps(eval_record(s, t0 + s * dt)) + "\n")
+        with open(paths.system, "w") as f:
+            f.write(json.dumps(system_record(n_steps, t0 + n_steps * dt)) + "\n")
     ev.close()
     smp = JsonlWriter(paths.samples)
     for s in range(50, n_steps + 1, 50):
@@ -104,9 +130,13 @@ def write_run(run_dir: Path, n_steps: int, *, t0: float = 1_700_000_000.0, dt: f
 class FakeEngine:
     """The control-facing behaviour of andrea-train, with no training."""
 
-    def __init__(self, run_dir: Path, rate: float, steps: int, start: int) -> None:
+    def __init__(self, run_dir: Path, rate: float, steps: int, start: int,
+                 spike_at: int = -1, nan_at: int = -1, stall_at: int = -1, stall_s: float = 0.0,
+                 stall_min_s: float = 1.0) -> None:
         from engine.run.identity import EngineLock
 
+        self.spike_at, self.nan_at, self.stall_at, self.stall_s = spike_at, nan_at, stall_at, stall_s
+        self.stall_min_s = stall_min_s
         self.paths = RunPaths(Path(run_dir))
         self.paths.root.mkdir(parents=True, exist_ok=True)
         self.rate, self.steps, self.step = rate, steps, start
@@ -147,16 +177,43 @@ class FakeEngine:
                                 run_id="fake").to_json())
         self._status(rec.Status.RUNNING)
         last = None
+        from engine.run.alerts import AlertMonitor, AlertSink, Watchdog
+
+        sink = AlertSink(lambda a: ev.write(a.to_json()), lambda m: None)
+        monitor = AlertMonitor()
+        watchdog = Watchdog(sink.emit, factor=5, min_s=self.stall_min_s, poll_s=0.1)
+        watchdog.start()
+        evals, system = JsonlWriter(self.paths.eval), JsonlWriter(self.paths.system)
+        sampled = 0.0
         while not self.stop and self.step < self.steps:
             time.sleep(1.0 / self.rate)
             self.step += 1
-            loss.write(loss_record(self.step, time.time()))
+            obj = loss_record(self.step, time.time())
+            if self.step == self.spike_at:
+                obj.update(loss=obj["loss"] * 4, grad_norm=obj["grad_norm"] * 30, skipped=False)
+            if self.step == self.nan_at:
+                obj.update(loss=math.nan, grad_norm=math.inf, skipped=True)
+            elif obj["skipped"] and self.nan_at >= 0:
+                obj.update(loss=obj["loss"] if math.isfinite(obj["loss"]) else 3.0,
+                           grad_norm=1.0, skipped=False)  # only the asked-for NaN
+            loss.write(obj)
+            for alert in monitor.observe(rec.StepRecord.from_json(obj)):  # type: ignore[arg-type]
+                sink.emit(alert)
+            watchdog.beat(self.step, 1.0 / self.rate)
+            if self.step % 10 == 0:
+                evals.write(eval_record(self.step, time.time()))
+            if time.time() - sampled >= 1.0:
+                sampled = time.time()
+                system.write(system_record(self.step, sampled))
+            if self.step == self.stall_at:
+                time.sleep(self.stall_s)
             if self.usr1:
                 ev.write(rec.SignalEvent(t=time.time(), signal="SIGUSR1", step=self.step,
                                          action="snapshot", count=self.usr1).to_json())
                 self.usr1 = 0
                 last = self._checkpoint(ev, "snapshot")
             self._status(rec.Status.RUNNING, last)
+        watchdog.stop()
         if self.stop:
             ev.write(rec.SignalEvent(t=time.time(), signal="SIGTERM", step=self.step,
                                      action="stop").to_json())
@@ -176,8 +233,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=20.0, help="steps per second")
     p.add_argument("--steps", type=int, default=1_000_000)
     p.add_argument("--start", type=int, default=0)
+    p.add_argument("--spike-at", type=int, default=-1)
+    p.add_argument("--nan-at", type=int, default=-1)
+    p.add_argument("--stall-at", type=int, default=-1)
+    p.add_argument("--stall-s", type=float, default=0.0)
+    p.add_argument("--stall-min-s", type=float, default=1.0)
     a = p.parse_args(argv)
-    return FakeEngine(Path(a.run_dir), a.rate, a.steps, a.start).run()
+    return FakeEngine(Path(a.run_dir), a.rate, a.steps, a.start, a.spike_at, a.nan_at,
+                      a.stall_at, a.stall_s, a.stall_min_s).run()
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ async def settle(pilot, cond) -> None:
 
 
 def test_dashboard_golden(tmp_path: Path) -> None:
-    paths = write_run(tmp_path / "run", 1500, status="running")
+    paths = write_run(tmp_path / "run", 1500, status="running", monitor=True)
 
     async def go() -> str:
         app = AndreaApp(paths.root, clock=lambda: 1_700_000_200.0, follow=False,

@@ -135,3 +135,58 @@ def test_attach_to_headless_engine_in_tmux(tmp_path: Path, session: str) -> None
             if engine.poll() is None:
                 engine.kill()
                 engine.wait()
+
+
+def start_fake(run_dir: Path, *extra: str) -> subprocess.Popen:
+    from andrea_tui.launcher import launch
+
+    proc = launch([PY, "-m", "tests.fakerun", str(run_dir), "--rate", "10", *extra], run_dir)
+    deadline = time.monotonic() + 20
+    while not engine_alive(run_dir)[0]:
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    return proc
+
+
+def keep_capture(suffix: str, text: str) -> None:
+    capture = os.environ.get("ANDREA_TMUX_CAPTURE")
+    if capture:
+        Path(f"{capture}.{suffix}").write_text(text)
+
+
+def chart_rows(text: str) -> int:
+    """Rows of plotted y axis (a tick label and its `┤`) on the screen."""
+    return sum(1 for line in text.splitlines() if re.match(r"^\s*[\d.]+[kM]?┤", line))
+
+
+def test_resize_and_alert_in_tmux(tmp_path: Path, session: str) -> None:
+    """200x50 -> 80x24 -> 120x40: the layout follows each size (charts keep their rows); an
+    injected loss spike shows as a toast and a mark on the loss chart."""
+    run_dir = tmp_path / "run"
+    engine = start_fake(run_dir, "--spike-at", "60")
+    try:
+        # Started at another size: a first resize that changes nothing sends no SIGWINCH, and
+        # tmux may size a new pane only after its program has read the size.
+        subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "100", "-y", "30",
+                        f"cd {ROOT} && PYTHONPATH={ROOT} TERM=xterm-256color "
+                        f"XDG_CONFIG_HOME={tmp_path} {PY} -m andrea_tui.cli attach {run_dir}; "
+                        "sleep 60"], check=True, timeout=10)
+        wait_for(lambda: steps_on_screen(session) >= 30, "steps on screen", session, 60)
+        for size in ((200, 50), (80, 24), (120, 40)):
+            tmux("resize-window", "-t", session, "-x", str(size[0]), "-y", str(size[1]))
+            got = tmux("display", "-p", "-t", session, "#{window_width}x#{window_height}").strip()
+            assert got == f"{size[0]}x{size[1]}", got
+            wait_for(lambda: chart_rows(screen(session)) >= 8, f"charts at {size}", session, 20)
+            time.sleep(1.0)
+            text = screen(session)
+            lines = text.splitlines()
+            assert len(lines) <= size[1] and max(len(x) for x in lines) <= size[0]
+            assert "step " in text and chart_rows(text) >= 8, text
+            assert ("engine.log" in text) is (size != (80, 24)), text  # compact drops the bottom
+            keep_capture(f"{size[0]}x{size[1]}", text)
+        wait_for(lambda: "loss spike" in (t := screen(session)) and "alerts !" in t,
+                 "the alert's toast and its mark on the loss chart", session, 30)
+        keep_capture("alert", screen(session))
+    finally:
+        engine.terminate()
+        engine.wait(timeout=20)

@@ -1,17 +1,23 @@
-"""Training batches: each row picks its source by the mixture weights, then a random window."""
+"""Training batches: each row picks its source by the mixture weights, then a random window.
+
+With a validation holdout (config `eval.holdout`), windows come only from the training part of
+each source (engine.data.validation); without one, from the whole source, as before.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 
 from engine.data.shards import Shard
+from engine.data.validation import check_split, train_length
 from engine.errors import UserError
 
 
 class Sampler:
     """Draws `[B, T+1]` token windows from shards with its own PCG64 stream (checkpointable)."""
 
-    def __init__(self, shards: list[Shard], seq_len: int, seed: int) -> None:
+    def __init__(self, shards: list[Shard], seq_len: int, seed: int,
+                 holdout: float = 0.0) -> None:
         if not shards:
             raise UserError("data.sources: expected at least one source, got none")
         for shard in shards:
@@ -20,12 +26,14 @@ class Sampler:
                     f"{shard.path}: expected at least seq_len+1 = {seq_len + 1} tokens, "
                     f"got {len(shard)}"
                 )
+            check_split(shard, seq_len, holdout)
         self.shards = shards
         self.seq_len = seq_len
         self.seed = seed
         self.rng = np.random.Generator(np.random.PCG64(seed))
-        # Highest valid start + 1 for a window of T+1 tokens in each shard.
-        self._start_bound = np.array([len(s) - seq_len for s in shards], dtype=np.int64)
+        # Highest valid start + 1 for a window of T+1 tokens in each shard's training part.
+        self._start_bound = np.array([train_length(len(s), holdout) - seq_len for s in shards],
+                                     dtype=np.int64)
 
     def sample(self, batch: int, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Return (tokens int32 [batch, seq_len+1], source index int32 [batch])."""

@@ -155,6 +155,14 @@ class Trainer:
         self._micro_tokens += inputs.size
         return float(np.mean(rows))
 
+    def eval_loss(self, tokens: np.ndarray) -> np.ndarray:
+        """Per-row mean loss of `tokens` `[B, T+1]` (B = train.batch_size), forward only: the
+        parameters, gradients, optimizer state and the row losses of the step are untouched."""
+        tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+        rows = self.backend.forward_loss(np.ascontiguousarray(tokens[:, :-1]),
+                                         np.ascontiguousarray(tokens[:, 1:]))
+        return np.asarray(rows, dtype=np.float64)
+
     @property
     def row_losses(self) -> np.ndarray:
         """Per-row losses of the micro-batches since `zero_grads`, in order."""

@@ -1,7 +1,8 @@
 """The training run: one process bound to one run directory (`andrea-train`, engine.run.cli).
 
-The loop: data → trainer step → records → bandit → samples → checkpoints, with the
-signals of DESIGN §8 acted on between steps. Everything the loop writes goes to the run directory
+The loop: data → trainer step → records → alerts → bandit → validation → samples → checkpoints,
+with the signals of DESIGN §8 acted on between steps. Beside it, on rank 0, two daemon threads:
+the telemetry sampler (system.jsonl) and the stall watchdog (engine.run.alerts). Everything the loop writes goes to the run directory
 (DESIGN §7); everything it needs to continue goes into each checkpoint (DESIGN §6).
 """
 
@@ -84,6 +85,12 @@ class TrainingRun:
         self._stop = False  # the job agreed to stop at this step boundary
         self._snapshots = 0  # snapshot requests the job agreed on, not acted on yet
         self.world_size_was: int | None = None
+        self._ranks: list[rec.RankInfo] = []
+        self.monitor: Any = None  # engine.run.alerts.AlertMonitor, on rank 0
+        self.sink: Any = None
+        self.watchdog: Any = None
+        self.telemetry: Any = None
+        self.evaluator: Any = None
 
     # -- start-up -----------------------------------------------------------------------
 
@@ -97,7 +104,7 @@ class TrainingRun:
                 cleanup_tmp(self.ckpt_root)  # half-written dirs of writers that died
                 resume = self._pick_resume()
                 backend = resolve_backend(self.args.backend)
-                ranks = self._join(backend[0])
+                ranks = self._ranks = self._join(backend[0])
                 # Only now, with the quick refusals behind it, does the engine say who it is: a
                 # launcher that waits for engine.json knows the engine has accepted its input.
                 info = engine_info(self.argv, self.run_id, self.world, ranks)
@@ -125,10 +132,12 @@ class TrainingRun:
             except Exception as e:
                 return self._crashed(e)
             finally:
+                self._stop_monitors()
                 if self.writer is not None:
                     self.writer.wait()  # never leave a write half done on the way out
                     self._collect_writes()
         finally:
+            self._stop_monitors()
             self.out.close()
 
     def _crashed(self, e: BaseException) -> int:
@@ -281,7 +290,12 @@ class TrainingRun:
                              f"{topology['nccl'] or 'NCCL defaults'}")
         be = self.trainer.backend
         attention = self._report_backend(be)
-        self.sampler = Sampler(self.data.shards, cfg.model.seq_len, cfg.train.seed)
+        self.sampler = Sampler(self.data.shards, cfg.model.seq_len, cfg.train.seed,
+                               holdout=cfg.eval.holdout if cfg.eval else 0.0)
+        if cfg.eval is not None and self.world.main:
+            from engine.run.evaluate import Evaluator
+
+            self.evaluator = Evaluator(cfg, self.data.shards)
         b = cfg.bandit
         self.bandit = Bandit(self.source_names, list(b.phase_lengths), b.eta, b.floor, b.seed,
                              score=b.score)
@@ -308,6 +322,8 @@ class TrainingRun:
                                       tokens_per_step=cfg.tokens_per_step * self.world.size,
                                       world_size=self.world.size, attention=attention,
                                       topology=topology))
+        if self.world.main:
+            self._start_monitors(backend)
 
     def _backend_options(self, backend: str, resume: Any) -> dict[str, Any]:
         """The CUDA backend's options: attention, and the run directory's GEMM plan
@@ -350,6 +366,37 @@ class TrainingRun:
             if isinstance(record, rec.GemmPlan):
                 self.out.write_json(self.out.paths.gemm_plan, record.to_json())
         return str(be.attention_info)
+
+    def _start_monitors(self, backend: str) -> None:
+        """Alerts (engine.run.alerts) and telemetry (engine.run.telemetry): rank 0 only."""
+        from engine.config import AlertsConfig
+        from engine.run.alerts import AlertMonitor, AlertSink, CommandRunner, Watchdog
+        from engine.run.telemetry import SystemSampler
+
+        a = self.cfg.alerts or AlertsConfig()
+        runner = CommandRunner(list(a.command), a.timeout_s, self.out.log) if a.command else None
+        self.sink = AlertSink(self.out.event, self.out.log, runner)
+        self.monitor = AlertMonitor(a.spike_mads)
+        self.watchdog = Watchdog(self.sink.emit, a.stall_factor, a.stall_min_s)
+        self.watchdog.start()
+        gpus = self._my_gpus() if backend == "cuda" else []
+        self.telemetry = SystemSampler(self.out.system, lambda: self.trainer.step_count, gpus)
+        self.telemetry.start()
+
+    def _my_gpus(self) -> list[int]:
+        """CUDA ordinals of this job's GPUs on this host (rank 0 samples them all)."""
+        host = socket.gethostname()
+        ranks = self._ranks or []
+        ords = sorted({int(r.device.split(":")[1]) for r in ranks
+                       if r.host == host and r.device.startswith("cuda:")
+                       and r.device.split(":")[1].isdigit()})
+        return ords or [int(os.environ.get("ANDREA_CUDA_DEVICE", "0") or 0)]
+
+    def _stop_monitors(self) -> None:
+        for part in (self.watchdog, self.telemetry, self.sink):
+            if part is not None:
+                part.stop()
+        self.watchdog = self.telemetry = self.sink = None
 
     def _check_same_data(self, saved: dict[str, Any]) -> None:
         """Bit-exact resume needs the very tokens the run trained on: refuse when they changed."""
@@ -417,6 +464,10 @@ class TrainingRun:
             if record.skipped:
                 self.out.event(rec.SkippedEvent(step=step, grad_norm=record.grad_norm))
                 self.out.log(f"step {step}: non-finite gradient norm, update skipped")
+            if self.monitor is not None:
+                for alert in self.monitor.observe(record):
+                    self.sink.emit(alert)
+                self.watchdog.beat(step, step_s)
             if change is not None:
                 self.out.event(rec.PhaseEvent(
                     step=step, phase=change.new_phase, phase_len=change.new_length,
@@ -430,10 +481,14 @@ class TrainingRun:
                              f"lr {record.lr:.2e} tok/s {record.tok_s:,.0f} "
                              f"phase {phase[0]} ({phase[1]}/{phase[2]})")
             self.out.set_status(durable=False, status=Status.RUNNING, step=step)
+            if self.evaluator is not None and self.evaluator.due(step):
+                self._evaluate(step)
             t0 = time.perf_counter()  # the next step's clock starts here ...
             if every_sample and step % every_sample == 0:
                 self._sample(step)
                 t0 = time.perf_counter()  # ... or after a text sample
+            if self.watchdog is not None:
+                self.watchdog.beat(step)  # validation and samples are expected work
             self._collect_writes()
             if not world.main:
                 continue  # rank 0 writes the checkpoints
@@ -443,6 +498,7 @@ class TrainingRun:
                 t0 = time.perf_counter()  # ... or after a checkpoint's copy
         if self.channel is not None:
             self.channel.finish()  # no collective after this: the others may end now
+        self._stop_monitors()  # a stop or final checkpoint is expected work, not a stall
         return self._finish(max_steps)
 
     def _exchange(self, rows: np.ndarray, step_s: float) -> tuple[np.ndarray, list[float]]:
@@ -472,6 +528,15 @@ class TrainingRun:
             sel = rows[src == i]
             out[name] = float(sel.mean()) if sel.size else None
         return out
+
+    def _evaluate(self, step: int) -> None:
+        """The validation loss now (forward passes on the held-out windows; the training state
+        and its random streams are left as they were)."""
+        t0 = time.perf_counter()
+        r = self.evaluator.evaluate(self.trainer, step)
+        self.out.eval_record(r)
+        self.out.log(f"eval step {step}: val loss {r.val_loss:.4f} "
+                     f"({time.perf_counter() - t0:.2f} s)", echo=False)
 
     def _sample(self, step: int) -> None:
         from engine.model.sampling import generate

@@ -1,4 +1,5 @@
-"""The engine's side of a run directory (DESIGN §7): log, step records, events, samples, status.
+"""The engine's side of a run directory (DESIGN §7): log, step records, events, samples,
+validation records, system telemetry, status.
 
 What each record holds is engine.records; where each file lives and how it is written safely is
 engine.runfiles. This is the writer the training loop holds: typed records in, whole lines out.
@@ -7,6 +8,8 @@ Two promises to the user:
 - A refusal changes nothing: the writer remembers what the run's files held when it opened them,
   and `rollback()` puts them back (appended lines cut off, replaced files restored, files it
   created removed), so a `--resume` refused for bad input leaves the run exactly as it was.
+- Lines are appended with one write each (unbuffered, O_APPEND), so the telemetry sampler and
+  the stall watchdog, threads of their own, append events and samples beside the loop safely.
 - A run directory that stops being writable (a full disk, the directory deleted under the engine)
   never turns into a traceback: the first failed write is reported once on stderr, `failed` is
   set for the loop to stop on, and later writes are attempted quietly.
@@ -21,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from engine.records import Event, RunStatus, Sample, Status, StepRecord
+from engine.records import EvalRecord, Event, RunStatus, Sample, Status, StepRecord, SystemRecord
 from engine.runfiles import JsonlWriter, RunPaths, write_bytes_atomic, write_json_atomic
 
 STATUS_EVERY_S = 0.5  # step-by-step status updates are throttled to this
@@ -56,7 +59,8 @@ class RunWriter:
     def __init__(self, root: Path, status: RunStatus | None = None) -> None:
         self.paths = p = RunPaths(Path(root))
         p.root.mkdir(parents=True, exist_ok=True)
-        self._appended = {f: _size(f) for f in (p.log, p.loss, p.events, p.samples)}
+        self._appended = {f: _size(f) for f in (p.log, p.loss, p.events, p.samples, p.eval,
+                                                p.system)}
         self._replaced = {f: _content(f) for f in (p.state, p.engine, p.config)}
         self.failed: OSError | None = None  # the first write that failed
         self._log = open(p.log, "a", buffering=1, encoding="utf-8")
@@ -64,6 +68,8 @@ class RunWriter:
         self._loss = JsonlWriter(p.loss)
         self._events = JsonlWriter(p.events)
         self._samples = JsonlWriter(p.samples)
+        self._eval = JsonlWriter(p.eval)
+        self._system = JsonlWriter(p.system)
         self.status = status or RunStatus(Status.STARTING)
         self._status_written = 0.0
 
@@ -102,6 +108,12 @@ class RunWriter:
 
     def sample(self, sample: Sample) -> None:
         self._append(self._samples, sample.to_json())
+
+    def eval_record(self, record: EvalRecord) -> None:
+        self._append(self._eval, record.to_json())
+
+    def system(self, record: SystemRecord) -> None:
+        self._append(self._system, record.to_json())
 
     def set_status(self, *, durable: bool = True, **changes: Any) -> None:
         """Update `state.json` (fields of engine.records.RunStatus). Step-by-step updates
@@ -158,7 +170,7 @@ class RunWriter:
                 pass
 
     def close(self) -> None:
-        for w in (self._loss, self._events, self._samples):
+        for w in (self._loss, self._events, self._samples, self._eval, self._system):
             try:
                 w.close()
             except OSError:
@@ -191,6 +203,12 @@ class QuietWriter(RunWriter):
         pass
 
     def sample(self, sample: Sample) -> None:
+        pass
+
+    def eval_record(self, record: EvalRecord) -> None:
+        pass
+
+    def system(self, record: SystemRecord) -> None:
         pass
 
     def set_status(self, *, durable: bool = True, **changes: Any) -> None:
