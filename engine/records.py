@@ -270,12 +270,24 @@ class StartEvent(Event):
 
 @dataclass(frozen=True)
 class PrepEvent(Event):
+    """A line of data preparation (`message`). While a source is being encoded, progress lines
+    also carry it structured: `source`, `bytes_done` of `bytes_total` input bytes, the rate
+    `mb_s` (MB/s, 1 MB = 10^6 bytes) and `eta_s` (seconds left at that rate); other lines leave
+    them empty (None)."""
+
     KIND: ClassVar[str] = "prep"
     message: str = ""
+    source: str = ""
+    bytes_done: int | None = None
+    bytes_total: int | None = None
+    mb_s: float | None = None
+    eta_s: float | None = None
 
     @classmethod
     def _read(cls, o: Mapping[str, Any], t: float) -> PrepEvent:
-        return cls(t, as_str(o.get("message")))
+        return cls(t, as_str(o.get("message")), as_str(o.get("source")),
+                   as_int(o.get("bytes_done"), 0), as_int(o.get("bytes_total"), 0),
+                   as_finite(o.get("mb_s")), as_finite(o.get("eta_s")))
 
 
 @dataclass(frozen=True)
