@@ -85,8 +85,14 @@ def test_sigterm_then_kill_9_then_a_complete_identical_shard(tmp_path, tokfile):
 
     second = start_prep(cfg, *slow)
     n2 = wait_for_commit(second, journal, n1)
-    second.kill()  # kill -9: no handler runs; its encoder process dies with it
+    workers = descendants(second.pid)
+    assert workers  # the encoder process
+    second.kill()  # kill -9: no handler runs
     second.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while any(map(running, workers)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(map(running, workers)), "an encoder process outlived prep"
     assert not (shards / "book.bin").exists()
 
     third = start_prep(cfg, "--jobs", "2", "--part-mb", "0.25")  # tiktoken: the same ids
@@ -99,39 +105,74 @@ def test_sigterm_then_kill_9_then_a_complete_identical_shard(tmp_path, tokfile):
     assert sorted(p.name for p in shards.iterdir()) == ["book.bin"]  # no partial, no tmp
 
 
-def test_a_full_disk_keeps_committed_parts_and_the_next_run_continues(tmp_path, tokfile,
-                                                                     monkeypatch):
-    src = tmp_path / "book.txt"
-    src.write_text(prose(2_000_000), encoding="utf-8")
-    sources = [{"name": "book", "paths": [str(src)]}]
-    reference = prepare(make_config(tmp_path / "ref", sources, tokfile),
-                        progress=lambda e: None, jobs=2, part_bytes=256 << 10)
-    cfg = make_config(tmp_path / "data", sources, tokfile)
-    monkeypatch.setattr(prep_module, "COMMIT_S", 0.0)  # commit after every part
+def fill_disk_at_part(monkeypatch, n: int) -> None:
+    """The n-th part's write fails as on a full disk (in this process)."""
     append = PartialShard.append
     calls = []
 
     def full_disk(self, *args):
         calls.append(1)
-        if len(calls) == 4:
+        if len(calls) == n:
             raise self._error(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
         append(self, *args)
 
     monkeypatch.setattr(PartialShard, "append", full_disk)
-    with pytest.raises(RunError, match=r"\.book\.bin\.partial: cannot write \(No space left on "
-                                       r"device\); 3 part\(s\), .* are kept"):
-        prepare(cfg, progress=lambda e: None, jobs=2, part_bytes=256 << 10)
+    monkeypatch.setattr(prep_module, "COMMIT_S", 0.0)  # commit after every part
+
+
+@pytest.fixture
+def book(tmp_path, tokfile):
+    src = tmp_path / "book.txt"
+    src.write_text(prose(2_000_000), encoding="utf-8")
+    sources = [{"name": "book", "paths": [str(src)]}]
+    reference = prepare(make_config(tmp_path / "ref", sources, tokfile),
+                        progress=lambda e: None, jobs=2, part_bytes=256 << 10)
+    return sources, reference.shard_paths["book"].read_bytes()
+
+
+def test_a_full_disk_keeps_committed_parts_and_the_next_run_continues(tmp_path, tokfile, book,
+                                                                     monkeypatch):
+    sources, reference = book
+    cfg = make_config(tmp_path / "data", sources, tokfile)
+    with monkeypatch.context() as m:
+        fill_disk_at_part(m, 4)
+        with pytest.raises(RunError, match=r"\.book\.bin\.partial: cannot write \(No space left "
+                                           r"on device\); 3 part\(s\), .* are kept"):
+            prepare(cfg, progress=lambda e: None, jobs=2, part_bytes=256 << 10)
     assert not (tmp_path / "data" / "shards" / "book.bin").exists()
-    monkeypatch.setattr(PartialShard, "append", append)
     log = []
     again = prepare(cfg, progress=lambda e: log.append(e.message), jobs=2, part_bytes=256 << 10)
     assert again.resumed == ["book"]
     assert any(m.startswith("book: resuming at part 4 of ") for m in log)
-    assert again.shard_paths["book"].read_bytes() == reference.shard_paths["book"].read_bytes()
+    assert again.shard_paths["book"].read_bytes() == reference
 
 
-def tree_rss(pid: int) -> int:
-    """Resident bytes of a process and all its descendants (Linux /proc)."""
+def test_an_unfinished_shard_of_other_inputs_is_discarded_and_said(tmp_path, tokfile, book,
+                                                                   monkeypatch):
+    sources, reference = book
+    cfg = make_config(tmp_path / "data", sources, tokfile)
+    with monkeypatch.context() as m:
+        fill_disk_at_part(m, 3)
+        with pytest.raises(RunError):
+            prepare(cfg, progress=lambda e: None, jobs=1, part_bytes=256 << 10)
+    log = []
+    again = prepare(cfg, progress=lambda e: log.append(e.message), jobs=2, part_bytes=100_000)
+    assert again.resumed == []
+    assert any(m.startswith("book: an unfinished shard from other inputs") for m in log)
+    assert again.shard_paths["book"].read_bytes() == reference
+
+
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def descendants(pid: int) -> list[int]:
+    """The pids of a process's children, their children, ... (Linux /proc)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -141,10 +182,18 @@ def tree_rss(pid: int) -> int:
             except (OSError, ValueError, IndexError):
                 continue
             children.setdefault(ppid, []).append(int(entry))
-    total, todo = 0, [pid]
+    out, todo = [], list(children.get(pid, []))
     while todo:
         p = todo.pop()
+        out.append(p)
         todo.extend(children.get(p, []))
+    return out
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of a process and all its descendants."""
+    total = 0
+    for p in [pid, *descendants(pid)]:
         try:
             with open(f"/proc/{p}/status") as f:
                 for line in f:

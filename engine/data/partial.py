@@ -51,9 +51,12 @@ class PartialShard:
         self.written = Committed()  # committed plus what was appended since
         self._f: BinaryIO | None = None
 
-    def open(self) -> bool:
-        """Continue a matching partial shard (True) or start a new one (False)."""
+    def open(self) -> str:
+        """Continue a matching partial shard ("resumed"), or start a new one: "new", or
+        "restarted" when an unfinished one made from other inputs was there."""
         kept = self._matching_journal()
+        state = "resumed" if kept is not None else (
+            "restarted" if self.partial.exists() or self.journal.exists() else "new")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if kept is not None:
@@ -69,7 +72,7 @@ class PartialShard:
         except OSError as e:
             raise self._error(e) from None
         self.written = Committed(**asdict(self.committed))
-        return kept is not None
+        return state
 
     def _matching_journal(self) -> Committed | None:
         try:

@@ -312,13 +312,17 @@ def _encode_source(tok: Tokenizer, name: str, plan: Plan, shard: PartialShard,
                    should_stop: ShouldStop) -> tuple[int, int | None, float]:
     """Encode the parts of `plan` not yet in `shard` and complete it. Returns (tokens, input
     bytes kept from an interrupted run or None, seconds)."""
-    resumed = shard.open()
+    state = shard.open()
+    resumed = state == "resumed"
     c = shard.committed
     n_parts = len(plan.parts)
     if resumed:
         _say(progress, f"{name}: resuming at part {c.parts + 1} of {n_parts}: {_mb(c.nbytes)} of "
                        f"{_mb(plan.total_bytes)} MB ({c.tokens:,} tokens) kept from an "
                        "interrupted run")
+    elif state == "restarted":
+        _say(progress, f"{name}: an unfinished shard from other inputs (files, tokenizer or "
+                       "--part-mb changed) was discarded; starting over")
     meter = _Meter(name, plan.total_bytes, c.nbytes)
     last_commit = last_report = time.perf_counter()
     try:
