@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import multiprocessing as mp
+import os
 import signal
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -24,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from engine.data.cuts import split_text
-from engine.data.encoders import make_encoder
+from engine.data.encoders import Encoder, make_encoder
 from engine.data.plan import Part
 from engine.data.reader import read_part
 from engine.data.tokenizer import load_tokenizer
@@ -47,7 +48,7 @@ class PartResult:
     docs: int
 
 
-def encode_part(encoder: Any, eot_id: int, part: Part) -> tuple[np.ndarray, int]:
+def encode_part(encoder: Encoder, eot_id: int, part: Part) -> tuple[np.ndarray, int]:
     """A part's tokens (documents followed by `<|endoftext|>`) and its document count."""
     chunks: list[np.ndarray] = []
     eot = np.array([eot_id], dtype=np.uint16)
@@ -72,11 +73,17 @@ def die_with_parent() -> None:
         pass
 
 
-def _worker(conn: Connection, tok_path: str, vocab_size: int, encoder_name: str) -> None:
+def _worker(conn: Connection, parent_pid: int, tok_path: str, vocab_size: int, tok_sha: str,
+            encoder_name: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent()
+    if os.getppid() != parent_pid:
+        return  # the parent died before this process could ask to die with it
     try:
         tok = load_tokenizer(tok_path, vocab_size)
+        if tok.sha256 != tok_sha:
+            raise UserError(f"{tok_path}: changed while being used (sha256 {tok.sha256[:12]}, "
+                            f"expected {tok_sha[:12]})")
         encoder = make_encoder(tok, encoder_name)
     except UserError as e:
         conn.send(("error", -1, str(e)))
@@ -103,9 +110,11 @@ def _worker(conn: Connection, tok_path: str, vocab_size: int, encoder_name: str)
 
 
 class EncoderPool:
-    """`jobs` worker processes encoding parts with the tokenizer at `tok_path`."""
+    """`jobs` worker processes encoding parts with the tokenizer at `tok_path` (whose sha256
+    must be `tok_sha`)."""
 
-    def __init__(self, jobs: int, tok_path: Path, vocab_size: int, encoder_name: str) -> None:
+    def __init__(self, jobs: int, tok_path: Path, vocab_size: int, tok_sha: str,
+                 encoder_name: str) -> None:
         ctx = mp.get_context("spawn")
         self.jobs = jobs
         self._workers: list[tuple[Any, Connection]] = []
@@ -113,7 +122,8 @@ class EncoderPool:
             for _ in range(jobs):
                 parent, child = ctx.Pipe(duplex=True)
                 proc = ctx.Process(target=_worker, daemon=True,
-                                   args=(child, str(tok_path), vocab_size, encoder_name))
+                                   args=(child, os.getpid(), str(tok_path), vocab_size,
+                                         tok_sha, encoder_name))
                 proc.start()
                 child.close()
                 self._workers.append((proc, parent))

@@ -307,7 +307,7 @@ class _Meter:
                          mb_s=rate / 1e6, eta_s=eta)
 
 
-def _encode_source(tok: Tokenizer, name: str, plan: Plan, shard: PartialShard,
+def _encode_source(name: str, plan: Plan, shard: PartialShard,
                    pool: EncoderPool, seq_len: int, progress: Progress,
                    should_stop: ShouldStop) -> tuple[int, int | None, float]:
     """Encode the parts of `plan` not yet in `shard` and complete it. Returns (tokens, input
@@ -419,7 +419,7 @@ def _prepare_locked(config: Config, progress: Progress, force: bool, should_stop
     result.encoder = enc_name
     _say(progress, f"encoding with {enc_name} ({why}), {n_jobs} process(es), parts of "
                    f"{part_bytes / 2**20:g} MiB")
-    pool = EncoderPool(n_jobs, tok.path, tok.vocab_size, enc_name)
+    pool = EncoderPool(n_jobs, tok.path, tok.vocab_size, tok.sha256, enc_name)
     try:
         for source, fp, plan in todo:
             name = source.name
@@ -429,7 +429,7 @@ def _prepare_locked(config: Config, progress: Progress, force: bool, should_stop
             if force:
                 shard.discard()
             n_tokens, kept, secs = _encode_source(
-                tok, name, plan, shard, pool, config.model.seq_len, progress, should_stop)
+                name, plan, shard, pool, config.model.seq_len, progress, should_stop)
             w = shard.written
             now = w.nbytes - (kept or 0)
             _say(progress,
