@@ -270,10 +270,10 @@ class StartEvent(Event):
 
 @dataclass(frozen=True)
 class PrepEvent(Event):
-    """A line of data preparation (`message`). While a source is being encoded, progress lines
-    also carry it structured: `source`, `bytes_done` of `bytes_total` input bytes, the rate
-    `mb_s` (MB/s, 1 MB = 10^6 bytes) and `eta_s` (seconds left at that rate); other lines leave
-    them empty (None)."""
+    """A line of data preparation (`message`). A line about one source names it (`source`);
+    the progress lines while it is encoded, and its last line, also carry `bytes_done` of
+    `bytes_total` input bytes, the rate `mb_s` (MB/s, 1 MB = 10^6 bytes) and `eta_s` (seconds
+    left at that rate; 0 on the last line). Other lines leave them empty ("" and None)."""
 
     KIND: ClassVar[str] = "prep"
     message: str = ""

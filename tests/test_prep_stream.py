@@ -113,13 +113,15 @@ def test_progress_events_carry_source_bytes_rate_and_eta(tmp_path, tokfile, monk
     events = []
     prepare(make_config(tmp_path / "d", [{"name": "p", "paths": [str(src)]}], tokfile),
             progress=events.append, jobs=2, part_bytes=100_000)
-    live = [e for e in events if e.bytes_done is not None]
+    *live, last = [e for e in events if e.bytes_done is not None]
     assert len(live) >= 3
     total = src.stat().st_size
     assert all(e.source == "p" and e.bytes_total == total for e in live)
     assert [e.bytes_done for e in live] == sorted(e.bytes_done for e in live)
     assert all(e.mb_s > 0 and e.eta_s >= 0 and "MB/s, ETA" in e.message for e in live)
-    assert any(e.message.startswith("encoding with tiktoken") for e in events)
+    assert last.source == "p" and last.bytes_done == total and last.eta_s == 0
+    assert last.message.startswith("p: ") and last is events[-1]
+    assert any(e.message.startswith("encoding with tiktoken") and not e.source for e in events)
 
 
 def test_bad_utf8_deep_in_a_large_file_names_the_byte(tmp_path, tokfile):

@@ -114,8 +114,8 @@ def _write_manifest(path: Path, manifest: dict) -> None:
     os.replace(tmp, path)
 
 
-def _say(progress: Progress, message: str) -> None:
-    progress(PrepEvent(message=message))
+def _say(progress: Progress, message: str, source: str = "") -> None:
+    progress(PrepEvent(message=message, source=source))
 
 
 # ---------------------------------------------------------------- the data directory
@@ -319,10 +319,10 @@ def _encode_source(name: str, plan: Plan, shard: PartialShard,
     if resumed:
         _say(progress, f"{name}: resuming at part {c.parts + 1} of {n_parts}: {_mb(c.nbytes)} of "
                        f"{_mb(plan.total_bytes)} MB ({c.tokens:,} tokens) kept from an "
-                       "interrupted run")
+                       "interrupted run", name)
     elif state == "restarted":
         _say(progress, f"{name}: an unfinished shard from other inputs (files, tokenizer or "
-                       "--part-mb changed) was discarded; starting over")
+                       "--part-mb changed) was discarded; starting over", name)
     meter = _Meter(name, plan.total_bytes, c.nbytes)
     last_commit = last_report = time.perf_counter()
     try:
@@ -340,7 +340,7 @@ def _encode_source(name: str, plan: Plan, shard: PartialShard,
         shard.close()
         w = shard.written
         _say(progress, f"{name}: stopped at part {w.parts} of {n_parts} ({_mb(w.nbytes)} of "
-                       f"{_mb(plan.total_bytes)} MB kept; the next run continues)")
+                       f"{_mb(plan.total_bytes)} MB kept; the next run continues)", name)
         raise PrepInterrupted from None
     except BaseException:
         shard.close()  # the committed parts stay for the next run
@@ -405,7 +405,7 @@ def _prepare_locked(config: Config, progress: Progress, force: bool, should_stop
             except UserError:
                 shard = None  # damaged or gone: rebuild it
             if shard is not None and len(shard) == rec.get("tokens"):
-                _say(progress, f"{name}: unchanged, skipped ({len(shard):,} tokens)")
+                _say(progress, f"{name}: unchanged, skipped ({len(shard):,} tokens)", name)
                 result.shard_paths[name] = path
                 result.tokens[name] = len(shard)
                 result.skipped.append(name)
@@ -432,10 +432,13 @@ def _prepare_locked(config: Config, progress: Progress, force: bool, should_stop
                 name, plan, shard, pool, config.model.seq_len, progress, should_stop)
             w = shard.written
             now = w.nbytes - (kept or 0)
-            _say(progress,
-                 f"{name}: {w.docs:,} docs, {w.nbytes / 1e6:.2f} MB -> {n_tokens:,} tokens "
-                 f"({w.nbytes / max(n_tokens, 1):.2f} bytes/token); {now / 1e6:.2f} MB "
-                 f"encoded in {secs:.1f} s, {now / 1e6 / max(secs, 1e-9):.2f} MB/s -> {path}")
+            mb_s = now / 1e6 / max(secs, 1e-9)
+            progress(PrepEvent(
+                message=f"{name}: {w.docs:,} docs, {w.nbytes / 1e6:.2f} MB -> {n_tokens:,} "
+                        f"tokens ({w.nbytes / max(n_tokens, 1):.2f} bytes/token); "
+                        f"{now / 1e6:.2f} MB encoded in {secs:.1f} s, {mb_s:.2f} MB/s -> {path}",
+                source=name, bytes_done=w.nbytes, bytes_total=plan.total_bytes, mb_s=mb_s,
+                eta_s=0.0))
             shard_records[name] = {
                 "fingerprint": fp,
                 "tokenizer": tok.sha256,
