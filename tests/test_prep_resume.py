@@ -228,3 +228,28 @@ def test_memory_does_not_grow_with_the_size_of_a_single_document(tmp_path, tokfi
         peaks[mb] = peak_rss_of_prep(cfg, "--jobs", "2", "--part-mb", "1")
     assert peaks[48] < peaks[8] + 25_000_000, peaks
     assert peaks[48] < 600_000_000, peaks  # three processes: the parent and two encoders
+
+
+@pytest.mark.parametrize("change", [
+    {"tokens": -4}, {"parts": True}, {"nbytes": "12"}, {"parts": 99}, {"tokens": 10**9},
+    {"version": 2}, {"key": {"fingerprint": "other"}}, None,
+])
+def test_a_hostile_journal_is_never_continued(tmp_path, change):
+    import numpy as np
+
+    key = {"fingerprint": "f", "tokenizer": "t", "plan": "p", "n_parts": 3}
+    sha = "ab" * 32
+    shard = PartialShard(tmp_path / "s.bin", 8449, sha, key)
+    assert shard.open() == "new"
+    shard.append(np.arange(10, dtype=np.uint16), 100, 1)
+    shard.commit()
+    shard.close()
+    record = json.loads(shard.journal.read_text())
+    shard.journal.write_text("{not json" if change is None else json.dumps({**record, **change}))
+    again = PartialShard(tmp_path / "s.bin", 8449, sha, key)
+    assert again.open() == "restarted"
+    assert again.committed.tokens == 0
+    again.append(np.arange(5, dtype=np.uint16), 50, 1)
+    assert again.finish() == 5
+    assert not again.partial.exists() and not again.journal.exists()
+    assert (tmp_path / "s.bin").stat().st_size == 64 + 2 * 5  # none of the old tokens

@@ -171,6 +171,22 @@ def test_the_first_error_in_document_order_is_the_one_reported(tmp_path, tokfile
     assert not (tmp_path / "data" / "shards" / "p.bin").exists()
 
 
+@pytest.mark.parametrize("line, message", [
+    ('{"conversations": [{"from": "gpt", "value": "x"}], "n": ' + "1" * 5000 + "}",
+     "not usable JSON (Exceeds the limit"),
+    ("[" * 100_000 + "]" * 100_000, "JSON nested too deeply"),
+    ('{"conversations": [{"from": "gpt", "value": "\\udc00"}]}', "a lone surrogate (\\udc00)"),
+])
+def test_hostile_jsonl_lines_are_one_clear_error(tmp_path, line, message):
+    p = tmp_path / "c.jsonl"
+    good = json.dumps({"conversations": [{"from": "human", "value": "hi"}]})
+    p.write_text(f"{good}\n\n{line}\n{good}\n", encoding="utf-8")
+    size = p.stat().st_size
+    with pytest.raises(UserError) as e:
+        list(read_span(Span(str(p), size, "jsonl", 0, size, 0, size)))
+    assert str(e.value).startswith(f"{p}:3: ") and message in str(e.value), str(e.value)
+
+
 def test_a_file_that_changed_since_it_was_planned_is_refused(tmp_path):
     p = tmp_path / "a.txt"
     p.write_text("some text\n")

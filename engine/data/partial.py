@@ -38,7 +38,8 @@ class Committed:
 
 
 class PartialShard:
-    """The shard at `path` being written; `key` says what it is made from."""
+    """The shard at `path` being written; `key` says what it is made from (a journal under
+    another key is not continued; one counting more parts than the key's `n_parts` neither)."""
 
     def __init__(self, path: Path, vocab_size: int, tok_sha: str, key: dict[str, Any]) -> None:
         self.path = path
@@ -82,10 +83,15 @@ class PartialShard:
         if not isinstance(j, dict) or j.get("version") != JOURNAL_VERSION or j.get(
                 "key") != self.key:
             return None
+        values = [j.get(k) for k in ("parts", "tokens", "nbytes", "docs")]
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+            return None
+        kept = Committed(*values)
+        if kept.parts > self.key.get("n_parts", kept.parts):
+            return None
         try:
-            kept = Committed(**{k: int(j[k]) for k in ("parts", "tokens", "nbytes", "docs")})
             size = self.partial.stat().st_size
-        except (KeyError, TypeError, ValueError, OSError):
+        except OSError:
             return None
         if size < HEADER_SIZE + 2 * kept.tokens:
             return None  # the file lost tokens the journal counts: start over

@@ -86,7 +86,7 @@ def _worker(conn: Connection, parent_pid: int, tok_path: str, vocab_size: int, t
                             f"expected {tok_sha[:12]})")
         encoder = make_encoder(tok, encoder_name)
     except UserError as e:
-        conn.send(("error", -1, str(e)))
+        conn.send(("error", -1, str(e), "user"))
         return
     while True:
         try:
@@ -99,11 +99,11 @@ def _worker(conn: Connection, parent_pid: int, tok_path: str, vocab_size: int, t
         try:
             tokens, docs = encode_part(encoder, tok.eot_id, part)
         except UserError as e:
-            conn.send(("error", index, str(e)))
+            conn.send(("error", index, str(e), "user"))
             continue
         except Exception as e:  # a bug: say where, rather than die silently
-            conn.send(("error", index, "encoding failed: "
-                       + "".join(traceback.format_exception_only(e)).strip()))
+            conn.send(("error", index, f"encoding part {index} failed: "
+                       + "".join(traceback.format_exception_only(e)).strip(), "run"))
             continue
         conn.send(("ok", index, docs, part.nbytes))
         conn.send_bytes(tokens.tobytes())
@@ -141,7 +141,7 @@ class EncoderPool:
         window = self.jobs * WINDOW_PER_JOB
         idle = list(range(len(self._workers)))
         busy: dict[int, int] = {}  # worker -> part index
-        done: dict[int, PartResult | str] = {}  # a str is the part's error
+        done: dict[int, PartResult | Exception] = {}
         while next_write < n:
             while idle and next_out < n and next_out < next_write + window:
                 w = idle.pop()
@@ -166,19 +166,21 @@ class EncoderPool:
                     raise self._died(sentinels[r], busy[sentinels[r]])
             while next_write in done:
                 result = done.pop(next_write)
-                if isinstance(result, str):
-                    raise UserError(result)
+                if isinstance(result, Exception):
+                    raise result
                 yield result
                 next_write += 1
 
-    def _receive(self, w: int, done: dict[int, PartResult | str]) -> None:
+    def _receive(self, w: int, done: dict[int, PartResult | Exception]) -> None:
         proc, conn = self._workers[w]
         try:
             msg = conn.recv()
             if msg[0] == "error":
-                if msg[1] < 0:  # the worker could not start
-                    raise UserError(msg[2])
-                done[msg[1]] = msg[2]
+                _, index, text, kind = msg
+                error = UserError(text) if kind == "user" else RunError(text)
+                if index < 0:  # the worker could not start
+                    raise error
+                done[index] = error
                 return
             _, index, docs, nbytes = msg
             tokens = np.frombuffer(conn.recv_bytes(), dtype=np.uint16)

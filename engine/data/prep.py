@@ -424,7 +424,8 @@ def _prepare_locked(config: Config, progress: Progress, force: bool, should_stop
         for source, fp, plan in todo:
             name = source.name
             path = shard_path(data_dir, name)
-            key = {"fingerprint": fp, "tokenizer": tok.sha256, "plan": plan.digest()}
+            key = {"fingerprint": fp, "tokenizer": tok.sha256, "plan": plan.digest(),
+                   "n_parts": len(plan.parts)}
             shard = PartialShard(path, tok.vocab_size, tok.sha256, key)
             if force:
                 shard.discard()

@@ -99,6 +99,8 @@ def _jsonl(f: BinaryIO, span: Span) -> Iterator[Piece]:
             raise UserError(f"{where(i)}: not valid JSON ({e.msg} at column {e.colno})") from None
         except RecursionError:
             raise UserError(f"{where(i)}: JSON nested too deeply") from None
+        except ValueError as e:  # e.g. an integer of more digits than Python converts
+            raise UserError(f"{where(i)}: not usable JSON ({e})") from None
         try:
             doc = render_conversation(record, "")
         except UserError:

@@ -169,6 +169,8 @@ def _iter_jsonl(path: Path) -> Iterator[str]:
                 ) from None
             except RecursionError:
                 raise UserError(f"{path}:{lineno}: JSON nested too deeply") from None
+            except ValueError as e:  # e.g. an integer of more digits than Python converts
+                raise UserError(f"{path}:{lineno}: not usable JSON ({e})") from None
             yield render_conversation(record, f"{path}:{lineno}")
 
 
