@@ -147,6 +147,25 @@ def test_a_full_disk_keeps_committed_parts_and_the_next_run_continues(tmp_path, 
     assert again.shard_paths["book"].read_bytes() == reference
 
 
+def test_a_crash_before_the_rename_completes_from_the_journal(tmp_path, tokfile, book,
+                                                              monkeypatch):
+    sources, reference = book
+    cfg = make_config(tmp_path / "data", sources, tokfile)
+    with monkeypatch.context() as m:
+        m.setattr(prep_module, "COMMIT_S", 0.0)
+
+        def crash(self):
+            raise self._error(OSError(errno.EIO, os.strerror(errno.EIO)))
+
+        m.setattr(PartialShard, "finish", crash)
+        with pytest.raises(RunError, match="Input/output error"):
+            prepare(cfg, progress=lambda e: None, jobs=2, part_bytes=256 << 10)
+    log = []
+    again = prepare(cfg, progress=lambda e: log.append(e.message), jobs=2, part_bytes=256 << 10)
+    assert any(m.startswith("book: all ") and "completing the shard" in m for m in log)
+    assert again.shard_paths["book"].read_bytes() == reference
+
+
 def test_an_unfinished_shard_of_other_inputs_is_discarded_and_said(tmp_path, tokfile, book,
                                                                    monkeypatch):
     sources, reference = book

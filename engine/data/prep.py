@@ -316,7 +316,10 @@ def _encode_source(name: str, plan: Plan, shard: PartialShard,
     resumed = state == "resumed"
     c = shard.committed
     n_parts = len(plan.parts)
-    if resumed:
+    if resumed and c.parts == n_parts:
+        _say(progress, f"{name}: all {n_parts} parts kept from an interrupted run; completing "
+                       "the shard", name)
+    elif resumed:
         _say(progress, f"{name}: resuming at part {c.parts + 1} of {n_parts}: {_mb(c.nbytes)} of "
                        f"{_mb(plan.total_bytes)} MB ({c.tokens:,} tokens) kept from an "
                        "interrupted run", name)
