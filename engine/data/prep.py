@@ -19,6 +19,7 @@ Documents are separated by `<|endoftext|>` (one after each document).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import json
 import multiprocessing as mp
@@ -27,7 +28,7 @@ import re
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -499,16 +500,22 @@ class _Terminal:
         print(event.message, flush=True)
 
 
-def _stop_on_signals() -> Callable[[], str | None]:
-    """SIGTERM, SIGINT and SIGHUP ask prep to stop; returns what asked (None: nothing yet)."""
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[Callable[[], str | None]]:
+    """While inside, SIGTERM, SIGINT and SIGHUP ask prep to stop; yields what asked (None:
+    nothing yet). The previous handlers are put back on the way out."""
     asked: list[str] = []
 
     def handler(signum: int, frame: object) -> None:
         asked.append(signal.Signals(signum).name)
 
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, handler)
-    return lambda: asked[0] if asked else None
+    previous = {sig: signal.signal(sig, handler)
+                for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        yield lambda: asked[0] if asked else None
+    finally:
+        for sig, h in previous.items():
+            signal.signal(sig, h)
 
 
 @cli_entry
@@ -528,16 +535,16 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < args.part_mb <= 1024:
         raise UserError(f"--part-mb: expected a size in (0, 1024] MiB, got {args.part_mb:g}")
     config = load_config(args.config)
-    stopped_by = _stop_on_signals()
     terminal = _Terminal()
-    try:
-        result = prepare(config, progress=terminal, force=args.force,
-                         should_stop=lambda: stopped_by() is not None, jobs=args.jobs,
-                         encoder=args.encoder, part_bytes=max(1, int(args.part_mb * 2**20)))
-    except PrepInterrupted:
-        terminal(PrepEvent(message=f"stopped ({stopped_by() or 'interrupted'}): what was "
-                                   "written is kept; run andrea-prep again to continue"))
-        return 130
+    with _stop_on_signals() as stopped_by:
+        try:
+            result = prepare(config, progress=terminal, force=args.force,
+                             should_stop=lambda: stopped_by() is not None, jobs=args.jobs,
+                             encoder=args.encoder, part_bytes=max(1, int(args.part_mb * 2**20)))
+        except PrepInterrupted:
+            terminal(PrepEvent(message=f"stopped ({stopped_by() or 'interrupted'}): what was "
+                                       "written is kept; run andrea-prep again to continue"))
+            return 130
     total = sum(result.tokens.values())
     terminal(PrepEvent(message=f"done: {len(result.tokens)} sources, {total:,} tokens in "
                                f"{config.data.dir}"))
