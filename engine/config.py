@@ -25,7 +25,7 @@ from engine.errors import UserError
 
 BUILTIN_SOURCES = ("python-reference", "stdlib-docstrings", "stdlib-code")
 PRECISIONS = ("fp32", "bf16", "fp16")
-SOURCE_FORMATS = ("auto", "text", "jsonl")
+SOURCE_FORMATS = ("auto", "text", "docs", "gutenberg", "jsonl")
 BANDIT_SCORES = ("progress", "loss")
 TOKENIZER_BYTES = 64 << 20  # an 8449-id BPE tokenizer is about 0.5 MB
 DESCRIPTION_MAX = 4096  # characters: a description travels into every checkpoint's state.json

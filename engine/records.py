@@ -274,12 +274,24 @@ class StartEvent(Event):
 
 @dataclass(frozen=True)
 class PrepEvent(Event):
+    """A line of data preparation (`message`). A line about one source names it (`source`);
+    the progress lines while it is encoded, and its last line, also carry `bytes_done` of
+    `bytes_total` input bytes, the rate `mb_s` (MB/s, 1 MB = 10^6 bytes) and `eta_s` (seconds
+    left at that rate; 0 on the last line). Other lines leave them empty ("" and None)."""
+
     KIND: ClassVar[str] = "prep"
     message: str = ""
+    source: str = ""
+    bytes_done: int | None = None
+    bytes_total: int | None = None
+    mb_s: float | None = None
+    eta_s: float | None = None
 
     @classmethod
     def _read(cls, o: Mapping[str, Any], t: float) -> PrepEvent:
-        return cls(t, as_str(o.get("message")))
+        return cls(t, as_str(o.get("message")), as_str(o.get("source")),
+                   as_int(o.get("bytes_done"), 0), as_int(o.get("bytes_total"), 0),
+                   as_finite(o.get("mb_s")), as_finite(o.get("eta_s")))
 
 
 @dataclass(frozen=True)

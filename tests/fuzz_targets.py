@@ -194,6 +194,70 @@ def _tokenizer_base() -> object:
             "pre_tokenizer": {"type": "ByteLevel"}}
 
 
+def conversations(data: bytes) -> None:
+    """The JSONL reader of prep (engine.data.reader) on a file holding `data`, read whole and in
+    two parts cut at every tenth byte."""
+    from engine.data.plan import Span
+    from engine.data.reader import read_span
+
+    with tempfile.TemporaryDirectory() as tmp:
+        p = Path(tmp) / "chat.jsonl"
+        p.write_bytes(data)
+        n = len(data)
+        for cut in [n, *range(0, n, max(n // 10, 1))]:
+            for lo, hi in ((0, cut), (cut, n)):
+                try:
+                    for text, ends in read_span(Span(str(p), n, "jsonl", lo, hi, 0, n)):
+                        assert isinstance(text, str) and ends
+                except UserError:
+                    pass
+
+
+def gutenberg_book(data: bytes) -> None:
+    """The Gutenberg body finder and reader on a file holding `data`."""
+    from engine.data.gutenberg import body_of
+    from engine.data.plan import Span
+    from engine.data.reader import read_span
+
+    body = body_of(data)
+    assert 0 <= body.start <= body.end <= len(data)
+    with tempfile.TemporaryDirectory() as tmp:
+        p = Path(tmp) / "book.txt"
+        p.write_bytes(data)
+        try:
+            list(read_span(Span(str(p), len(data), "gutenberg", 0, len(data), 0, len(data))))
+        except UserError:
+            pass
+
+
+def prep_journal(data: bytes) -> None:
+    """A partial shard's journal holding `data`: continued only when it is one of ours."""
+    from engine.data.partial import PartialShard
+
+    key = {"fingerprint": "f", "tokenizer": "t", "plan": "p", "n_parts": 3}
+    with tempfile.TemporaryDirectory() as tmp:
+        shard = PartialShard(Path(tmp) / "s.bin", 8449, "ab" * 32, key)
+        shard.open()
+        shard.append(np.arange(8, dtype=np.uint16), 10, 1)
+        shard.commit()
+        shard.close()
+        shard.journal.write_bytes(data)
+        again = PartialShard(Path(tmp) / "s.bin", 8449, "ab" * 32, key)
+        state = again.open()
+        c = again.committed
+        assert state in ("resumed", "restarted")
+        assert 0 <= c.parts <= 3 and 0 <= c.tokens <= 8
+        again.close()
+
+
+_CONVERSATION = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt",
+                                                                      "value": "hello"}]}
+_BOOK_PIECES = [b"*** START OF THE PROJECT GUTENBERG EBOOK X ***", b"*END*THE SMALL PRINT!",
+                b"*** END OF THIS PROJECT GUTENBERG EBOOK X ***", b"End of Project Gutenberg's",
+                b"\r\n", b"\n", b"\r", b" ", b"Body text.", b"\xff", b"\xc3\xa9"]
+_JOURNAL = {"version": 1, "key": {"fingerprint": "f", "tokenizer": "t", "plan": "p",
+                                  "n_parts": 3}, "parts": 1, "tokens": 8, "nbytes": 10, "docs": 1}
+
 # target name -> (function, input strategy)
 TARGETS: dict[str, tuple[Callable[..., None], st.SearchStrategy]] = {
     "config file": (config, near_json(TINY)),
@@ -210,4 +274,11 @@ TARGETS: dict[str, tuple[Callable[..., None], st.SearchStrategy]] = {
     "checkpoint model.ckpt": (checkpoint_model, st.binary(max_size=200)),
     "shard header": (shard, st.binary(max_size=120)),
     "tokenizer file": (tokenizer, near_json(_tokenizer_base())),
+    "conversations (prep)": (conversations, st.lists(near_json(_CONVERSATION), max_size=6)
+                             .flatmap(lambda xs: st.sampled_from([b"\n", b"\r\n", b"\r"])
+                                      .map(lambda sep: sep.join(xs)))),
+    "gutenberg book": (gutenberg_book, st.lists(st.sampled_from(_BOOK_PIECES)
+                                                | st.binary(max_size=8), max_size=30)
+                       .map(b"".join)),
+    "prep journal": (prep_journal, near_json(_JOURNAL)),
 }

@@ -46,6 +46,26 @@ def test_shipped_configs_load(name: str) -> None:
     assert parse_config(cfg.to_json(), "again", ROOT) == cfg
 
 
+def test_seed_sources_template() -> None:
+    """A template for a user who has the seed's data: valid but for its paths, which do not exist
+    here (data/ is not in the repository), and a missing path is one clear line."""
+    path = ROOT / "experiments" / "ANDREA-120M-SEED-SOURCES.json"
+    raw = json.loads(path.read_text())
+    cfg = parse_config(raw, str(path), path.parent, check_paths=False)
+    assert [(s.name, s.format) for s in cfg.data.sources] == [
+        ("repo-docs", "docs"), ("gutenberg", "gutenberg"), ("hermes3-general", "jsonl")]
+    assert cfg.model == load_config(ROOT / "experiments" / "ANDREA-120M-TRAIN.json").model
+    assert cfg.train.max_steps * cfg.tokens_per_step > 1.6e9  # the seed's 1.6 B tokens
+    missing = [s.paths[0] for s in cfg.data.sources if not (path.parent / s.paths[0]).exists()]
+    if not missing:
+        load_config(path)  # this checkout has the seed's data linked in: it loads
+        return
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert str(e.value).startswith(f"{path}: data.sources[")
+    assert "matches no file (looked for " in str(e.value) and "\n" not in str(e.value)
+
+
 def test_120m_recipe() -> None:
     cfg = load_config(ROOT / "experiments" / "ANDREA-120M-TRAIN.json")
     assert cfg.optim.lr == 3e-4 and cfg.optim.warmup_steps == 2000

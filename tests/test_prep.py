@@ -11,13 +11,8 @@ import pytest
 
 from engine.config import parse_config
 from engine.data.builtin import stdlib_code_docs
-from engine.data.prep import (
-    load_prepared,
-    main,
-    prepare,
-    training_budgets,
-    training_texts,
-)
+from engine.data.prep import load_prepared, main, prepare
+from engine.data.sample import training_budgets, training_texts
 from engine.data.shards import open_shard
 from engine.data.sources import iter_documents
 from engine.errors import UserError
@@ -74,7 +69,7 @@ def prepared(corpus, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("prep")
     cfg = make_config(tmp, sources_for(corpus))
     log = []
-    result = prepare(cfg, progress=log.append)
+    result = prepare(cfg, progress=lambda e: log.append(e.message))
     return cfg, result, log
 
 
@@ -109,7 +104,7 @@ def test_second_run_skips_everything(prepared):
     cfg, result, _ = prepared
     mtimes = {p: os.stat(p).st_mtime_ns for p in result.shard_paths.values()}
     log = []
-    again = prepare(cfg, progress=log.append)
+    again = prepare(cfg, progress=lambda e: log.append(e.message))
     assert not again.trained_tokenizer
     assert again.skipped == ["ref", "code", "chat"]
     assert again.tokenizer_sha == result.tokenizer_sha and again.tokens == result.tokens
@@ -126,7 +121,7 @@ def test_changed_source_is_re_encoded_alone_and_damaged_shard_rebuilt(corpus, tm
         chat.write_text(original + json.dumps(
             {"conversations": [{"from": "human", "value": "E adesso?"}]}) + "\n")
         log = []
-        second = prepare(cfg, progress=log.append)
+        second = prepare(cfg, progress=lambda e: log.append(e.message))
         assert second.skipped == ["ref", "code"]
         assert second.tokenizer_sha == first.tokenizer_sha  # the tokenizer is kept
         assert any("kept" in m for m in log)

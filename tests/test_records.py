@@ -22,6 +22,9 @@ EVENTS = [
     rec.StartEvent(t=1.0, pid=42, argv=["andrea-train", "x.json"], name="x", backend="numpy",
                    device="cpu", run_id="r1", resumed=True),
     rec.PrepEvent(t=2.0, message="tokenizer: unchanged"),
+    rec.PrepEvent(t=2.5, message="  books: 12.0 of 48.0 MB (25%), 6.00 MB/s, ETA 6s",
+                  source="books", bytes_done=12_000_000, bytes_total=48_000_000, mb_s=6.0,
+                  eta_s=6.0),
     rec.ReadyEvent(t=3.0, memory_plan={"weights": 8, "total": 16}, n_params=2, backend="cuda",
                    device="H200", step=0, max_steps=10, tokens_per_step=256,
                    attention="cudnn (cuDNN 91900; deterministic backward)"),
@@ -86,13 +89,18 @@ def test_hostile_fields_become_neutral_values() -> None:
     assert other.details() == {"x": 2}
     assert not rec.RunStatus.from_json({"status": "sleeping"})
     assert not rec.EngineInfo.from_json({"pid": "12", "boot_id": "b"})
+    p = rec.Event.from_json({"event": "prep", "message": 3, "source": ["x"], "bytes_done": -1,
+                             "bytes_total": True, "mb_s": "fast", "eta_s": math.inf})
+    assert isinstance(p, rec.PrepEvent) and p.message == "" and p.source == ""
+    assert p.bytes_done is None and p.bytes_total is None and p.mb_s is None and p.eta_s is None
 
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
                     lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(), c, max_size=4),
                     max_leaves=20)
 FIELDS = ["step", "loss", "t", "event", "status", "pid", "weights", "src_loss", "skipped",
-          "memory_plan", "last_checkpoint", "argv", "phase", "path", "boot_id"]
+          "memory_plan", "last_checkpoint", "argv", "phase", "path", "boot_id", "bytes_done",
+          "mb_s", "eta_s", "source"]
 
 
 @settings(max_examples=300, deadline=None)

@@ -154,6 +154,10 @@ GOOD = {"conversations": [{"from": "human", "value": "hi"}]}
         ({"conversations": ["hi"]}, r"conversations\[0\]: expected an object, got str"),
         ({"conversations": [{"from": "bot", "value": "x"}]}, r"\.from: expected one of .*'bot'"),
         ({"conversations": [{"from": "gpt", "value": 3}]}, r"\.value: expected a string, got int"),
+        ('{"conversations": [{"from": "gpt", "value": "x"}], "n": ' + "1" * 5000 + "}\n",
+         r"not usable JSON \(Exceeds the limit"),
+        ({"conversations": [{"from": "gpt", "value": "a\ud800b"}]},
+         r"conversations\[0\]\.value: character 1: expected text, got a lone surrogate"),
     ],
 )
 def test_malformed_jsonl_names_file_and_line(tmp_path, bad, message):

@@ -43,6 +43,20 @@ def _sha_bytes(tok_sha: str) -> bytes:
     return raw
 
 
+def pack_header(vocab_size: int, count: int, tok_sha: str) -> bytes:
+    """The HEADER_SIZE bytes that start a shard of `count` tokens."""
+    return HEADER.pack(MAGIC, VERSION, vocab_size, count, _sha_bytes(tok_sha))
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in directory `path` survive a power cut."""
+    dir_fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
 def write_shard(
     path: str | os.PathLike,
     tokens: np.ndarray | Iterable[np.ndarray],
@@ -55,13 +69,13 @@ def write_shard(
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    sha = _sha_bytes(tok_sha)
+    _sha_bytes(tok_sha)
     chunks = [tokens] if isinstance(tokens, np.ndarray) else tokens
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")  # unique: preps may overlap
     count = 0
     try:
         with open(tmp, "wb") as f:
-            f.write(HEADER.pack(MAGIC, VERSION, vocab_size, 0, sha))
+            f.write(pack_header(vocab_size, 0, tok_sha))
             for chunk in chunks:
                 arr = np.asarray(chunk)
                 if arr.size and int(arr.max()) >= vocab_size:
@@ -69,18 +83,14 @@ def write_shard(
                 f.write(arr.astype("<u2", copy=False).tobytes())
                 count += int(arr.size)
             f.seek(0)  # the count is known only now
-            f.write(HEADER.pack(MAGIC, VERSION, vocab_size, count, sha))
+            f.write(pack_header(vocab_size, count, tok_sha))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    fsync_dir(path.parent)
     return count
 
 

@@ -1,9 +1,18 @@
-"""Documents of a configured source: a built-in arm, or local text / markdown / JSONL files.
+"""Documents of a configured source: a built-in arm, or local files in a `format`.
 
-A source is a validated `engine.config.SourceConfig`: a `builtin` arm, or `paths` in a `format`
-("auto" | "text" | "jsonl"). A path is a file, a directory (searched recursively for
-TEXT_SUFFIXES and .jsonl) or a glob. A text file is one document; a JSONL file holds one
-Hermes-3 conversation per line, rendered with role markers (ROLE_MARKERS).
+A source is a validated `engine.config.SourceConfig`: a `builtin` arm, or `paths` (files,
+directories searched recursively, globs) in a `format`:
+- "auto": `.jsonl` files are conversations, the rest plain text;
+- "text": each file is one document;
+- "docs": a documentation tree: each Markdown / reStructuredText / text file is one document;
+- "gutenberg": each file is a Project Gutenberg book, its licence header and footer removed
+  (engine.data.gutenberg);
+- "jsonl": one Hermes-3 conversation per line, rendered with role markers (ROLE_MARKERS).
+Text is read as UTF-8 with CRLF and lone CR turned into LF (Python's text mode).
+
+`iter_documents` reads every document whole, in order: the reference for what `andrea-prep`
+writes (tests and benchmarks compare against it). Prep itself reads the same documents in bounded
+pieces (engine.data.plan, engine.data.reader), so a source of any size streams.
 """
 
 from __future__ import annotations
@@ -17,10 +26,20 @@ from pathlib import Path
 
 from engine.config import SourceConfig
 from engine.data.builtin import builtin_fingerprint, iter_builtin
+from engine.data.gutenberg import body_of
 from engine.errors import UserError
 
 TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".rst")
 JSONL_SUFFIXES = (".jsonl",)
+DIR_SUFFIXES = {  # what a directory contributes, by format
+    "auto": TEXT_SUFFIXES + JSONL_SUFFIXES,
+    "text": TEXT_SUFFIXES + JSONL_SUFFIXES,
+    "docs": TEXT_SUFFIXES,
+    "gutenberg": (".txt",),
+    "jsonl": JSONL_SUFFIXES,
+}
+# Bump a format's version when what it makes of a file changes, so prepared shards are rebuilt.
+FORMAT_VERSIONS = {"gutenberg": 1}
 ROLE_MARKERS = {"system": "<|system|>", "human": "<|user|>", "gpt": "<|assistant|>"}
 
 
@@ -39,7 +58,7 @@ def resolve_paths(source: SourceConfig) -> list[Path]:
             matched = [Path(p) for p in sorted(glob.glob(expanded, recursive=True))]
             matched = [p for p in matched if p.is_file()]
         elif os.path.isdir(expanded):
-            suffixes = TEXT_SUFFIXES + JSONL_SUFFIXES
+            suffixes = DIR_SUFFIXES[source.format]
             matched = sorted(
                 p for p in Path(expanded).rglob("*") if p.is_file() and p.suffix in suffixes
             )
@@ -56,11 +75,12 @@ def resolve_paths(source: SourceConfig) -> list[Path]:
     return files
 
 
-def _file_format(source: SourceConfig, path: Path) -> str:
+def file_kind(source: SourceConfig, path: Path) -> str:
+    """How a file of a path source is read: "text", "gutenberg" or "jsonl"."""
     fmt = source.format
     if fmt == "auto":
         return "jsonl" if path.suffix in JSONL_SUFFIXES else "text"
-    return fmt
+    return "text" if fmt == "docs" else fmt
 
 
 def render_conversation(record: object, where: str) -> str:
@@ -87,15 +107,41 @@ def render_conversation(record: object, where: str) -> str:
                 f"{where}: conversations[{i}].value: expected a string, got "
                 f"{type(value).__name__}"
             )
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:  # JSON can escape a lone surrogate; it is not text
+            raise UserError(
+                f"{where}: conversations[{i}].value: character {e.start}: expected text, got "
+                f"a lone surrogate (\\u{ord(value[e.start]):04x})"
+            ) from None
         parts.append(f"{ROLE_MARKERS[role]}\n{value}")
     return "\n".join(parts)
 
 
-def _read_text(path: Path) -> str:
+def decode_text(data: bytes, where: str, offset: int = 0) -> str:
+    """UTF-8 bytes (at byte `offset` of file `where`) as text, CRLF and lone CR as LF."""
     try:
-        return path.read_text(encoding="utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise UserError(f"{path}: byte {e.start}: expected UTF-8 text") from None
+        raise UserError(f"{where}: byte {offset + e.start}: expected UTF-8 text") from None
+    if "\r" in text:
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
+    return text
+
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise UserError(f"{path}: cannot read ({e.strerror})") from None
+
+
+def _read_document(path: Path, kind: str) -> str:
+    data = _read_bytes(path)
+    if kind == "gutenberg":
+        body = body_of(data)
+        return decode_text(data[body.start : body.end], str(path), body.start)
+    return decode_text(data, str(path))
 
 
 def _iter_jsonl(path: Path) -> Iterator[str]:
@@ -123,6 +169,8 @@ def _iter_jsonl(path: Path) -> Iterator[str]:
                 ) from None
             except RecursionError:
                 raise UserError(f"{path}:{lineno}: JSON nested too deeply") from None
+            except ValueError as e:  # e.g. an integer of more digits than Python converts
+                raise UserError(f"{path}:{lineno}: not usable JSON ({e})") from None
             yield render_conversation(record, f"{path}:{lineno}")
 
 
@@ -132,10 +180,11 @@ def iter_documents(source: SourceConfig) -> Iterator[str]:
         yield from iter_builtin(source.builtin)
         return
     for path in resolve_paths(source):
-        if _file_format(source, path) == "jsonl":
+        kind = file_kind(source, path)
+        if kind == "jsonl":
             yield from _iter_jsonl(path)
         else:
-            text = _read_text(path)
+            text = _read_document(path, kind)
             if text.strip():
                 yield text
 
@@ -146,7 +195,9 @@ def source_fingerprint(source: SourceConfig) -> str:
     if source.builtin is not None:
         h.update(builtin_fingerprint(source.builtin).encode())
     else:
-        h.update(f"format={source.format}\n".encode())
+        version = FORMAT_VERSIONS.get(source.format)
+        fmt = source.format if version is None else f"{source.format}:v{version}"
+        h.update(f"format={fmt}\n".encode())
         for path in resolve_paths(source):
             st = path.stat()
             h.update(f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())

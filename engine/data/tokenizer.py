@@ -58,6 +58,11 @@ class Tokenizer:
         assert eot is not None
         self.eot_id = eot
 
+    @property
+    def hf(self) -> HFTokenizer:
+        """The HF `tokenizers` object (engine.data.encoders reads its merges)."""
+        return self._hf
+
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._hf.encode(text, add_special_tokens=False).ids, dtype=np.uint16)
 

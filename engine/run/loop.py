@@ -244,9 +244,9 @@ class TrainingRun:
                                       backend=backend, device="", run_id=self.run_id,
                                       resumed=resume is not None))
 
-        def progress(msg: str) -> None:
-            self.out.log(f"prep: {msg}")
-            self.out.event(rec.PrepEvent(message=msg))
+        def progress(event: rec.PrepEvent) -> None:
+            self.out.log(f"prep: {event.message}")
+            self.out.event(event)
 
         if self.world.main:
             prepare(cfg, progress=progress, should_stop=lambda: self.flags.stop_requested)
