@@ -175,7 +175,7 @@ def test_a_hostile_gemm_plan_reads_as_unreadable_or_drops_the_bad_entries() -> N
 
 def test_ready_event_without_attention_reads_empty() -> None:
     """A run file from before the field (or a fake run) has no attention: read as ""."""
-    obj = EVENTS[2].to_json()
+    obj = next(e for e in EVENTS if isinstance(e, rec.ReadyEvent)).to_json()
     del obj["attention"]
     e = rec.Event.from_json(obj)
     assert isinstance(e, rec.ReadyEvent) and e.attention == ""

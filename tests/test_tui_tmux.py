@@ -78,7 +78,7 @@ def session():
 
 
 def start_tmux(session: str, command: str) -> None:
-    env = f"cd {ROOT} && PYTHONPATH={ROOT} TERM=xterm-256color "
+    env = f"cd {ROOT} && unset COLUMNS LINES; PYTHONPATH={ROOT} TERM=xterm-256color "
     subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "140", "-y", "45",
                     env + command], check=True, timeout=10)
 
@@ -168,7 +168,7 @@ def test_resize_and_alert_in_tmux(tmp_path: Path, session: str) -> None:
         # Started at another size: a first resize that changes nothing sends no SIGWINCH, and
         # tmux may size a new pane only after its program has read the size.
         subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "100", "-y", "30",
-                        f"cd {ROOT} && PYTHONPATH={ROOT} TERM=xterm-256color "
+                        f"cd {ROOT} && unset COLUMNS LINES; PYTHONPATH={ROOT} TERM=xterm-256color "
                         f"XDG_CONFIG_HOME={tmp_path} {PY} -m andrea_tui.cli attach {run_dir}; "
                         "sleep 60"], check=True, timeout=10)
         wait_for(lambda: steps_on_screen(session) >= 30, "steps on screen", session, 60)
@@ -176,13 +176,17 @@ def test_resize_and_alert_in_tmux(tmp_path: Path, session: str) -> None:
             tmux("resize-window", "-t", session, "-x", str(size[0]), "-y", str(size[1]))
             got = tmux("display", "-p", "-t", session, "#{window_width}x#{window_height}").strip()
             assert got == f"{size[0]}x{size[1]}", got
-            wait_for(lambda: chart_rows(screen(session)) >= 8, f"charts at {size}", session, 20)
-            time.sleep(1.0)
+
+            def laid_out(size: tuple[int, int] = size) -> bool:
+                text = screen(session)
+                # charts keep their rows; the compact layout (80x24) drops the bottom panels
+                return (chart_rows(text) >= 8 and "step " in text
+                        and ("engine.log" in text) is (size != (80, 24)))
+
+            wait_for(laid_out, f"the layout at {size}", session, 20)
             text = screen(session)
             lines = text.splitlines()
             assert len(lines) <= size[1] and max(len(x) for x in lines) <= size[0]
-            assert "step " in text and chart_rows(text) >= 8, text
-            assert ("engine.log" in text) is (size != (80, 24)), text  # compact drops the bottom
             keep_capture(f"{size[0]}x{size[1]}", text)
         wait_for(lambda: "loss spike" in (t := screen(session)) and "alerts !" in t,
                  "the alert's toast and its mark on the loss chart", session, 30)
