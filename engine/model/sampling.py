@@ -6,6 +6,7 @@ training's random streams (resume stays bit-exact) and the same step always give
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import numpy as np
@@ -17,12 +18,12 @@ class _Logits(Protocol):
     def logits_last(self, tokens: np.ndarray) -> np.ndarray: ...
 
 
-def sample_tokens(model: _Logits, prompt_ids: np.ndarray, length: int, seq_len: int,
-                  top_k: int, temperature: float, rng: np.random.Generator,
-                  stop_id: int | None = None) -> list[int]:
-    """Generate up to `length` token ids after `prompt_ids` (the window slides past seq_len)."""
+def iter_tokens(model: _Logits, prompt_ids: np.ndarray, length: int, seq_len: int,
+                top_k: int, temperature: float, rng: np.random.Generator,
+                stop_id: int | None = None) -> Iterator[int]:
+    """Yield up to `length` token ids after `prompt_ids`, one at a time as each is drawn (the
+    window slides past seq_len); ends early at `stop_id`, which is not yielded."""
     ids = [int(t) for t in prompt_ids]
-    out: list[int] = []
     for _ in range(length):
         window = np.asarray(ids[-seq_len:], dtype=np.int32)
         logits = np.asarray(model.logits_last(window), dtype=np.float64) / temperature
@@ -32,10 +33,17 @@ def sample_tokens(model: _Logits, prompt_ids: np.ndarray, length: int, seq_len: 
         p /= p.sum()
         nxt = int(top[rng.choice(k, p=p)])
         if stop_id is not None and nxt == stop_id:
-            break
+            return
         ids.append(nxt)
-        out.append(nxt)
-    return out
+        yield nxt
+
+
+def sample_tokens(model: _Logits, prompt_ids: np.ndarray, length: int, seq_len: int,
+                  top_k: int, temperature: float, rng: np.random.Generator,
+                  stop_id: int | None = None) -> list[int]:
+    """Generate up to `length` token ids after `prompt_ids` (the window slides past seq_len)."""
+    return list(iter_tokens(model, prompt_ids, length, seq_len, top_k, temperature, rng,
+                            stop_id))
 
 
 def generate(model: _Logits, tokenizer: Any, prompt: str, cfg: Config, seed: int,
