@@ -1,7 +1,8 @@
 """Checkpoint browser: list (verified), detail (header, tensor stats, state), compare two.
 
 Verifying, loading and statistics read whole model files, so they run in thread workers; the
-engine's checkpoint module (numpy) is imported there, never at app start.
+engine's checkpoint module (numpy) is imported there, never at app start. `g` generates text from
+a checkpoint (generate_screen: andrea-sample in a child process).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Static
 
+from andrea_tui.generate_screen import GenerateScreen
 from andrea_tui.textfmt import fmt_bytes, fmt_int, fmt_num
 
 
@@ -74,6 +76,7 @@ class CheckpointListScreen(Screen[None]):
         Binding("escape,c,q", "close", "back"),
         Binding("enter", "open", "details"),
         Binding("m", "mark", "mark/compare"),
+        Binding("g", "generate", "generate"),
         Binding("r", "reload", "reload"),
     ]
 
@@ -117,7 +120,8 @@ class CheckpointListScreen(Screen[None]):
                           fmt_bytes(e.bytes), valid, why, key=str(e.path))
         n_bad = sum(not e.valid for e in entries)
         self.query_one("#ckpt-header", Static).update(
-            f"{len(entries)} found, {n_bad} invalid · enter: details · m: mark two to compare"
+            f"{len(entries)} found, {n_bad} invalid · enter: details · m: mark two to compare · "
+            "g: generate text"
             f"\ncheckpoints of {self.path}"
         )
 
@@ -138,6 +142,13 @@ class CheckpointListScreen(Screen[None]):
 
     def on_data_table_row_selected(self, _event: DataTable.RowSelected) -> None:
         self.action_open()
+
+    def action_generate(self) -> None:
+        e = self._current()
+        if e is None or not e.valid:
+            self.notify("generate from a valid checkpoint", severity="warning")
+            return
+        self.app.push_screen(GenerateScreen(e.path))
 
     def action_mark(self) -> None:
         e = self._current()
@@ -162,7 +173,8 @@ class CheckpointListScreen(Screen[None]):
 class CheckpointDetailScreen(Screen[None]):
     """One checkpoint: header, per-tensor stats of weights/m/v, the state summary."""
 
-    BINDINGS: ClassVar[list[Binding]] = [Binding("escape,q", "close", "back")]
+    BINDINGS: ClassVar[list[Binding]] = [Binding("escape,q", "close", "back"),
+                                         Binding("g", "generate", "generate")]
 
     def __init__(self, path: Path) -> None:
         super().__init__()
@@ -206,6 +218,9 @@ class CheckpointDetailScreen(Screen[None]):
                           fmt_num(w["mean"]), fmt_num(w["std"]), fmt_num(w["rms"]),
                           fmt_num(w["max_abs"]), fmt_num(m["rms"]), fmt_num(v["rms"]))
         self.query_one("#ckpt-state", Static).update(state_summary(state))
+
+    def action_generate(self) -> None:
+        self.app.push_screen(GenerateScreen(self.path))
 
     def action_close(self) -> None:
         _close(self)

@@ -103,3 +103,40 @@ def test_no_checkpoint_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     r = sample(tmp_path / "empty", "--prompt", "x")
     assert r.returncode == 2 and "no checkpoint that verifies" in r.stderr
+
+
+def test_g_in_the_checkpoint_browser_streams_the_same_text(trained: Path) -> None:
+    import asyncio
+    import time
+
+    from andrea_tui.ckpt_screens import CheckpointApp, CheckpointListScreen
+    from andrea_tui.generate_screen import GenerateScreen
+
+    want = sample(trained, "--prompt", PROMPT, "--tokens", "20", "--seed", "5")
+    assert want.returncode == 0, want.stderr
+
+    async def go() -> None:
+        app = CheckpointApp(trained)
+        async with app.run_test(size=(120, 40)) as pilot:
+            async def until(cond, what: str, timeout: float = 60) -> None:
+                deadline = time.monotonic() + timeout
+                while not cond():
+                    assert time.monotonic() < deadline, what
+                    await pilot.pause(0.05)
+
+            await until(lambda: isinstance(app.screen, CheckpointListScreen)
+                        and app.screen.entries, "the checkpoint list")
+            await pilot.press("g")
+            await until(lambda: isinstance(app.screen, GenerateScreen), "the prompt")
+            gen = app.screen
+            await pilot.press(*PROMPT)
+            gen.query_one("#gen-tokens").value = "20"
+            gen.query_one("#gen-seed").value = "5"
+            await pilot.press("enter")
+            await until(lambda: gen.done, "the completion")
+            assert gen.text == want.stdout
+            assert "20 tokens" in gen.status or "endoftext" in gen.status
+            await pilot.press("escape")
+            await until(lambda: isinstance(app.screen, CheckpointListScreen), "back")
+
+    asyncio.run(go())
