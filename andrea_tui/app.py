@@ -55,7 +55,7 @@ NEWS_SLACK_S = 5.0  # checkpoints and alerts written this long before the app st
 # Keys that act on the dashboard itself: off (and out of the footer) on a screen pushed over it.
 DASHBOARD_ACTIONS = frozenset({
     "toggle_log_y", "toggle_log_y_grad", "toggle_window", "smoother", "robust_y", "x_axis",
-    "toggle_bell", "checkpoints", "log", "samples", "help"})
+    "toggle_bell", "checkpoints", "log", "samples", "help", "export"})
 
 
 class AndreaApp(App[str]):
@@ -79,6 +79,7 @@ class AndreaApp(App[str]):
         Binding("r", "robust_y", "robust y", show=False),
         Binding("t", "x_axis", "x: step/time", show=False),
         Binding("b", "toggle_bell", "bell", show=False),
+        Binding("e", "export", "export", show=False),
         Binding("question_mark", "help", "help"),
     ]
 
@@ -366,3 +367,8 @@ class AndreaApp(App[str]):
     def action_toggle_bell(self) -> None:
         self._choose("bell", bell=not self.settings.bell)
         self.notify(f"terminal bell on alerts: {'on' if self.settings.bell else 'off'}")
+
+    def action_export(self) -> None:
+        from andrea_tui.export import export_in_background
+
+        export_in_background(self, self.run_dir)

@@ -4,6 +4,7 @@
              [--gpus N]
   andrea-tui attach RUN_DIR
   andrea-tui ckpt PATH
+  andrea-tui export RUN_DIR [--csv FILE] [--png FILE] [--size WxH] [--force]
 """
 
 from __future__ import annotations
@@ -33,15 +34,20 @@ class _Parser(argparse.ArgumentParser):
 
 def _launch_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="andrea-tui", description="Start andrea-train and watch it. Other forms: "
-                "`andrea-tui attach RUN_DIR`, `andrea-tui ckpt PATH`.")
+                "`andrea-tui attach RUN_DIR`, `andrea-tui ckpt PATH`, "
+                "`andrea-tui export RUN_DIR ...`.")
     p.add_argument("config", help="experiment config (JSON)")
+    _launch_flags(p)
+    p.add_argument("--gpus", type=int, default=1, help="data parallel over N GPUs of this host")
+    return p
+
+
+def _launch_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", help="run directory (default: runs/<experiment name>)")
     p.add_argument("--resume", action="store_true",
                    help="resume from the newest valid checkpoint if there is one")
     p.add_argument("--max-steps", type=int, help="override train.max_steps")
     p.add_argument("--backend", choices=("auto", "numpy", "cuda"), default=None)
-    p.add_argument("--gpus", type=int, default=1, help="data parallel over N GPUs of this host")
-    return p
 
 
 def _run_app(app: AndreaApp) -> int:
@@ -107,11 +113,18 @@ def refuse_busy_run_dir(run_dir: Path, resume: bool) -> None:
 
 def launch(argv: list[str]) -> int:
     from andrea_tui.app import AndreaApp
+
+    proc, run_dir = start_engine(_launch_parser().parse_args(argv))
+    return _run_app(AndreaApp(run_dir, proc=proc))
+
+
+def start_engine(args: argparse.Namespace) -> tuple[subprocess.Popen, Path]:
+    """Validate the launch flags, start andrea-train detached and wait until it accepted its
+    input: (the engine's process, its run directory). Its refusal is a UserError."""
     from andrea_tui.launcher import default_run_dir, train_argv
     from andrea_tui.launcher import launch as start
     from engine import load_config
 
-    args = _launch_parser().parse_args(argv)
     config = Path(args.config)
     if args.max_steps is not None and args.max_steps < 1:
         raise UserError(f"--max-steps: expected an integer >= 1, got {args.max_steps}")
@@ -123,14 +136,15 @@ def launch(argv: list[str]) -> int:
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"{run_dir}: not a directory, expected a run directory")
     refuse_busy_run_dir(run_dir, args.resume)
-    if args.gpus < 1:
-        raise UserError(f"--gpus: expected an integer >= 1, got {args.gpus}")
-    proc = start(train_argv(config, run_dir, args.resume, args.max_steps, args.backend,
-                            args.gpus), run_dir)
+    gpus = getattr(args, "gpus", 1)
+    if gpus < 1:
+        raise UserError(f"--gpus: expected an integer >= 1, got {gpus}")
+    proc = start(train_argv(config, run_dir, args.resume, args.max_steps, args.backend, gpus),
+                 run_dir)
     refusal = wait_for_acceptance(proc, run_dir)
     if refusal is not None:  # bad input the engine refused: its one line, before any screen
         raise UserError(refusal.removeprefix("error: "))
-    return _run_app(AndreaApp(run_dir, proc=proc))
+    return proc, run_dir
 
 
 def wait_for_acceptance(proc: subprocess.Popen, run_dir: Path,
@@ -154,6 +168,36 @@ def wait_for_acceptance(proc: subprocess.Popen, run_dir: Path,
     return None
 
 
+def export(argv: list[str]) -> int:
+    from andrea_tui import export as ex
+
+    p = _Parser(prog="andrea-tui export", description="a run's step records as CSV, its charts "
+                "as PNG")
+    p.add_argument("run_dir")
+    p.add_argument("--csv", help="write one row per step here")
+    p.add_argument("--png", help="write the loss, validation loss and grad norm charts here "
+                   "(needs matplotlib: pip install 'andrea[export]')")
+    p.add_argument("--size", default="1200x900", help="PNG size in pixels (default 1200x900)")
+    p.add_argument("--force", action="store_true", help="replace files that exist")
+    a = p.parse_args(argv)
+    if not a.csv and not a.png:
+        raise UserError("andrea-tui export: give --csv FILE, --png FILE or both")
+    run_dir = require_run_dir(require_dir(Path(a.run_dir), "run directory"))
+    size = ex.parse_size(a.size)
+    for out in (a.csv, a.png):
+        if out:
+            ex.refuse_existing(Path(out), a.force)  # before any work: nothing half done
+    if a.png and not ex.have_matplotlib():
+        raise UserError(ex.NO_MATPLOTLIB)
+    if a.csv:
+        n = ex.write_csv(run_dir, Path(a.csv), a.force)
+        print(f"{a.csv}: {n} steps")
+    if a.png:
+        ex.write_png(run_dir, Path(a.png), a.force, size)
+        print(f"{a.png}: {size[0]}x{size[1]} PNG")
+    return 0
+
+
 @cli_entry
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -165,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         p = _Parser(prog="andrea-tui ckpt", description="browse checkpoints")
         p.add_argument("path", help="run directory, checkpoints directory or one checkpoint")
         return ckpt(p.parse_args(argv[1:]).path)
+    if argv[:1] == ["export"]:
+        return export(argv[1:])
     if not argv or argv[0] in ("-h", "--help"):
         _launch_parser().print_help()
         return 0 if argv else 2

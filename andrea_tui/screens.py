@@ -19,6 +19,7 @@ HELP = """[b]ANDREA keys[/b]
   c    checkpoints (enter: details, m: mark two to compare)
   l    engine log: / search, n N next/previous, f filter
   p    samples, by step and prompt
+  e    export: the run's CSV and PNG, into its directory
   ?    this help            ctrl+p  command palette
 
 [b]charts[/b] (kept for next time)

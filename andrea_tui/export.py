@@ -1,0 +1,253 @@
+"""A run's numbers out: one CSV row per step, and the loss / validation loss / grad norm charts
+as a PNG (matplotlib, the optional `export` extra).
+
+The step records come through engine.runfiles.read_steps (one per step, the later winning, the
+abandoned-timeline rule applied); validation losses from valloss. An existing file is replaced
+only when asked (`force`); the dashboard's and the runs browser's `e` write fresh names into
+the run directory. Headless: the Textual part is `export_in_background`, given an app.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from andrea_tui.runstate import read_config
+from andrea_tui.series import StepSeries, downsample_minmax
+from andrea_tui.valloss import read_val_loss, val_by_step
+from engine.errors import UserError
+from engine.records import ResumeEvent, StepRecord
+from engine.runfiles import RunPaths, read_events, read_json, read_steps, write_bytes_atomic
+
+PNG_SIZE = (1200, 900)
+PNG_DPI = 100
+MAX_PNG_SIDE = 10_000
+NO_MATPLOTLIB = ("PNG export needs matplotlib, which is not installed here: "
+                 "pip install 'andrea[export]' (or pip install matplotlib)")
+
+
+def _resumes(run_dir: Path) -> list[ResumeEvent]:
+    events, _ = read_events(RunPaths(run_dir).events)
+    return [e for e in events if isinstance(e, ResumeEvent)]
+
+
+def step_records(run_dir: Path) -> list[StepRecord]:
+    """The run's step records (engine.runfiles.read_steps); UserError when there are none."""
+    path = RunPaths(Path(run_dir)).loss
+    records, _ = read_steps(path)
+    if not records:
+        raise UserError(f"{path}: no step records to export")
+    return records
+
+
+def csv_header(records: Sequence[StepRecord], with_val: bool) -> list[str]:
+    """step, the step record's numbers (validation loss after the loss, when there is any),
+    then one column per source weight and source loss and per rank's step time."""
+    sources_w: dict[str, None] = {}
+    sources_l: dict[str, None] = {}
+    ranks = 0
+    for r in records:
+        sources_w.update(dict.fromkeys(r.weights))
+        sources_l.update(dict.fromkeys(r.src_loss))
+        ranks = max(ranks, len(r.rank_ms))
+    head = ["step", "loss", *(["val_loss"] if with_val else []),
+            *[c for c in StepRecord.NUMERIC if c != "loss"],
+            "phase", "phase_step", "phase_len", "skipped"]
+    head += [f"weights.{s}" for s in sources_w] + [f"src_loss.{s}" for s in sources_l]
+    head += [f"rank_ms.{i}" for i in range(ranks)]
+    return head
+
+
+def _cell(v: Any) -> str:
+    """A number as Python writes it back exactly (repr), NaN and infinities by name; unknown
+    (None) as an empty cell."""
+    if v is None:
+        return ""
+    if isinstance(v, bool):
+        return "1" if v else "0"
+    if isinstance(v, float):
+        return repr(v)  # 'nan', 'inf', '-inf' for the non-finite
+    return str(v)
+
+
+def _row(r: StepRecord, head: list[str], val: dict[int, float]) -> list[str]:
+    out = []
+    for name in head:
+        if name == "val_loss":
+            v: Any = val.get(r.step)
+        elif name.startswith("weights."):
+            v = r.weights.get(name[8:])
+        elif name.startswith("src_loss."):
+            v = r.src_loss.get(name[9:])
+        elif name.startswith("rank_ms."):
+            i = int(name[8:])
+            v = r.rank_ms[i] if i < len(r.rank_ms) else None
+        else:
+            v = getattr(r, name)
+        out.append(_cell(v))
+    return out
+
+
+def csv_text(run_dir: Path) -> tuple[str, list[int]]:
+    """The CSV of a run (header and one row per step) and the steps of its rows."""
+    run_dir = Path(run_dir)
+    records = step_records(run_dir)
+    val = val_by_step(run_dir, _resumes(run_dir))
+    head = csv_header(records, bool(val))
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(head)
+    for r in records:
+        w.writerow(_row(r, head, val))
+    return buf.getvalue(), [r.step for r in records]
+
+
+def refuse_existing(out: Path, force: bool) -> None:
+    if out.exists() and not force:
+        raise UserError(f"{out}: already exists; pass --force to replace it")
+    if out.exists() and out.is_dir():
+        raise UserError(f"{out}: is a directory, expected a file name")
+    if not out.parent.is_dir():
+        raise UserError(f"{out.parent}: no such directory")
+
+
+def _write(out: Path, data: bytes) -> None:
+    try:
+        write_bytes_atomic(out, data, durable=False)
+    except OSError as e:
+        raise UserError(f"{out}: cannot write: {e.strerror or e}") from None
+
+
+def write_csv(run_dir: Path, out: Path, force: bool = False) -> int:
+    """Write the run's CSV to `out`; the number of rows."""
+    out = Path(out)
+    refuse_existing(out, force)
+    text, steps = csv_text(run_dir)
+    _write(out, text.encode())
+    return len(steps)
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    """'1200x900' -> (1200, 900); UserError otherwise."""
+    m = re.fullmatch(r"\s*(\d+)\s*[xX×]\s*(\d+)\s*", text)
+    if not m or not all(64 <= int(g) <= MAX_PNG_SIDE for g in m.groups()):
+        raise UserError(f"--size: expected WIDTHxHEIGHT in pixels, each 64..{MAX_PNG_SIDE}, "
+                        f"got {text!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def have_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def png_bytes(run_dir: Path, size: tuple[int, int] = PNG_SIZE) -> bytes:
+    """The run's charts (loss with its EMA, validation loss, grad norm by step) as a PNG of
+    exactly `size` pixels."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise UserError(NO_MATPLOTLIB) from None
+    run_dir = Path(run_dir)
+    records = step_records(run_dir)
+    series = StepSeries.from_records(records)
+    steps = series.steps.astype(float)
+    vs, _, vl = read_val_loss(run_dir, _resumes(run_dir))
+    cfg_obj = read_json(RunPaths(run_dir).config)
+    cfg = read_config(cfg_obj) if cfg_obj is not None else None
+    name = cfg.name if cfg else run_dir.name
+    width, height = size
+    fig = Figure(figsize=(width / PNG_DPI, height / PNG_DPI), dpi=PNG_DPI)
+    FigureCanvasAgg(fig)
+    ax_loss, ax_val, ax_grad = fig.subplots(3, 1, sharex=True)
+    fig.suptitle(f"{name} · {run_dir} · {len(records):,} steps (last {int(steps[-1]):,})",
+                 fontsize=10)
+    cols = max(100, width)
+    x, y = downsample_minmax(series.steps, series.col("loss"), cols)
+    ax_loss.plot(x, y, color="0.7", linewidth=0.6, label="loss")
+    ex, ey = downsample_minmax(series.steps, series.ema(), cols)
+    ax_loss.plot(ex, ey, color="tab:blue", linewidth=1.2, label="EMA (0.9)")
+    ax_loss.set_ylabel("loss")
+    ax_loss.legend(loc="upper right", fontsize=8)
+    if len(vs):
+        ax_val.plot(vs, vl, color="tab:orange", marker="o", markersize=3, linewidth=1.0,
+                    label="validation loss")
+        ax_val.legend(loc="upper right", fontsize=8)
+    else:
+        ax_val.text(0.5, 0.5, "no validation loss (no eval.jsonl)", ha="center", va="center",
+                    transform=ax_val.transAxes, color="0.4")
+    ax_val.set_ylabel("validation loss")
+    gx, gy = downsample_minmax(series.steps, series.col("grad_norm"), cols)
+    ax_grad.plot(gx, gy, color="tab:green", linewidth=0.6, label="grad norm")
+    if cfg is not None:
+        ax_grad.axhline(cfg.optim.max_grad_norm, color="tab:red", linewidth=0.8,
+                        linestyle="--", label=f"max_norm {cfg.optim.max_grad_norm:g}")
+    ax_grad.set_ylabel("grad norm")
+    ax_grad.set_xlabel("step")
+    ax_grad.legend(loc="upper right", fontsize=8)
+    for ax in (ax_loss, ax_val, ax_grad):
+        ax.grid(True, alpha=0.3)
+    fig.subplots_adjust(left=0.08, right=0.98, top=0.94, bottom=0.07, hspace=0.15)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=PNG_DPI)
+    return buf.getvalue()
+
+
+def write_png(run_dir: Path, out: Path, force: bool = False,
+              size: tuple[int, int] = PNG_SIZE) -> None:
+    out = Path(out)
+    refuse_existing(out, force)
+    _write(out, png_bytes(run_dir, size))
+
+
+def fresh_name(run_dir: Path, stem: str, suffix: str) -> Path:
+    """`RUN_DIR/stem.suffix`, or `stem-2.suffix`, `-3`, ... when taken: never an overwrite."""
+    p = Path(run_dir) / f"{stem}{suffix}"
+    n = 2
+    while p.exists():
+        p = Path(run_dir) / f"{stem}-{n}{suffix}"
+        n += 1
+    return p
+
+
+def export_into_run(run_dir: Path) -> tuple[list[Path], str | None]:
+    """The dashboard's `e`: the CSV and, with matplotlib, the PNG, written under fresh names
+    `export-stepNNNNNNNN.csv/.png` in the run directory. (paths written, what was left out)."""
+    run_dir = Path(run_dir)
+    text, steps = csv_text(run_dir)
+    stem = f"export-step{steps[-1]:08d}"
+    written = [fresh_name(run_dir, stem, ".csv")]
+    _write(written[0], text.encode())
+    if not have_matplotlib():
+        return written, NO_MATPLOTLIB
+    png = fresh_name(run_dir, stem, ".png")
+    _write(png, png_bytes(run_dir))
+    written.append(png)
+    return written, None
+
+
+def export_in_background(app: Any, run_dir: Path) -> None:
+    """Run `export_into_run` in a thread worker of `app` (a Textual App) and tell the outcome
+    as a toast."""
+
+    def work() -> None:
+        try:
+            paths, left_out = export_into_run(run_dir)
+        except UserError as e:
+            app.call_from_thread(app.notify, str(e), title="export failed", severity="error")
+            return
+        names = ", ".join(p.name for p in paths)
+        app.call_from_thread(app.notify, f"{names} in {run_dir}", title="exported")
+        if left_out:
+            app.call_from_thread(app.notify, left_out, severity="warning", timeout=10)
+
+    app.notify(f"exporting {Path(run_dir).name}…")
+    app.run_worker(work, thread=True, group="export", exit_on_error=False)
