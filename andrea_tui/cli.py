@@ -4,6 +4,8 @@
              [--gpus N]
   andrea-tui attach RUN_DIR
   andrea-tui ckpt PATH
+  andrea-tui runs [DIR]
+  andrea-tui compare RUN_DIR RUN_DIR ...
   andrea-tui export RUN_DIR [--csv FILE] [--png FILE] [--size WxH] [--force]
 """
 
@@ -34,8 +36,8 @@ class _Parser(argparse.ArgumentParser):
 
 def _launch_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="andrea-tui", description="Start andrea-train and watch it. Other forms: "
-                "`andrea-tui attach RUN_DIR`, `andrea-tui ckpt PATH`, "
-                "`andrea-tui export RUN_DIR ...`.")
+                "`andrea-tui attach RUN_DIR`, `andrea-tui ckpt PATH`, `andrea-tui runs [DIR]`, "
+                "`andrea-tui compare RUN_DIR RUN_DIR ...`, `andrea-tui export RUN_DIR ...`.")
     p.add_argument("config", help="experiment config (JSON)")
     _launch_flags(p)
     p.add_argument("--gpus", type=int, default=1, help="data parallel over N GPUs of this host")
@@ -168,6 +170,37 @@ def wait_for_acceptance(proc: subprocess.Popen, run_dir: Path,
     return None
 
 
+def runs(root: str) -> int:
+    """The runs browser; enter opens a run's dashboard, and leaving it comes back here."""
+    from andrea_tui.app import AndreaApp
+    from andrea_tui.runs_screen import BrowserState, RunsApp
+    from andrea_tui.runscan import RunScanner
+
+    path = require_dir(Path(root), "directory of runs")
+    state, scanner = BrowserState(), RunScanner(path)
+    while True:
+        chosen = RunsApp(path, state, scanner).run()
+        if chosen is None:
+            return 0
+        try:
+            app = AndreaApp(require_run_dir(require_dir(chosen, "run directory")))
+        except UserError as e:
+            state.message = str(e)
+            continue
+        result = app.run()
+        state.message = result or app.supervisor.engine_error or None
+
+
+def compare(paths: list[str]) -> int:
+    from andrea_tui.compare_screen import CompareApp
+
+    if len(paths) < 2:
+        raise UserError("andrea-tui compare: give two or more run directories")
+    dirs = [require_run_dir(require_dir(Path(p), "run directory")) for p in paths]
+    CompareApp(dirs).run()
+    return 0
+
+
 def export(argv: list[str]) -> int:
     from andrea_tui import export as ex
 
@@ -209,6 +242,14 @@ def main(argv: list[str] | None = None) -> int:
         p = _Parser(prog="andrea-tui ckpt", description="browse checkpoints")
         p.add_argument("path", help="run directory, checkpoints directory or one checkpoint")
         return ckpt(p.parse_args(argv[1:]).path)
+    if argv[:1] == ["runs"]:
+        p = _Parser(prog="andrea-tui runs", description="every run under a directory")
+        p.add_argument("dir", nargs="?", default="runs", help="default: runs/")
+        return runs(p.parse_args(argv[1:]).dir)
+    if argv[:1] == ["compare"]:
+        p = _Parser(prog="andrea-tui compare", description="overlay runs and diff their configs")
+        p.add_argument("run_dirs", nargs="+")
+        return compare(p.parse_args(argv[1:]).run_dirs)
     if argv[:1] == ["export"]:
         return export(argv[1:])
     if not argv or argv[0] in ("-h", "--help"):

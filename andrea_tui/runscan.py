@@ -1,0 +1,291 @@
+"""The runs under a directory, one summary row each: what `andrea-tui runs` lists.
+
+Headless: no Textual. Reading many runs stays quick because each refresh reads little:
+- the small JSON files (state.json, config.json; engine.json through engine.run.control for a run
+  that says it is live), each bounded by engine.runfiles;
+- the last TAIL_BYTES of loss.jsonl (the newest step, its loss and tok/s) and of eval.jsonl;
+- events.jsonl and loss.jsonl in full only once per run, in bounded chunks, for what needs
+  the whole file (when the run started, its resumes, its best loss); later refreshes read only
+  the bytes appended since (a JsonlTail per run), and a new resume event starts the best loss
+  over with the abandoned-timeline rule.
+`RunScanner.scan()` is meant for a worker thread: it can take a while the first time on long runs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from andrea_tui.runstate import read_config
+from andrea_tui.valloss import EVAL_FILE, parse_eval
+from engine import records as rec
+from engine.run.control import engine_alive, lock_held
+from engine.runfiles import (
+    CHECKPOINTS,
+    CONFIG,
+    ENGINE,
+    EVENTS,
+    LOSS,
+    STATE,
+    JsonlTail,
+    RunPaths,
+    parse_lines,
+    read_json,
+)
+
+TAIL_BYTES = 64 << 10  # of loss.jsonl: a hundred or more step records
+CHUNK_BYTES = 256 << 10  # what one read of a whole-file pass takes
+MAX_DEPTH = 3  # runs/<name>, runs/<group>/<name>, runs/<a>/<b>/<name>
+MAX_DIRS = 20_000  # directories looked at, at most, under the root
+RUN_FILES = (ENGINE, STATE, CONFIG, LOSS, EVENTS)
+
+LIVE, DEAD = "live", "dead"
+
+
+def is_run_dir(path: Path) -> bool:
+    """A directory that holds any of a run's files."""
+    return any((path / f).is_file() for f in RUN_FILES)
+
+
+def find_runs(root: Path, max_depth: int = MAX_DEPTH) -> list[Path]:
+    """The run directories under `root` (itself, when it is one), sorted by path. Checkpoint
+    directories and hidden ones are not entered; a run's own subdirectories are not either."""
+    root = Path(root)
+    if is_run_dir(root):
+        return [root]
+    found: list[Path] = []
+    stack = [(root, 0)]
+    seen = 0
+    while stack and seen < MAX_DIRS:
+        d, depth = stack.pop()
+        try:
+            entries = sorted(os.scandir(d), key=lambda e: e.name)
+        except OSError:
+            continue
+        for e in entries:
+            if e.name.startswith(".") or e.name == CHECKPOINTS:
+                continue
+            try:
+                if not e.is_dir(follow_symlinks=False):
+                    continue
+            except OSError:
+                continue
+            seen += 1
+            p = Path(e.path)
+            if is_run_dir(p):
+                found.append(p)
+            elif depth + 1 < max_depth:
+                stack.append((p, depth + 1))
+    return sorted(found)
+
+
+def tail_objects(path: Path, max_bytes: int = TAIL_BYTES) -> list[dict[str, Any]]:
+    """The complete JSON objects in the last `max_bytes` of a JSONL file (none when missing)."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            start = max(0, size - max_bytes)
+            f.seek(start)
+            data = f.read(max_bytes)
+    except OSError:
+        return []
+    lines = data.split(b"\n")[:-1]  # the last piece is empty or a torn line
+    if start > 0 and lines:
+        lines = lines[1:]  # the first piece may be the end of a line the seek cut
+    objects, _ = parse_lines(lines)
+    return objects
+
+
+@dataclass
+class RunSummary:
+    """One row of the runs browser."""
+
+    path: Path
+    name: str
+    status: str  # live, dead, finished, stopped, failed, or what state.json lacks
+    note: str = ""  # the engine's word (starting, stopping), why dead, what is unreadable
+    step: int | None = None
+    max_steps: int | None = None
+    last_loss: float = math.nan
+    best_loss: float = math.nan
+    val_loss: float = math.nan
+    tok_s: float = math.nan
+    tokens: int | None = None
+    started: float | None = None
+    backend: str = ""
+    updated: float | None = None  # the newest write we know of (for "most recent first")
+
+    @property
+    def live(self) -> bool:
+        return self.status == LIVE
+
+
+@dataclass
+class _Follow:
+    """What a run's whole files told so far, and the tails that read on from there."""
+
+    events: JsonlTail
+    loss: JsonlTail
+    started: float | None = None
+    resumes: list[rec.ResumeEvent] = field(default_factory=list)
+    ready: rec.ReadyEvent | None = None
+    start: rec.StartEvent | None = None
+    best: float = math.nan
+
+    @classmethod
+    def of(cls, run_dir: Path) -> _Follow:
+        paths = RunPaths(run_dir)
+        return cls(JsonlTail(paths.events), JsonlTail(paths.loss))
+
+
+def _all_new(tail: JsonlTail) -> Iterator[list[dict[str, Any]]]:
+    """What `tail` has left to read, chunk by chunk (each chunk bounded)."""
+    while True:
+        objects = tail.read_new(CHUNK_BYTES)
+        if objects:
+            yield objects
+        if not tail.more:
+            return
+        time.sleep(0)  # let the UI thread in between chunks
+
+
+def _min_loss(best: float, records: list[rec.StepRecord]) -> float:
+    for r in records:
+        if math.isfinite(r.loss) and not (r.loss >= best):
+            best = r.loss
+    return best
+
+
+class RunScanner:
+    """Summaries of the runs under a root, kept up to date cheaply across calls."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self._follow: dict[Path, _Follow] = {}
+
+    def scan(self, whole_files: bool = True) -> list[RunSummary]:
+        """Every run under the root. `whole_files=False` reads only the bounded parts (a first
+        quick table); True also follows events.jsonl and loss.jsonl for the start time and the
+        best loss."""
+        runs = find_runs(self.root)
+        for gone in set(self._follow) - set(runs):
+            del self._follow[gone]
+        return [self.summary(p, whole_files) for p in runs]
+
+    def summary(self, run_dir: Path, whole_files: bool = True) -> RunSummary:
+        paths = RunPaths(run_dir)
+        follow = self._follow.get(run_dir)
+        if whole_files:
+            if follow is None:
+                follow = self._follow[run_dir] = _Follow.of(run_dir)
+            self._read_on(follow)
+        notes: list[str] = []
+        config_obj = read_json(paths.config)
+        cfg = read_config(config_obj) if config_obj is not None else None
+        if paths.config.exists() and cfg is None:
+            notes.append("config.json unreadable")
+        state_obj = read_json(paths.state)
+        state = rec.RunStatus.from_json(state_obj) if state_obj is not None else None
+        if isinstance(state, rec.Unreadable) or (state is None and paths.state.exists()):
+            notes.append(f"state.json: {state.reason}" if isinstance(state, rec.Unreadable)
+                         else "state.json unreadable")
+            state = None
+        elif state is None:
+            notes.append("no state.json")
+        start = follow.start if follow else None
+        name = cfg.name if cfg else (start.name if start and start.name else run_dir.name)
+        s = RunSummary(run_dir, name, "?")
+        s.status, why = _status(run_dir, state)
+        if why:
+            notes.insert(0, why)
+        tail, _ = rec.parse_all(rec.StepRecord, tail_objects(paths.loss))
+        last = tail[-1] if tail else None  # the newest record written
+        s.step = last.step if last else None
+        if state is not None and (s.step is None or not state.status.live):
+            s.step = state.step  # the engine's word (it also covers an abandoned timeline)
+        s.max_steps = ((state.max_steps if state else None)
+                       or (follow.ready.max_steps if follow and follow.ready else None)
+                       or (cfg.train.max_steps if cfg else None))
+        if last is not None:
+            s.tok_s, s.tokens = last.tok_s, last.tokens
+            finite = [r.loss for r in tail if math.isfinite(r.loss)]  # a skipped step logs NaN
+            s.last_loss = finite[-1] if finite else math.nan
+        s.best_loss = follow.best if follow else math.nan
+        s.val_loss = _last_val_loss(run_dir / EVAL_FILE)
+        s.started = follow.started if follow else None
+        s.backend = ((state.backend if state else "")
+                     or (follow.ready.backend if follow and follow.ready else "")
+                     or (start.backend if start else ""))
+        s.updated = _newest_mtime(paths)
+        s.note = "; ".join(notes)
+        return s
+
+    def _read_on(self, f: _Follow) -> None:
+        """Fold what was appended to events.jsonl and loss.jsonl since the last call."""
+        new_resume = False
+        for objects in _all_new(f.events):
+            events, _ = rec.parse_all(rec.Event, objects)
+            for e in events:
+                if isinstance(e, rec.StartEvent):
+                    f.start = e
+                    if f.started is None and math.isfinite(e.t):
+                        f.started = e.t
+                elif isinstance(e, rec.ReadyEvent):
+                    f.ready = e
+                elif isinstance(e, rec.ResumeEvent):
+                    f.resumes.append(e)
+                    new_resume = True
+        if f.events.reset:
+            f.started, f.resumes, f.ready, f.start, new_resume = None, [], None, None, True
+        if new_resume:  # records already folded may belong to a timeline it abandoned
+            f.loss = JsonlTail(f.loss.path)
+            f.best = math.nan
+        for objects in _all_new(f.loss):
+            if f.loss.reset:
+                f.best = math.nan
+            records, _ = rec.parse_all(rec.StepRecord, objects)
+            if f.resumes:
+                records = rec.drop_abandoned(records, f.resumes)
+            f.best = _min_loss(f.best, records)
+            if f.started is None and records and math.isfinite(records[0].t):
+                f.started = records[0].t
+
+
+def _status(run_dir: Path, state: rec.RunStatus | None) -> tuple[str, str]:
+    """(status, note): live only with an engine verified behind it (engine.run.control)."""
+    if state is None:
+        if lock_held(run_dir):
+            return LIVE, "starting"
+        alive, _ = engine_alive(run_dir)
+        return (LIVE, "") if alive else ("?", "")
+    if not state.status.live:
+        return state.status.value, ""
+    alive, why = engine_alive(run_dir)
+    if alive:
+        word = state.status.value
+        return LIVE, "" if word == rec.Status.RUNNING.value else word
+    why = why.replace(f"{run_dir}{os.sep}", "")
+    return DEAD, f"state.json says {state.status.value}, but {why}"
+
+
+def _last_val_loss(path: Path) -> float:
+    """The validation loss of the newest evaluation (NaN when the run has none)."""
+    points = [p for p in map(parse_eval, tail_objects(path)) if p is not None]
+    if not points:
+        return math.nan
+    return max(points, key=lambda p: p[0])[2]
+
+
+def _newest_mtime(paths: RunPaths) -> float | None:
+    times = []
+    for p in (paths.state, paths.loss, paths.events, paths.config):
+        try:
+            times.append(p.stat().st_mtime)
+        except OSError:
+            pass
+    return max(times) if times else None

@@ -1,0 +1,236 @@
+"""`andrea-tui runs` and `andrea-tui compare`, headless, on prepared run directories: one live (a
+real tests/fakerun.py process), one finished, one dead (state.json says running, nobody holds the
+lock), one with corrupt files. The scanner reads only bounded tails for the first table and
+follows whole files incrementally after."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from andrea_tui.compare import config_rows, load_curves, run_labels, xy
+from andrea_tui.runscan import RunScanner, find_runs
+from andrea_tui.screentext import screen_text
+from engine import records as rec
+from engine.run.control import engine_alive
+from engine.run.identity import write_engine_json
+from engine.runfiles import JsonlWriter
+from tests.fakerun import CONFIG, loss_record, write_run
+
+SIZE = (170, 40)
+T0 = 1_700_000_000.0
+
+
+@pytest.fixture
+def runs_root(tmp_path: Path) -> Iterator[Path]:
+    from andrea_tui.launcher import launch
+
+    root = tmp_path / "runs"
+    write_run(root / "finished", 1200, t0=T0, status="finished")
+    dead = write_run(root / "dead", 300, t0=T0 + 5000, status="running")
+    write_engine_json(dead.root, ["andrea-train"], "gone")  # nobody holds engine.lock
+    bad = root / "group" / "corrupt"
+    bad.mkdir(parents=True)
+    (bad / "state.json").write_text("{torn")
+    (bad / "config.json").write_text('{"name": 12}')
+    with open(bad / "loss.jsonl", "w") as f:
+        f.write("garbage\n" + json.dumps(loss_record(1, T0)) + "\n[1, 2]\n")
+        f.write(json.dumps(loss_record(2, T0 + 1)) + "\n" + '{"step": "x"}\n{"ste')
+    live = root / "live"
+    proc = launch([sys.executable, "-m", "tests.fakerun", str(live), "--rate", "20"], live)
+    deadline = time.monotonic() + 20
+    while not (engine_alive(live)[0] and (live / "loss.jsonl").exists()):
+        assert proc.poll() is None, (live / "engine.log").read_text()
+        assert time.monotonic() < deadline, "fake engine did not come up"
+        time.sleep(0.05)
+    (root / "not-a-run").mkdir()
+    yield root
+    proc.kill()  # the fake engine this fixture started
+    proc.wait(timeout=10)
+
+
+def by_name(summaries: list) -> dict[str, object]:
+    return {s.path.name: s for s in summaries}
+
+
+def test_scanner_summaries(runs_root: Path) -> None:
+    assert [p.name for p in find_runs(runs_root)] == ["dead", "finished", "corrupt", "live"]
+    rows = by_name(RunScanner(runs_root).scan())
+    fin, dead, bad, live = rows["finished"], rows["dead"], rows["corrupt"], rows["live"]
+    assert (fin.status, fin.step, fin.max_steps, fin.backend) == ("finished", 1200, 2000, "numpy")
+    assert fin.last_loss == loss_record(1200, 0)["loss"]
+    losses = [loss_record(s, 0)["loss"] for s in range(1, 1201)]
+    assert fin.best_loss == min(x for x in losses if math.isfinite(x))
+    assert fin.tok_s == 5120.0 and fin.started == T0 and math.isnan(fin.val_loss)
+    assert dead.status == "dead" and "lock free" in dead.note and dead.step == 300
+    assert live.status == "live" and live.step >= 1 and live.name == CONFIG["name"]
+    assert bad.status == "?" and "state.json" in bad.note and "config.json" in bad.note
+    assert bad.name == "corrupt" and bad.step == 2
+    assert bad.best_loss == min(loss_record(s, 0)["loss"] for s in (1, 2))
+
+
+def test_the_first_table_reads_no_whole_file(runs_root: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.runfiles import JsonlTail
+
+    def refuse(*_a: object, **_k: object) -> None:
+        raise AssertionError("a whole-file read in the quick scan")
+
+    monkeypatch.setattr(JsonlTail, "read_new", refuse)
+    rows = by_name(RunScanner(runs_root).scan(whole_files=False))
+    assert rows["finished"].step == 1200 and math.isnan(rows["finished"].best_loss)
+
+
+def test_best_loss_follows_appends_and_resumes(tmp_path: Path) -> None:
+    paths = write_run(tmp_path / "r", 100, t0=T0)
+    scanner = RunScanner(tmp_path)
+    first = scanner.scan()[0].best_loss
+    with open(paths.loss, "a") as f:  # a low loss on a timeline a resume will abandon
+        f.write(json.dumps({**loss_record(101, T0 + 20), "loss": 0.5}) + "\n")
+    assert scanner.scan()[0].best_loss == 0.5
+    ev = JsonlWriter(paths.events)
+    ev.write(rec.ResumeEvent(t=T0 + 50, step=100, path="x").to_json())
+    ev.close()
+    with open(paths.loss, "a") as f:
+        f.write(json.dumps({**loss_record(101, T0 + 60), "loss": 0.75}) + "\n")
+    assert scanner.scan()[0].best_loss == min(first, 0.75)
+    with open(tmp_path / "r" / "eval.jsonl", "w") as f:
+        f.write(json.dumps({"step": 50, "t": T0, "val_loss": 3.0}) + "\n{bad\n")
+    assert scanner.scan()[0].val_loss == 3.0
+
+
+async def wait_until(pilot, cond: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out; screen:\n{screen_text(pilot.app)}")
+        await pilot.pause(0.05)
+
+
+def _capture(name: str, text: str) -> None:
+    """ANDREA_SCREEN_CAPTURE=DIR keeps the screens these tests see (for people to read)."""
+    where = os.environ.get("ANDREA_SCREEN_CAPTURE")
+    if where:
+        Path(where).mkdir(parents=True, exist_ok=True)
+        (Path(where) / name).write_text(text)
+
+
+def test_runs_browser_table_filter_keys(runs_root: Path) -> None:
+    from andrea_tui.ckpt_screens import CheckpointListScreen
+    from andrea_tui.compare_screen import RunCompareScreen
+    from andrea_tui.runs_screen import RunsApp, RunsScreen
+
+    async def go() -> None:
+        app = RunsApp(runs_root)
+        async with app.run_test(size=SIZE) as pilot:
+            def whole_files_read() -> bool:
+                rows = by_name(getattr(app.screen, "summaries", []))
+                return "finished" in rows and math.isfinite(rows["finished"].best_loss)
+
+            await wait_until(pilot, whole_files_read)
+            screen = app.screen
+            text = screen_text(app)
+            _capture("runs.txt", text)
+            assert "4 runs under" in text and "(1 live, 1 dead)" in text
+            for word in ("finished", "dead", "live", "group/corrupt", "1,200/2,000", "numpy",
+                         "ANDREA-fake", "5.12k", "2023-11-14"):
+                assert word in text, word
+            # newest first by default: the live run started last
+            assert screen.shown[0].path.name == "live"
+            await pilot.press("slash", *"dead")
+            await wait_until(pilot, lambda: len(screen.shown) == 1)
+            assert screen.shown[0].path.name == "dead" and "1 shown" in screen_text(app)
+            await pilot.press("enter")  # back to the table
+            assert "lock free" in screen_text(app)  # the detail line says why it is dead
+            await pilot.press("slash", *["backspace"] * 4, "enter")
+            await wait_until(pilot, lambda: len(screen.shown) == 4)
+            await pilot.press("o")  # sort by the next column (backend)
+            assert "sorted by backend" in screen_text(app)
+            # mark the finished and the dead run, compare them
+            for name in ("finished", "dead"):
+                row = [s.path.name for s in screen.shown].index(name)
+                screen.query_one("DataTable").move_cursor(row=row)
+                await pilot.press("m")
+            assert "marked 2" in screen_text(app)
+            await pilot.press("v")
+            await wait_until(pilot, lambda: isinstance(app.screen, RunCompareScreen)
+                             and bool(app.screen.runs))
+            await pilot.pause(0.3)
+            text = screen_text(app)
+            _capture("compare.txt", text)
+            assert "finished" in text and "dead" in text and "loss by step" in text
+            assert "the same config" in text
+            await pilot.press("x")
+            assert "loss by tokens" in screen_text(app)
+            await pilot.press("escape")
+            await wait_until(pilot, lambda: isinstance(app.screen, RunsScreen))
+            row = [s.path.name for s in screen.shown].index("finished")
+            screen.query_one("DataTable").move_cursor(row=row)
+            await pilot.press("c")
+            await wait_until(pilot, lambda: isinstance(app.screen, CheckpointListScreen))
+            await pilot.press("escape")
+            await wait_until(pilot, lambda: isinstance(app.screen, RunsScreen))
+            await pilot.press("enter")  # the dashboard of the run under the cursor
+        assert app.return_value == runs_root / "finished"
+
+    asyncio.run(go())
+
+
+def test_compare_curves_and_config_diff(tmp_path: Path) -> None:
+    a = write_run(tmp_path / "a", 200, t0=T0, dt=0.5).root
+    b = write_run(tmp_path / "x" / "a", 100, t0=T0 + 99, dt=1.0).root
+    cfg = json.loads((b / "config.json").read_text())
+    cfg["optim"]["lr"] = 3e-4
+    cfg["model"]["n_layer"] = 4
+    (b / "config.json").write_text(json.dumps(cfg))
+    (b / "eval.jsonl").write_text(json.dumps({"step": 50, "t": T0 + 149, "val_loss": 4.0}) + "\n")
+    labels = run_labels([a, b])
+    assert labels == [f"{tmp_path.name}/a", "x/a"]
+    ca, cb = load_curves(a, labels[0]), load_curves(b, labels[1])
+    x, y = xy(ca, "loss", "step")
+    assert list(x[:3]) == [1.0, 2.0, 3.0] and y[0] == loss_record(1, 0)["loss"]
+    x, _ = xy(cb, "grad_norm", "tokens")
+    assert x[9] == 10 * 256
+    x, _ = xy(cb, "tok_s", "time")
+    assert x[0] == 0.0 and x[60] == pytest.approx(1.0)  # minutes since its first step
+    x, y = xy(cb, "val_loss", "tokens")
+    assert list(x) == [50 * 256] and list(y) == [4.0]
+    x, y = xy(cb, "val_loss", "time")
+    assert list(x) == [pytest.approx(49 / 60)]
+    assert len(xy(ca, "val_loss", "step")[0]) == 0
+    rows = dict(config_rows([ca.config, cb.config]))
+    assert rows == {"model.n_layer": [2, 4], "optim.lr": [1e-3, 3e-4]}
+
+
+def test_compare_command_shows_overlay_legend_and_diff(tmp_path: Path) -> None:
+    from andrea_tui.compare_screen import CompareApp, RunCompareScreen
+
+    a = write_run(tmp_path / "lr-1e-3", 300, t0=T0).root
+    b = write_run(tmp_path / "lr-3e-4", 200, t0=T0).root
+    cfg = json.loads((b / "config.json").read_text())
+    cfg["optim"]["lr"] = 3e-4
+    (b / "config.json").write_text(json.dumps(cfg))
+
+    async def go() -> None:
+        app = CompareApp([a, b])
+        async with app.run_test(size=(140, 40)) as pilot:
+            await wait_until(pilot, lambda: isinstance(app.screen, RunCompareScreen)
+                             and bool(app.screen.runs))
+            await pilot.pause(0.3)
+            text = screen_text(app)
+            _capture("compare-cmd.txt", text)
+            assert "lr-1e-3" in text and "lr-3e-4" in text and "optim.lr" in text
+            assert "0.0003" in text and "0.001" in text
+            await pilot.press("2")
+            assert "(no validation loss)" in screen_text(app)
+            await pilot.press("escape")
+
+    asyncio.run(go())
