@@ -7,6 +7,7 @@
   andrea-tui runs [DIR]
   andrea-tui compare RUN_DIR RUN_DIR ...
   andrea-tui export RUN_DIR [--csv FILE] [--png FILE] [--size WxH] [--force]
+  andrea-tui serve CONFIG.json|RUN_DIR [--host H] [--port P] [--public] [launch flags]
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ class _Parser(argparse.ArgumentParser):
 def _launch_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="andrea-tui", description="Start andrea-train and watch it. Other forms: "
                 "`andrea-tui attach RUN_DIR`, `andrea-tui ckpt PATH`, `andrea-tui runs [DIR]`, "
-                "`andrea-tui compare RUN_DIR RUN_DIR ...`, `andrea-tui export RUN_DIR ...`.")
+                "`andrea-tui compare RUN_DIR RUN_DIR ...`, `andrea-tui export RUN_DIR ...`, "
+                "`andrea-tui serve CONFIG|RUN_DIR ...`.")
     p.add_argument("config", help="experiment config (JSON)")
     _launch_flags(p)
     p.add_argument("--gpus", type=int, default=1, help="data parallel over N GPUs of this host")
@@ -231,6 +233,33 @@ def export(argv: list[str]) -> int:
     return 0
 
 
+def serve(argv: list[str]) -> int:
+    from andrea_tui import serve as sv
+
+    p = _Parser(prog="andrea-tui serve", description="the dashboard in a browser "
+                "(textual-serve), on 127.0.0.1 unless --host and --public say otherwise")
+    p.add_argument("target", help="a run directory to attach to, or an experiment config to "
+                   "start (then the launch flags below apply)")
+    p.add_argument("--host", default=sv.DEFAULT_HOST, help="address to listen on "
+                   f"(default {sv.DEFAULT_HOST}; another than loopback needs --public)")
+    p.add_argument("--port", type=int, default=sv.DEFAULT_PORT)
+    p.add_argument("--public", action="store_true", help="allow a non-loopback --host: "
+                   "whoever reaches the port can stop the run")
+    _launch_flags(p)
+    a = p.parse_args(argv)
+    sv.check_host(a.host, a.public)
+    sv.check_port(a.host, a.port)
+    target = Path(a.target)
+    if target.is_dir():
+        if a.run_dir or a.resume or a.max_steps is not None or a.backend:
+            raise UserError(f"{target}: a run directory is attached to as it is; --run-dir, "
+                            "--resume, --max-steps and --backend go with a CONFIG")
+        return sv.serve(require_run_dir(target), a.host, a.port, a.public)
+    a.config = a.target
+    proc, run_dir = start_engine(a)
+    return sv.serve(run_dir, a.host, a.port, a.public, proc)
+
+
 @cli_entry
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -252,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         return compare(p.parse_args(argv[1:]).run_dirs)
     if argv[:1] == ["export"]:
         return export(argv[1:])
+    if argv[:1] == ["serve"]:
+        return serve(argv[1:])
     if not argv or argv[0] in ("-h", "--help"):
         _launch_parser().print_help()
         return 0 if argv else 2
