@@ -248,7 +248,8 @@ def serve(argv: list[str]) -> int:
     _launch_flags(p)
     a = p.parse_args(argv)
     sv.check_host(a.host, a.public)
-    sv.check_port(a.host, a.port)
+    sv.require_textual_serve()
+    sv.check_port(a.host, a.port)  # all before an engine is started for it
     target = Path(a.target)
     if target.is_dir():
         if a.run_dir or a.resume or a.max_steps is not None or a.backend:

@@ -168,8 +168,7 @@ def png_bytes(run_dir: Path, size: tuple[int, int] = PNG_SIZE) -> bytes:
     fig = Figure(figsize=(width / PNG_DPI, height / PNG_DPI), dpi=PNG_DPI)
     FigureCanvasAgg(fig)
     ax_loss, ax_val, ax_grad = fig.subplots(3, 1, sharex=True)
-    fig.suptitle(f"{name} · {run_dir} · {len(records):,} steps (last {int(steps[-1]):,})",
-                 fontsize=10)
+    fig.suptitle(f"{name} · {run_dir} · steps {int(steps[0]):,}–{int(steps[-1]):,}", fontsize=10)
     cols = max(100, width)
     x, y = downsample_minmax(series.steps, series.col("loss"), cols)
     ax_loss.plot(x, y, color="0.7", linewidth=0.6, label="loss")

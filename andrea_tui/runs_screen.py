@@ -121,7 +121,6 @@ class RunsScreen(Screen[None]):
     RunsScreen #runs-header, RunsScreen #runs-detail { height: auto; padding: 0 1; }
     """
     BINDINGS: ClassVar[list[Binding]] = [
-        Binding("enter", "open", "dashboard", priority=False),
         Binding("c", "checkpoints", "checkpoints"),
         Binding("m,space", "mark", "mark"),
         Binding("v", "compare", "compare marked"),
@@ -160,18 +159,19 @@ class RunsScreen(Screen[None]):
         if self.state.message:
             self.notify(self.state.message)
             self.state.message = None
-        self._scan(first=True)
-        self.set_interval(REFRESH_S, self._tick)
+        self._start_scan(first=True)
+        self.set_interval(REFRESH_S, self._start_scan)
 
     # ------------------------------------------------------------ reading
 
-    def _tick(self) -> None:
+    def _start_scan(self, first: bool = False) -> None:
+        """A scan in a worker thread, unless one is running (the scanner is not shared)."""
         if not self._scanning:
-            self._scan(first=False)
+            self._scanning = True
+            self._scan(first)
 
-    @work(thread=True, exclusive=True, group="runs-scan", exit_on_error=False)
+    @work(thread=True, group="runs-scan", exit_on_error=False)
     def _scan(self, first: bool) -> None:
-        self._scanning = True
         try:
             if first:  # the bounded parts first: a table at once, the whole files after
                 self.app.call_from_thread(self._show, self.scanner.scan(whole_files=False))
@@ -180,6 +180,8 @@ class RunsScreen(Screen[None]):
             self._scanning = False
 
     def _show(self, summaries: list[RunSummary]) -> None:
+        if self.loaded and summaries == self.summaries:
+            return  # nothing new: the table (and where it is scrolled to) stays
         self.summaries = summaries
         self.loaded = True
         self._render_table()
@@ -306,7 +308,7 @@ class RunsScreen(Screen[None]):
         self.query_one(DataTable).focus()
 
     def action_refresh(self) -> None:
-        self._scan(first=False)
+        self._start_scan()
 
 
 class RunsApp(App[Path | None]):

@@ -3,9 +3,10 @@
 Headless: no Textual. Reading many runs stays quick because each refresh reads little:
 - the small JSON files (state.json, config.json; engine.json through engine.run.control for a run
   that says it is live), each bounded by engine.runfiles;
-- the last TAIL_BYTES of loss.jsonl (the newest step, its loss and tok/s) and of eval.jsonl;
+- the last TAIL_BYTES of loss.jsonl (the newest step, its loss and tok/s) and of eval.jsonl,
+  the first TAIL_BYTES of events.jsonl (when the run started);
 - events.jsonl and loss.jsonl in full only once per run, in bounded chunks, for what needs
-  the whole file (when the run started, its resumes, its best loss); later refreshes read only
+  the whole file (its resumes, its best loss); later refreshes read only
   the bytes appended since (a JsonlTail per run), and a new resume event starts the best loss
   over with the abandoned-timeline rule.
 `RunScanner.scan()` is meant for a worker thread: it can take a while the first time on long runs.
@@ -101,6 +102,31 @@ def tail_objects(path: Path, max_bytes: int = TAIL_BYTES) -> list[dict[str, Any]
     return objects
 
 
+def head_objects(path: Path, max_bytes: int = TAIL_BYTES) -> list[dict[str, Any]]:
+    """The complete JSON objects in the first `max_bytes` of a JSONL file (none when missing)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(max_bytes)
+    except OSError:
+        return []
+    objects, _ = parse_lines(data.split(b"\n")[:-1])  # the last piece is empty or cut short
+    return objects
+
+
+def first_time(paths: RunPaths) -> float | None:
+    """When the run first started: its first start event, else its first step record (read
+    from the files' heads)."""
+    events, _ = rec.parse_all(rec.Event, head_objects(paths.events))
+    for e in events:
+        if isinstance(e, rec.StartEvent) and math.isfinite(e.t):
+            return e.t
+    steps, _ = rec.parse_all(rec.StepRecord, head_objects(paths.loss))
+    for r in steps:
+        if math.isfinite(r.t):
+            return r.t
+    return None
+
+
 @dataclass
 class RunSummary:
     """One row of the runs browser."""
@@ -131,7 +157,6 @@ class _Follow:
 
     events: JsonlTail
     loss: JsonlTail
-    started: float | None = None
     resumes: list[rec.ResumeEvent] = field(default_factory=list)
     ready: rec.ReadyEvent | None = None
     start: rec.StartEvent | None = None
@@ -144,11 +169,10 @@ class _Follow:
 
 
 def _all_new(tail: JsonlTail) -> Iterator[list[dict[str, Any]]]:
-    """What `tail` has left to read, chunk by chunk (each chunk bounded)."""
+    """What `tail` has left to read, chunk by chunk (each chunk bounded); `tail.reset` is True
+    while the chunk it goes with began a file that was replaced or truncated."""
     while True:
-        objects = tail.read_new(CHUNK_BYTES)
-        if objects:
-            yield objects
+        yield tail.read_new(CHUNK_BYTES)
         if not tail.more:
             return
         time.sleep(0)  # let the UI thread in between chunks
@@ -217,7 +241,7 @@ class RunScanner:
             s.last_loss = finite[-1] if finite else math.nan
         s.best_loss = follow.best if follow else math.nan
         s.val_loss = _last_val_loss(run_dir / EVAL_FILE)
-        s.started = follow.started if follow else None
+        s.started = first_time(paths)
         s.backend = ((state.backend if state else "")
                      or (follow.ready.backend if follow and follow.ready else "")
                      or (start.backend if start else ""))
@@ -229,19 +253,17 @@ class RunScanner:
         """Fold what was appended to events.jsonl and loss.jsonl since the last call."""
         new_resume = False
         for objects in _all_new(f.events):
+            if f.events.reset:  # a new file: what the old one said is gone
+                f.resumes, f.ready, f.start, new_resume = [], None, None, True
             events, _ = rec.parse_all(rec.Event, objects)
             for e in events:
                 if isinstance(e, rec.StartEvent):
                     f.start = e
-                    if f.started is None and math.isfinite(e.t):
-                        f.started = e.t
                 elif isinstance(e, rec.ReadyEvent):
                     f.ready = e
                 elif isinstance(e, rec.ResumeEvent):
                     f.resumes.append(e)
                     new_resume = True
-        if f.events.reset:
-            f.started, f.resumes, f.ready, f.start, new_resume = None, [], None, None, True
         if new_resume:  # records already folded may belong to a timeline it abandoned
             f.loss = JsonlTail(f.loss.path)
             f.best = math.nan
@@ -252,8 +274,6 @@ class RunScanner:
             if f.resumes:
                 records = rec.drop_abandoned(records, f.resumes)
             f.best = _min_loss(f.best, records)
-            if f.started is None and records and math.isfinite(records[0].t):
-                f.started = records[0].t
 
 
 def _status(run_dir: Path, state: rec.RunStatus | None) -> tuple[str, str]:

@@ -88,11 +88,17 @@ def how_to_reach(run_dir: Path, host: str, port: int, engine_started: bool) -> s
     return "\n".join(lines)
 
 
-def _server_class() -> Any:
+def require_textual_serve() -> None:
+    """UserError saying how to install textual-serve when it is missing."""
     try:
-        from textual_serve.server import Server
+        import textual_serve.server  # noqa: F401
     except ImportError:
         raise UserError(NO_TEXTUAL_SERVE) from None
+
+
+def _server_class() -> Any:
+    require_textual_serve()
+    from textual_serve.server import Server
 
     class AndreaServer(Server):
         """textual-serve's server, saying how to reach it instead of its logo, and reaping the

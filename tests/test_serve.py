@@ -64,6 +64,28 @@ def test_serve_refusals_are_one_line(tmp_path: Path) -> None:
     assert r.returncode == 2 and "nothing" in r.stderr
 
 
+BLOCK_TEXTUAL_SERVE = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name == "textual_serve" or name.startswith("textual_serve."):
+            raise ImportError("blocked for the test")
+sys.meta_path.insert(0, Block())
+from andrea_tui.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_serve_without_textual_serve_says_how_to_get_it(tmp_path: Path) -> None:
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps(CONFIG))
+    r = subprocess.run([sys.executable, "-c", BLOCK_TEXTUAL_SERVE, "serve", str(cfg),
+                        "--run-dir", str(tmp_path / "run")], capture_output=True, text=True,
+                       timeout=60, stdin=subprocess.DEVNULL)
+    assert r.returncode == 2 and "pip install 'andrea[serve]'" in r.stderr
+    assert not (tmp_path / "run").exists()  # refused before any engine was started
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
