@@ -8,7 +8,8 @@ Headless: no Textual. Reading many runs stays quick because each refresh reads l
 - events.jsonl and loss.jsonl in full only once per run, in bounded chunks, for what needs
   the whole file (its resumes, its best loss); later refreshes read only
   the bytes appended since (a JsonlTail per run), and a new resume event starts the best loss
-  over with the abandoned-timeline rule.
+  over with the abandoned-timeline rule;
+- nothing but a few stat calls for a run that is not live and whose files did not change.
 `RunScanner.scan()` is meant for a worker thread: it can take a while the first time on long runs.
 """
 
@@ -191,6 +192,8 @@ class RunScanner:
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
         self._follow: dict[Path, _Follow] = {}
+        # run -> (its files' stat keys, its summary, whether whole files were read for it)
+        self._done: dict[Path, tuple[tuple, RunSummary, bool]] = {}
 
     def scan(self, whole_files: bool = True) -> list[RunSummary]:
         """Every run under the root. `whole_files=False` reads only the bounded parts (a first
@@ -199,9 +202,23 @@ class RunScanner:
         runs = find_runs(self.root)
         for gone in set(self._follow) - set(runs):
             del self._follow[gone]
+        for gone in set(self._done) - set(runs):
+            del self._done[gone]
         return [self.summary(p, whole_files) for p in runs]
 
     def summary(self, run_dir: Path, whole_files: bool = True) -> RunSummary:
+        """One run's row. A run that is not live and whose files have not changed since the
+        last call costs a few stat calls: its row is the one made then."""
+        key = _stat_keys(RunPaths(run_dir))
+        done = self._done.get(run_dir)
+        if done is not None and done[0] == key and not done[1].live and \
+                (done[2] or not whole_files):
+            return done[1]
+        s = self._summarize(run_dir, whole_files)
+        self._done[run_dir] = (key, s, whole_files)
+        return s
+
+    def _summarize(self, run_dir: Path, whole_files: bool) -> RunSummary:
         paths = RunPaths(run_dir)
         follow = self._follow.get(run_dir)
         if whole_files:
@@ -299,6 +316,20 @@ def _last_val_loss(path: Path) -> float:
     if not points:
         return math.nan
     return max(points, key=lambda p: p[0])[2]
+
+
+def _stat_keys(paths: RunPaths) -> tuple:
+    """What tells whether a run's files changed: (inode, size, mtime) of each."""
+    out = []
+    for p in (paths.state, paths.config, paths.engine, paths.loss, paths.events,
+              paths.root / EVAL_FILE):
+        try:
+            st = p.stat()
+        except OSError:
+            out.append(None)
+            continue
+        out.append((st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(out)
 
 
 def _newest_mtime(paths: RunPaths) -> float | None:

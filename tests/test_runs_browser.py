@@ -89,6 +89,21 @@ def test_the_first_table_reads_no_whole_file(runs_root: Path,
     assert rows["finished"].step == 1200 and math.isnan(rows["finished"].best_loss)
 
 
+def test_unchanged_runs_are_not_read_again(runs_root: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    import andrea_tui.runscan as runscan
+
+    scanner = RunScanner(runs_root)
+    first = by_name(scanner.scan())
+    read: list[Path] = []
+    real = runscan.tail_objects
+    monkeypatch.setattr(runscan, "tail_objects", lambda p, *a: read.append(p) or real(p, *a))
+    again = by_name(scanner.scan())
+    assert {p.parent.name for p in read} == {"live"}  # only the live run's files were read
+    assert again["finished"] is first["finished"] and again["dead"] is first["dead"]
+    assert again["live"].step >= first["live"].step
+
+
 def test_best_loss_follows_appends_and_resumes(tmp_path: Path) -> None:
     paths = write_run(tmp_path / "r", 100, t0=T0)
     scanner = RunScanner(tmp_path)
