@@ -47,7 +47,11 @@ def runs_root(tmp_path: Path) -> Iterator[Path]:
     live = root / "live"
     proc = launch([sys.executable, "-m", "tests.fakerun", str(live), "--rate", "20"], live)
     deadline = time.monotonic() + 20
-    while not (engine_alive(live)[0] and (live / "loss.jsonl").exists()):
+    def stepped() -> bool:  # the fake engine holds its lock and has logged a step
+        loss = live / "loss.jsonl"
+        return engine_alive(live)[0] and loss.exists() and loss.stat().st_size > 0
+
+    while not stepped():
         assert proc.poll() is None, (live / "engine.log").read_text()
         assert time.monotonic() < deadline, "fake engine did not come up"
         time.sleep(0.05)
