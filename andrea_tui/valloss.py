@@ -1,39 +1,29 @@
-"""Validation loss of a run (`eval.jsonl`, one record per evaluation), where the run has one.
-
-The record is engine.records' `EvalRecord` (step, t, val_loss) when this engine defines it; an
-engine from before validation loss writes no `eval.jsonl`, and a reader then finds nothing.
-Records are read tolerantly (a bad line or field is skipped), one per step (the later wins), and
-the abandoned-timeline rule applies as to the loss records. Headless.
+"""Validation loss of a run (`eval.jsonl`, one engine.records.EvalRecord per evaluation), where
+the run has one (a run without `eval` in its config, or from an engine before validation loss,
+has none, and a reader then finds nothing). Records are read tolerantly (a bad line or field is
+skipped), one per step (the later wins), and the abandoned-timeline rule applies as to the loss
+records. Headless.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from engine import records as rec
-from engine import runfiles
-from engine.runfiles import read_jsonl
+from engine.runfiles import EVAL, read_jsonl
 
-EVAL_FILE: str = getattr(runfiles, "EVAL", "eval.jsonl")
+EVAL_FILE = EVAL
 
 
 def parse_eval(obj: Any) -> tuple[int, float, float] | None:
     """(step, t, val_loss) of one eval.jsonl object, or None when it is no usable record."""
-    reader = getattr(rec, "EvalRecord", None)
-    if reader is not None:
-        r = reader.from_json(obj)
-        return None if isinstance(r, rec.Unreadable) else (r.step, r.t, r.val_loss)
-    if not isinstance(obj, Mapping):
-        return None
-    step = rec.as_int(obj.get("step"), 0)
-    if step is None:
-        return None
-    return step, rec.as_float(obj.get("t")), rec.as_float(obj.get("val_loss"))
+    r = rec.EvalRecord.from_json(obj)
+    return None if isinstance(r, rec.Unreadable) else (r.step, r.t, r.val_loss)
 
 
 def surviving(points: Iterable[tuple[int, float, float]],
