@@ -4,10 +4,11 @@
 median `step_ms` the engine records in loss.jsonl (after a warm-up), tok/s of the job, the
 speed-up and the scaling efficiency against one GPU, the NCCL fp32 all-reduce of the model's
 gradients timed on its own, and how much of it the step shows (exposed: the step's growth over
-one GPU's; hidden: the rest, overlapped with compute).
+one GPU's; hidden: the rest, overlapped with compute). --before adds the rows of the path
+before the all-reduce moved into the step (one all-reduce after the backward).
 
     python3 scripts/bench_scaling.py [--models 120M,12M] [--gpus 1,2,4,8] [--steps 80]
-                                     [--warmup 20] [--json FILE]
+                                     [--warmup 20] [--json FILE] [--before]
 """
 
 from __future__ import annotations
@@ -55,13 +56,14 @@ if w.main: print("ALLREDUCE_MS", sorted(ts)[len(ts) // 2] * 1e3)
 """
 
 
-def train(cfg: Path, run: Path, steps: int, gpus: int) -> list[float]:
+def train(cfg: Path, run: Path, steps: int, gpus: int, overlap: bool = True) -> list[float]:
     cmd = [sys.executable, "-m", "engine.run.cli", str(cfg), "--run-dir", str(run),
            "--backend", "cuda", "--max-steps", str(steps)]
     if gpus > 1:
         cmd += ["--gpus", str(gpus)]
-    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ,
-                                                                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
+    env = {**os.environ, "ANDREA_DDP_OVERLAP": "1" if overlap else "0",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
         raise SystemExit(f"andrea-train failed ({r.returncode}):\n{r.stdout[-2000:]}\n"
                          f"{r.stderr[-2000:]}")
@@ -90,6 +92,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--json", help="write the rows here too")
+    ap.add_argument("--before", action="store_true", help="also time each GPU count > 1 with "
+                    "the all-reduce after the backward (ANDREA_DDP_OVERLAP=0, the path before)")
     args = ap.parse_args()
     import pycuda.driver as drv
 
@@ -112,21 +116,25 @@ def main() -> int:
             c = load_config(cfg)
             n = n_params(ModelShapes.from_config(c.model))
             base_tok = base_ms = None
-            for g in counts:
+            runs = [(g, True) for g in counts]
+            if args.before:
+                runs += [(g, False) for g in counts if g > 1]
+            for g, overlap in runs:
                 t0 = time.time()
-                ms = train(cfg, Path(tmp) / f"{name}-{g}", args.steps, g)
+                ms = train(cfg, Path(tmp) / f"{name}-{g}-{overlap}", args.steps, g, overlap)
                 med = statistics.median(ms[args.warmup:])
                 tok_s = c.tokens_per_step * g / (med / 1e3)
                 base_tok, base_ms = base_tok or tok_s, base_ms or med
                 ar = allreduce_ms(n, g, Path(tmp)) if g > 1 else float("nan")
                 exposed = max(0.0, med - base_ms) if g > 1 else float("nan")
                 hidden = max(0.0, ar - exposed) if g > 1 else float("nan")
-                rows.append({"model": name, "gpus": g, "step_ms": med, "tok_s": tok_s,
+                rows.append({"model": name, "gpus": g, "overlap": overlap, "step_ms": med, "tok_s": tok_s,
                              "speedup": tok_s / base_tok, "efficiency": tok_s / base_tok / g,
                              "allreduce_ms": ar, "exposed_ms": exposed, "hidden_ms": hidden,
                              "wall_s": time.time() - t0})
                 dash = "–"
-                print(f"| ANDREA-{name} | {g} | {med:.2f} | {tok_s / 1e3:,.0f}K | "
+                label = f"{g}" if overlap or g == 1 else f"{g}, all-reduce after backward"
+                print(f"| ANDREA-{name} | {label} | {med:.2f} | {tok_s / 1e3:,.0f}K | "
                       f"{tok_s / base_tok:.2f} | {tok_s / base_tok / g:.0%} | "
                       f"{dash if g == 1 else f'{ar:.2f}'} | "
                       f"{dash if g == 1 else f'{exposed:.2f}'} | "

@@ -182,7 +182,16 @@ class Trainer:
         lr = self.lr_at(step)
         if self.reducer is not None:
             self.reducer.reduce(self.backend)  # the gradient of the whole job, on every rank
-        self.backend.scale_grads(1.0 / (n_micro * self.world * self.scaler.scale))
+        grad_mult = 1.0 / (n_micro * self.world * self.scaler.scale)
+        if getattr(self.backend, "fused_step", False):
+            # on the device, with the one-graph step's kernels: the same bits as train_step
+            # (so two ranks of one micro-batch match one rank of two, clipped or not)
+            b1, b2 = o.betas
+            norm, scale = self.backend.optimizer_step(
+                grad_mult=grad_mult, lr=lr, beta1=b1, beta2=b2, eps=o.eps,
+                weight_decay=o.weight_decay, t=self.adam_t + 1, max_norm=o.max_grad_norm)
+            return self._stepped(step, lr, norm, scale)
+        self.backend.scale_grads(grad_mult)
         norm = float(self.backend.grad_norm())
         finite = math.isfinite(norm)
         self.scaler.update(finite)
@@ -207,8 +216,10 @@ class Trainer:
         step) in one backend call with one host read. The numbers it feeds the backend are
         those `step()` would use (grads·1/loss_scale, the clip, lr and Adam's t)."""
         be = self.backend
-        if not getattr(be, "fused_step", False) or self.reducer is not None:
-            # data parallel: the ranks' gradients are summed between backward and optimizer
+        reduce_in_step = self.reducer is not None and getattr(self.reducer, "in_step", False)
+        if not getattr(be, "fused_step", False) or (self.reducer is not None
+                                                    and not reduce_in_step):
+            # data parallel on the host: the ranks' gradients summed between backward and step
             self.zero_grads()
             self.forward_backward(tokens)
             return self.step()
@@ -218,13 +229,20 @@ class Trainer:
         step = self.step_count + 1
         lr = self.lr_at(step)
         b1, b2 = o.betas
+        # data parallel: the all-reduce runs inside the step, bucket by bucket (the backend's)
+        extra = {"reducer": self.reducer} if reduce_in_step else {}
         rows, norm, clip = be.train_step(
             np.ascontiguousarray(inputs), np.ascontiguousarray(targets),
-            loss_scale=self.scaler.scale, grad_mult=1.0 / self.scaler.scale, lr=lr, beta1=b1,
-            beta2=b2, eps=o.eps, weight_decay=o.weight_decay, t=self.adam_t + 1,
-            max_norm=o.max_grad_norm)
+            loss_scale=self.scaler.scale, grad_mult=1.0 / (self.world * self.scaler.scale),
+            lr=lr, beta1=b1, beta2=b2, eps=o.eps, weight_decay=o.weight_decay,
+            t=self.adam_t + 1, max_norm=o.max_grad_norm, **extra)
         self._row_losses = [np.asarray(rows, dtype=np.float64)]
         self._micro_tokens = inputs.size
+        return self._stepped(step, lr, norm, clip)
+
+    def _stepped(self, step: int, lr: float, norm: float, clip: float) -> StepResult:
+        """The bookkeeping after a step taken on the device (clip and the non-finite skip
+        there): the loss scaler, Adam's t, the counts."""
         finite = math.isfinite(norm)
         self.scaler.update(finite)
         if finite:
@@ -233,7 +251,7 @@ class Trainer:
             self.skipped_steps += 1
             clip = 1.0
         self.step_count = step
-        self.tokens += self._micro_tokens
+        self.tokens += self._micro_tokens * self.world
         return StepResult(step=step, loss=float(np.mean(self.row_losses)), grad_norm=norm,
                           clip_scale=clip, lr=lr, tokens=self.tokens, skipped=not finite)
 

@@ -11,6 +11,7 @@ batch B give the same bits as one rank with batch B and grad_accum 2.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -31,13 +32,17 @@ class HostReducer:
 
 
 class NcclReducer:
-    """The CUDA backend: an fp32 NCCL all-reduce in place on the training stream."""
+    """The CUDA backend: fp32 NCCL all-reduces in place, inside the one-graph step (a bucket per
+    layer as the backward completes it) or, after several micro-batches, one on the training
+    stream before the optimizer step."""
 
     def __init__(self, channel: Channel) -> None:
         from engine.backends.cuda.nccl import Nccl
 
         w = channel.world
         self.world = w.size
+        # ANDREA_DDP_OVERLAP=0: one all-reduce after the backward instead (the path before)
+        self.in_step = os.environ.get("ANDREA_DDP_OVERLAP", "1") != "0"
         self.nccl = Nccl()
         uid = channel.broadcast(self.nccl.new_id() if w.main else b"")
         self.nccl.init(w.size, w.rank, uid)
@@ -47,6 +52,11 @@ class NcclReducer:
     def reduce(self, backend: Any) -> None:
         ptr, n, stream = backend.grad_device()
         self.nccl.all_reduce_sum(ptr, n, stream)
+
+    def all_reduce_sum(self, ptr: int, count: int, stream: Any) -> None:
+        """One bucket, for the backend's one-graph step (CudaBackend.train_step(reducer=)),
+        which sums the gradients bucket by bucket while its backward goes on."""
+        self.nccl.all_reduce_sum(ptr, count, stream)
 
     def close(self) -> None:
         self.nccl.close()

@@ -288,6 +288,12 @@ class TrainingRun:
                 self.out.log(f"data parallel over NCCL {topology['nccl_version']}: GPU links "
                              f"{topology['links'] or 'unknown'}, settings "
                              f"{topology['nccl'] or 'NCCL defaults'}")
+                be = self.trainer.backend
+                if (cfg.train.grad_accum == 1 and getattr(be, "fused_step", False)
+                        and getattr(reducer, "in_step", False)):
+                    self.out.log(f"gradients summed inside the one-graph step: "
+                                 f"{len(be.grad_buckets())} buckets, each all-reduced as the "
+                                 f"backward completes it")
         be = self.trainer.backend
         attention = self._report_backend(be)
         self.sampler = Sampler(self.data.shards, cfg.model.seq_len, cfg.train.seed,
@@ -434,10 +440,12 @@ class TrainingRun:
             weights = self.bandit.weights.copy()
             phase = (self.bandit.phase, self.bandit.phase_step + 1, self.bandit.phase_len)
             srcs = []
-            if n_micro == 1 and world.size == 1:  # the fused step where the backend has one
-                tokens, src = self.sampler.sample(B, weights)
-                done = tr.train_step(tokens)
-                srcs.append(src)
+            if n_micro == 1:  # the fused step where the backend has one (the all-reduce in it)
+                for m in range(world.size):  # every rank draws the whole job's micro-batches
+                    tokens, src = self.sampler.sample(B, weights)
+                    if m in mine:
+                        done = tr.train_step(tokens)
+                    srcs.append(src)
             else:
                 tr.zero_grads()
                 # The whole job's micro-batches in one order (every rank draws them all and

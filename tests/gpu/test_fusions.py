@@ -6,6 +6,8 @@ drives from the host."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from devarrays import DevArrays, check_close, rounded
@@ -240,6 +242,45 @@ def test_train_step_is_the_host_driven_step(attention):
         else:
             assert all(x[2] < 1.0 for x in a), "the test means to clip"
             check_close(pa, pb, 1e-5, "train_step vs host step, clipping", "bf16")
+
+
+@pytest.mark.parametrize("max_norm", [1e9, 0.05])
+def test_optimizer_step_is_the_end_of_train_step(max_norm):
+    """forward_backward + optimizer_step (the path of several micro-batches, or of an all-reduce
+    outside the step) against the one-graph train_step: the same bits, clipped or not; and the
+    gradient buckets of a data-parallel step tile the flat gradient in backward order."""
+    from engine.backends.cuda import CudaBackend
+
+    params = init_params(SHAPES, seed=6)
+    rng = np.random.default_rng(4)
+    toks = [rng.integers(0, 64, (4, 257)).astype(np.int32) for _ in range(3)]
+    got = []
+    for fused in (True, False):
+        bk = CudaBackend(SHAPES, 4, "bf16", fusions=True)
+        bk.load_params(params)
+        hp = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, max_norm=max_norm)
+        out = []
+        for t, tok in enumerate(toks, 1):
+            x, y = tok[:, :-1], tok[:, 1:]
+            if fused:
+                rows, norm, clip = bk.train_step(x, y, loss_scale=1.0, grad_mult=1.0, t=t, **hp)
+            else:
+                bk.zero_grads()
+                rows = bk.forward_backward(x, y)
+                norm, clip = bk.optimizer_step(grad_mult=1.0, t=t, **hp)
+            out.append((rows, norm, clip))
+        got.append((out, bk.read_params(), bk.read_optimizer()))
+        buckets = bk.grad_buckets()
+        bk.close()
+    (a, pa, (ma, va)), (b, pb, (mb, vb)) = got
+    for (ra, na, ca), (rb, nb, cb) in zip(a, b, strict=True):
+        assert np.array_equal(ra, rb) and na == nb and ca == cb
+    assert (max_norm < 1) == all(x[2] < 1.0 for x in a), "clipped exactly when meant to"
+    assert np.array_equal(pa, pb) and np.array_equal(ma, mb) and np.array_equal(va, vb)
+    spans = sorted(buckets)
+    assert spans[0][0] == 0 and all(f + c == g for (f, c), (g, _) in itertools.pairwise(spans))
+    assert sum(c for _, c in buckets) == pa.size and len(buckets) == SHAPES.n_layer + 1
+    assert buckets[-1][0] == 0 and buckets[0][0] > buckets[1][0]  # wte last; last layer first
 
 
 @pytest.mark.parametrize("attention", ["cudnn", "classic"])

@@ -139,6 +139,7 @@ class CudaBackend:
         self.lt: CublasLt | None = None
         self.gemm: Any = None
         self.side: Any = None
+        self.comm: Any = None  # the data-parallel step's all-reduce stream (train_step)
         if self.fusions:
             from engine.backends.cuda.gemm import LtGemm
 
@@ -394,11 +395,14 @@ class CudaBackend:
         else:
             o.loss_fwd(*args, B, T, s.vocab_size, self.ldv, d, self.wte_rows)
 
-    def _backward(self, b: BatchBuffers, T: int) -> None:
+    def _backward(self, b: BatchBuffers, T: int,
+                  completed: Callable[[int], None] | None = None) -> None:
         """After `_forward(b, T, loss=True, train=True)`. Fusions: the residual gradient
         alternates between two buffers (dres, dres2; each LayerNorm backward reads one and
         writes the other), and dpre, dqkv between two by layer parity, so the weight-gradient
-        GEMMs on the side stream can read one while the main stream writes the other."""
+        GEMMs on the side stream can read one while the main stream writes the other.
+        completed(i): called once the work queued so far completes bucket i of `grad_buckets`
+        (a data-parallel step starts that bucket's all-reduce there)."""
         s, o = self.shapes, self.ops
         d, F, H, L = s.d_model, s.d_ff, s.n_head, s.n_layer
         B, R = b.B, b.B * T
@@ -450,8 +454,22 @@ class CudaBackend:
             o.layernorm_bwd(dln, b.at("x", l), self._p32(h + "ln1.gamma"), st1, st1 + R * 4,
                             cur, self._g32(h + "ln1.gamma"), part, R, d, accumulate=True,
                             resid=nxt, fused=fln)
+            if completed is not None:
+                completed(L - 1 - l)
         o.embed_bwd(cur, (io["n_unique"], io["bucket_tok"], io["bucket_start"], io["rows"]),
                     self._g32("wte"), self._g32("wpe"), B, T, d)
+        if completed is not None:
+            completed(L)
+
+    def grad_buckets(self) -> list[tuple[int, int]]:
+        """(first, count) float32 ranges of the flat gradient in the order the backward
+        completes them: the last layer with the final LayerNorm, the layers down to the first,
+        then wte and wpe (the tied wte's gradient is complete only after the embedding's)."""
+        L = self.shapes.n_layer
+        first = [self.off[f"h.{l}.ln1.gamma"] for l in range(L)] + [self.n]
+        out = [(first[L - 1], self.n - first[L - 1])]
+        out += [(first[l], first[l + 1] - first[l]) for l in reversed(range(L - 1))]
+        return [*out, (0, first[0])]
 
     def _memset_act(self, ptr: int, count: int) -> None:
         if self.es == 2:
@@ -547,31 +565,40 @@ class CudaBackend:
 
     def train_step(self, inputs: np.ndarray, targets: np.ndarray, *, loss_scale: float,
                    grad_mult: float, lr: float, beta1: float, beta2: float, eps: float,
-                   weight_decay: float, t: int, max_norm: float
+                   weight_decay: float, t: int, max_norm: float, reducer: Any = None
                    ) -> tuple[np.ndarray, float, float]:
         """One whole optimizer step of DESIGN §4 for one micro-batch, in one captured graph:
         zero_grads → forward, backward (loss_scale) → grads·grad_mult → grad norm → when the
         norm is finite: clip (max_norm) and AdamW (lr, t); else nothing changes. One host read.
         Returns (per-row mean loss [B], the norm, the clip factor used: 1.0 when none or
-        skipped). Needs fusions (`fused_step`)."""
+        skipped). Needs fusions (`fused_step`).
+
+        reducer: one rank of a data-parallel job (`all_reduce_sum(ptr, count, stream)`, NCCL):
+        each bucket of `grad_buckets` is summed over the ranks on a third stream as soon as the
+        backward has completed it, overlapping the layers still to go; the norm waits for the
+        last. grad_mult then includes 1/world. Every rank must call this alike."""
         if not self.fused_step:
             raise RunError("train_step needs the fused step (fusions on)")
         if t < 1:
             raise ValueError(f"train_step: t is the 1-based Adam step, got {t}")
         b = self.train
         x, y = self._xy(inputs, targets)
-        hp = {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps,
-              "weight_decay": weight_decay, "bc1": 1.0 - beta1**t, "bc2": 1.0 - beta2**t,
-              "grad_mult": grad_mult, "max_norm": max_norm}
-        T = self._stage(b, x, y, loss_scale, hp)
+        T = self._stage(b, x, y, loss_scale, self._hp(grad_mult, lr, beta1, beta2, eps,
+                                                      weight_decay, t, max_norm))
         self._pending_scale = 1.0  # the step zeroes the gradients first
-        io = b.io()
-        norm, clip = self._plan["norm"], self._plan["clip"]
+        if reducer is not None:
+            self._ready_to_reduce(reducer, ("step-ddp", T))
 
         # At full length every parameter's gradient is written by this micro-batch (GEMMs with
         # beta 0, the LayerNorm and position sums stored): no zeroing pass over the 4·n bytes.
         # A shorter sequence leaves position rows unwritten: zero, then add, as usual.
         write = T == self.S and self.write_grads
+        buckets = self.grad_buckets()
+
+        def reduce_bucket(i: int) -> None:
+            first, count = buckets[i]
+            self.ops.fork_to(self.comm)
+            reducer.all_reduce_sum(self.g + 4 * first, count, self.comm)
 
         def issue() -> None:
             o = self.ops
@@ -581,25 +608,74 @@ class CudaBackend:
             o.overwrite_grads = write
             try:
                 self._forward(b, T, loss=True, train=True)
-                self._backward(b, T)
+                self._backward(b, T, reduce_bucket if reducer is not None else None)
             finally:
                 o.overwrite_grads = False
             o.join()
-            gm = io["hp"] + 4 * HP_FIELDS.index("grad_mult")
-            o.grad_norm(self.g, self.n, self._plan["norm_partials"], norm, gs_dev=gm)
-            self.drv.memset_d32_async(clip, 0x3F800000, 1, self.stream)  # 1.0f unless clipped
-            lp = self.plp if self.precision != "fp32" else 0
-            o.adamw_step(self.p, lp, self.g, self.m, self.v, self._plan["seg_start"],
-                         self._plan["seg_decay"], self.nseg, self.n, io["hp"], norm, clip)
-            self.drv.memcpy_dtoh_async(self.h_norm[:1], norm, self.stream)
-            self.drv.memcpy_dtoh_async(self.h_norm[1:], clip, self.stream)
+            if reducer is not None:
+                o.wait_for(self.comm)
+            self._optimizer_tail(b)
 
-        self._run(("step", T), issue)
+        self._run(("step" if reducer is None else "step-ddp", T), issue)
         R = b.B * T
         self.drv.memcpy_dtoh_async(self.h_losses[:R], b.at("losses"), self.stream)
         self.stream.synchronize()
         rows = self.h_losses[:R].reshape(T, b.B).astype(np.float64).mean(axis=0)
         return rows, float(self.h_norm[0]), float(self.h_norm[1])
+
+    def optimizer_step(self, *, grad_mult: float, lr: float, beta1: float, beta2: float,
+                       eps: float, weight_decay: float, t: int, max_norm: float
+                       ) -> tuple[float, float]:
+        """The end of `train_step` on the gradients accumulated since `zero_grads` (after
+        several micro-batches, or a data-parallel all-reduce outside the step): grads·grad_mult
+        → norm → clip and AdamW when finite, on the device, in one graph, with train_step's
+        very kernels and bits. Returns (the norm, the clip factor used)."""
+        if not self.fused_step:
+            raise RunError("optimizer_step needs the fused step (fusions on)")
+        if t < 1:
+            raise ValueError(f"optimizer_step: t is the 1-based Adam step, got {t}")
+        b = self.train
+        self._settle_scale()
+        h = self.h_io[b.p]
+        b.stage_hp(h, self._hp(grad_mult, lr, beta1, beta2, eps, weight_decay, t, max_norm))
+        at, n = b.io_fields["hp"], len(HP_FIELDS)
+        self.drv.memcpy_htod_async(b.at("io") + 4 * at, h[at : at + n], self.stream)
+        self._run(("opt", 0), lambda: self._optimizer_tail(b))
+        self.stream.synchronize()
+        return float(self.h_norm[0]), float(self.h_norm[1])
+
+    @staticmethod
+    def _hp(grad_mult: float, lr: float, beta1: float, beta2: float, eps: float,
+            weight_decay: float, t: int, max_norm: float) -> dict[str, float]:
+        return {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps,
+                "weight_decay": weight_decay, "bc1": 1.0 - beta1**t, "bc2": 1.0 - beta2**t,
+                "grad_mult": grad_mult, "max_norm": max_norm}
+
+    def _optimizer_tail(self, b: BatchBuffers) -> None:
+        """grads·grad_mult → norm → clip → AdamW, reading the hyper-parameters staged in b's
+        io block; the norm and the clip factor are copied to h_norm."""
+        o, io = self.ops, b.io()
+        norm, clip = self._plan["norm"], self._plan["clip"]
+        gm = io["hp"] + 4 * HP_FIELDS.index("grad_mult")
+        o.grad_norm(self.g, self.n, self._plan["norm_partials"], norm, gs_dev=gm)
+        self.drv.memset_d32_async(clip, 0x3F800000, 1, self.stream)  # 1.0f unless clipped
+        lp = self.plp if self.precision != "fp32" else 0
+        o.adamw_step(self.p, lp, self.g, self.m, self.v, self._plan["seg_start"],
+                     self._plan["seg_decay"], self.nseg, self.n, io["hp"], norm, clip)
+        self.drv.memcpy_dtoh_async(self.h_norm[:1], norm, self.stream)
+        self.drv.memcpy_dtoh_async(self.h_norm[1:], clip, self.stream)
+
+    def _ready_to_reduce(self, reducer: Any, key: tuple[str, int]) -> None:
+        """Before the data-parallel step's graph is captured: the all-reduce stream, events for
+        its forks, and one all-reduce run eagerly (NCCL connects its channels on first use,
+        which must not happen under capture; the gradients it sums are overwritten or zeroed
+        by the step)."""
+        if self.comm is None:
+            self.comm = self.drv.Stream(flags=1)
+            self.ops.reserve_events(12 * self.shapes.n_layer + 24)
+        if key not in self._graphs and self.use_graphs:
+            reducer.all_reduce_sum(self.g, self.n, self.stream)
+            self.stream.synchronize()
 
     def forward_loss(self, inputs: np.ndarray, targets: np.ndarray) -> np.ndarray:
         b = self.train
@@ -722,8 +798,9 @@ class CudaBackend:
         """Free the graphs, the cuBLAS handles, cuDNN and the device memory now (tests make
         many)."""
         self.stream.synchronize()
-        if self.side is not None:
-            self.side.synchronize()
+        for s in (self.side, self.comm):
+            if s is not None:
+                s.synchronize()
         for g in self._graphs.values():
             g.close()
         self._graphs.clear()

@@ -159,6 +159,21 @@ class Ops:
             if ev is not None:
                 self.stream.wait_for_event(ev)
 
+    def fork_to(self, other: Any) -> None:
+        """`other` (a third stream) waits for everything queued so far on the main and the side
+        stream: a gradient bucket's all-reduce after the layer whose backward completes it."""
+        for s in (self.stream, self.side):
+            if s is not None:
+                ev = self._event()
+                ev.record(s)
+                other.wait_for_event(ev)
+
+    def wait_for(self, other: Any) -> None:
+        """The main stream waits for everything queued so far on `other`."""
+        ev = self._event()
+        ev.record(other)
+        self.stream.wait_for_event(ev)
+
     def join(self) -> None:
         """The main stream waits for all the side stream's work (before the gradient norm, or
         anything that reads the gradients)."""
