@@ -279,3 +279,24 @@ def test_the_dashboard_shows_each_rank(tmp_path: Path) -> None:
     assert "×2" in panels.header(st, 2e9).plain
     st.add_events([rec.ErrorEvent(t=2.0, message="rank 1 ended (killed by signal 9)").to_json()])
     assert "20 ms ended" in panels.training(st).plain
+
+
+def test_ranks_started_with_other_cuda_settings_are_refused() -> None:
+    """Ranks that would make other NCCL calls (the all-reduce inside the step on one, after it
+    on another) would pair all-reduces of other sizes and hang: refused, naming what differs."""
+    from engine.errors import UserError
+    from engine.run.ddp import check_same_collectives, collective_settings
+
+    class Reducer:
+        in_step = True
+
+    class Backend:
+        fused_step, use_graphs = True, True
+
+    same = collective_settings(Reducer(), Backend())
+    check_same_collectives([same, dict(same)])
+    other = {**same, "ANDREA_DDP_OVERLAP": False}
+    with pytest.raises(UserError) as e:
+        check_same_collectives([same, same, other])
+    assert "ANDREA_DDP_OVERLAP on rank 0 on, on rank 2 off" in str(e.value)
+    assert "same environment" in str(e.value)

@@ -213,8 +213,9 @@ class Trainer:
     def train_step(self, tokens: np.ndarray) -> StepResult:
         """`zero_grads` → `forward_backward(tokens)` → `step()` for one micro-batch: the same
         step, and on a backend with a fused step (`fused_step`: the CUDA backend's one-graph
-        step) in one backend call with one host read. The numbers it feeds the backend are
-        those `step()` would use (grads·1/loss_scale, the clip, lr and Adam's t)."""
+        step) in one backend call with one host read, the data-parallel all-reduce inside it
+        (a reducer with `in_step`). The numbers it feeds the backend are those `step()` would
+        use (grads·1/(world·loss_scale), the clip, lr and Adam's t)."""
         be = self.backend
         reduce_in_step = self.reducer is not None and getattr(self.reducer, "in_step", False)
         if not getattr(be, "fused_step", False) or (self.reducer is not None

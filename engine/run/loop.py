@@ -29,7 +29,12 @@ from engine.errors import UserError
 from engine.records import Status
 from engine.run.checkpoint import cleanup_tmp
 from engine.run.comm import Channel
-from engine.run.ddp import make_reducer, my_micro_batches
+from engine.run.ddp import (
+    check_same_collectives,
+    collective_settings,
+    make_reducer,
+    my_micro_batches,
+)
 from engine.run.signals import SignalFlags
 from engine.run.world import world_from_env
 from engine.run.writer import QuietWriter
@@ -289,8 +294,11 @@ class TrainingRun:
                              f"{topology['links'] or 'unknown'}, settings "
                              f"{topology['nccl'] or 'NCCL defaults'}")
                 be = self.trainer.backend
-                if (cfg.train.grad_accum == 1 and getattr(be, "fused_step", False)
-                        and getattr(reducer, "in_step", False)):
+                mine = collective_settings(reducer, be)
+                check_same_collectives([json.loads(p) for p in
+                                        self.channel.allgather(json.dumps(mine).encode())])
+                if cfg.train.grad_accum == 1 and mine["ANDREA_DDP_OVERLAP"] and \
+                        mine["ANDREA_FUSIONS"]:
                     self.out.log(f"gradients summed inside the one-graph step: "
                                  f"{len(be.grad_buckets())} buckets, each all-reduced as the "
                                  f"backward completes it")

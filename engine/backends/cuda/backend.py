@@ -667,15 +667,17 @@ class CudaBackend:
 
     def _ready_to_reduce(self, reducer: Any, key: tuple[str, int]) -> None:
         """Before the data-parallel step's graph is captured: the all-reduce stream, events for
-        its forks, and one all-reduce run eagerly (NCCL connects its channels on first use,
-        which must not happen under capture; the gradients it sums are overwritten or zeroed
-        by the step)."""
+        its forks, and the very all-reduces the graph will hold run once eagerly (NCCL connects
+        its channels, per algorithm, on first use, which must not happen under capture; the
+        gradients they sum are then overwritten or zeroed by the step)."""
         if self.comm is None:
             self.comm = self.drv.Stream(flags=1)
             self.ops.reserve_events(12 * self.shapes.n_layer + 24)
         if key not in self._graphs and self.use_graphs:
-            reducer.all_reduce_sum(self.g, self.n, self.stream)
             self.stream.synchronize()
+            for first, count in self.grad_buckets():
+                reducer.all_reduce_sum(self.g + 4 * first, count, self.comm)
+            self.comm.synchronize()
 
     def forward_loss(self, inputs: np.ndarray, targets: np.ndarray) -> np.ndarray:
         b = self.train
