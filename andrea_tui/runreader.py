@@ -21,7 +21,7 @@ from typing import Any
 
 from andrea_tui.runstate import LossHistory, RunState
 from engine.records import ResumeEvent
-from engine.runfiles import JsonlTail, RunPaths, parse_lines, read_json
+from engine.runfiles import JsonlTail, RunPaths, parse_lines, read_json, tail_lines
 
 PREVIEW_BYTES = 2 << 20  # the tail of loss.jsonl shown while the whole history loads
 POLL_BYTES = 256 << 10  # what one poll reads of a file at most (about 800 step records)
@@ -76,17 +76,7 @@ class RunReader:
 
     def read_preview(self, max_bytes: int = PREVIEW_BYTES) -> list[dict[str, Any]]:
         """The complete records in the last `max_bytes` of loss.jsonl (fast first frame)."""
-        try:
-            with open(self.paths.loss, "rb") as f:
-                size = f.seek(0, os.SEEK_END)
-                start = max(0, size - max_bytes)
-                f.seek(start)
-                data = f.read(max_bytes)
-        except OSError:
-            return []
-        lines = data.split(b"\n")[:-1]  # the last piece is empty or a torn line
-        if start > 0 and lines:
-            lines = lines[1:]  # the first piece may be the end of a line cut by the seek
+        lines = tail_lines(self.paths.loss, max_bytes)
         records, _ = parse_lines(ln for ln in lines if len(ln) <= self.loss.max_line)
         return records
 

@@ -38,6 +38,7 @@ from engine.runfiles import (
     RunPaths,
     parse_lines,
     read_json,
+    tail_lines,
 )
 
 TAIL_BYTES = 64 << 10  # of loss.jsonl: a hundred or more step records
@@ -88,18 +89,7 @@ def find_runs(root: Path, max_depth: int = MAX_DEPTH) -> list[Path]:
 
 def tail_objects(path: Path, max_bytes: int = TAIL_BYTES) -> list[dict[str, Any]]:
     """The complete JSON objects in the last `max_bytes` of a JSONL file (none when missing)."""
-    try:
-        with open(path, "rb") as f:
-            size = f.seek(0, os.SEEK_END)
-            start = max(0, size - max_bytes)
-            f.seek(start)
-            data = f.read(max_bytes)
-    except OSError:
-        return []
-    lines = data.split(b"\n")[:-1]  # the last piece is empty or a torn line
-    if start > 0 and lines:
-        lines = lines[1:]  # the first piece may be the end of a line the seek cut
-    objects, _ = parse_lines(lines)
+    objects, _ = parse_lines(tail_lines(path, max_bytes))
     return objects
 
 

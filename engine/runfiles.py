@@ -273,6 +273,33 @@ class JsonlTail:
         return records
 
 
+def tail_lines(path: Path, max_bytes: int) -> list[bytes]:
+    """The complete lines in the last `max_bytes` of a file (none when it cannot be read): the
+    first piece is dropped when the seek may have cut it, the last when it is torn."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            start = max(0, size - max_bytes)
+            f.seek(start)
+            data = f.read(max_bytes)
+    except OSError:
+        return []
+    lines = data.split(b"\n")[:-1]  # the last piece is empty or a torn line
+    return lines[1:] if start > 0 else lines
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists (one of another user counts): a temporary file named with a
+    dead writer's pid is stale."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def read_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
     """All complete records of a JSONL file and the count of corrupt lines (torn tail ignored)."""
     tail = JsonlTail(path)

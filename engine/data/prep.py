@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from engine import jsonio
+from engine.runfiles import pid_alive
 from engine.config import Config, SourceConfig, load_config
 from engine.data.encoders import ENCODERS, choose_encoder
 from engine.data.partial import PartialShard
@@ -156,16 +157,6 @@ class _DirLock:
         os.close(self._fd)  # releases the lock
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process
-    return True
-
-
 def remove_stale_tmp(data_dir: Path) -> list[Path]:
     """Remove the `.NAME.tmp-PID` files that processes which have died left in the data
     directory and its shards/ (call with the directory's lock held). Returns them."""
@@ -177,7 +168,7 @@ def remove_stale_tmp(data_dir: Path) -> list[Path]:
             continue
         for name in names:
             m = _TMP_RE.match(name)
-            if m and not _pid_alive(int(m.group(1))):
+            if m and not pid_alive(int(m.group(1))):
                 try:
                     (d / name).unlink()
                     removed.append(d / name)

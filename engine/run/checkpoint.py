@@ -37,7 +37,7 @@ import numpy as np
 
 from engine import jsonio
 from engine.errors import RunError, UserError
-from engine.runfiles import CHECKPOINTS, fsync_dir
+from engine.runfiles import CHECKPOINTS, fsync_dir, pid_alive
 
 FORMAT_VERSION = 1
 MODEL_FILE = "model.ckpt"
@@ -252,16 +252,6 @@ def write_checkpoint(
     return CheckpointInfo(final, step, reason, size + len(state_bytes), time.perf_counter() - t0)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def cleanup_tmp(ckpt_root: Path) -> list[Path]:
     """Remove leftover `.tmp-*-<pid>-<nonce>` dirs whose writer pid is dead; return them."""
     root = Path(ckpt_root)
@@ -272,7 +262,7 @@ def cleanup_tmp(ckpt_root: Path) -> list[Path]:
         return removed
     for name in names:
         mt = _TMP_RE.match(name)
-        if mt and not _pid_alive(int(mt.group(1))):
+        if mt and not pid_alive(int(mt.group(1))):
             shutil.rmtree(root / name, ignore_errors=True)
             removed.append(root / name)
     return removed
