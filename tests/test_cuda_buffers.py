@@ -300,3 +300,31 @@ def test_fused_plan_adds_the_second_copies_and_the_step_block():
                           np.array(list(hp.values()), np.float32))
     assert h[train.io_fields["scale"]:].view(np.float32)[0] == np.float32(2.0 / x.size)
     assert train.qkv_slab() == train.R * s.d_model
+
+
+def test_the_blas_libraries_load_from_the_wheels_else_a_soname_else_say_what_was_tried(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuBLAS and cuBLASLt through one loader (no GPU needed to check the order it tries)."""
+    import ctypes
+    import sys
+
+    from engine.backends.cuda import cublas
+    from engine.errors import RunError
+
+    tried: list[str] = []
+
+    def cdll(name: str) -> str:
+        tried.append(name)
+        if name == "libcublasLt.so.12":
+            return "loaded " + name
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", cdll)
+    monkeypatch.setitem(sys.modules, "cuda.pathfinder", None)  # no wheels: sonames only
+    assert cublas.load_library("cublasLt", "cuBLASLt") == "loaded libcublasLt.so.12"
+    assert tried == ["libcublasLt.so.13", "libcublasLt.so.12"]
+    with pytest.raises(RunError) as e:
+        cublas.load_library("cublas", "cuBLAS")
+    msg = str(e.value)
+    assert msg.startswith("cuBLAS library not found: cuda.pathfinder:")
+    assert "libcublas.so.13: cannot open" in msg and "libcublas.so: cannot open" in msg

@@ -20,29 +20,31 @@ WORKSPACE_BYTES = 32 << 20  # NVIDIA's recommendation for Hopper
 DTYPE_OF_PRECISION = {"fp32": R_32F, "bf16": R_16BF, "fp16": R_16F}
 
 
-def _load_library() -> C.CDLL:
+def load_library(name: str, what: str) -> C.CDLL:
+    """libNAME (cublas, cublasLt): the pip wheels' copy as PyTorch finds it (cuda.pathfinder),
+    else the CUDA 13 or 12 soname on the loader's path; RunError naming what was tried."""
     errors = []
-    try:  # the pip wheels' copy, as PyTorch finds it
+    try:
         from cuda.pathfinder import load_nvidia_dynamic_lib
 
-        path = load_nvidia_dynamic_lib("cublas").abs_path
+        path = load_nvidia_dynamic_lib(name).abs_path
         if path:  # None when it was loaded already: then the soname below finds that copy
             return C.CDLL(path)
     except Exception as e:
         errors.append(f"cuda.pathfinder: {e}")
-    for name in ("libcublas.so.13", "libcublas.so.12", "libcublas.so"):
+    for soname in (f"lib{name}.so.13", f"lib{name}.so.12", f"lib{name}.so"):
         try:
-            return C.CDLL(name)
+            return C.CDLL(soname)
         except OSError as e:
             errors.append(str(e))
-    raise RunError("cuBLAS library not found: " + "; ".join(errors))
+    raise RunError(f"{what} library not found: " + "; ".join(errors))
 
 
 class Cublas:
     """A cuBLAS handle bound to one stream and one workspace."""
 
     def __init__(self, stream_handle: int, workspace_ptr: int, workspace_bytes: int) -> None:
-        lib = _load_library()
+        lib = load_library("cublas", "cuBLAS")
         vp, i32, ll = C.c_void_p, C.c_int, C.c_longlong
         lib.cublasCreate_v2.argtypes = [C.POINTER(vp)]
         lib.cublasSetStream_v2.argtypes = [vp, vp]

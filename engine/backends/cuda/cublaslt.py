@@ -14,7 +14,7 @@ from __future__ import annotations
 import ctypes as C
 from typing import Any
 
-from engine.backends.cuda.cublas import COMPUTE_32F, OP_N, OP_T, R_32F
+from engine.backends.cuda.cublas import COMPUTE_32F, OP_N, OP_T, R_32F, load_library
 from engine.errors import RunError
 
 EPILOGUE_GELU_AUX = 160
@@ -24,37 +24,29 @@ DESC_AUX_POINTER, DESC_AUX_LD = 11, 12
 PREF_MAX_WORKSPACE = 1
 
 
-class _Algo(C.Structure):
+class LtAlgo(C.Structure):
+    """cublasLtMatmulAlgo_t: 64 opaque bytes (gemm.py keeps them in the run's gemm_plan.json)."""
+
     _fields_ = [("data", C.c_uint64 * 8)]
 
 
-class _Heuristic(C.Structure):
-    _fields_ = [("algo", _Algo), ("workspaceSize", C.c_size_t), ("state", C.c_int),
+class LtHeuristic(C.Structure):
+    """cublasLtMatmulHeuristicResult_t: one algorithm the heuristic proposes."""
+
+    _fields_ = [("algo", LtAlgo), ("workspaceSize", C.c_size_t), ("state", C.c_int),
                 ("wavesCount", C.c_float), ("reserved", C.c_int * 4)]
 
 
-def _load() -> C.CDLL:
-    try:
-        from cuda.pathfinder import load_nvidia_dynamic_lib
-
-        path = load_nvidia_dynamic_lib("cublasLt").abs_path
-        if path:
-            return C.CDLL(path)
-    except Exception:
-        pass
-    for name in ("libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"):
-        try:
-            return C.CDLL(name)
-        except OSError:
-            continue
-    raise RunError("cuBLASLt library not found")
+def load_cublaslt() -> C.CDLL:
+    """libcublasLt (cublas.load_library): the fused path's LtGemm and this module load it so."""
+    return load_library("cublasLt", "cuBLASLt")
 
 
 class CublasLt:
     """GELU-epilogue GEMMs on one stream with a fixed workspace."""
 
     def __init__(self, stream_handle: int, workspace_ptr: int, workspace_bytes: int) -> None:
-        lib = _load()
+        lib = load_cublaslt()
         vp, i32, u64, i64 = C.c_void_p, C.c_int, C.c_uint64, C.c_int64
         sigs: dict[str, list[Any]] = {
             "cublasLtCreate": [C.POINTER(vp)],
@@ -65,9 +57,9 @@ class CublasLt:
             "cublasLtMatmulPreferenceCreate": [C.POINTER(vp)],
             "cublasLtMatmulPreferenceSetAttribute": [vp, i32, vp, C.c_size_t],
             "cublasLtMatmulAlgoGetHeuristic": [vp, vp, vp, vp, vp, vp, vp, i32,
-                                               C.POINTER(_Heuristic), C.POINTER(i32)],
+                                               C.POINTER(LtHeuristic), C.POINTER(i32)],
             "cublasLtMatmul": [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp,
-                               C.POINTER(_Algo), vp, C.c_size_t, vp],
+                               C.POINTER(LtAlgo), vp, C.c_size_t, vp],
         }
         for name, args in sigs.items():
             f = getattr(lib, name)
@@ -113,7 +105,7 @@ class CublasLt:
         self._check(lib.cublasLtMatmulPreferenceCreate(C.byref(pref)), "preference")
         self._set(lib.cublasLtMatmulPreferenceSetAttribute, pref, PREF_MAX_WORKSPACE,
                   C.c_uint64(self._ws_bytes))
-        result, count = _Heuristic(), C.c_int(0)
+        result, count = LtHeuristic(), C.c_int(0)
         status = lib.cublasLtMatmulAlgoGetHeuristic(
             self.handle, desc, layouts[0], layouts[1], layouts[2], layouts[2], pref, 1,
             C.byref(result), C.byref(count))

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.backends.cuda.cublas import COMPUTE_32F, OP_N, OP_T, R_32F
+from engine.backends.cuda.cublaslt import LtAlgo, LtHeuristic, load_cublaslt
 from engine.errors import RunError
 
 CANDIDATES = 8  # heuristic proposals timed per problem
@@ -41,33 +42,6 @@ PLAN_VERSION = 1
 
 EPILOGUE_NAMES = {EPILOGUE_DEFAULT: "none", EPILOGUE_GELU_AUX: "gelu_aux",
                   EPILOGUE_DGELU: "dgelu"}
-
-
-class _Algo(C.Structure):
-    _fields_ = [("data", C.c_uint64 * 8)]
-
-
-class _Heuristic(C.Structure):
-    _fields_ = [("algo", _Algo), ("workspaceSize", C.c_size_t), ("state", C.c_int),
-                ("wavesCount", C.c_float), ("reserved", C.c_int * 4)]
-
-
-def _load() -> C.CDLL:
-    errors = []
-    try:
-        from cuda.pathfinder import load_nvidia_dynamic_lib
-
-        path = load_nvidia_dynamic_lib("cublasLt").abs_path
-        if path:
-            return C.CDLL(path)
-    except Exception as e:
-        errors.append(f"cuda.pathfinder: {e}")
-    for name in ("libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"):
-        try:
-            return C.CDLL(name)
-        except OSError as e:
-            errors.append(str(e))
-    raise RunError("cuBLASLt library not found: " + "; ".join(errors))
 
 
 def alignment(ptr: int) -> int:
@@ -92,7 +66,7 @@ def problem_key(types: tuple[int, int, int], ta: bool, tb: bool, M: int, N: int,
 class _Problem:
     desc: C.c_void_p
     layouts: tuple[C.c_void_p, C.c_void_p, C.c_void_p]  # A, B, C(=D) in cuBLASLt's terms
-    algo: _Algo | None = None
+    algo: LtAlgo | None = None
     ms: float | None = None
     rank: int | None = None
     top1_ms: float | None = None
@@ -106,7 +80,7 @@ class LtGemm:
     """
 
     def __init__(self, workspace_bytes: int, device: str) -> None:
-        lib = _load()
+        lib = load_cublaslt()
         vp, i32, u64, i64 = C.c_void_p, C.c_int, C.c_uint64, C.c_int64
         sigs: dict[str, list[Any]] = {
             "cublasLtCreate": [C.POINTER(vp)],
@@ -119,11 +93,11 @@ class LtGemm:
             "cublasLtMatmulPreferenceDestroy": [vp],
             "cublasLtMatmulPreferenceSetAttribute": [vp, i32, vp, C.c_size_t],
             "cublasLtMatmulAlgoGetHeuristic": [vp, vp, vp, vp, vp, vp, vp, i32,
-                                               C.POINTER(_Heuristic), C.POINTER(i32)],
-            "cublasLtMatmulAlgoCheck": [vp, vp, vp, vp, vp, vp, C.POINTER(_Algo),
-                                        C.POINTER(_Heuristic)],
+                                               C.POINTER(LtHeuristic), C.POINTER(i32)],
+            "cublasLtMatmulAlgoCheck": [vp, vp, vp, vp, vp, vp, C.POINTER(LtAlgo),
+                                        C.POINTER(LtHeuristic)],
             "cublasLtMatmul": [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp,
-                               C.POINTER(_Algo), vp, C.c_size_t, vp],
+                               C.POINTER(LtAlgo), vp, C.c_size_t, vp],
         }
         for name, args in sigs.items():
             f = getattr(lib, name)
@@ -185,7 +159,7 @@ class LtGemm:
             layouts.append(lay)
         return _Problem(desc, (layouts[0], layouts[1], layouts[2]))
 
-    def _heuristics(self, p: _Problem, aligns: tuple[int, int, int], n: int) -> list[_Heuristic]:
+    def _heuristics(self, p: _Problem, aligns: tuple[int, int, int], n: int) -> list[LtHeuristic]:
         lib, vp = self._lib, C.c_void_p
         pref = vp()
         self._check(lib.cublasLtMatmulPreferenceCreate(C.byref(pref)), "preference")
@@ -196,7 +170,7 @@ class LtGemm:
             for attr, al in zip(PREF_MIN_ALIGN, (aligns[1], aligns[0], aligns[2], aligns[2]),
                                 strict=True):
                 self._set(sp, pref, attr, C.c_uint32(al))
-            results, count = (_Heuristic * n)(), C.c_int(0)
+            results, count = (LtHeuristic * n)(), C.c_int(0)
             la, lb, lc = p.layouts
             status = lib.cublasLtMatmulAlgoGetHeuristic(self.handle, p.desc, la, lb, lc, lc,
                                                         pref, n, results, C.byref(count))
@@ -206,7 +180,7 @@ class LtGemm:
             return []
         return [results[i] for i in range(count.value) if results[i].state == 0]
 
-    def _run(self, p: _Problem, algo: _Algo, out: int, a: int, b: int, alpha: float, beta: float,
+    def _run(self, p: _Problem, algo: LtAlgo, out: int, a: int, b: int, alpha: float, beta: float,
              aux: int, stream: int, ws: int) -> int:
         vp = C.c_void_p
         if aux:
@@ -219,12 +193,12 @@ class LtGemm:
                                         vp(ws), self.ws_bytes, vp(stream))
 
     def _choose(self, key: str, p: _Problem, aligns: tuple[int, int, int],
-                run: Callable[[_Algo], int]) -> None:
+                run: Callable[[LtAlgo], int]) -> None:
         """Pick p.algo: from an imported plan, by timing the candidates, or the heuristic's
         first."""
         if key in self._imported:
-            algo = _Algo.from_buffer_copy(self._imported[key])
-            res = _Heuristic()
+            algo = LtAlgo.from_buffer_copy(self._imported[key])
+            res = LtHeuristic()
             la, lb, lc = p.layouts
             if self._lib.cublasLtMatmulAlgoCheck(self.handle, p.desc, la, lb, lc, lc,
                                                  C.byref(algo), C.byref(res)) == 0:
@@ -285,7 +259,7 @@ class LtGemm:
             p = self._problems[key] = self._describe(types, ta, tb, M, N, K, lda, ldb, ldc,
                                                      batch, sa, sb, sc, epilogue, ldc)
 
-        def run(algo: _Algo) -> int:
+        def run(algo: LtAlgo) -> int:
             return self._run(p, algo, out, a, b, alpha, beta, aux, stream, ws)
 
         self.calls += 1
@@ -320,7 +294,7 @@ class LtGemm:
                 raw = bytes.fromhex(str(entry.get("algo", "")))
             except ValueError:
                 continue
-            if len(raw) == C.sizeof(_Algo):
+            if len(raw) == C.sizeof(LtAlgo):
                 self._imported[str(key)] = raw
         return ""
 
