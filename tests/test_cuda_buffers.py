@@ -328,3 +328,35 @@ def test_the_blas_libraries_load_from_the_wheels_else_a_soname_else_say_what_was
     msg = str(e.value)
     assert msg.startswith("cuBLAS library not found: cuda.pathfinder:")
     assert "libcublas.so.13: cannot open" in msg and "libcublas.so: cannot open" in msg
+
+
+def test_every_cublaslt_call_has_its_signature(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ctypes passes Python ints as C ints unless told otherwise: every cuBLASLt function the
+    two GEMM modules call is given its argument and result types when the library loads."""
+    import re
+    from pathlib import Path
+
+    from engine.backends.cuda import cublaslt
+
+    class Fn:
+        argtypes: list | None = None
+        restype = None
+
+    class Lib:
+        def __init__(self) -> None:
+            self.fns: dict[str, Fn] = {}
+
+        def __getattr__(self, name: str) -> Fn:
+            return self.fns.setdefault(name, Fn())
+
+    fake = Lib()
+    monkeypatch.setattr(cublaslt, "load_library", lambda *a: fake)
+    cublaslt.load_cublaslt.cache_clear()
+    try:
+        assert cublaslt.load_cublaslt() is fake
+    finally:
+        cublaslt.load_cublaslt.cache_clear()
+    src = "".join(Path(cublaslt.__file__).with_name(n).read_text()
+                  for n in ("cublaslt.py", "gemm.py"))
+    called = set(re.findall(r"lib\.(cublasLt\w+)\(", src))
+    assert called and all(fake.fns[n].argtypes is not None for n in called), called

@@ -12,6 +12,7 @@ backend's fixed cuBLAS workspace: both libraries run in order on the one stream.
 from __future__ import annotations
 
 import ctypes as C
+import functools
 from typing import Any
 
 from engine.backends.cuda.cublas import COMPUTE_32F, OP_N, OP_T, R_32F, load_library
@@ -37,9 +38,34 @@ class LtHeuristic(C.Structure):
                 ("wavesCount", C.c_float), ("reserved", C.c_int * 4)]
 
 
+@functools.cache
 def load_cublaslt() -> C.CDLL:
-    """libcublasLt (cublas.load_library): the fused path's LtGemm and this module load it so."""
-    return load_library("cublasLt", "cuBLASLt")
+    """libcublasLt (cublas.load_library) with the signatures of the calls the fused path's
+    LtGemm and this module's CublasLt make (every status an int)."""
+    lib = load_library("cublasLt", "cuBLASLt")
+    vp, i32, u64, i64 = C.c_void_p, C.c_int, C.c_uint64, C.c_int64
+    sigs: dict[str, list[Any]] = {
+        "cublasLtCreate": [C.POINTER(vp)],
+        "cublasLtDestroy": [vp],
+        "cublasLtMatmulDescCreate": [C.POINTER(vp), i32, i32],
+        "cublasLtMatmulDescSetAttribute": [vp, i32, vp, C.c_size_t],
+        "cublasLtMatrixLayoutCreate": [C.POINTER(vp), i32, u64, u64, i64],
+        "cublasLtMatrixLayoutSetAttribute": [vp, i32, vp, C.c_size_t],
+        "cublasLtMatmulPreferenceCreate": [C.POINTER(vp)],
+        "cublasLtMatmulPreferenceDestroy": [vp],
+        "cublasLtMatmulPreferenceSetAttribute": [vp, i32, vp, C.c_size_t],
+        "cublasLtMatmulAlgoGetHeuristic": [vp, vp, vp, vp, vp, vp, vp, i32,
+                                           C.POINTER(LtHeuristic), C.POINTER(i32)],
+        "cublasLtMatmulAlgoCheck": [vp, vp, vp, vp, vp, vp, C.POINTER(LtAlgo),
+                                    C.POINTER(LtHeuristic)],
+        "cublasLtMatmul": [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp,
+                           C.POINTER(LtAlgo), vp, C.c_size_t, vp],
+    }
+    for name, args in sigs.items():
+        f = getattr(lib, name)
+        f.argtypes, f.restype = args, C.c_int
+    lib.cublasLtGetVersion.argtypes, lib.cublasLtGetVersion.restype = [], C.c_size_t
+    return lib
 
 
 class CublasLt:
@@ -47,23 +73,7 @@ class CublasLt:
 
     def __init__(self, stream_handle: int, workspace_ptr: int, workspace_bytes: int) -> None:
         lib = load_cublaslt()
-        vp, i32, u64, i64 = C.c_void_p, C.c_int, C.c_uint64, C.c_int64
-        sigs: dict[str, list[Any]] = {
-            "cublasLtCreate": [C.POINTER(vp)],
-            "cublasLtDestroy": [vp],
-            "cublasLtMatmulDescCreate": [C.POINTER(vp), i32, i32],
-            "cublasLtMatmulDescSetAttribute": [vp, i32, vp, C.c_size_t],
-            "cublasLtMatrixLayoutCreate": [C.POINTER(vp), i32, u64, u64, i64],
-            "cublasLtMatmulPreferenceCreate": [C.POINTER(vp)],
-            "cublasLtMatmulPreferenceSetAttribute": [vp, i32, vp, C.c_size_t],
-            "cublasLtMatmulAlgoGetHeuristic": [vp, vp, vp, vp, vp, vp, vp, i32,
-                                               C.POINTER(LtHeuristic), C.POINTER(i32)],
-            "cublasLtMatmul": [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp,
-                               C.POINTER(LtAlgo), vp, C.c_size_t, vp],
-        }
-        for name, args in sigs.items():
-            f = getattr(lib, name)
-            f.argtypes, f.restype = args, C.c_int
+        vp = C.c_void_p
         self._lib = lib
         self.handle = vp()
         self._check(lib.cublasLtCreate(C.byref(self.handle)), "cublasLtCreate")

@@ -81,28 +81,7 @@ class LtGemm:
 
     def __init__(self, workspace_bytes: int, device: str) -> None:
         lib = load_cublaslt()
-        vp, i32, u64, i64 = C.c_void_p, C.c_int, C.c_uint64, C.c_int64
-        sigs: dict[str, list[Any]] = {
-            "cublasLtCreate": [C.POINTER(vp)],
-            "cublasLtDestroy": [vp],
-            "cublasLtMatmulDescCreate": [C.POINTER(vp), i32, i32],
-            "cublasLtMatmulDescSetAttribute": [vp, i32, vp, C.c_size_t],
-            "cublasLtMatrixLayoutCreate": [C.POINTER(vp), i32, u64, u64, i64],
-            "cublasLtMatrixLayoutSetAttribute": [vp, i32, vp, C.c_size_t],
-            "cublasLtMatmulPreferenceCreate": [C.POINTER(vp)],
-            "cublasLtMatmulPreferenceDestroy": [vp],
-            "cublasLtMatmulPreferenceSetAttribute": [vp, i32, vp, C.c_size_t],
-            "cublasLtMatmulAlgoGetHeuristic": [vp, vp, vp, vp, vp, vp, vp, i32,
-                                               C.POINTER(LtHeuristic), C.POINTER(i32)],
-            "cublasLtMatmulAlgoCheck": [vp, vp, vp, vp, vp, vp, C.POINTER(LtAlgo),
-                                        C.POINTER(LtHeuristic)],
-            "cublasLtMatmul": [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp,
-                               C.POINTER(LtAlgo), vp, C.c_size_t, vp],
-        }
-        for name, args in sigs.items():
-            f = getattr(lib, name)
-            f.argtypes, f.restype = args, C.c_int
-        lib.cublasLtGetVersion.argtypes, lib.cublasLtGetVersion.restype = [], C.c_size_t
+        vp = C.c_void_p
         self._lib = lib
         self.handle = vp()
         self._check(lib.cublasLtCreate(C.byref(self.handle)), "cublasLtCreate")
