@@ -120,6 +120,51 @@ def test_a_rank_that_cannot_join_fails_naming_who_is_missing(tmp_path: Path) -> 
     assert p1.returncode != 0 and "rank 1 could not join within 2 s" in err, err
 
 
+def test_the_launcher_holds_rank_0s_port_from_its_choice_to_the_rendezvous(tmp_path: Path) -> None:
+    """`--gpus` binds rank 0's socket before any rank starts and hands it down: another process
+    cannot take the port in between (a port number chosen here and bound later could be), and
+    rank 0 meets the others on the very socket it was given."""
+    import errno
+    import socket
+
+    from engine.run.launch import listening_socket
+
+    srv = listening_socket()
+    port = srv.getsockname()[1]
+    with socket.socket() as other, pytest.raises(OSError) as e:
+        other.bind(("127.0.0.1", port))
+    assert e.value.errno == errno.EADDRINUSE
+    fd = srv.fileno()
+    extra = {"ANDREA_LISTEN_FD": str(fd)}
+    procs = []
+    for r in range(2):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
+               "PYTHONPATH", "")]), "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "ANDREA_JOB_TOKEN": "t0k", "TORCHELASTIC_RUN_ID": "job",
+               **(extra if r == 0 else {})}
+        procs.append(subprocess.Popen([sys.executable, "-c", CHANNEL, str(tmp_path), "30"],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, pass_fds=(fd,) if r == 0 else ()))
+    srv.close()  # as the launcher does: rank 0 holds its own copy
+    for p in procs:
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+        assert json.loads(out.strip().splitlines()[-1])["parts"] == ["r0", "r1"]
+
+
+def test_a_handed_down_socket_on_another_port_is_refused() -> None:
+    from engine.errors import RunError
+    from engine.run.comm import Channel
+    from engine.run.launch import listening_socket
+    from engine.run.world import World
+
+    srv = listening_socket()
+    port = srv.getsockname()[1]
+    w = World(rank=0, size=2, master_port=port + 1, listen_fd=srv.detach())  # rank 0 owns it
+    with pytest.raises(RunError, match=f"listens on port {port}, not MASTER_PORT {port + 1}"):
+        Channel._inherited(w)
+
+
 # ---------------------------------------------------------------- training
 
 

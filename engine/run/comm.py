@@ -92,6 +92,22 @@ class Channel:
 
     # ------------------------------------------------------------ joining
 
+    @staticmethod
+    def _inherited(w: World) -> socket.socket:
+        """The socket `andrea-train --gpus` bound to MASTER_PORT and handed to rank 0 (bound
+        before any rank started: no other process can take the port in between)."""
+        try:
+            srv = socket.socket(fileno=w.listen_fd)
+            port = srv.getsockname()[1]
+        except OSError as e:
+            raise RunError(f"rank 0: the listening socket handed down (fd {w.listen_fd}) is "
+                           f"not usable: {e.strerror or e}") from None
+        if port != w.master_port:
+            srv.close()
+            raise RunError(f"rank 0: the socket handed down listens on port {port}, not "
+                           f"MASTER_PORT {w.master_port}")
+        return srv
+
     @classmethod
     def join(cls, world: World, run_dir: Path, timeout: float = JOIN_TIMEOUT_S) -> Channel:
         """Meet the other ranks (rank 0 waits for all of them); RunError naming who is missing
@@ -107,17 +123,20 @@ class Channel:
 
     def _serve(self, run_dir: Path, timeout: float) -> None:
         w = self.world
-        srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            if w.rendezvous == "file":
-                srv.bind(("0.0.0.0", 0))
-            else:
-                srv.bind((w.master_addr, w.master_port))
-        except OSError as e:
-            srv.close()
-            raise RunError(f"rank 0 cannot listen on {w.master_addr}:{w.master_port} "
-                           f"({e.strerror or e}): choose another MASTER_PORT") from None
+        if w.listen_fd is not None and w.rendezvous == "tcp":
+            srv = self._inherited(w)
+        else:
+            srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                if w.rendezvous == "file":
+                    srv.bind(("0.0.0.0", 0))
+                else:
+                    srv.bind((w.master_addr, w.master_port))
+            except OSError as e:
+                srv.close()
+                raise RunError(f"rank 0 cannot listen on {w.master_addr}:{w.master_port} "
+                               f"({e.strerror or e}): choose another MASTER_PORT") from None
         srv.listen(2 * w.size)
         self._server = srv
         if w.rendezvous == "file":

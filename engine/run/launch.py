@@ -23,7 +23,7 @@ from pathlib import Path
 
 from engine import records as rec
 from engine.run.topology import pin_reduction_order
-from engine.run.world import JOB_TOKEN, LAUNCHER_PID
+from engine.run.world import JOB_TOKEN, LAUNCHER_PID, LISTEN_FD
 from engine.runfiles import JsonlWriter, RunPaths, read_json, write_json_atomic
 
 GRACE_S = 30.0
@@ -34,6 +34,17 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def listening_socket() -> socket.socket:
+    """Rank 0's rendezvous socket, bound and listening on a free local port before any rank
+    starts (rank 0 inherits it: another job cannot take the port in between, as it could a
+    number chosen here and bound later)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", 0))
+    s.listen(64)
+    return s
 
 
 def rank_env(rank: int, n: int, port: int, token: str, job: str, cuda: bool) -> dict[str, str]:
@@ -72,7 +83,9 @@ def _mark_failed(run_dir: Path, message: str) -> None:
 def run_ranks(n: int, argv: list[str], run_dir: Path, cuda: bool) -> int:
     """Start `n` ranks of `python -m engine.run.cli *argv`, pass signals on, wait for them.
     Exit status: 0 when every rank succeeded, 2 when rank 0 refused its input, else 1."""
-    token, job, port = secrets.token_hex(16), uuid.uuid4().hex, free_port()
+    token, job = secrets.token_hex(16), uuid.uuid4().hex
+    srv = listening_socket()
+    port = srv.getsockname()[1]
     procs: list[subprocess.Popen] = []
 
     def forward(signum: int, _frame: object) -> None:
@@ -85,10 +98,16 @@ def run_ranks(n: int, argv: list[str], run_dir: Path, cuda: bool) -> int:
 
     for s in FORWARDED:
         signal.signal(s, forward)
-    for r in range(n):
-        procs.append(subprocess.Popen([sys.executable, "-m", "engine.run.cli", *argv],
-                                      env=rank_env(r, n, port, token, job, cuda),
-                                      stdin=subprocess.DEVNULL))
+    try:
+        for r in range(n):
+            env = rank_env(r, n, port, token, job, cuda)
+            if r == 0:
+                env[LISTEN_FD] = str(srv.fileno())
+            procs.append(subprocess.Popen([sys.executable, "-m", "engine.run.cli", *argv],
+                                          env=env, stdin=subprocess.DEVNULL,
+                                          pass_fds=(srv.fileno(),) if r == 0 else ()))
+    finally:
+        srv.close()  # rank 0 holds its own copy
     first_bad: tuple[int, int] | None = None
     deadline: float | None = None
     while any(p.poll() is None for p in procs):

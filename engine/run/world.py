@@ -21,6 +21,9 @@ DEFAULT_PORT = 29500
 LAUNCHER_PID = "ANDREA_LAUNCHER_PID"  # set by `andrea-train --gpus`: it holds the run's lock
 JOB_TOKEN = "ANDREA_JOB_TOKEN"  # a secret the ranks of one job show each other
 RENDEZVOUS = "ANDREA_RENDEZVOUS"  # "tcp" (MASTER_ADDR:MASTER_PORT) or "file" (the run directory)
+# set by `andrea-train --gpus` for rank 0: the descriptor of the listening socket it bound for
+# MASTER_PORT and handed down, so no other process can take the port in between
+LISTEN_FD = "ANDREA_LISTEN_FD"
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class World:
     token: str = ""
     rendezvous: str = "tcp"
     launcher_pid: int | None = None  # `andrea-train --gpus`: the process that holds the lock
+    listen_fd: int | None = None  # rank 0 under `andrea-train --gpus`: its bound socket
 
     @property
     def main(self) -> bool:
@@ -101,7 +105,8 @@ def world_from_env(env: Mapping[str, str] | None = None) -> World:
     if rdv not in ("tcp", "file"):
         raise UserError(f"environment {RENDEZVOUS}: expected tcp or file, got {rdv!r}")
     lpid = _int(env, LAUNCHER_PID, 1) if LAUNCHER_PID in env else None
+    lfd = _int(env, LISTEN_FD, 0) if LISTEN_FD in env and rank == 0 else None
     return World(rank=rank, size=size, local_rank=local_rank, local_size=local_size,
                  master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=port,
                  launcher=launcher, job_id=job, token=env.get(JOB_TOKEN, ""), rendezvous=rdv,
-                 launcher_pid=lpid)
+                 launcher_pid=lpid, listen_fd=lfd)
