@@ -172,7 +172,7 @@ class EncoderPool:
                 next_write += 1
 
     def _receive(self, w: int, done: dict[int, PartResult | Exception]) -> None:
-        proc, conn = self._workers[w]
+        _, conn = self._workers[w]
         try:
             msg = conn.recv()
             if msg[0] == "error":

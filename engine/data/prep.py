@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from engine import jsonio
-from engine.runfiles import pid_alive
 from engine.config import Config, SourceConfig, load_config
 from engine.data.encoders import ENCODERS, choose_encoder
 from engine.data.partial import PartialShard
@@ -46,6 +45,7 @@ from engine.data.sources import source_fingerprint
 from engine.data.tokenizer import Tokenizer, load_tokenizer, train_tokenizer
 from engine.errors import UserError, cli_entry
 from engine.records import PrepEvent
+from engine.runfiles import pid_alive
 
 MANIFEST_VERSION = 1
 PROGRESS_EVERY_S = 2.0
@@ -273,7 +273,7 @@ def _mb(n: int) -> str:
 
 
 def _duration(seconds: float) -> str:
-    s = int(round(seconds))
+    s = round(seconds)
     if s >= 3600:
         return f"{s // 3600}h{s % 3600 // 60:02d}m"
     if s >= 60:
