@@ -161,8 +161,10 @@ def test_a_handed_down_socket_on_another_port_is_refused() -> None:
     srv = listening_socket()
     port = srv.getsockname()[1]
     w = World(rank=0, size=2, master_port=port + 1, listen_fd=srv.detach())  # rank 0 owns it
+    os.environ["ANDREA_LISTEN_FD"] = str(w.listen_fd)
     with pytest.raises(RunError, match=f"listens on port {port}, not MASTER_PORT {port + 1}"):
         Channel._inherited(w)
+    assert "ANDREA_LISTEN_FD" not in os.environ  # rank 0's children must not take it
 
 
 # ---------------------------------------------------------------- training

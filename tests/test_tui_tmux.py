@@ -180,8 +180,10 @@ def test_resize_and_alert_in_tmux(tmp_path: Path, session: str) -> None:
             def laid_out(size: tuple[int, int] = size) -> bool:
                 text = screen(session)
                 # charts keep their rows; the compact layout (80x24) drops the bottom panels;
-                # the charts were redrawn at the new width (their right border shows)
+                # the panels were laid out for the new width (a line reaches its right edge)
+                # and the charts redrawn at it (their right border shows)
                 return (chart_rows(text) >= 8 and "step " in text and "┐" in text
+                        and max(map(len, text.splitlines())) >= size[0] - 1
                         and ("engine.log" in text) is (size != (80, 24)))
 
             wait_for(laid_out, f"the layout at {size}", session, 20)

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.errors import RunError
-from engine.run.world import World
+from engine.run.world import LISTEN_FD, World
 
 JOIN_TIMEOUT_S = float(os.environ.get("ANDREA_JOIN_TIMEOUT", "120"))
 STEP_TIMEOUT_S = 1800.0  # a collective waits this long for a live peer (a first step compiles)
@@ -77,6 +77,15 @@ def _rendezvous_file(run_dir: Path, world: World) -> Path:
     return Path(run_dir) / f".rendezvous-{world.job_id or 'job'}.json"
 
 
+def _forget_inherited(fd: int) -> None:
+    """Close the socket `andrea-train --gpus` handed down when it is not used."""
+    os.environ.pop(LISTEN_FD, None)
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
 class Channel:
     """Rank 0 holds a connection to every rank; collectives go through it in rank order."""
 
@@ -96,7 +105,10 @@ class Channel:
     def _inherited(w: World) -> socket.socket:
         """The socket `andrea-train --gpus` bound to MASTER_PORT and handed to rank 0 (bound
         before any rank started: no other process can take the port in between)."""
+        assert w.listen_fd is not None
+        os.environ.pop(LISTEN_FD, None)  # this process's children must not take it for theirs
         try:
+            os.set_inheritable(w.listen_fd, False)
             srv = socket.socket(fileno=w.listen_fd)
             port = srv.getsockname()[1]
         except OSError as e:
@@ -126,6 +138,8 @@ class Channel:
         if w.listen_fd is not None and w.rendezvous == "tcp":
             srv = self._inherited(w)
         else:
+            if w.listen_fd is not None:  # handed down, but the file rendezvous binds its own
+                _forget_inherited(w.listen_fd)
             srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:

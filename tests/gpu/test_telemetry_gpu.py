@@ -11,6 +11,7 @@ pytestmark = [pytest.mark.gpu]
 def test_nvml_reads_the_training_gpu_for_real() -> None:
     import pycuda.driver as drv
 
+    pytest.importorskip("pynvml", reason="the nvml extra (nvidia-ml-py) is not installed")
     from engine.run.telemetry import Nvml, SystemSampler, nvml_indices
 
     drv.init()
@@ -20,6 +21,10 @@ def test_nvml_reads_the_training_gpu_for_real() -> None:
     try:
         (g,) = nv.sample()
         assert g.name and (g.name in dev.name() or dev.name() in g.name), (g.name, dev.name())
+        # the very device: NVML's PCI bus id is CUDA's (NVML writes an 8-digit domain)
+        bus = nv.nvml.nvmlDeviceGetPciInfo(nv.handles[0][1]).busId
+        bus = bus.decode() if isinstance(bus, bytes) else str(bus)
+        assert bus.lower().split(":", 1)[1] == dev.pci_bus_id().lower().split(":", 1)[1]
         assert g.mem_total is not None and g.mem_used is not None
         assert abs(g.mem_total - dev.total_memory()) <= 0.05 * dev.total_memory()
         assert 0 < g.mem_used <= g.mem_total
