@@ -152,7 +152,7 @@ def test_the_launcher_holds_rank_0s_port_from_its_choice_to_the_rendezvous(tmp_p
         assert json.loads(out.strip().splitlines()[-1])["parts"] == ["r0", "r1"]
 
 
-def test_a_handed_down_socket_on_another_port_is_refused() -> None:
+def test_a_handed_down_socket_on_another_port_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     from engine.errors import RunError
     from engine.run.comm import Channel
     from engine.run.launch import listening_socket
@@ -161,7 +161,7 @@ def test_a_handed_down_socket_on_another_port_is_refused() -> None:
     srv = listening_socket()
     port = srv.getsockname()[1]
     w = World(rank=0, size=2, master_port=port + 1, listen_fd=srv.detach())  # rank 0 owns it
-    os.environ["ANDREA_LISTEN_FD"] = str(w.listen_fd)
+    monkeypatch.setenv("ANDREA_LISTEN_FD", str(w.listen_fd))
     with pytest.raises(RunError, match=f"listens on port {port}, not MASTER_PORT {port + 1}"):
         Channel._inherited(w)
     assert "ANDREA_LISTEN_FD" not in os.environ  # rank 0's children must not take it
