@@ -168,6 +168,12 @@ class FakeNvml(types.ModuleType):
     def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
         return i
 
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> int:
+        return {"GPU-aaaa": 0, "GPU-bbbb": 1}[uuid]
+
+    def nvmlDeviceGetIndex(self, h: int) -> int:
+        return h
+
     def nvmlDeviceGetName(self, h: int) -> bytes:
         return b"NVIDIA H200"
 
@@ -210,6 +216,18 @@ def test_telemetry_reads_nvml_through_a_stand_in(monkeypatch) -> None:
     assert (g0.power_w, g0.temp_c, g0.sm_clock_mhz) == (612.0, 58.0, 1980.0)
     assert g1.util == 91.0 and math.isnan(g1.power_w)  # not supported: NaN, not an error
     assert rec.SystemRecord.from_json(json.loads(json.dumps(s.to_json()))) is not None
+
+
+def test_telemetry_finds_the_gpu_cuda_visible_devices_names_by_uuid(monkeypatch) -> None:
+    """CUDA_VISIBLE_DEVICES=GPU-bbbb,GPU-aaaa makes CUDA's ordinal 0 NVML's device 1: found by
+    its UUID (NVML ignores the variable), not taken as NVML's device 0."""
+    fake = FakeNvml()
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    assert nvml_indices([0], "GPU-bbbb,GPU-aaaa") == ["GPU-bbbb"]
+    assert nvml_indices([0, 1], "0,GPU-aaaa") == [0, 1]  # a mixed list: as CUDA numbers them
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-bbbb,GPU-aaaa")
+    (g,) = SystemSampler(lambda r: None, lambda: 1, gpus=[0]).sample().gpus
+    assert g.index == 1 and g.util == 91.0
 
 
 def test_telemetry_without_nvml_and_cpu_meter(monkeypatch) -> None:

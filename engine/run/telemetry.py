@@ -50,27 +50,38 @@ class CpuMeter:
         return 100.0 * dc / dw if dw >= 0.05 else math.nan  # too short to say
 
 
-def nvml_indices(cuda_ordinals: list[int], visible: str | None = None) -> list[int]:
-    """NVML device indices of CUDA ordinals: through CUDA_VISIBLE_DEVICES when it lists
-    integers (NVML ignores it), else the same numbers (CUDA and NVML agree in PCI order)."""
+def nvml_indices(cuda_ordinals: list[int], visible: str | None = None) -> list[int | str]:
+    """The NVML devices of CUDA ordinals, as NVML indices or UUIDs: through
+    CUDA_VISIBLE_DEVICES when it lists integers or UUIDs (GPU-…, MIG-…; NVML ignores the
+    variable), else the same numbers (CUDA and NVML agree in PCI order)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
     if visible:
         listed = [v.strip() for v in visible.split(",")]
         if all(v.isdigit() for v in listed):
             return [int(listed[k]) for k in cuda_ordinals if k < len(listed)]
+        if all(v.startswith(("GPU-", "MIG-")) for v in listed):
+            return [listed[k] for k in cuda_ordinals if k < len(listed)]
     return list(cuda_ordinals)
 
 
 class Nvml:
     """The GPUs `indices` through NVML; `open` returns None when NVML is not to be had."""
 
-    def __init__(self, nvml: Any, indices: list[int]) -> None:
+    def __init__(self, nvml: Any, indices: list[int | str]) -> None:
         self.nvml = nvml
-        self.handles = [(i, nvml.nvmlDeviceGetHandleByIndex(i)) for i in indices]
+        self.handles = [self._handle(i) for i in indices]
         self.names = {i: self._name(h) for i, h in self.handles}
 
+    def _handle(self, key: int | str) -> tuple[int, Any]:
+        """(NVML index, handle) of an index or a UUID."""
+        if isinstance(key, int):
+            return key, self.nvml.nvmlDeviceGetHandleByIndex(key)
+        h = self.nvml.nvmlDeviceGetHandleByUUID(key)
+        index = self._get("nvmlDeviceGetIndex", h)
+        return (int(index) if index is not None else -1), h
+
     @classmethod
-    def open(cls, indices: list[int]) -> Nvml | None:
+    def open(cls, indices: list[int | str]) -> Nvml | None:
         if not indices:
             return None
         try:
