@@ -54,8 +54,10 @@ RESUME_NEWS_S = 60.0  # a resume this much older than the app is old news, not t
 NEWS_SLACK_S = 5.0  # checkpoints and alerts written this long before the app started are news
 # Keys that act on the dashboard itself: off (and out of the footer) on a screen pushed over it.
 DASHBOARD_ACTIONS = frozenset({
-    "toggle_log_y", "toggle_log_y_grad", "toggle_window", "smoother", "robust_y", "x_axis",
-    "toggle_bell", "checkpoints", "log", "samples", "help", "export"})
+    "toggle", "smoother", "checkpoints", "log", "samples", "help", "export"})
+# The chart choices `action_toggle` flips (settings.Settings fields), as a message names them.
+CHOICES = {"log_y_loss": "log y", "log_y_grad": "log y (grad)", "window": "window",
+           "robust_y": "robust y", "x_axis": "x axis", "bell": "bell"}
 
 
 class AndreaApp(App[str]):
@@ -71,14 +73,14 @@ class AndreaApp(App[str]):
         Binding("c", "checkpoints", "checkpoints"),
         Binding("l", "log", "log"),
         Binding("p", "samples", "samples"),
-        Binding("y", "toggle_log_y", "log y"),
-        Binding("g", "toggle_log_y_grad", "log y (grad)", show=False),
-        Binding("w", "toggle_window", "window"),
+        Binding("y", "toggle('log_y_loss')", "log y"),
+        Binding("g", "toggle('log_y_grad')", "log y (grad)", show=False),
+        Binding("w", "toggle('window')", "window"),
         Binding("left_square_bracket", "smoother(-1)", "less smoothing", show=False),
         Binding("right_square_bracket", "smoother(1)", "more smoothing", show=False),
-        Binding("r", "robust_y", "robust y", show=False),
-        Binding("t", "x_axis", "x: step/time", show=False),
-        Binding("b", "toggle_bell", "bell", show=False),
+        Binding("r", "toggle('robust_y')", "robust y", show=False),
+        Binding("t", "toggle('x_axis')", "x: step/time", show=False),
+        Binding("b", "toggle('bell')", "bell", show=False),
         Binding("e", "export", "export", show=False),
         Binding("question_mark", "help", "help"),
     ]
@@ -335,38 +337,22 @@ class AndreaApp(App[str]):
         self.notify(f"screenshot saved in {where}", title="screenshot")
         return key
 
-    def _choose(self, what: str, **change: object) -> None:
+    def _choose(self, what: str, settings: user_settings.Settings) -> None:
         """A chart choice: shown now, kept for the next session (andrea_tui.settings)."""
-        import dataclasses
-
-        self.settings = dataclasses.replace(self.settings, **change)  # type: ignore[arg-type]
-        self.view.apply(self.settings)
-        if not user_settings.save(self.settings):
+        self.settings = settings
+        self.view.apply(settings)
+        if not user_settings.save(settings):
             self.notify(f"{what}: not kept for next time ({user_settings.settings_path()} "
                         "cannot be written)", severity="warning")
 
-    def action_toggle_log_y(self) -> None:
-        self._choose("log y", log_y_loss=not self.settings.log_y_loss)
-
-    def action_toggle_log_y_grad(self) -> None:
-        self._choose("log y", log_y_grad=not self.settings.log_y_grad)
-
-    def action_toggle_window(self) -> None:
-        self._choose("window", window=not self.settings.window)
+    def action_toggle(self, name: str) -> None:
+        """Flip a chart choice (CHOICES: log y, window, robust y, x axis, bell)."""
+        self._choose(CHOICES[name], self.settings.toggled(name))
+        if name == "bell":
+            self.notify(f"terminal bell on alerts: {'on' if self.settings.bell else 'off'}")
 
     def action_smoother(self, direction: int) -> None:
-        new = self.settings.smoother(direction)
-        self._choose("smoothing", smoothing=new.smoothing)
-
-    def action_robust_y(self) -> None:
-        self._choose("robust y", robust_y=not self.settings.robust_y)
-
-    def action_x_axis(self) -> None:
-        self._choose("x axis", x_axis="time" if self.settings.x_axis == "step" else "step")
-
-    def action_toggle_bell(self) -> None:
-        self._choose("bell", bell=not self.settings.bell)
-        self.notify(f"terminal bell on alerts: {'on' if self.settings.bell else 'off'}")
+        self._choose("smoothing", self.settings.smoother(direction))
 
     def action_export(self) -> None:
         from andrea_tui.export import export_in_background

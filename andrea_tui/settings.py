@@ -35,6 +35,15 @@ class Settings:
     window: bool = False
     bell: bool = True
 
+    def toggled(self, name: str) -> Settings:
+        """A yes/no choice flipped; the x axis switched between step and time."""
+        if name == "x_axis":
+            return replace(self, x_axis="time" if self.x_axis == "step" else "step")
+        value = getattr(self, name)
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} is not a yes/no choice")
+        return replace(self, **{name: not value})
+
     def smoother(self, direction: int) -> Settings:
         """One notch more (+1) or less (-1) smoothing."""
         i = min(range(len(SMOOTHING)), key=lambda k: abs(SMOOTHING[k] - self.smoothing))

@@ -127,6 +127,11 @@ def test_settings_file_tolerates_damage(tmp_path: Path) -> None:
     assert user_settings.load(p) == Settings()
     assert Settings(smoothing=0.9).smoother(1).smoothing == 0.95
     assert Settings(smoothing=0.0).smoother(-1).smoothing == 0.0
+    assert Settings().toggled("bell").bell is False and Settings().toggled("window").window
+    assert Settings().toggled("x_axis").x_axis == "time" == Settings(x_axis="step").toggled(
+        "x_axis").x_axis
+    with pytest.raises(ValueError, match="not a yes/no choice"):
+        Settings().toggled("smoothing")
     assert user_settings.save(s, tmp_path / "d" / "tui.json")
     assert user_settings.load(tmp_path / "d" / "tui.json") == s
     assert not user_settings.save(s, Path("/proc/nope/tui.json"))

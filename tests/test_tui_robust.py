@@ -268,7 +268,7 @@ def test_banner_and_panels_update_while_another_screen_is_on_top(tmp_path: Path)
             app.view._widgets.clear()  # no cached widget: the lookup itself must find the dashboard
             app.view.banner(Banner("engine ended: a test banner"))
             app.pacer.draw_now()
-            app.action_toggle_log_y()
+            app.action_toggle("log_y_loss")
             assert app.view.screen.query_one("#banner").has_class("shown")
             await pilot.press("escape")
             await pilot.pause()
