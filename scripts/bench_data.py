@@ -38,6 +38,7 @@ import numpy as np  # noqa: E402
 
 from engine.config import parse_config  # noqa: E402
 from engine.data.builtin import BUILTINS  # noqa: E402
+from tests.procs import tree_rss  # noqa: E402
 
 SHARES = {"books": 0.30, "docs": 0.25, "code": 0.25, "chat": 0.20}
 BOOK_BYTES = 16_000_000
@@ -160,31 +161,6 @@ def write_config(path: Path, data_dir: Path, sources: list[dict], train_bytes: i
 
 
 # ---------------------------------------------------------------- measuring
-
-
-def tree_rss(pid: int) -> int:
-    """Resident bytes of a process and all its descendants (Linux /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        todo.extend(children.get(p, []))
-        try:
-            with open(f"/proc/{p}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1]) * 1024
-        except OSError:
-            pass
-    return total
 
 
 def run_measured(argv: list[str]) -> tuple[float, int, str]:

@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests.fakerun import loss_record, write_run  # noqa: E402
+from tests.procs import cpu_seconds  # noqa: E402
 
 CHILD = r"""
 import sys, time, json
@@ -64,12 +65,6 @@ def first_frame(run_dir: Path, n: int) -> tuple[float, float]:
 
     asyncio.run(go())
     return seen["first"], seen["history"]
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 def follow(run_dir: Path, start: int, rate: float, seconds: float) -> dict[str, float]:

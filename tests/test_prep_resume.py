@@ -21,6 +21,7 @@ from engine.data.partial import PartialShard
 from engine.data.prep import prepare
 from engine.errors import RunError
 from tests.corpora import prose
+from tests.procs import descendants, running, tree_rss
 from tests.test_prep_stream import make_config
 
 pytest.importorskip("tiktoken")
@@ -179,48 +180,6 @@ def test_an_unfinished_shard_of_other_inputs_is_discarded_and_said(tmp_path, tok
     assert again.resumed == []
     assert any(m.startswith("book: an unfinished shard from other inputs") for m in log)
     assert again.shard_paths["book"].read_bytes() == reference
-
-
-def running(pid: int) -> bool:
-    """The process exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def descendants(pid: int) -> list[int]:
-    """The pids of a process's children, their children, ... (Linux /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], list(children.get(pid, []))
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(children.get(p, []))
-    return out
-
-
-def tree_rss(pid: int) -> int:
-    """Resident bytes of a process and all its descendants."""
-    total = 0
-    for p in [pid, *descendants(pid)]:
-        try:
-            with open(f"/proc/{p}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1]) * 1024
-        except OSError:
-            pass
-    return total
 
 
 def peak_rss_of_prep(cfg: Path, *args: str) -> int:
