@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -83,18 +84,26 @@ print(json.dumps({"parts": [p.decode() for p in parts], "sum": s.tolist(), "max"
 
 
 def ranks(n: int, tmp: Path, extra_env: dict[str, str], timeout: float = 30,
-          only: list[int] | None = None) -> list[subprocess.Popen]:
+          only: list[int] | None = None, listen: socket.socket | None = None
+          ) -> list[subprocess.Popen]:
+    """Ranks of the CHANNEL script, torchrun style. listen: rank 0's bound socket, handed down
+    as `andrea-train --gpus` does (ANDREA_LISTEN_FD), its port MASTER_PORT."""
     from engine.run.launch import free_port
 
-    port = free_port()
+    port = listen.getsockname()[1] if listen is not None else free_port()
     out = []
     for r in only if only is not None else range(n):
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), "RANK": str(r), "WORLD_SIZE": str(n),
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
+               "PYTHONPATH", "")]), "RANK": str(r), "WORLD_SIZE": str(n),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "ANDREA_JOB_TOKEN": "t0k", "TORCHELASTIC_RUN_ID": "job", **extra_env}
+        fds: tuple[int, ...] = ()
+        if listen is not None and r == 0:
+            env["ANDREA_LISTEN_FD"] = str(listen.fileno())
+            fds = (listen.fileno(),)
         out.append(subprocess.Popen([sys.executable, "-c", CHANNEL, str(tmp), str(timeout)],
                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    text=True))
+                                    text=True, pass_fds=fds))
     return out
 
 
@@ -125,26 +134,14 @@ def test_the_launcher_holds_rank_0s_port_from_its_choice_to_the_rendezvous(tmp_p
     cannot take the port in between (a port number chosen here and bound later could be), and
     rank 0 meets the others on the very socket it was given."""
     import errno
-    import socket
 
     from engine.run.launch import listening_socket
 
     srv = listening_socket()
-    port = srv.getsockname()[1]
     with socket.socket() as other, pytest.raises(OSError) as e:
-        other.bind(("127.0.0.1", port))
+        other.bind(("127.0.0.1", srv.getsockname()[1]))
     assert e.value.errno == errno.EADDRINUSE
-    fd = srv.fileno()
-    extra = {"ANDREA_LISTEN_FD": str(fd)}
-    procs = []
-    for r in range(2):
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
-               "PYTHONPATH", "")]), "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "ANDREA_JOB_TOKEN": "t0k", "TORCHELASTIC_RUN_ID": "job",
-               **(extra if r == 0 else {})}
-        procs.append(subprocess.Popen([sys.executable, "-c", CHANNEL, str(tmp_path), "30"],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True, pass_fds=(fd,) if r == 0 else ()))
+    procs = ranks(2, tmp_path, {}, listen=srv)
     srv.close()  # as the launcher does: rank 0 holds its own copy
     for p in procs:
         out, err = p.communicate(timeout=60)
