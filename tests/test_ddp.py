@@ -150,7 +150,7 @@ def test_the_launcher_holds_rank_0s_port_from_its_choice_to_the_rendezvous(tmp_p
 
 
 def test_a_handed_down_socket_on_another_port_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine.errors import RunError
+    from engine.errors import UserError
     from engine.run.comm import Channel
     from engine.run.launch import listening_socket
     from engine.run.world import World
@@ -159,7 +159,7 @@ def test_a_handed_down_socket_on_another_port_is_refused(monkeypatch: pytest.Mon
     port = srv.getsockname()[1]
     w = World(rank=0, size=2, master_port=port + 1, listen_fd=srv.detach())  # rank 0 owns it
     monkeypatch.setenv("ANDREA_LISTEN_FD", str(w.listen_fd))
-    with pytest.raises(RunError, match=f"listens on port {port}, not MASTER_PORT {port + 1}"):
+    with pytest.raises(UserError, match=f"listens on port {port}, not MASTER_PORT {port + 1}"):
         Channel._inherited(w)
     assert "ANDREA_LISTEN_FD" not in os.environ  # rank 0's children must not take it
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.errors import RunError
+from engine.errors import RunError, UserError
 from engine.run.world import LISTEN_FD, World
 
 JOIN_TIMEOUT_S = float(os.environ.get("ANDREA_JOIN_TIMEOUT", "120"))
@@ -112,12 +112,12 @@ class Channel:
             srv = socket.socket(fileno=w.listen_fd)
             port = srv.getsockname()[1]
         except OSError as e:
-            raise RunError(f"rank 0: the listening socket handed down (fd {w.listen_fd}) is "
-                           f"not usable: {e.strerror or e}") from None
+            raise UserError(f"environment {LISTEN_FD}: fd {w.listen_fd} is not a usable "
+                            f"listening socket ({e.strerror or e})") from None
         if port != w.master_port:
             srv.close()
-            raise RunError(f"rank 0: the socket handed down listens on port {port}, not "
-                           f"MASTER_PORT {w.master_port}")
+            raise UserError(f"environment {LISTEN_FD}: the socket listens on port {port}, not "
+                            f"MASTER_PORT {w.master_port}")
         return srv
 
     @classmethod
