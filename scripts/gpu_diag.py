@@ -124,7 +124,7 @@ def main() -> int:
             errors.append(f"--- {line}\n{err}")
     for e in errors[:4]:
         print(e)
-    return 0
+    return 1 if any(" CRASH " in line or "DIFFER" in line for line, _ in results) else 0
 
 
 if __name__ == "__main__":

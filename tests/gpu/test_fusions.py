@@ -87,8 +87,10 @@ def test_layernorm_bwd_fused_is_the_three_kernels(env, rng, accumulate, D, rows)
         src = dev.put(resid)
         dgb = dev.put(gb0, "f32")
         part = dev.empty((-(-rows // LN_FUSED_ROWS), 2 * D), "f32")
-        if fused and precision == "bf16":  # fp32 rows past 512 take the unfused kernels
-            assert o.fused_ln_bwd_ok(D, dx, src, dout, x)
+        if fused and not o.fused_ln_bwd_ok(D, dx, src, dout, x):
+            # fp32 rows past 512 take the three kernels: nothing fused to compare
+            assert precision == "fp32" and D > 512, (precision, D)
+            pytest.skip(f"{precision} D={D}: the fused kernel does not take these rows")
         o.layernorm_bwd(dout, x, gamma, mean, rstd, dx, dgb, part, rows, D, accumulate,
                         resid=src, fused=fused)
         outs.append((dev.get(dx), dev.get(dgb)))

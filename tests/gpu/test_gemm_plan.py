@@ -38,7 +38,7 @@ def test_timed_gemms_are_right_and_replay_from_the_plan(gpu, rng, precision):
     a = rounded(rng.normal(0, 1, (M, K)), precision)
     b = rounded(rng.normal(0, 0.2, (K, N)), precision)
     da, db = dev.put(a), dev.put(b)
-    outs, plans = [], []
+    outs, plans, sources = [], [], []
     try:
         for plan in (None, "replay"):
             lt = LtGemm(WORKSPACE_BYTES, "test device")
@@ -60,6 +60,7 @@ def test_timed_gemms_are_right_and_replay_from_the_plan(gpu, rng, precision):
                       stream=gpu.stream.handle, ws=ws)
             outs.append((dev.get(out), dev.get(acc), g0, dev.get(pre)))
             plans.append(lt.export_plan())
+            sources.append(sorted(p.source for p in lt._problems.values()))
             lt.close()
         check_close(outs[0][0], a @ b, 1e-2 if precision == "bf16" else 1e-5, "timed GEMM",
                     precision)
@@ -73,7 +74,8 @@ def test_timed_gemms_are_right_and_replay_from_the_plan(gpu, rng, precision):
                     "timed GELU_AUX pre", precision)
         assert len(plans[0]["gemms"]) == 3
         assert all(e["candidates"] >= 1 and e["ms"] > 0 for e in plans[0]["gemms"].values())
-        assert plans[1]["gemms"] == plans[0]["gemms"]  # the replay used (and kept) the record
+        assert plans[1]["gemms"] == plans[0]["gemms"]  # the replay kept the record...
+        assert sources == [["timed"] * 3, ["plan"] * 3], sources  # ...and ran from it
         assert np.array_equal(outs[0][0], outs[1][0]) and np.array_equal(outs[0][3], outs[1][3])
         check_close(outs[1][1], want, 1e-2 if precision == "bf16" else 1e-5,
                     "replayed accumulating batched GEMM", precision)
@@ -97,13 +99,16 @@ def test_a_recorded_plan_gives_the_same_bits():
         if given is None:
             plan = bk.gemm_plan
             assert plan and plan["gemms"] and plan["choices"], plan
-        else:
-            assert bk.gemm_plan["gemms"] == plan["gemms"]
         bk.load_params(params)
         rows = [bk.train_step(t[:, :-1], t[:, 1:], loss_scale=1.0, grad_mult=1.0, lr=1e-3,
                               beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, t=i + 1,
                               max_norm=1.0)[0] for i, t in enumerate(tok)]
         res.append((rows, bk.read_params()))
+        by = {k: p.source for k, p in bk.gemm._problems.items()}
+        if given is None:
+            timed = {k for k, s in by.items() if s == "timed"}
+        else:  # every problem A timed ran from A's record here, none was timed again
+            assert {k for k, s in by.items() if s == "plan"} == timed and "timed" not in by.values()
         bk.close()
     assert all(np.array_equal(x, y) for x, y in zip(res[0][0], res[1][0], strict=True))
     assert np.array_equal(res[0][1], res[1][1])

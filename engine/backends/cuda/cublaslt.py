@@ -68,6 +68,16 @@ def load_cublaslt() -> C.CDLL:
     return lib
 
 
+def lt_check(status: int, what: str) -> None:
+    if status != 0:
+        raise RunError(f"{what} failed with cuBLAS status {status}")
+
+
+def lt_set(fn: Any, obj: C.c_void_p, attr: int, value: Any) -> None:
+    """One cuBLASLt descriptor/layout/preference attribute (`fn` the matching setter)."""
+    lt_check(fn(obj, attr, C.byref(value), C.sizeof(value)), f"set attribute {attr}")
+
+
 class CublasLt:
     """GELU-epilogue GEMMs on one stream with a fixed workspace."""
 
@@ -82,13 +92,8 @@ class CublasLt:
         self._plans: dict[tuple, Any] = {}
         self._one, self._zero = C.c_float(1.0), C.c_float(0.0)
 
-    @staticmethod
-    def _check(status: int, what: str) -> None:
-        if status != 0:
-            raise RunError(f"{what} failed with cuBLAS status {status}")
-
-    def _set(self, fn: Any, obj: C.c_void_p, attr: int, value: Any) -> None:
-        self._check(fn(obj, attr, C.byref(value), C.sizeof(value)), f"set attribute {attr}")
+    _check = staticmethod(lt_check)
+    _set = staticmethod(lt_set)
 
     def _plan(self, epilogue: int, transa: int, m: int, n: int, k: int, lda: int, ldb: int,
               ldd: int, dtype: int) -> Any:

@@ -140,9 +140,6 @@ class CudnnAttention:
         return max((g.workspace for (_, b, t), g in self._graphs.items()
                     if B is None or (b, t) == (B, T)), default=0)
 
-    def has(self, B: int, T: int, backward: bool) -> bool:
-        return ("fwd", B, T) in self._graphs and (not backward or ("bwd", B, T) in self._graphs)
-
     # --- running ---------------------------------------------------------------------------------
     def _execute(self, key: tuple[str, int, int], ptrs: dict[str, int], ws: int) -> None:
         gr = self._graphs[key]

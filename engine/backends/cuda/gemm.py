@@ -9,7 +9,7 @@ run, so the same shape always runs the same kernel (determinism, bit-exact resum
 How the algorithm is chosen (`tuning` on, during the backend's start-up pass): cuBLASLt's
 heuristic proposes up to `CANDIDATES` algorithms; each is run and timed on the stream (median of
 a few runs, CUDA events), and the fastest is kept. The heuristic's first choice was up to 20%
-slower than the best of 8 on the H200 (notes/gpu-next.md). Without tuning, an unseen problem
+slower than the best of 8 on the H200 (../shared/notes/gpu-next.md; NOTES.md: 5% over all 22 problems of a step). Without tuning, an unseen problem
 takes the heuristic's first choice (a deterministic function of the problem, the library version
 and the device).
 
@@ -28,15 +28,26 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.backends.cuda.cublas import COMPUTE_32F, OP_N, OP_T, R_32F
-from engine.backends.cuda.cublaslt import LtAlgo, LtHeuristic, load_cublaslt
+from engine.backends.cuda.cublaslt import (
+    DESC_AUX_LD,
+    DESC_AUX_POINTER,
+    DESC_EPILOGUE,
+    DESC_TRANSA,
+    DESC_TRANSB,
+    EPILOGUE_DGELU,
+    EPILOGUE_GELU_AUX,
+    PREF_MAX_WORKSPACE,
+    LtAlgo,
+    LtHeuristic,
+    load_cublaslt,
+    lt_check,
+    lt_set,
+)
 from engine.errors import RunError
 
 CANDIDATES = 8  # heuristic proposals timed per problem
-EPILOGUE_DEFAULT, EPILOGUE_GELU_AUX, EPILOGUE_DGELU = 1, 160, 192
-DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE = 3, 4, 7
-DESC_AUX_POINTER, DESC_AUX_LD, DESC_AUX_BATCH_STRIDE = 11, 12, 13
+EPILOGUE_DEFAULT = 1
 LAYOUT_BATCH_COUNT, LAYOUT_BATCH_OFFSET = 5, 6
-PREF_MAX_WORKSPACE = 1
 PREF_MIN_ALIGN = (5, 6, 7, 8)  # A, B, C, D bytes
 PLAN_VERSION = 1
 
@@ -95,16 +106,10 @@ class LtGemm:
         self.choice_ms: dict[str, tuple[float, float]] = {}  # the timings behind a choice
         self.tuning = False
         self.timer: Callable[[Callable[[], None]], float] | None = None
-        self.calls = 0
         self.warnings: list[str] = []
 
-    @staticmethod
-    def _check(status: int, what: str) -> None:
-        if status != 0:
-            raise RunError(f"{what} failed with cuBLAS status {status}")
-
-    def _set(self, fn: Any, obj: C.c_void_p, attr: int, value: Any) -> None:
-        self._check(fn(obj, attr, C.byref(value), C.sizeof(value)), f"set attribute {attr}")
+    _check = staticmethod(lt_check)
+    _set = staticmethod(lt_set)
 
     # --- the problems -----------------------------------------------------------------------------
     def _describe(self, types: tuple[int, int, int], ta: bool, tb: bool, M: int, N: int, K: int,
@@ -241,7 +246,6 @@ class LtGemm:
         def run(algo: LtAlgo) -> int:
             return self._run(p, algo, out, a, b, alpha, beta, aux, stream, ws)
 
-        self.calls += 1
         if fresh:
             try:
                 self._choose(key, p, aligns, run)

@@ -40,9 +40,6 @@ class Plan:
         """(device address, bytes) of one group's allocation (after `allocate`)."""
         return self._bases[group], self.sizes[group]
 
-    def __contains__(self, name: object) -> bool:
-        return name in self._offsets
-
     def __getitem__(self, name: str) -> int:
         group, offset = self._offsets[name]
         return self._bases[group] + offset

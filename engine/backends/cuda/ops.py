@@ -65,7 +65,6 @@ class Ops:
             raise ValueError("a weight-gradient stream needs LtGemm GEMMs and events")
         self._new_event = event
         self.fused_gelu_calls = 0  # how often the epilogue path ran (tests check it is used)
-        self.launches = 0  # kernels launched through _go (kernel counts per step)
         self.act = DTYPE_OF_PRECISION[precision]
         self.esize = 4 if precision == "fp32" else 2  # bytes per activation element
         self.attn_chunk = int(os.environ.get("ANDREA_ATTN_CHUNK", "256"))
@@ -83,7 +82,6 @@ class Ops:
 
     def _go(self, name: str, grid: int | tuple[int, int], *args: Any, shared: int = 0) -> None:
         g = grid if isinstance(grid, tuple) else (grid, 1)
-        self.launches += 1
         self.k[name].prepared_async_call(g, (THREADS, 1, 1), self.stream, *args,
                                          shared_size=shared)
         if self.debug:
