@@ -210,9 +210,11 @@ class AndreaApp(App[str]):
         """The engine's new alerts: a toast each (a burst: the newest few and a count), and the
         terminal bell when the user wants it. Alerts from before this app started are history:
         they are on the charts and in the events panel, not news."""
-        alerts = list(self.state.alerts)
-        fresh = [a for a in alerts[self._alerts_seen:] if a.t >= self._started - NEWS_SLACK_S]
-        self._alerts_seen = len(alerts)
+        st = self.state
+        new = max(0, min(st.alerts_seen - self._alerts_seen, len(st.alerts)))  # the bound lets old go
+        self._alerts_seen = st.alerts_seen
+        fresh = [a for a in list(st.alerts)[len(st.alerts) - new:]
+                 if a.t >= self._started - NEWS_SLACK_S]
         if not fresh:
             return
         for a in fresh[-3:]:

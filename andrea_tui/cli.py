@@ -219,6 +219,8 @@ def export(argv: list[str]) -> int:
         raise UserError("andrea-tui export: give --csv FILE, --png FILE or both")
     run_dir = require_run_dir(require_dir(Path(a.run_dir), "run directory"))
     size = ex.parse_size(a.size)
+    if a.csv and a.png and Path(a.csv).resolve() == Path(a.png).resolve():
+        raise UserError(f"andrea-tui export: --csv and --png name the same file ({a.csv})")
     for out in (a.csv, a.png):
         if out:
             ex.refuse_existing(Path(out), a.force)  # before any work: nothing half done

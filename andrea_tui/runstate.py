@@ -86,6 +86,7 @@ class RunState:
     evals: dict[int, rec.EvalRecord] = field(default_factory=dict)  # by step, later wins
     system: rec.SystemRecord | None = None  # the newest telemetry sample
     alerts: deque[rec.AlertEvent] = field(default_factory=lambda: deque(maxlen=ALERTS_KEPT))
+    alerts_seen: int = 0  # every alert read so far, also those the bounded `alerts` let go
     runs: list[tuple[float, float | None]] = field(default_factory=list)  # (start, end) times
     bad_lines: int = 0  # lines that were not JSON objects
     unreadable: int = 0  # JSON objects that were not usable records
@@ -170,6 +171,7 @@ class RunState:
                     self.runs.append((t, None))
             elif isinstance(e, rec.AlertEvent):
                 self.alerts.append(e)
+                self.alerts_seen += 1
             elif isinstance(e, rec.ReadyEvent):
                 self.ready = e
             elif isinstance(e, rec.CheckpointEvent):

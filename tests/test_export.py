@@ -128,6 +128,9 @@ def test_no_overwrite_without_force(tmp_path: Path) -> None:
     assert r.returncode == 2 and "--csv FILE, --png FILE or both" in r.stderr
     r = cli("export", str(tmp_path / "nowhere"), "--csv", str(tmp_path / "x.csv"))
     assert r.returncode == 2 and "no such run directory" in r.stderr
+    same = tmp_path / "both.out"
+    r = cli("export", str(run), "--csv", str(same), "--png", str(same))
+    assert r.returncode == 2 and "name the same file" in r.stderr and not same.exists()
 
 
 def png_size(data: bytes) -> tuple[int, int]:

@@ -61,7 +61,7 @@ def test_injected_spike_nan_and_stall_raise_alerts_toasts_bell_and_marks(tmp_pat
                 want = {"loss_spike", "grad_spike", "nonfinite", "stall"}
                 await wait_until(pilot, lambda: want <= set(app.alerts_told), timeout=40)
                 assert bells  # the bell rang (settings.bell is on by default)
-                await wait_until(pilot, lambda: app.state.series.last_step or 0 > 75)
+                await wait_until(pilot, lambda: (app.state.series.last_step or 0) > 75)
                 app.view.redraw_charts()
                 loss, grad = app.view._charts()
                 assert {40.0, 60.0, 70.0} <= set(loss._data[-1].tolist())  # ! marks
@@ -79,6 +79,32 @@ def test_injected_spike_nan_and_stall_raise_alerts_toasts_bell_and_marks(tmp_pat
     assert by_kind["loss_spike"]["value"] > by_kind["loss_spike"]["threshold"]
     assert by_kind["nonfinite"]["step"] == 60
     assert by_kind["stall"]["step"] == 70 and by_kind["stall"]["value"] >= 1.0
+
+
+def test_alerts_are_told_after_the_kept_ones_are_full(tmp_path: Path) -> None:
+    """The state keeps the newest 1,000 alerts; once it is full, a new alert is still news."""
+    paths = write_run(tmp_path / "run", 30, status="running")
+
+    def alert(step: int, kind: str, t: float) -> str:
+        return json.dumps(rec.AlertEvent(t=t, alert=kind, step=step, value=9.0, baseline=1.0,
+                                         threshold=2.0, message=f"{kind} at {step}").to_json())
+
+    async def go() -> None:
+        app = AndreaApp(paths.root, follow=False, control_interval=3600)
+        async with app.run_test(size=(140, 45)) as pilot:
+            await wait_until(pilot, lambda: app.history_loaded)
+            now = time.time()
+            with open(paths.events, "a") as f:
+                f.write("".join(alert(s, "loss_spike", now) + "\n" for s in range(1000)))
+            app.pacer.poll_all()
+            await wait_until(pilot, lambda: app.state.alerts_seen == 1000)
+            told = len(app.alerts_told)
+            with open(paths.events, "a") as f:
+                f.write(alert(2000, "nonfinite", now) + "\n")
+            app.pacer.poll_all()
+            await wait_until(pilot, lambda: "nonfinite" in app.alerts_told[told:])
+            assert len(app.state.alerts) == 1000 and app.state.alerts_seen == 1001
+    run(go())
 
 
 # ---------------------------------------------------------------- chart controls
