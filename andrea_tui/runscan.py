@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from andrea_tui.runstate import read_config
-from andrea_tui.valloss import EVAL_FILE, parse_eval
+from andrea_tui.valloss import parse_eval
 from engine import records as rec
 from engine.run.control import engine_alive, lock_held
 from engine.runfiles import (
@@ -247,7 +247,7 @@ class RunScanner:
             finite = [r.loss for r in tail if math.isfinite(r.loss)]  # a skipped step logs NaN
             s.last_loss = finite[-1] if finite else math.nan
         s.best_loss = follow.best if follow else math.nan
-        s.val_loss = _last_val_loss(run_dir / EVAL_FILE)
+        s.val_loss = _last_val_loss(paths.eval)
         s.started = first_time(paths)
         s.backend = ((state.backend if state else "")
                      or (follow.ready.backend if follow and follow.ready else "")
@@ -312,7 +312,7 @@ def _stat_keys(paths: RunPaths) -> tuple:
     """What tells whether a run's files changed: (inode, size, mtime) of each."""
     out = []
     for p in (paths.state, paths.config, paths.engine, paths.loss, paths.events,
-              paths.root / EVAL_FILE):
+              paths.eval):
         try:
             st = p.stat()
         except OSError:

@@ -15,9 +15,7 @@ from typing import Any
 import numpy as np
 
 from engine import records as rec
-from engine.runfiles import EVAL, read_jsonl
-
-EVAL_FILE = EVAL
+from engine.runfiles import RunPaths, read_jsonl
 
 
 def parse_eval(obj: Any) -> tuple[int, float, float] | None:
@@ -44,7 +42,7 @@ def surviving(points: Iterable[tuple[int, float, float]],
 def read_val_loss(run_dir: Path, resumes: Iterable[rec.ResumeEvent] = ()
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The run's validation losses: (steps, t, val_loss); empty arrays when it has none."""
-    objects, _ = read_jsonl(Path(run_dir) / EVAL_FILE)
+    objects, _ = read_jsonl(RunPaths(Path(run_dir)).eval)
     return surviving((p for p in map(parse_eval, objects) if p is not None), resumes)
 
 
