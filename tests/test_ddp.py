@@ -18,7 +18,14 @@ import pytest
 from engine.errors import UserError
 from engine.run.checkpoint import verify_checkpoint
 from engine.run.world import World, world_from_env
-from tests.conftest import ROOT, loss_records, micro_config_dict, run_engine, wait_for_step
+from tests.conftest import (
+    ROOT,
+    loss_records,
+    micro_config_dict,
+    run_engine,
+    start_engine,
+    wait_for_step,
+)
 
 KEYS = ("step", "loss", "grad_norm", "clip_scale", "lr", "tokens", "phase", "weights", "src_loss")
 
@@ -162,6 +169,40 @@ def test_a_handed_down_socket_on_another_port_is_refused(monkeypatch: pytest.Mon
     with pytest.raises(UserError, match=f"listens on port {port}, not MASTER_PORT {port + 1}"):
         Channel._inherited(w)
     assert "ANDREA_LISTEN_FD" not in os.environ  # rank 0's children must not take it
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_stop_while_the_ranks_meet_ends_at_once(tmp_path: Path, write_config, rank: int) -> None:
+    """A rank waiting for the others (rank 0 listening, or rank 1 knocking) hears SIGTERM and
+    ends as a stop within a second or so, not after the join timeout."""
+    from engine.run.launch import free_port
+
+    cfg = write_config(micro_config_dict(max_steps=5))
+    run = tmp_path / "run"
+    env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "ANDREA_JOIN_TIMEOUT": "120"}
+    p = start_engine(cfg, run, "--backend", "numpy", env=env)
+    time.sleep(3)  # past the quick refusals, waiting for the other rank
+    assert p.poll() is None
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == 0 and time.monotonic() - t0 < 5, out
+    assert "during start-up; nothing was trained" in out or rank != 0, out
+
+
+def test_bad_rendezvous_settings_are_bad_input(tmp_path: Path, write_config) -> None:
+    from engine.run.launch import free_port
+
+    cfg = write_config(micro_config_dict(max_steps=5))
+    base = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port())}
+    for extra, says in (({"ANDREA_JOIN_TIMEOUT": "abc"}, "ANDREA_JOIN_TIMEOUT: expected"),
+                        ({"MASTER_ADDR": "no-such-host.invalid"}, "MASTER_ADDR, MASTER_PORT")):
+        r = run_engine(cfg, tmp_path / "run", "--backend", "numpy", env={**base, **extra},
+                       timeout=60)
+        assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert not (tmp_path / "run").exists()  # refused: nothing left behind
 
 
 # ---------------------------------------------------------------- training

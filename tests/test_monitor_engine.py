@@ -20,7 +20,7 @@ from engine.data.sampler import Sampler
 from engine.data.shards import Shard
 from engine.data.validation import held_out, train_length, validation_windows
 from engine.errors import UserError
-from engine.run.alerts import COOLDOWN, AlertMonitor, AlertSink, CommandRunner, Watchdog
+from engine.run.alerts import AlertMonitor, AlertSink, CommandRunner, Watchdog
 from engine.run.telemetry import CpuMeter, Nvml, SystemSampler, nvml_indices
 from tests.conftest import (
     loss_records,
@@ -94,10 +94,9 @@ def test_alert_monitor_spikes_nonfinite_slow_and_cooldown() -> None:
     assert spike.value == 9.0 and abs(spike.baseline - 3.0) < 0.05
     assert spike.baseline < spike.threshold < spike.value
     assert "median" in spike.message
-    # Nothing in a quiet run, and a kind is quiet for COOLDOWN steps after it alerted.
+    # Nothing in a quiet run (the cooldown after an alert: step 61 above).
     quiet = AlertMonitor()
     assert not [a for s in range(1, 300) for a in quiet.observe(step_rec(s, 3.0 - s * 1e-3))]
-    assert COOLDOWN > 1
 
 
 def test_watchdog_raises_one_stall_per_stall() -> None:

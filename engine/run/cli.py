@@ -18,6 +18,7 @@ from engine.run.loop import RunOptions, TrainingRun
 from engine.run.signals import SignalFlags
 from engine.runfiles import refuse_overwrite
 
+MAX_LOCAL_RANKS = 256  # --gpus: one process each, on this host
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="andrea-train", description=__doc__.splitlines()[0])
@@ -48,8 +49,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         raise SystemExit(e.code) from None
     if args.max_steps is not None and args.max_steps < 1:
         raise UserError(f"--max-steps: must be >= 1, got {args.max_steps}")
-    if args.gpus < 1:
-        raise UserError(f"--gpus: must be >= 1, got {args.gpus}")
+    if not 1 <= args.gpus <= MAX_LOCAL_RANKS:
+        raise UserError(f"--gpus: must be in 1..{MAX_LOCAL_RANKS} (processes on this host), "
+                        f"got {args.gpus}")
     if args.gpus > 1 and ("WORLD_SIZE" in os.environ or "SLURM_NTASKS" in os.environ):
         raise UserError("--gpus: this process is already one rank of a launcher's job "
                         "(WORLD_SIZE or SLURM_NTASKS is set): leave --gpus out")

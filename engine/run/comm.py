@@ -16,6 +16,7 @@ per-row losses, and, for the numpy backend, the gradients themselves (`allreduce
 from __future__ import annotations
 
 import json
+import math
 import os
 import select
 import socket
@@ -30,10 +31,29 @@ import numpy as np
 from engine.errors import RunError, UserError
 from engine.run.world import LISTEN_FD, World
 
-JOIN_TIMEOUT_S = float(os.environ.get("ANDREA_JOIN_TIMEOUT", "120"))
+JOIN_TIMEOUT_S = 120.0  # ANDREA_JOIN_TIMEOUT overrides
+JOIN_POLL_S = 0.2  # a rank waiting for the others looks at its stop flag this often
 STEP_TIMEOUT_S = 1800.0  # a collective waits this long for a live peer (a first step compiles)
 MAX_HEADER = 1 << 16
 MAX_BODY = 2 << 30
+
+
+def join_timeout() -> float:
+    """Seconds a rank waits for the others (ANDREA_JOIN_TIMEOUT, default 120)."""
+    raw = os.environ.get("ANDREA_JOIN_TIMEOUT")
+    if raw is None:
+        return JOIN_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < 1e7:
+        raise UserError(f"environment ANDREA_JOIN_TIMEOUT: expected seconds > 0, got {raw!r:.40}")
+    return value
+
+
+class JoinInterrupted(Exception):
+    """A stop (SIGTERM, SIGINT, SIGHUP) came while the ranks were still meeting."""
 
 
 class PeerLost(RunError):
@@ -121,19 +141,22 @@ class Channel:
         return srv
 
     @classmethod
-    def join(cls, world: World, run_dir: Path, timeout: float = JOIN_TIMEOUT_S) -> Channel:
+    def join(cls, world: World, run_dir: Path, timeout: float | None = None,
+             should_stop: Callable[[], bool] = lambda: False) -> Channel:
         """Meet the other ranks (rank 0 waits for all of them); RunError naming who is missing
-        after `timeout` seconds."""
+        after `timeout` seconds (default: join_timeout()); JoinInterrupted when `should_stop()`
+        says so meanwhile."""
+        timeout = join_timeout() if timeout is None else timeout
         ch = cls(world)
         if world.main:
-            ch._serve(run_dir, timeout)
+            ch._serve(run_dir, timeout, should_stop)
         else:
-            ch._connect(run_dir, timeout)
+            ch._connect(run_dir, timeout, should_stop)
         ch._watch = threading.Thread(target=ch._watch_peers, name="andrea-peers", daemon=True)
         ch._watch.start()
         return ch
 
-    def _serve(self, run_dir: Path, timeout: float) -> None:
+    def _serve(self, run_dir: Path, timeout: float, should_stop: Callable[[], bool]) -> None:
         w = self.world
         if w.listen_fd is not None and w.rendezvous == "tcp":
             srv = self._inherited(w)
@@ -149,8 +172,9 @@ class Channel:
                     srv.bind((w.master_addr, w.master_port))
             except OSError as e:
                 srv.close()
-                raise RunError(f"rank 0 cannot listen on {w.master_addr}:{w.master_port} "
-                               f"({e.strerror or e}): choose another MASTER_PORT") from None
+                raise UserError(f"environment MASTER_ADDR, MASTER_PORT: rank 0 cannot listen on "
+                                f"{w.master_addr}:{w.master_port} ({e.strerror or e}): give an "
+                                f"address of this host and a free port") from None
         srv.listen(2 * w.size)
         self._server = srv
         if w.rendezvous == "file":
@@ -162,11 +186,17 @@ class Channel:
         deadline = time.monotonic() + timeout
         while len(self.data) < w.size - 1 or len(self.live) < w.size - 1:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([srv], [], [], left)[0]:
+            if left <= 0:
                 missing = sorted(set(range(1, w.size)) - set(self.data))
+                where = self._where()
                 self.close()
                 raise RunError(f"rank(s) {', '.join(map(str, missing))} did not join within "
-                               f"{timeout:.0f} s (rank 0 listened at {self._where()})")
+                               f"{timeout:.0f} s (rank 0 listened at {where})")
+            if should_stop():
+                self.close()
+                raise JoinInterrupted
+            if not select.select([srv], [], [], min(left, JOIN_POLL_S))[0]:
+                continue
             conn, _ = srv.accept()
             conn.settimeout(10)
             try:
@@ -192,7 +222,7 @@ class Channel:
             return f"port {self._server.getsockname()[1]} (file rendezvous)"
         return f"{w.master_addr}:{w.master_port}"
 
-    def _connect(self, run_dir: Path, timeout: float) -> None:
+    def _connect(self, run_dir: Path, timeout: float, should_stop: Callable[[], bool]) -> None:
         w = self.world
         deadline = time.monotonic() + timeout
         while True:
@@ -218,7 +248,9 @@ class Channel:
                 if time.monotonic() >= deadline:
                     raise RunError(f"rank {w.rank} could not join within {timeout:.0f} s: no "
                                    f"answer from rank 0 at {self._target(run_dir)} ({e})") from None
-                time.sleep(0.2)
+                if should_stop():
+                    raise JoinInterrupted from None
+                time.sleep(JOIN_POLL_S)
 
     def _address(self, run_dir: Path) -> tuple[str, int]:
         w = self.world

@@ -43,7 +43,11 @@ class NcclReducer:
         w = channel.world
         self.world = w.size
         # ANDREA_DDP_OVERLAP=0: one all-reduce after the backward instead (the path before)
-        self.in_step = os.environ.get("ANDREA_DDP_OVERLAP", "1") != "0"
+        overlap = os.environ.get("ANDREA_DDP_OVERLAP", "1")
+        if overlap not in ("0", "1"):
+            raise UserError(f"environment ANDREA_DDP_OVERLAP: expected 0 or 1, got "
+                            f"{overlap!r:.40}")
+        self.in_step = overlap == "1"
         self.nccl = Nccl()
         uid = channel.broadcast(self.nccl.new_id() if w.main else b"")
         self.nccl.init(w.size, w.rank, uid)

@@ -28,7 +28,7 @@ from engine.config import Config, config_diff, parse_config
 from engine.errors import UserError
 from engine.records import Status
 from engine.run.checkpoint import cleanup_tmp
-from engine.run.comm import Channel
+from engine.run.comm import Channel, JoinInterrupted
 from engine.run.ddp import (
     check_same_collectives,
     collective_settings,
@@ -120,7 +120,7 @@ class TrainingRun:
                 # they were (cli_entry prints the one line on stderr).
                 self.out.rollback()
                 raise
-            except (KeyboardInterrupt, PrepInterrupted):  # a stop while starting up
+            except (KeyboardInterrupt, PrepInterrupted, JoinInterrupted):  # a stop at start-up
                 how = self.flags.stop_name or "interrupted"
                 self.out.log(f"{how} during start-up; nothing was trained")
                 self.out.event(rec.StopEvent(step=self.out.status.step,
@@ -165,7 +165,8 @@ class TrainingRun:
                           if backend == "cuda" else "cpu")
         if not w.distributed:
             return []
-        self.channel = Channel.join(w, self.run_dir)
+        self.channel = Channel.join(w, self.run_dir,
+                                    should_stop=lambda: self.flags.stop_requested)
         self.out.log(f"data parallel: {w.describe()}, {w.size} ranks joined")
         return [rec.RankInfo.from_json(json.loads(b))  # type: ignore[misc]
                 for b in self.channel.allgather(json.dumps(me.to_json()).encode())]

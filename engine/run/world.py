@@ -93,10 +93,12 @@ def world_from_env(env: Mapping[str, str] | None = None) -> World:
     if names[3] in env:
         raw = env[names[3]].split("(")[0].split(",")[0]  # SLURM writes e.g. "2(x3)"
         try:
-            local_size = max(1, int(raw))
+            local_size = int(raw)
         except ValueError:
-            raise UserError(f"environment {names[3]}: expected an integer, got "
-                            f"{env[names[3]]!r}") from None
+            local_size = 0
+        if not 1 <= local_size <= size:
+            raise UserError(f"environment {names[3]}: expected an integer in 1..{size}, got "
+                            f"{env[names[3]]!r:.40}")
     if local_rank >= local_size:
         raise UserError(f"environment {names[2]}: expected an integer < {local_size} "
                         f"({names[3]}), got {local_rank}")
@@ -105,7 +107,7 @@ def world_from_env(env: Mapping[str, str] | None = None) -> World:
     if rdv not in ("tcp", "file"):
         raise UserError(f"environment {RENDEZVOUS}: expected tcp or file, got {rdv!r}")
     lpid = _int(env, LAUNCHER_PID, 1) if LAUNCHER_PID in env else None
-    lfd = _int(env, LISTEN_FD, 0) if LISTEN_FD in env and rank == 0 else None
+    lfd = _int(env, LISTEN_FD, 0, 1 << 30) if LISTEN_FD in env and rank == 0 else None
     return World(rank=rank, size=size, local_rank=local_rank, local_size=local_size,
                  master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=port,
                  launcher=launcher, job_id=job, token=env.get(JOB_TOKEN, ""), rendezvous=rdv,

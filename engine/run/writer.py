@@ -61,7 +61,7 @@ class RunWriter:
         p.root.mkdir(parents=True, exist_ok=True)
         self._appended = {f: _size(f) for f in (p.log, p.loss, p.events, p.samples, p.eval,
                                                 p.system)}
-        self._replaced = {f: _content(f) for f in (p.state, p.engine, p.config)}
+        self._replaced = {f: _content(f) for f in (p.state, p.engine, p.config, p.gemm_plan)}
         self.failed: OSError | None = None  # the first write that failed
         self._log = open(p.log, "a", buffering=1, encoding="utf-8")
         self._echo = not _same_file(sys.stdout, p.log)
