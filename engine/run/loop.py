@@ -501,8 +501,8 @@ class TrainingRun:
             if self.evaluator is not None and self.evaluator.due(step):
                 self._evaluate(step)
             t0 = time.perf_counter()  # the next step's clock starts here ...
-            if every_sample and step % every_sample == 0:
-                self._sample(step)
+            if every_sample and step % every_sample == 0 and self.world.main:
+                self._sample(step)  # text only rank 0 writes: the others would throw it away
                 t0 = time.perf_counter()  # ... or after a text sample
             if self.watchdog is not None:
                 self.watchdog.beat(step)  # validation and samples are expected work
