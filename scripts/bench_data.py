@@ -24,10 +24,8 @@ import json
 import os
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -38,7 +36,7 @@ import numpy as np  # noqa: E402
 
 from engine.config import parse_config  # noqa: E402
 from engine.data.builtin import BUILTINS  # noqa: E402
-from tests.procs import tree_rss  # noqa: E402
+from tests.procs import measure  # noqa: E402
 
 SHARES = {"books": 0.30, "docs": 0.25, "code": 0.25, "chat": 0.20}
 BOOK_BYTES = 16_000_000
@@ -164,25 +162,11 @@ def write_config(path: Path, data_dir: Path, sources: list[dict], train_bytes: i
 
 
 def run_measured(argv: list[str]) -> tuple[float, int, str]:
-    """(wall seconds, peak RSS of the process tree, stdout) of a command."""
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    peak = [0]
-
-    def sample() -> None:
-        while proc.poll() is None:
-            peak[0] = max(peak[0], tree_rss(proc.pid))
-            time.sleep(0.05)
-
-    t = threading.Thread(target=sample, daemon=True)
-    t.start()
-    out, _ = proc.communicate()
-    wall = time.perf_counter() - t0
-    t.join()
-    if proc.returncode != 0:
-        raise SystemExit(f"failed ({proc.returncode}): {' '.join(argv)}\n{out}")
-    return wall, peak[0], out
+    """(wall seconds, peak RSS of the process tree, stdout) of a command that must succeed."""
+    wall, peak, rc, out = measure(argv, ROOT)
+    if rc != 0:
+        raise SystemExit(f"failed ({rc}): {' '.join(argv)}\n{out}")
+    return wall, peak, out
 
 
 def baseline(config: Path, mb: float, sizes_path: Path) -> None:

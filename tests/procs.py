@@ -5,6 +5,10 @@ tests/test_prep_resume.py)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import threading
+import time
+from pathlib import Path
 
 
 def _stat_fields(pid: int) -> list[str]:
@@ -57,3 +61,23 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU time a process has used so far."""
     fields = _stat_fields(pid)
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(argv: list[str], cwd: Path, every_s: float = 0.05) -> tuple[float, int, int, str]:
+    """Run a command: (wall seconds, peak RSS of its process tree, exit status, its output)."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    peak = [0]
+
+    def sample() -> None:
+        while proc.poll() is None:
+            peak[0] = max(peak[0], tree_rss(proc.pid))
+            time.sleep(every_s)
+
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    out, _ = proc.communicate()  # reading as it goes: a full pipe never stalls the command
+    wall = time.perf_counter() - t0
+    t.join()
+    return wall, peak[0], proc.returncode, out

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from engine.data.encoders import (
-    HFEncoder,
     TiktokenEncoder,
     choose_encoder,
     make_encoder,
@@ -60,11 +59,6 @@ def test_same_ids_on_hostile_text(tok, fast):
     docs = hostile_docs()
     assert assert_same_ids(tok, fast, docs) > 1_000_000
     assert fast.encode(f"a{EOT}b").tolist() == [ord("a"), tok.eot_id, ord("b")]
-
-
-def test_hf_encoder_is_the_tokenizer(tok):
-    text = "plain HF " * 10
-    assert np.array_equal(HFEncoder(tok).encode(text), tok.encode(text))
 
 
 def _conflicting_tokenizer(path):

@@ -21,7 +21,7 @@ from engine.data.partial import PartialShard
 from engine.data.prep import prepare
 from engine.errors import RunError
 from tests.corpora import prose
-from tests.procs import descendants, running, tree_rss
+from tests.procs import descendants, measure, running
 from tests.test_prep_stream import make_config
 
 pytest.importorskip("tiktoken")
@@ -183,13 +183,9 @@ def test_an_unfinished_shard_of_other_inputs_is_discarded_and_said(tmp_path, tok
 
 
 def peak_rss_of_prep(cfg: Path, *args: str) -> int:
-    proc = start_prep(cfg, *args)
-    peak = 0
-    while proc.poll() is None:
-        peak = max(peak, tree_rss(proc.pid))
-        time.sleep(0.02)
-    out = proc.stdout.read()
-    assert proc.returncode == 0, out
+    _, peak, rc, out = measure([sys.executable, "-m", "engine.data.prep", str(cfg), *args], ROOT,
+                               every_s=0.02)
+    assert rc == 0, out
     return peak
 
 

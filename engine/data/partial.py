@@ -12,6 +12,7 @@ like a shard is incomplete, and at most the work since the last commit is redone
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -21,8 +22,9 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from engine import jsonio
-from engine.data.shards import HEADER_SIZE, fsync_dir, pack_header
+from engine.data.shards import HEADER_SIZE, pack_header
 from engine.errors import RunError
+from engine.runfiles import fsync_dir, write_bytes_atomic
 
 JOURNAL_VERSION = 1
 
@@ -95,9 +97,12 @@ class PartialShard:
             return None
         if size < HEADER_SIZE + 2 * kept.tokens:
             return None  # the file lost tokens the journal counts: start over
-        with open(self.partial, "rb") as f:
-            if f.read(HEADER_SIZE) != pack_header(self.vocab_size, 0, self.tok_sha):
-                return None
+        try:
+            with open(self.partial, "rb") as f:
+                if f.read(HEADER_SIZE) != pack_header(self.vocab_size, 0, self.tok_sha):
+                    return None
+        except OSError:
+            return None  # unreadable: start this source over
         return kept
 
     def append(self, tokens: np.ndarray, nbytes: int, docs: int) -> None:
@@ -122,13 +127,7 @@ class PartialShard:
             self._f.flush()
             os.fsync(self._f.fileno())
             record = {"version": JOURNAL_VERSION, "key": self.key, **asdict(self.written)}
-            tmp = self.journal.with_name(f"{self.journal.name}.tmp-{os.getpid()}")
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(json.dumps(record, sort_keys=True) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.journal)
-            fsync_dir(self.journal.parent)
+            write_bytes_atomic(self.journal, (json.dumps(record, sort_keys=True) + "\n").encode())
         except OSError as e:
             raise self._error(e) from None
         self.committed = self.written
@@ -171,5 +170,7 @@ class PartialShard:
         c = self.committed
         kept = (f"{c.parts} part(s), {c.nbytes / 1e6:.1f} MB of input, are kept"
                 if c.parts else "nothing of this source is kept")
-        return RunError(f"{self.partial}: cannot write ({e.strerror or e}); {kept}: make room "
-                        "and run andrea-prep again to continue")
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        return RunError(f"{self.partial}: cannot write ({e.strerror or e}); {kept}: "
+                        + ("make room and run andrea-prep again to continue" if full else
+                           "fix the cause and run andrea-prep again to continue"))

@@ -145,14 +145,17 @@ def has_text(path: str, lo: int, hi: int) -> bool:
     """Whether bytes [lo, hi) of a file hold anything but whitespace (reads only until they do;
     a byte that is not UTF-8 counts as text: the reader will name it)."""
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
-    with open(path, "rb") as f:
-        f.seek(lo)
-        at = lo
-        while at < hi:
-            block = f.read(min(1 << 20, hi - at))
-            if not block:
-                break
-            at += len(block)
-            if decoder.decode(block, final=at >= hi).strip():
-                return True
+    try:
+        with open(path, "rb") as f:
+            f.seek(lo)
+            at = lo
+            while at < hi:
+                block = f.read(min(1 << 20, hi - at))
+                if not block:
+                    break
+                at += len(block)
+                if decoder.decode(block, final=at >= hi).strip():
+                    return True
+    except OSError as e:
+        raise UserError(f"{path}: cannot read ({e.strerror or e})") from None
     return False

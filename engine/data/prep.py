@@ -362,8 +362,10 @@ def prepare(config: Config, progress: Progress = print_progress, force: bool = F
     with PrepInterrupted, leaving only complete files and committed parts behind."""
     data_dir, _ = data_paths(config)
     jobs = default_jobs() if jobs is None else jobs
-    if jobs < 1:
-        raise UserError(f"--jobs: expected at least 1, got {jobs}")
+    most = max(8, 4 * default_jobs())  # each encoder process holds ~60 MB
+    if not 1 <= jobs <= most:
+        raise UserError(f"--jobs: expected 1..{most} (this machine has {default_jobs()} "
+                        f"cores), got {jobs}")
     try:
         data_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -523,8 +525,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--part-mb", type=float, default=PART_BYTES / 2**20,
                         help="MiB of input per unit of work (default %(default)g)")
     args = parser.parse_args(argv)
-    if not 0 < args.part_mb <= 1024:
-        raise UserError(f"--part-mb: expected a size in (0, 1024] MiB, got {args.part_mb:g}")
+    if not 1 / 64 <= args.part_mb <= 1024:  # tiny parts cost a task each: 16 KiB at least
+        raise UserError(f"--part-mb: expected a size in [0.015625, 1024] MiB, got "
+                        f"{args.part_mb:g}")
     config = load_config(args.config)
     terminal = _Terminal()
     with _stop_on_signals() as stopped_by:

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.errors import UserError
+from engine.runfiles import fsync_dir
 
 MAGIC = b"ANDRSHRD"
 VERSION = 1
@@ -46,15 +47,6 @@ def _sha_bytes(tok_sha: str) -> bytes:
 def pack_header(vocab_size: int, count: int, tok_sha: str) -> bytes:
     """The HEADER_SIZE bytes that start a shard of `count` tokens."""
     return HEADER.pack(MAGIC, VERSION, vocab_size, count, _sha_bytes(tok_sha))
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename or a new file in directory `path` survive a power cut."""
-    dir_fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def write_shard(
