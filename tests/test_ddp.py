@@ -335,7 +335,8 @@ def torchrun_style_ranks_with_the_file_rendezvous(tmp_path: Path, cfgs, backend:
 
 def test_bad_gpus_values_are_refused(tmp_path: Path, cfgs) -> None:
     one, _ = cfgs
-    for extra, env, says in ((("--gpus", "0"), {}, "--gpus: must be >= 1"),
+    for extra, env, says in ((("--gpus", "0"), {}, "--gpus: must be in 1..256"),
+                             (("--gpus", "100000"), {}, "--gpus: must be in 1..256"),
                              (("--gpus", "2"), {"WORLD_SIZE": "2", "RANK": "0"},
                               "already one rank")):
         r = subprocess.run([sys.executable, "-m", "engine.run.cli", str(one), "--run-dir",
