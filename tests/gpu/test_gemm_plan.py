@@ -107,8 +107,14 @@ def test_a_recorded_plan_gives_the_same_bits():
         by = {k: p.source for k, p in bk.gemm._problems.items()}
         if given is None:
             timed = {k for k, s in by.items() if s == "timed"}
-        else:  # every problem A timed ran from A's record here, none was timed again
-            assert {k for k, s in by.items() if s == "plan"} == timed and "timed" not in by.values()
+            choices = dict(bk.gemm.choices)
+        else:
+            # every problem A timed that B runs comes from A's record, none was timed again; B
+            # runs only its chosen GELU variants' GEMMs (A also timed the variants it dropped)
+            assert "timed" not in by.values(), by
+            assert all(by[k] == "plan" for k in by.keys() & timed), by
+            assert {k for k, s in by.items() if s == "plan"} <= timed
+            assert bk.gemm.choices == choices
         bk.close()
     assert all(np.array_equal(x, y) for x, y in zip(res[0][0], res[1][0], strict=True))
     assert np.array_equal(res[0][1], res[1][1])
