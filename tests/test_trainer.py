@@ -93,3 +93,34 @@ def test_train_step_is_zero_forward_backward_step(tmp_path) -> None:
         assert ra == rb
     assert np.array_equal(a.params, b.params)
     assert np.array_equal(a.row_losses, b.row_losses)
+
+
+def test_prepared_steps_are_train_steps_and_misuse_is_refused() -> None:
+    """prepare(tokens) → begin_step() → end_step(), with the tokens handed over before the step
+    before ended (as the training loop does), gives train_step's results, bit for bit; a call
+    out of order is refused, not silently mixed up."""
+    cfg = parse_config(micro_config_dict(max_steps=50), "micro", ROOT)
+    a, b = engine.Trainer(cfg, backend="numpy"), engine.Trainer(cfg, backend="numpy")
+    plain = [a.train_step(batch(a, s)) for s in range(3)]
+    b.prepare(batch(b, 0))
+    piped = []
+    for s in range(3):
+        b.begin_step()
+        if s + 1 < 3:
+            b.prepare(batch(b, s + 1))
+        piped.append(b.end_step())
+    assert piped == plain
+    assert np.array_equal(a.params, b.params)
+    with pytest.raises(RuntimeError, match="without begin_step"):
+        b.end_step()
+    with pytest.raises(RuntimeError, match="without tokens or prepare"):
+        b.begin_step()
+    b.prepare(batch(b, 7))
+    with pytest.raises(RuntimeError, match="twice"):
+        b.prepare(batch(b, 8))
+    with pytest.raises(RuntimeError, match="tokens twice"):
+        b.begin_step(batch(b, 8))
+    b.begin_step()
+    with pytest.raises(RuntimeError, match="twice"):
+        b.begin_step(batch(b, 9))
+    assert b.end_step().step == 4

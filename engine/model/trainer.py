@@ -120,6 +120,10 @@ class Trainer:
         self.skipped_steps = 0
         self._row_losses: list[np.ndarray] = []
         self._micro_tokens = 0
+        # begin_step's: the tokens of a step end_step runs, or (step, lr, tokens) of one
+        # queued on the device
+        self._begun: np.ndarray | tuple[int, float, int] | None = None
+        self._prepared: np.ndarray | None = None  # prepare()'s tokens, for the next step
 
     def join(self, reducer: GradientReducer) -> None:
         """Become one rank of a data-parallel job (the reducer needs the backend's device)."""
@@ -216,29 +220,76 @@ class Trainer:
         step) in one backend call with one host read, the data-parallel all-reduce inside it
         (a reducer with `in_step`). The numbers it feeds the backend are those `step()` would
         use (grads·1/(world·loss_scale), the clip, lr and Adam's t)."""
-        be = self.backend
+        self.begin_step(tokens)
+        return self.end_step()
+
+    def _queues_steps(self) -> bool:
+        """Whether begin_step queues the step on the device: the fused step, with the
+        data-parallel all-reduce inside it when there is one."""
         reduce_in_step = self.reducer is not None and getattr(self.reducer, "in_step", False)
-        if not getattr(be, "fused_step", False) or (self.reducer is not None
-                                                    and not reduce_in_step):
-            # data parallel on the host: the ranks' gradients summed between backward and step
-            self.zero_grads()
-            self.forward_backward(tokens)
-            return self.step()
-        tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+        return bool(getattr(self.backend, "fused_step", False)) and (self.reducer is None
+                                                                     or reduce_in_step)
+
+    def prepare(self, tokens: np.ndarray) -> None:
+        """Hand over the next step's tokens `[B, T+1]` early: on a backend with a fused step
+        the host stages them (checks, the embedding-gradient buckets) while the step before
+        still runs on the device. Then `begin_step()` without tokens."""
+        if self._prepared is not None:
+            raise RuntimeError("prepare() twice without begin_step()")
+        tokens = np.array(tokens, dtype=np.int32)
+        if self._queues_steps():
+            self.backend.prepare_step(np.ascontiguousarray(tokens[:, :-1]),
+                                      np.ascontiguousarray(tokens[:, 1:]))
+        self._prepared = tokens
+
+    def begin_step(self, tokens: np.ndarray | None = None) -> None:
+        """The first half of `train_step` (tokens None: those given to `prepare`): on a
+        backend with a fused step the step is queued and the host is free until `end_step`
+        (the training loop writes the previous step's records and draws the next batch
+        meanwhile); elsewhere the tokens are kept and `end_step` runs the step."""
+        if self._begun is not None:
+            raise RuntimeError("begin_step() twice without end_step()")
+        if tokens is None:
+            if self._prepared is None:
+                raise RuntimeError("begin_step() without tokens or prepare()")
+            tokens, staged = self._prepared, True
+        else:
+            if self._prepared is not None:
+                raise RuntimeError("begin_step(tokens) after prepare(): tokens twice")
+            tokens, staged = np.array(tokens, dtype=np.int32), False
+        self._prepared = None
+        if not self._queues_steps():
+            self._begun = tokens
+            return
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         o = self.config.optim
         step = self.step_count + 1
         lr = self.lr_at(step)
         b1, b2 = o.betas
         # data parallel: the all-reduce runs inside the step, bucket by bucket (the backend's)
-        extra = {"reducer": self.reducer} if reduce_in_step else {}
-        rows, norm, clip = be.train_step(
-            np.ascontiguousarray(inputs), np.ascontiguousarray(targets),
+        extra = {"reducer": self.reducer} if self.reducer is not None else {}
+        self.backend.launch_step(
+            None if staged else np.ascontiguousarray(inputs),
+            None if staged else np.ascontiguousarray(targets),
             loss_scale=self.scaler.scale, grad_mult=1.0 / (self.world * self.scaler.scale),
             lr=lr, beta1=b1, beta2=b2, eps=o.eps, weight_decay=o.weight_decay,
             t=self.adam_t + 1, max_norm=o.max_grad_norm, **extra)
+        self._begun = (step, lr, inputs.size)
+
+    def end_step(self) -> StepResult:
+        """Wait for the step `begin_step` started; what happened."""
+        begun, self._begun = self._begun, None
+        if begun is None:
+            raise RuntimeError("end_step() without begin_step()")
+        if isinstance(begun, np.ndarray):
+            # data parallel on the host: the ranks' gradients summed between backward and step
+            self.zero_grads()
+            self.forward_backward(begun)
+            return self.step()
+        step, lr, n_tokens = begun
+        rows, norm, clip = self.backend.step_result()
         self._row_losses = [np.asarray(rows, dtype=np.float64)]
-        self._micro_tokens = inputs.size
+        self._micro_tokens = n_tokens
         return self._stepped(step, lr, norm, clip)
 
     def _stepped(self, step: int, lr: float, norm: float, clip: float) -> StepResult:

@@ -89,6 +89,9 @@ class TrainingRun:
         self.last_write_failed = False
         self._stop = False  # the job agreed to stop at this step boundary
         self._snapshots = 0  # snapshot requests the job agreed on, not acted on yet
+        self._last_print = 0.0  # when the last progress line went to the log
+        self._drawn: list[np.ndarray] | None = None  # sources of a batch drawn ahead (_draw)
+        self._sampler_state: dict[str, Any] = {}  # the sampler's state before that draw
         self.world_size_was: int | None = None
         self._ranks: list[rec.RankInfo] = []
         self.monitor: Any = None  # engine.run.alerts.AlertMonitor, on rank 0
@@ -433,29 +436,35 @@ class TrainingRun:
         cfg, tr = self.cfg, self.trainer
         max_steps = cfg.train.max_steps
         n_micro, B = cfg.train.grad_accum, cfg.train.batch_size
-        every_ckpt = cfg.checkpoint.every
-        every_sample = cfg.samples.every_steps
-        last_print = 0.0
         world = self.world
         mine = my_micro_batches(world.rank, n_micro, n_micro * world.size)
         tokens_per_step = cfg.tokens_per_step * world.size
         self._exchange(np.zeros(0), 0.0)  # a stop asked for while starting up: all see it
-        # step_ms is the loop's whole time per step: from the end of the previous step's
-        # bookkeeping (records, bandit, log) to the end of this step's optimizer update and the
-        # ranks' exchange, so it counts the data, the staging and the host's share too;
-        # checkpoint writes and text samples (restarting the clock) are not counted.
+        # step_ms is the loop's whole time per step: from the end of the previous step (its
+        # ranks' exchange) to the end of this step's optimizer update and exchange, so it
+        # counts the data, the staging and the host's share too; checkpoint writes, validation
+        # and text samples (restarting the clock) are not counted.
+        # With one micro-batch the host works while the device runs a step: it writes the
+        # previous step's records (`pending`, unless something must see the state between
+        # the two steps) and draws and stages the next step's batch (`self._drawn`, unless the
+        # bandit's phase ends with this step: the next batch's mixture is not known yet).
+        pending: tuple[rec.StepRecord, Any] | None = None
         t0 = time.perf_counter()
         while tr.step_count < max_steps and not self._stop and self.out.failed is None:
             weights = self.bandit.weights.copy()
             phase = (self.bandit.phase, self.bandit.phase_step + 1, self.bandit.phase_len)
-            srcs = []
             if n_micro == 1:  # the fused step where the backend has one (the all-reduce in it)
-                for m in range(world.size):  # every rank draws the whole job's micro-batches
-                    tokens, src = self.sampler.sample(B, weights)
-                    if m in mine:
-                        done = tr.train_step(tokens)
-                    srcs.append(src)
+                srcs, self._drawn = self._drawn or self._draw(weights, mine), None
+                tr.begin_step()
+                if pending is not None:
+                    self._after_step(*pending)
+                    pending = None
+                if self.bandit.phase_step + 1 < self.bandit.phase_len and \
+                        tr.step_count + 2 <= max_steps and not self._stop:
+                    self._drawn = self._draw(weights, mine)
+                done = tr.end_step()
             else:
+                srcs = []
                 tr.zero_grads()
                 # The whole job's micro-batches in one order (every rank draws them all and
                 # trains its own share): the sampler and the bandit stay the same everywhere.
@@ -476,47 +485,83 @@ class TrainingRun:
                 tok_s=tokens_per_step / step_s, step_ms=step_s * 1e3, phase=phase[0],
                 phase_step=phase[1], phase_len=phase[2], weights=self._by_source(weights),
                 src_loss=src_loss, skipped=done.skipped, t=time.time(), rank_ms=rank_ms)
-            self.out.step(record)
+            t0 = time.perf_counter()  # the next step's clock starts here ...
+            if n_micro == 1 and not self._due_between_steps(record.step):
+                pending = (record, change)
+                continue
+            self._after_step(record, change)
             step = record.step
-            if record.skipped:
-                self.out.event(rec.SkippedEvent(step=step, grad_norm=record.grad_norm))
-                self.out.log(f"step {step}: non-finite gradient norm, update skipped")
-            if self.monitor is not None:
-                for alert in self.monitor.observe(record):
-                    self.sink.emit(alert)
-                self.watchdog.beat(step, step_s)
-            if change is not None:
-                self.out.event(rec.PhaseEvent(
-                    step=step, phase=change.new_phase, phase_len=change.new_length,
-                    weights=self._by_source(change.new_weights),
-                    scores=self._by_source(change.scores)))
-            now = time.time()
-            if now - last_print >= 1.0 or step == max_steps:
-                last_print = now
-                self.out.log(f"step {step}/{max_steps} loss {record.loss:.4f} "
-                             f"gnorm {record.grad_norm:.3f} clip {record.clip_scale:.3f} "
-                             f"lr {record.lr:.2e} tok/s {record.tok_s:,.0f} "
-                             f"phase {phase[0]} ({phase[1]}/{phase[2]})")
-            self.out.set_status(durable=False, status=Status.RUNNING, step=step)
             if self.evaluator is not None and self.evaluator.due(step):
                 self._evaluate(step)
-            t0 = time.perf_counter()  # the next step's clock starts here ...
-            if every_sample and step % every_sample == 0 and self.world.main:
+            if cfg.samples.every_steps and step % cfg.samples.every_steps == 0 and world.main:
                 self._sample(step)  # text only rank 0 writes: the others would throw it away
-                t0 = time.perf_counter()  # ... or after a text sample
             if self.watchdog is not None:
                 self.watchdog.beat(step)  # validation and samples are expected work
-            self._collect_writes()
-            if not world.main:
-                continue  # rank 0 writes the checkpoints
-            periodic_due = step % every_ckpt == 0 and step != max_steps
-            if not self._handle_snapshot_requests(periodic_due) and periodic_due:
-                self._checkpoint("periodic", wait=False)
-                t0 = time.perf_counter()  # ... or after a checkpoint's copy
+            if world.main:  # rank 0 writes the checkpoints
+                periodic_due = step % cfg.checkpoint.every == 0 and step != max_steps
+                if not self._handle_snapshot_requests(periodic_due) and periodic_due:
+                    self._checkpoint("periodic", wait=False)
+            t0 = time.perf_counter()  # ... or after validation, a text sample or a checkpoint
+        if pending is not None:
+            self._after_step(*pending)
         if self.channel is not None:
             self.channel.finish()  # no collective after this: the others may end now
         self._stop_monitors()  # a stop or final checkpoint is expected work, not a stall
         return self._finish(max_steps)
+
+    def _draw(self, weights: np.ndarray, mine: range) -> list[np.ndarray]:
+        """The next step's batch: every rank draws the whole job's micro-batches (the sampler
+        and the bandit stay the same everywhere) and hands its own to the trainer. The
+        sampler's state before the draw is what a checkpoint between the steps keeps."""
+        self._sampler_state = self.sampler.state_dict()
+        srcs = []
+        for m in range(self.world.size):
+            tokens, src = self.sampler.sample(self.cfg.train.batch_size, weights)
+            if m in mine:
+                self.trainer.prepare(tokens)
+            srcs.append(src)
+        return srcs
+
+    def _due_between_steps(self, step: int) -> bool:
+        """Whether anything must run on the state after `step` before the next step starts:
+        validation, a text sample, a checkpoint (periodic, or a snapshot asked for), the end."""
+        cfg = self.cfg
+        if step >= cfg.train.max_steps or self._stop:
+            return True
+        if self.evaluator is not None and self.evaluator.due(step):
+            return True
+        every_sample = cfg.samples.every_steps
+        if every_sample and step % every_sample == 0 and self.world.main:
+            return True
+        return self.world.main and (step % cfg.checkpoint.every == 0 or self._snapshots > 0
+                                    or self.snapshot_pending)
+
+    def _after_step(self, record: rec.StepRecord, change: Any) -> None:
+        """A step's records: loss.jsonl, its events and alerts, the log line, the status; and
+        the checkpoints the writer finished meanwhile."""
+        step = record.step
+        self.out.step(record)
+        if record.skipped:
+            self.out.event(rec.SkippedEvent(step=step, grad_norm=record.grad_norm))
+            self.out.log(f"step {step}: non-finite gradient norm, update skipped")
+        if self.monitor is not None:
+            for alert in self.monitor.observe(record):
+                self.sink.emit(alert)
+            self.watchdog.beat(step, record.step_ms / 1e3)
+        if change is not None:
+            self.out.event(rec.PhaseEvent(
+                step=step, phase=change.new_phase, phase_len=change.new_length,
+                weights=self._by_source(change.new_weights),
+                scores=self._by_source(change.scores)))
+        now = time.time()
+        if now - self._last_print >= 1.0 or step == self.cfg.train.max_steps:
+            self._last_print = now
+            self.out.log(f"step {step}/{self.cfg.train.max_steps} loss {record.loss:.4f} "
+                         f"gnorm {record.grad_norm:.3f} clip {record.clip_scale:.3f} "
+                         f"lr {record.lr:.2e} tok/s {record.tok_s:,.0f} "
+                         f"phase {record.phase} ({record.phase_step}/{record.phase_len})")
+        self.out.set_status(durable=False, status=Status.RUNNING, step=step)
+        self._collect_writes()
 
     def _exchange(self, rows: np.ndarray, step_s: float) -> tuple[np.ndarray, list[float]]:
         """What the ranks tell each other after a step, in one exchange: every rank's row
@@ -572,7 +617,8 @@ class TrainingRun:
             "config": self.cfg.to_json(),
             "data": self.data_identity,
             "trainer": tr.state_dict(),
-            "sampler": self.sampler.state_dict(),
+            # the state before a batch drawn ahead for the next step (a resume draws it again)
+            "sampler": self._sampler_state if self._drawn else self.sampler.state_dict(),
             "bandit": self.bandit.state_dict(),
             "schedule": {"step": tr.step_count, "lr": tr.lr_at(max(tr.step_count, 1)),
                          "warmup_steps": self.cfg.optim.warmup_steps,

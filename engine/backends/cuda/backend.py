@@ -182,6 +182,11 @@ class CudaBackend:
         # A gradient scale (clip, 1/n_micro) not yet written into the buffer: grad_norm and
         # adamw apply it on the fly, saving a pass over 4·n bytes; anything else settles it.
         self._pending_scale = 1.0
+        self._launched_T: int | None = None  # the sequence length of a step not waited for
+        # the fused step's io blocks, taking turns (prepare_step), and the one staged next
+        self.h_step = [drv.pagelocked_zeros(self.train.io_words, np.int32) for _ in range(2)]
+        self._step_slot = 0
+        self._prepared: tuple[int, int] | None = None  # (slot, T)
         # Everything starts at zero: rows past a short sequence are then finite (cuDNN's
         # full-length graphs read them; see cudnn_attn.py), and the counters of the fused
         # kernels start at 0.
@@ -502,6 +507,16 @@ class CudaBackend:
         self.drv.memcpy_htod_async(b.at("io"), h, self.stream)
         return T
 
+    def prepare_step(self, inputs: np.ndarray, targets: np.ndarray) -> None:
+        """The host's share of the next `launch_step(None, None, ...)`: the tokens checked and
+        staged with their embedding-gradient buckets, while the step before may still run on
+        the device. Two page-locked blocks take turns: the one the running step was sent
+        from is not touched (its copy may still be queued)."""
+        x, y = self._xy(inputs, targets)
+        slot = 1 - self._step_slot
+        T = self.train.stage(self.h_step[slot], x, y, 1.0)
+        self._prepared = (slot, T)
+
     def _run(self, key: tuple[str, int], issue: Callable[[], None]) -> None:
         """Issue the work directly, or through a graph captured on first use per (kind, T)."""
         if not self.use_graphs:
@@ -567,11 +582,23 @@ class CudaBackend:
                    grad_mult: float, lr: float, beta1: float, beta2: float, eps: float,
                    weight_decay: float, t: int, max_norm: float, reducer: Any = None
                    ) -> tuple[np.ndarray, float, float]:
-        """One whole optimizer step of DESIGN §4 for one micro-batch, in one captured graph:
+        """`launch_step` then `step_result`: one optimizer step, waited for."""
+        self.launch_step(inputs, targets, loss_scale=loss_scale, grad_mult=grad_mult, lr=lr,
+                         beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, t=t,
+                         max_norm=max_norm, reducer=reducer)
+        return self.step_result()
+
+    def launch_step(self, inputs: np.ndarray | None, targets: np.ndarray | None, *,
+                    loss_scale: float,
+                    grad_mult: float, lr: float, beta1: float, beta2: float, eps: float,
+                    weight_decay: float, t: int, max_norm: float, reducer: Any = None) -> None:
+        """One whole optimizer step of DESIGN §4 for one micro-batch, in one captured graph,
+        queued and not waited for (the host may do other work meanwhile; `step_result` waits;
+        inputs None: the tokens given to `prepare_step`):
         zero_grads → forward, backward (loss_scale) → grads·grad_mult → grad norm → when the
         norm is finite: clip (max_norm) and AdamW (lr, t); else nothing changes. One host read.
-        Returns (per-row mean loss [B], the norm, the clip factor used: 1.0 when none or
-        skipped). Needs fusions (`fused_step`).
+        `step_result` returns (per-row mean loss [B], the norm, the clip factor used: 1.0
+        when none or skipped). Needs fusions (`fused_step`).
 
         reducer: one rank of a data-parallel job (`all_reduce_sum(ptr, count, stream)`, NCCL):
         each bucket of `grad_buckets` is summed over the ranks on a third stream as soon as the
@@ -582,9 +609,18 @@ class CudaBackend:
         if t < 1:
             raise ValueError(f"train_step: t is the 1-based Adam step, got {t}")
         b = self.train
-        x, y = self._xy(inputs, targets)
-        T = self._stage(b, x, y, loss_scale, self._hp(grad_mult, lr, beta1, beta2, eps,
-                                                      weight_decay, t, max_norm))
+        if self._launched_T is not None:
+            raise RunError("launch_step() while a step is queued: step_result() first")
+        if inputs is not None:
+            self.prepare_step(inputs, targets)
+        elif self._prepared is None:
+            raise RunError("launch_step(None, None, ...) without prepare_step()")
+        (slot, T), self._prepared = self._prepared, None
+        h = self.h_step[slot]
+        b.stage_scale(h, loss_scale, b.B * T)
+        b.stage_hp(h, self._hp(grad_mult, lr, beta1, beta2, eps, weight_decay, t, max_norm))
+        self.drv.memcpy_htod_async(b.at("io"), h, self.stream)
+        self._step_slot = slot
         self._pending_scale = 1.0  # the step zeroes the gradients first
         if reducer is not None:
             self._ready_to_reduce(reducer, ("step-ddp", T))
@@ -619,8 +655,16 @@ class CudaBackend:
         self._run(("step" if reducer is None else "step-ddp", T), issue)
         R = b.B * T
         self.drv.memcpy_dtoh_async(self.h_losses[:R], b.at("losses"), self.stream)
+        self._launched_T = T
+
+    def step_result(self) -> tuple[np.ndarray, float, float]:
+        """Wait for the step `launch_step` queued: (per-row mean loss [B], norm, clip)."""
+        T, self._launched_T = self._launched_T, None
+        if T is None:
+            raise RunError("step_result() without launch_step()")
         self.stream.synchronize()
-        rows = self.h_losses[:R].reshape(T, b.B).astype(np.float64).mean(axis=0)
+        R = self.train.B * T
+        rows = self.h_losses[:R].reshape(T, self.train.B).astype(np.float64).mean(axis=0)
         return rows, float(self.h_norm[0]), float(self.h_norm[1])
 
     def optimizer_step(self, *, grad_mult: float, lr: float, beta1: float, beta2: float,

@@ -164,8 +164,13 @@ class BatchBuffers:
         h[f["bucket_start"] : f["bucket_start"] + nu] = starts
         h[f["bucket_start"] + nu] = R
         h[f["rows"] : f["rows"] + R] = order
-        h[f["scale"] : f["scale"] + 1].view(np.float32)[0] = loss_scale / R
+        self.stage_scale(h, loss_scale, R)
         return T
+
+    def stage_scale(self, h: np.ndarray, loss_scale: float, R: int) -> None:
+        """Write the float loss_scale/R (R = B·T rows) into the host io block."""
+        at = self.io_fields["scale"]
+        h[at : at + 1].view(np.float32)[0] = loss_scale / R
 
     def stage_hp(self, h: np.ndarray, values: dict[str, float]) -> None:
         """Write the fused step's hyper-parameters (HP_FIELDS, float32) into the host io block."""
