@@ -75,7 +75,9 @@ def _recv_exact(sock: socket.socket, n: int, who: str) -> bytes:
         except OSError as e:
             raise PeerLost(f"{who}: connection lost ({e.strerror or e})") from None
         if not chunk:
-            raise PeerLost(f"{who}: connection closed (the process ended)")
+            # the same words as the liveness watch's (_watch_peers), whichever sees it first
+            raise PeerLost(f"{who} ended (its connection closed: the process exited or its "
+                           f"host is gone)")
         buf += chunk
     return bytes(buf)
 
