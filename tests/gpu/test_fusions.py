@@ -112,9 +112,41 @@ def test_layernorm_bwd_fused_is_the_three_kernels(env, rng, accumulate, D, rows)
     check_close(stored[0], outs[0][1] - gb0, 1e-5, "layernorm_bwd_fused overwrite", "fp32")
 
 
-def test_loss_fwd_bwd_is_loss_fwd_then_loss_bwd(env, rng):
+@pytest.mark.parametrize("D", [64, 384, 768])
+@pytest.mark.parametrize("rows", [37 * 3, 1000])
+def test_layernorm_bwd_params_vector_path_is_the_scalar_path(env, rng, D, rows):
+    """k_layernorm_bwd_params on 16-byte aligned rows (vector loads) and on the same values one
+    element off alignment (scalar loads): the same partial sums, bit for bit (chunks that end
+    inside a warp's rows included); and against float64 sums of the same terms."""
+    from engine.backends.cuda.ops import LN_ROWS_PER_CHUNK
+
     precision, o, dev = env
-    D, V = 64, 301
+    xs = rounded(rng.normal(0.3, 2.0, (rows, D)), precision)
+    gs = rounded(rng.normal(0, 1, (rows, D)), precision)
+    mu, rs = rng.normal(0.3, 0.1, rows), rng.uniform(0.4, 0.6, rows)
+    mean, rstd = dev.put(mu, "f32"), dev.put(rs, "f32")
+    nchunk = -(-rows // LN_ROWS_PER_CHUNK)
+    parts = []
+    for shift in (0, 1):  # a leading element moves every row off 16-byte alignment
+        pad = np.zeros(shift)
+        x = dev.put(np.concatenate([pad, xs.reshape(-1)])) + shift * o.esize
+        dout = dev.put(np.concatenate([pad, gs.reshape(-1)])) + shift * o.esize
+        part = dev.empty((nchunk, 2 * D), "f32")
+        o._go("k_layernorm_bwd_params", (-(-D // (32 * 16 // o.esize)), nchunk), part, dout, x,
+              mean, rstd, rows, D, LN_ROWS_PER_CHUNK)
+        parts.append(dev.get(part))
+    same(parts[0], parts[1], f"layernorm_bwd_params vector/scalar D={D} rows={rows}")
+    xh = (xs - np.float32(mu)[:, None].astype(np.float64)) * np.float32(rs)[:, None]
+    want = np.concatenate([(gs * xh).sum(0), gs.sum(0)])
+    check_close(parts[0].sum(0), want, 1e-5, "layernorm_bwd_params sums", "fp32")
+
+
+@pytest.mark.parametrize("V", [301, 13001])
+def test_loss_fwd_bwd_is_loss_fwd_then_loss_bwd(env, rng, V):
+    """V = 301: the row kept in registers; 13001 (past LOSS_CACHE float4s per thread): the row
+    streamed from memory on each pass."""
+    precision, o, dev = env
+    D = 64
     ldv = -(-V // 64) * 64
     x = dev.put(rounded(rng.normal(0, 1, (T, B, D)), precision))
     wte = dev.put(rounded(rng.normal(0, 0.3, (ldv + 5, D)), precision))

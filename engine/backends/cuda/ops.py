@@ -33,6 +33,7 @@ from engine.errors import RunError
 THREADS = 256
 ROWS_PER_BLOCK = THREADS // 32  # one warp per row
 LN_ROWS_PER_CHUNK = 64  # rows per column-sum chunk of the unfused LayerNorm backward
+LN_PARAMS_ROWS = 64  # the most k_layernorm_bwd_params takes per chunk (8 per warp, 8 warps)
 LN_FUSED_ROWS = 64  # ... and per block of k_layernorm_bwd_fused
 LN_FUSED_COLS = 6  # columns of [0, 2d) per thread in k_layernorm_bwd_fused: 2d <= 6·256
 NORM_BLOCKS = 1024
@@ -233,7 +234,9 @@ class Ops:
         self._go("k_layernorm_bwd", -(-R // ROWS_PER_BLOCK), dx, src, dout, x, mean, rstd, gamma,
                  R, d, int(accumulate))
         nchunk = -(-R // rows)
-        self._go("k_layernorm_bwd_params", (-(-d // THREADS), nchunk), partial, dout, x, mean,
+        assert rows <= LN_PARAMS_ROWS, rows
+        tile = 32 * VEC_BYTES // self.esize  # columns per block: a warp's 16-byte vectors
+        self._go("k_layernorm_bwd_params", (-(-d // tile), nchunk), partial, dout, x, mean,
                  rstd, R, d, rows)
         self._go("k_colsum_reduce", -(-2 * d // THREADS), dgamma_beta, partial, nchunk, 2 * d,
                  ow)

@@ -36,16 +36,22 @@ __device__ __forceinline__ void ln_fwd_row(const Vec (&xv)[LN_MAXV], act_t* o, f
         }
     }
     const float rs = rsqrtf(warp_sum(ss) / d + 1e-5f);
+    // every value first, then the stores: a load after a store to a pointer that may alias it
+    // waits for that store, so stores in between would serialise the row's memory accesses
+    Vec y[LN_MAXV];
 #pragma unroll
     for (int k = 0; k < LN_MAXV; k++) {
         const int c = (k * 32 + lane) * VEC;
         if (c < d) {
-            Vec y;
 #pragma unroll
             for (int i = 0; i < VEC; i++)
-                y[i] = to_act((to_f(xv[k][i]) - mu) * rs * gamma[c + i] + beta[c + i]);
-            store_vec(o + c, y);
+                y[k][i] = to_act((to_f(xv[k][i]) - mu) * rs * gamma[c + i] + beta[c + i]);
         }
+    }
+#pragma unroll
+    for (int k = 0; k < LN_MAXV; k++) {
+        const int c = (k * 32 + lane) * VEC;
+        if (c < d) store_vec(o + c, y[k]);
     }
     if (lane == 0) {
         mean[r] = mu;
@@ -122,14 +128,21 @@ extern "C" __global__ void k_residual_layernorm_fwd(act_t* xsum, act_t* out, flo
     if (r >= R) return;
     const long base = (long)r * d;
     if (ln_vector_row(d) && aligned16(xsum) && aligned16(out) && aligned16(a) && aligned16(b)) {
-        Vec xv[LN_MAXV];
+        Vec xv[LN_MAXV], bv[LN_MAXV];
+#pragma unroll
+        for (int k = 0; k < LN_MAXV; k++) {  // the whole row's loads first (see ln_fwd_row)
+            const int c = (k * 32 + lane) * VEC;
+            if (c < d) {
+                xv[k] = load_vec(a + base + c);
+                bv[k] = load_vec(b + base + c);
+            }
+        }
 #pragma unroll
         for (int k = 0; k < LN_MAXV; k++) {
             const int c = (k * 32 + lane) * VEC;
             if (c < d) {
-                const Vec av = load_vec(a + base + c), bv = load_vec(b + base + c);
 #pragma unroll
-                for (int i = 0; i < VEC; i++) xv[k][i] = to_act(to_f(av[i]) + to_f(bv[i]));
+                for (int i = 0; i < VEC; i++) xv[k][i] = to_act(to_f(xv[k][i]) + to_f(bv[k][i]));
                 store_vec(xsum + base + c, xv[k]);
             }
         }
@@ -152,14 +165,21 @@ __device__ __forceinline__ void ln_bwd_row(act_t* o, const act_t* res, const act
                                            float (&ag)[LN_MAXV][VEC], float (&ab)[LN_MAXV][VEC]) {
     // every operation explicitly rounded: the compiler may not contract differently in the
     // kernels that share this function (their dx must be the same bits)
-    Vec gv[LN_MAXV], xv[LN_MAXV];
+    Vec gv[LN_MAXV], xv[LN_MAXV], ov[LN_MAXV];
     float s1 = 0.0f, s2 = 0.0f;
 #pragma unroll
-    for (int k = 0; k < LN_MAXV; k++) {
+    for (int k = 0; k < LN_MAXV; k++) {  // the whole row's loads first (see ln_fwd_row)
         const int c = (k * 32 + lane) * VEC;
         if (c < d) {
             gv[k] = load_vec(g + c);
             xv[k] = load_vec(xr + c);
+            if (accumulate) ov[k] = load_vec(res + c);
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < LN_MAXV; k++) {
+        const int c = (k * 32 + lane) * VEC;
+        if (c < d) {
 #pragma unroll
             for (int i = 0; i < VEC; i++) {
                 const float gi = to_f(gv[k][i]);
@@ -179,17 +199,19 @@ __device__ __forceinline__ void ln_bwd_row(act_t* o, const act_t* res, const act
     for (int k = 0; k < LN_MAXV; k++) {
         const int c = (k * 32 + lane) * VEC;
         if (c < d) {
-            Vec ov;
-            if (accumulate) ov = load_vec(res + c);
 #pragma unroll
             for (int i = 0; i < VEC; i++) {
                 const float dn = __fmul_rn(to_f(gv[k][i]), gamma[c + i]);
                 const float xh = __fmul_rn(__fsub_rn(to_f(xv[k][i]), mu), rs);
                 const float v = __fmul_rn(rs, __fsub_rn(__fsub_rn(dn, m1), __fmul_rn(xh, m2)));
-                ov[i] = to_act(accumulate ? __fadd_rn(to_f(ov[i]), v) : v);
+                ov[k][i] = to_act(accumulate ? __fadd_rn(to_f(ov[k][i]), v) : v);
             }
-            store_vec(o + c, ov);
         }
+    }
+#pragma unroll
+    for (int k = 0; k < LN_MAXV; k++) {
+        const int c = (k * 32 + lane) * VEC;
+        if (c < d) store_vec(o + c, ov[k]);
     }
 }
 
@@ -240,33 +262,84 @@ extern "C" __global__ void k_layernorm_bwd(act_t* dx, const act_t* resid, const 
     }
 }
 
+#define LN_PARAMS_GROUPS 8  // row groups of k_layernorm_bwd_params' block (blockDim.x / 32)
+
 // numpy twin: ops.layernorm_bwd (dgamma and dbeta, first pass)
 // >   dgamma += np.einsum("ij,ij->j", dout, xhat)
 // >   dbeta += dout.sum(axis=0)
 // Column sums in two fixed-order passes, no atomics: this one sums chunks of rows, then
 // k_colsum_reduce adds the chunks (+=) into the gradients.
-// Block (column tile, chunk): each thread owns one column and sums its chunk's rows in order.
+// Block (column tile, chunk), 32 x LN_PARAMS_GROUPS threads: lane x owns VEC adjacent columns
+// of the tile (one 16-byte vector per row where d % VEC == 0 and dout, x are aligned, else VEC
+// scalars: the same sums), warp y the chunk's rows y, y + G, y + 2G, ... (G = LN_PARAMS_GROUPS),
+// all of its rows loaded before they are added, so that enough bytes are in flight to reach
+// the memory's bandwidth. The warps' sums are added in warp order through shared memory.
 // partial[chunk, c] = dgamma part, partial[chunk, d + c] = dbeta part (gamma and beta are
 // adjacent in the flat gradient buffer, so one k_colsum_reduce over 2*d columns adds both).
-// Explicitly rounded operations (no fused multiply-add), the same as k_layernorm_bwd_fused's.
+// Explicitly rounded operations (no fused multiply-add). rows_per_chunk <= 8·G.
 extern "C" __global__ void k_layernorm_bwd_params(float* partial, const act_t* dout,
                                                   const act_t* x, const float* mean,
                                                   const float* rstd, int R, int d,
                                                   int rows_per_chunk) {
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    __shared__ float sm[LN_PARAMS_GROUPS][2][32 * VEC];
+    const int lane = threadIdx.x & 31, y = threadIdx.x >> 5;
+    const int c0 = (blockIdx.x * 32 + lane) * VEC;
     const int chunk = blockIdx.y;
-    if (c >= d) return;
-    const int r0 = chunk * rows_per_chunk;
-    const int r1 = min(R, r0 + rows_per_chunk);
-    float sg = 0.0f, sb = 0.0f;
-    for (int r = r0; r < r1; r++) {
-        const float g = to_f(dout[(long)r * d + c]);
-        const float p = __fmul_rn(__fmul_rn(g, __fsub_rn(to_f(x[(long)r * d + c]), mean[r])), rstd[r]);
-        sg = __fadd_rn(sg, p);
-        sb = __fadd_rn(sb, g);
+    const int r0 = chunk * rows_per_chunk, r1 = min(R, r0 + rows_per_chunk);
+    const bool vec = d % VEC == 0 && aligned16(dout) && aligned16(x);
+    constexpr int PER = 8;  // rows per warp: rows_per_chunk / LN_PARAMS_GROUPS at most
+    Vec gv[PER], xv[PER];
+    float mu[PER], rs[PER];
+#pragma unroll
+    for (int u = 0; u < PER; u++) {
+        const int r = r0 + y + u * LN_PARAMS_GROUPS;
+        if (r < r1 && c0 < d) {
+            const long at = (long)r * d + c0;
+            if (vec) {
+                gv[u] = load_vec(dout + at);
+                xv[u] = load_vec(x + at);
+            } else {
+#pragma unroll
+                for (int i = 0; i < VEC; i++) {
+                    gv[u][i] = c0 + i < d ? dout[at + i] : to_act(0.0f);
+                    xv[u][i] = c0 + i < d ? x[at + i] : to_act(0.0f);
+                }
+            }
+            mu[u] = mean[r];
+            rs[u] = rstd[r];
+        }
     }
-    partial[(long)chunk * 2 * d + c] = sg;
-    partial[(long)chunk * 2 * d + d + c] = sb;
+    float sg[VEC], sb[VEC];
+#pragma unroll
+    for (int i = 0; i < VEC; i++) sg[i] = sb[i] = 0.0f;
+#pragma unroll
+    for (int u = 0; u < PER; u++) {
+        if (r0 + y + u * LN_PARAMS_GROUPS < r1 && c0 < d) {
+#pragma unroll
+            for (int i = 0; i < VEC; i++) {
+                const float g = to_f(gv[u][i]);
+                const float p = __fmul_rn(__fmul_rn(g, __fsub_rn(to_f(xv[u][i]), mu[u])), rs[u]);
+                sg[i] = __fadd_rn(sg[i], p);
+                sb[i] = __fadd_rn(sb[i], g);
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < VEC; i++) {
+        sm[y][0][lane * VEC + i] = sg[i];
+        sm[y][1][lane * VEC + i] = sb[i];
+    }
+    __syncthreads();
+    // 2 x 32·VEC sums per block, each over the warps in order: thread t takes sums t, t + 256
+    for (int k = threadIdx.x; k < 2 * 32 * VEC; k += blockDim.x) {
+        const int which = k / (32 * VEC), j = k % (32 * VEC);
+        const int c = blockIdx.x * 32 * VEC + j;
+        if (c >= d) continue;
+        float s = 0.0f;
+#pragma unroll
+        for (int w = 0; w < LN_PARAMS_GROUPS; w++) s = __fadd_rn(s, sm[w][which][j]);
+        partial[(long)chunk * 2 * d + which * d + c] = s;
+    }
 }
 
 // numpy twin: none — the second pass of k_layernorm_bwd_params' column sums (numpy sums all rows

@@ -4,79 +4,92 @@
 // cross-entropy, one block per row r = t*B + b.
 #include "common.cuh"
 
-// (max, Σ exp(z - max)) pairs combined: the running form of the softmax's two reductions.
-__device__ __forceinline__ void lse_merge(float& m, float& s, float m2, float s2) {
-    const float M = fmaxf(m, m2);
-    if (M == -INFINITY) return;  // both empty
-    s = s * __expf(m - M) + s2 * __expf(m2 - M);
-    m = M;
+#define LOSS_CACHE 12  // float4s per thread kept in registers: rows of up to 12·4·blockDim.x floats
+
+// Thread t's share of a row of ldv floats (ldv % 4 == 0, 16-byte aligned): the float4s
+// q = t, t + blockDim.x, ..., slot j holding q = t + j·blockDim.x. A row that fits is read from
+// memory once, into registers (`cached`); a longer one is streamed on each pass.
+__device__ __forceinline__ bool row_fits(int ldv) { return ldv <= LOSS_CACHE * 4 * (int)blockDim.x; }
+
+__device__ __forceinline__ void row_load(float4 (&zc)[LOSS_CACHE], const float* z, int ldv) {
+    const float4* z4 = reinterpret_cast<const float4*>(z);
+#pragma unroll
+    for (int j = 0; j < LOSS_CACHE; j++) {
+        const int q = threadIdx.x + j * blockDim.x;
+        if (q * 4 < ldv) zc[j] = z4[q];
+    }
 }
 
-// The log-sum-exp of row z (V used of its ldv floats, ldv % 4 == 0, 16-byte aligned rows): one
-// pass of 16-byte loads keeping each thread's running (max, sum), then the pairs combined in a
-// fixed order (warp butterflies, then warp 0 over the warps). Shared by k_loss_fwd and
-// k_loss_fwd_bwd (same bits).
-__device__ __forceinline__ float row_lse(const float* z, int V, float* shared) {
-    float m = -INFINITY, s = 0.0f;
-    const float4* z4 = reinterpret_cast<const float4*>(z);
-    for (int q = threadIdx.x; q * 4 < V; q += blockDim.x) {
-        const float4 v = z4[q];
-        const float e[4] = {v.x, v.y, v.z, v.w};
+// max and Σ exp(x - m) over the columns < V of one float4 at column 4q, in column order
+__device__ __forceinline__ float vec_max(float4 v, int q, int V, float m) {
+    const float e[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            if (q * 4 + i < V) {
-                const float x = e[i];
-                if (x > m) {
-                    s = s * __expf(m - x) + 1.0f;
-                    m = x;
-                } else {
-                    s += __expf(x - m);
-                }
-            }
+    for (int i = 0; i < 4; i++)
+        if (q * 4 + i < V) m = fmaxf(m, e[i]);
+    return m;
+}
+__device__ __forceinline__ float vec_sumexp(float4 v, int q, int V, float m, float s) {
+    const float e[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+        if (q * 4 + i < V) s = __fadd_rn(s, __expf(__fsub_rn(e[i], m)));
+    return s;
+}
+
+// The log-sum-exp of row z (V used of its ldv floats): the max first (exact in any order),
+// then each thread's Σ exp(z - max) over its float4s in order, the threads' sums added in a
+// fixed order (block_sum). Shared by k_loss_fwd and k_loss_fwd_bwd (same bits); zc: the row
+// as row_load leaves it when row_fits(ldv), else unused (the row is read from z).
+__device__ __forceinline__ float row_lse(const float4 (&zc)[LOSS_CACHE], const float* z, int V,
+                                         int ldv, float* shared) {
+    const float4* z4 = reinterpret_cast<const float4*>(z);
+    float m = -INFINITY, s = 0.0f;
+    if (row_fits(ldv)) {
+#pragma unroll
+        for (int j = 0; j < LOSS_CACHE; j++) {
+            const int q = threadIdx.x + j * blockDim.x;
+            if (q * 4 < ldv) m = vec_max(zc[j], q, V, m);
         }
+        m = block_max(m, shared);
+#pragma unroll
+        for (int j = 0; j < LOSS_CACHE; j++) {
+            const int q = threadIdx.x + j * blockDim.x;
+            if (q * 4 < ldv) s = vec_sumexp(zc[j], q, V, m, s);
+        }
+    } else {
+        for (int q = threadIdx.x; q * 4 < ldv; q += blockDim.x) m = vec_max(z4[q], q, V, m);
+        m = block_max(m, shared);
+        for (int q = threadIdx.x; q * 4 < ldv; q += blockDim.x) s = vec_sumexp(z4[q], q, V, m, s);
     }
-    for (int o = 16; o > 0; o >>= 1) {
-        const float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
-        lse_merge(m, s, m2, s2);
-    }
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    __syncthreads();  // `shared` may still be read by a previous call
-    if (lane == 0) {
-        shared[warp] = m;
-        shared[16 + warp] = s;
-    }
-    __syncthreads();
-    m = lane < nw ? shared[lane] : -INFINITY;
-    s = lane < nw ? shared[16 + lane] : 0.0f;
-    for (int o = 16; o > 0; o >>= 1) {
-        const float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
-        lse_merge(m, s, m2, s2);
-    }
-    // The butterflies leave each lane a merge in its own order (lse_merge's sum contracts to an
-    // fma, which is not symmetric): lanes may differ in the last bit. Every thread takes thread
-    // 0's value, the one k_loss_fwd stores, so k_loss_fwd_bwd's dlogits are k_loss_bwd's bits.
+    s = block_sum(s, shared);
+    // The butterflies leave each lane a sum in its own order: lanes may differ in the last
+    // bit. Every thread takes thread 0's value, the one k_loss_fwd stores, so k_loss_fwd_bwd's
+    // dlogits are k_loss_bwd's bits.
     const float l = m + logf(s);
-    __syncthreads();  // every warp has read the warp partials
+    __syncthreads();  // every warp has read block_sum's partials
     if (threadIdx.x == 0) shared[0] = l;
     __syncthreads();
     return shared[0];
 }
 
-// dz = scale·(softmax(z) - onehot(target)) for one row, padding columns V <= j < ldv set to 0;
-// four columns per thread (16-byte loads of z, 8- or 16-byte stores of dz).
-__device__ __forceinline__ void row_dlogits(act_t* dz, const float* z, float l, int tgt, float sc,
-                                            int V, int ldv) {
-    const float4* z4 = reinterpret_cast<const float4*>(z);
-    for (int q = threadIdx.x; q * 4 < ldv; q += blockDim.x) {
-        const float4 v = z4[q];
-        const float e[4] = {v.x, v.y, v.z, v.w};
+// Four act_t stored as one 8- or 16-byte write.
+struct alignas(4 * sizeof(act_t)) Act4 {
+    act_t v[4];
+};
+
+// dz = scale·(softmax(z) - onehot(target)) for the float4 at column 4q of one row, padding
+// columns V <= j < ldv set to 0 (rounded as written: no contraction).
+__device__ __forceinline__ void vec_dlogits(act_t* dz, float4 v, int q, float l, int tgt,
+                                            float sc, int V) {
+    const float e[4] = {v.x, v.y, v.z, v.w};
+    Act4 out;
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const int j = q * 4 + i;
-            const float p = __expf(__fsub_rn(e[i], l));  // rounded as written: no contraction
-            dz[j] = to_act(j < V ? __fmul_rn(__fsub_rn(p, j == tgt ? 1.0f : 0.0f), sc) : 0.0f);
-        }
+    for (int i = 0; i < 4; i++) {
+        const int j = q * 4 + i;
+        const float p = __expf(__fsub_rn(e[i], l));
+        out.v[i] = to_act(j < V ? __fmul_rn(__fsub_rn(p, j == tgt ? 1.0f : 0.0f), sc) : 0.0f);
     }
+    *reinterpret_cast<Act4*>(dz + q * 4) = out;
 }
 
 // numpy twin: ops.loss_fwd (after its matmul, per row chunk z = logits[r0:r1])
@@ -96,7 +109,9 @@ extern "C" __global__ void k_loss_fwd(float* losses, float* lse, const float* lo
     const int r = blockIdx.x;
     if (r >= B * T) return;
     const float* z = logits + (long)r * ldv;
-    const float l = row_lse(z, V, shared);
+    float4 zc[LOSS_CACHE];
+    if (row_fits(ldv)) row_load(zc, z, ldv);
+    const float l = row_lse(zc, z, V, ldv, shared);
     if (threadIdx.x == 0) {
         const int t = r / B, b = r - t * B;
         lse[r] = l;
@@ -118,15 +133,18 @@ extern "C" __global__ void k_loss_bwd(act_t* dlogits, const float* logits, const
     const int r = blockIdx.x;
     if (r >= B * T) return;
     const int t = r / B, b = r - t * B;
-    row_dlogits(dlogits + (long)r * ldv, logits + (long)r * ldv, lse[r], targets[(long)b * T + t],
-                scale[0], V, ldv);
+    const float4* z4 = reinterpret_cast<const float4*>(logits + (long)r * ldv);
+    const float l = lse[r], sc = scale[0];
+    const int tgt = targets[(long)b * T + t];
+    for (int q = threadIdx.x; q * 4 < ldv; q += blockDim.x)
+        vec_dlogits(dlogits + (long)r * ldv, z4[q], q, l, tgt, sc, V);
 }
 
 // numpy twin: ops.loss_bwd (with the forward's softmax statistics, in one pass)
 // >   dz = scale · (softmax(z) - onehot(targets)) = diag(scale/s)·E - scale·onehot;
 // k_loss_fwd and k_loss_bwd in one launch, with their bits: a training step knows its loss
-// scale before the forward, so the row of logits is read from memory once (the passes after
-// the first find it in L2) instead of again in the backward. Writes losses, lse and dlogits.
+// scale before the forward, so the row of logits is read from memory once (into registers,
+// when it fits) instead of again in the backward. Writes losses, lse and dlogits.
 extern "C" __global__ void k_loss_fwd_bwd(float* losses, float* lse, act_t* dlogits,
                                           const float* logits, const int* targets,
                                           const float* scale, int B, int T, int V, int ldv) {
@@ -134,12 +152,26 @@ extern "C" __global__ void k_loss_fwd_bwd(float* losses, float* lse, act_t* dlog
     const int r = blockIdx.x;
     if (r >= B * T) return;
     const float* z = logits + (long)r * ldv;
-    const float l = row_lse(z, V, shared);
+    const bool fits = row_fits(ldv);
+    float4 zc[LOSS_CACHE];
+    if (fits) row_load(zc, z, ldv);
+    const float l = row_lse(zc, z, V, ldv, shared);
     const int t = r / B, b = r - t * B;
     const int tgt = targets[(long)b * T + t];
     if (threadIdx.x == 0) {
         lse[r] = l;
         losses[r] = l - z[tgt];
     }
-    row_dlogits(dlogits + (long)r * ldv, z, l, tgt, scale[0], V, ldv);
+    act_t* dz = dlogits + (long)r * ldv;
+    const float sc = scale[0];
+    if (fits) {
+#pragma unroll
+        for (int j = 0; j < LOSS_CACHE; j++) {
+            const int q = threadIdx.x + j * blockDim.x;
+            if (q * 4 < ldv) vec_dlogits(dz, zc[j], q, l, tgt, sc, V);
+        }
+    } else {
+        const float4* z4 = reinterpret_cast<const float4*>(z);
+        for (int q = threadIdx.x; q * 4 < ldv; q += blockDim.x) vec_dlogits(dz, z4[q], q, l, tgt, sc, V);
+    }
 }
