@@ -12,8 +12,9 @@ shows the median of each round's median and the spread between rounds:
 - `andrea before`: the path before (`--attention classic`, fusions off: plain cuBLAS, separate
   kernels, the optimizer driven from the host), as the step was measured until now;
 - PyTorch at its best practice on the same model (bf16 autocast, fused AdamW, flash SDPA,
-  TF32 on, clip_grad_norm_): eager, torch.compile, torch.compile(mode="reduce-overhead") (CUDA
-  graphs), and max-autotune when asked. Its loss at step 1 is checked against the engine's on
+  TF32 on, clip_grad_norm_, Q/K/V from one Linear as nanoGPT's c_attn): eager, torch.compile,
+  torch.compile(mode="reduce-overhead") (CUDA graphs), and max-autotune when asked (a variant
+  named with the suffix -sepqkv uses three Linears instead). Its loss at step 1 is checked against the engine's on
   the same weights and tokens.
 
 MFU = tokens/s · FLOPs per token / peak, with llm.c's count: FLOPs/token = 6·N + 6·L·d·T
@@ -47,6 +48,8 @@ MODELS = {
                        seq_len=1024),
 }
 B = 8
+QKV = ("attn.W_Q", "attn.W_K", "attn.W_V")
+SEPARATE_QKV = "-sepqkv"  # a PyTorch variant's suffix: Q, K, V as three Linears (not best practice)
 AFTER = {"attention": "auto", "fusions": True}
 BEFORE = {"attention": "classic", "fusions": False}
 # the default with one fusion switched off (backend._flag), timed beside it: --variants
@@ -87,14 +90,23 @@ def andrea_backend(s: ModelShapes, opts: dict[str, Any], graphs: bool = True,
     return bk
 
 
-def andrea_step(bk: Any) -> Callable[[np.ndarray, int], None]:
-    """One optimizer step as the trainer runs it: the one-graph step when the backend has it,
-    else zero_grads / forward_backward / grad_norm / clip / adamw from the host."""
-    def step(tok: np.ndarray, t: int) -> None:
+def andrea_step(bk: Any) -> Callable[..., None]:
+    """One optimizer step as the trainer runs it: the one-graph step when the backend has it
+    (queued, then the next step's batch staged while it runs, as andrea-train does when it is
+    given `nxt`), else zero_grads / forward_backward / grad_norm / clip / adamw from the host."""
+    staged = [False]
+
+    def step(tok: np.ndarray, t: int, nxt: np.ndarray | None = None) -> None:
         x, y = tok[:, :-1], tok[:, 1:]
         if bk.fused_step:
-            bk.train_step(x, y, loss_scale=1.0, grad_mult=1.0, lr=3e-4, beta1=0.9, beta2=0.95,
-                          eps=1e-8, weight_decay=0.1, t=t, max_norm=1.0)
+            if not staged[0]:
+                bk.prepare_step(x, y)
+            bk.launch_step(None, None, loss_scale=1.0, grad_mult=1.0, lr=3e-4, beta1=0.9,
+                           beta2=0.95, eps=1e-8, weight_decay=0.1, t=t, max_norm=1.0)
+            staged[0] = nxt is not None
+            if nxt is not None:
+                bk.prepare_step(nxt[:, :-1], nxt[:, 1:])
+            bk.step_result()
             return
         bk.zero_grads()
         bk.forward_backward(x, y)
@@ -106,6 +118,24 @@ def andrea_step(bk: Any) -> Callable[[np.ndarray, int], None]:
         bk.synchronize()
 
     return step
+
+
+def gpu_step_ms(bk: Any, toks: list[np.ndarray], t0: int, n: int = 20) -> float:
+    """Median device time of the one-graph step (CUDA events around the queued step: its
+    copies and graph, not the host's staging before it)."""
+    drv = bk.drv
+    e0, e1 = drv.Event(), drv.Event()
+    times = []
+    for i in range(n):
+        tok = toks[i % len(toks)]
+        bk.prepare_step(tok[:, :-1], tok[:, 1:])
+        e0.record(bk.stream)
+        bk.launch_step(None, None, loss_scale=1.0, grad_mult=1.0, lr=3e-4, beta1=0.9,
+                       beta2=0.95, eps=1e-8, weight_decay=0.1, t=t0 + i, max_norm=1.0)
+        e1.record(bk.stream)
+        bk.step_result()
+        times.append(e1.time_since(e0))
+    return statistics.median(times)
 
 
 def kernels_per_step(bk: Any) -> int:
@@ -141,9 +171,10 @@ def profile_andrea(s: ModelShapes, opts: dict[str, Any], steps: int = 3) -> dict
         if us > 0:
             rows.append((us / steps, e.count / steps, e.key))
     rows.sort(reverse=True)
+    choices = bk.gemm.export_plan()["choices"] if bk.gemm is not None else {}
     bk.close()
     return {"rows": rows, "total_us": sum(r[0] for r in rows),
-            "kernels": sum(r[1] for r in rows)}
+            "kernels": sum(r[1] for r in rows), "choices": choices}
 
 
 def print_profile(key: str, name: str, prof: dict[str, Any], top: int = 24) -> None:
@@ -152,12 +183,17 @@ def print_profile(key: str, name: str, prof: dict[str, Any], top: int = 24) -> N
           f"{prof['kernels']:.0f} kernels per step (profiled, direct launches)")
     for us, count, kname in prof["rows"][:top]:
         print(f"  {us / 1e3:7.3f} ms {100 * us / total:5.1f}%  x{count:<5.0f} {kname[:86]}")
+    for what, c in prof.get("choices", {}).items():
+        print(f"  GELU {what}: {c['use']} (epilogue GEMM {c['epilogue_ms']} ms, "
+              f"GEMM + kernel {c['kernel_ms']} ms)")
 
 
 # --- PyTorch ----------------------------------------------------------------------------------------
 
 
-def torch_model(s: ModelShapes):
+def torch_model(s: ModelShapes, fused_qkv: bool = True):
+    """The engine's model in PyTorch; fused_qkv: Q, K and V from one Linear (nanoGPT's c_attn,
+    the faster), else three."""
     import torch
     import torch.nn.functional as F
     from torch import nn
@@ -167,14 +203,19 @@ def torch_model(s: ModelShapes):
             super().__init__()
             d = s.d_model
             self.ln1, self.ln2 = nn.LayerNorm(d, eps=1e-5), nn.LayerNorm(d, eps=1e-5)
-            self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
+            if fused_qkv:  # nanoGPT's c_attn: one GEMM for Q, K and V
+                self.qkv = nn.Linear(d, 3 * d, bias=False)
+            else:
+                self.q, self.k, self.v = (nn.Linear(d, d, bias=False) for _ in range(3))
+            self.o = nn.Linear(d, d, bias=False)
             self.w1, self.w2 = nn.Linear(d, s.d_ff, bias=False), nn.Linear(s.d_ff, d, bias=False)
 
         def forward(self, x):
             Bq, T, d = x.shape
             h = self.ln1(x)
-            q, k, v = (m(h).view(Bq, T, s.n_head, -1).transpose(1, 2)
-                       for m in (self.q, self.k, self.v))
+            parts = (self.qkv(h).split(d, dim=-1) if fused_qkv
+                     else (self.q(h), self.k(h), self.v(h)))
+            q, k, v = (m.view(Bq, T, s.n_head, -1).transpose(1, 2) for m in parts)
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             x = x + self.o(a.transpose(1, 2).reshape(Bq, T, d))
             return x + self.w2(F.gelu(self.w1(self.ln2(x)), approximate="tanh"))
@@ -197,11 +238,12 @@ def torch_model(s: ModelShapes):
 
     model = GPT().cuda()
     assert sum(p.numel() for p in model.parameters()) == n_params(s)
-    load_engine_weights(model, s, init_params(s, seed=1337))
+    load_engine_weights(model, s, init_params(s, seed=1337), fused_qkv)
     return model
 
 
-def load_engine_weights(model: Any, s: ModelShapes, flat: np.ndarray) -> None:
+def load_engine_weights(model: Any, s: ModelShapes, flat: np.ndarray,
+                        fused_qkv: bool = True) -> None:
     """The engine's flat parameters (DESIGN §2 order, `x @ W` with W [in, out]) into the
     PyTorch model (nn.Linear keeps W [out, in])."""
     import torch
@@ -220,8 +262,12 @@ def load_engine_weights(model: Any, s: ModelShapes, flat: np.ndarray) -> None:
         put(blk.ln1.bias, by[h + "ln1.beta"])
         put(blk.ln2.weight, by[h + "ln2.gamma"])
         put(blk.ln2.bias, by[h + "ln2.beta"])
-        for m, n in ((blk.q, "attn.W_Q"), (blk.k, "attn.W_K"), (blk.v, "attn.W_V"),
-                     (blk.o, "attn.W_O"), (blk.w1, "mlp.W_1"), (blk.w2, "mlp.W_2")):
+        if fused_qkv:
+            put(blk.qkv.weight, np.concatenate([by[h + n] for n in QKV], axis=1).T)
+        else:
+            for m, n in zip((blk.q, blk.k, blk.v), QKV, strict=True):
+                put(m.weight, by[h + n].T)
+        for m, n in ((blk.o, "attn.W_O"), (blk.w1, "mlp.W_1"), (blk.w2, "mlp.W_2")):
             put(m.weight, by[h + n].T)
     put(model.lnf.weight, by["lnf.gamma"])
     put(model.lnf.bias, by["lnf.beta"])
@@ -232,7 +278,9 @@ def torch_step(s: ModelShapes, variant: str) -> tuple[Callable[[np.ndarray, int]
 
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
-    model = torch_model(s)
+    fused_qkv = not variant.endswith(SEPARATE_QKV)
+    variant = variant.removesuffix(SEPARATE_QKV)
+    model = torch_model(s, fused_qkv)
     run = model
     if variant == "compile":
         run = torch.compile(model)
@@ -281,6 +329,56 @@ def loss_check(s: ModelShapes) -> tuple[float, float]:
 # --- the benchmark ----------------------------------------------------------------------------------
 
 
+def bench_telemetry(key: str, steps: int, rounds: int) -> dict[str, float]:
+    """What system telemetry (engine.run.telemetry.SystemSampler: NVML, /proc) costs the
+    engine's step: one sample timed alone, then the step timed in interleaved rounds without
+    the sampler and with it sampling every 10 ms (500x the default rate: its cost made
+    measurable), and the share of step time at the default rate."""
+    from engine.run.telemetry import SAMPLE_EVERY_S, SystemSampler
+
+    s = MODELS[key]
+    toks = batches(s)
+    bk = andrea_backend(s, AFTER)
+    step = andrea_step(bk)
+    probe = SystemSampler(lambda _r: None, lambda: 0, [0])
+    gpus = len(probe.sample().gpus)
+    t0 = time.perf_counter()
+    for _ in range(50):
+        probe.sample()
+    per_sample = (time.perf_counter() - t0) / 50
+    if probe.nvml is not None:
+        probe.nvml.close()
+    t = 0
+    for _ in range(5):
+        t += 1
+        step(toks[t % len(toks)], t)
+    med: dict[str, list[float]] = {"off": [], "every 10 ms": []}
+    for _ in range(rounds):
+        for mode in med:
+            sampler = None
+            if mode != "off":
+                sampler = SystemSampler(lambda _r: None, lambda: 0, [0], every_s=0.01)
+                sampler.start()
+            times = []
+            for _ in range(steps):
+                t += 1
+                t0 = time.perf_counter()
+                step(toks[t % len(toks)], t)
+                times.append(time.perf_counter() - t0)
+            if sampler is not None:
+                sampler.stop()
+            med[mode].append(statistics.median(times))
+    bk.close()
+    off, fast = statistics.median(med["off"]), statistics.median(med["every 10 ms"])
+    share = per_sample / SAMPLE_EVERY_S
+    print(f"\ntelemetry, ANDREA-{key}: one sample {per_sample * 1e6:.0f} µs ({gpus} GPU(s) through "
+          f"NVML); step {off * 1e3:.3f} ms without the sampler, {fast * 1e3:.3f} ms with it "
+          f"sampling every 10 ms ({(fast / off - 1) * 100:+.2f}%); at the default every "
+          f"{SAMPLE_EVERY_S:g} s the sampler holds {share * 100:.4f}% of the time (goal < 0.5%)")
+    return {"sample_us": per_sample * 1e6, "step_ms_off": off * 1e3,
+            "step_ms_every_10ms": fast * 1e3, "default_share": share, "gpus": gpus}
+
+
 def bench_model(key: str, torch_variants: list[str], steps: int, rounds: int,
                 notes: dict[str, Any], variants: bool = False) -> list[dict[str, Any]]:
     s = MODELS[key]
@@ -321,6 +419,10 @@ def bench_model(key: str, torch_variants: list[str], steps: int, rounds: int,
             notes.setdefault(key, {})[name] = {
                 "kernels_per_step": k, "memory_plan": plan, "describe": bk.describe(),
                 "attention": bk.attention_info}
+            if bk.fused_step:
+                notes[key][name]["graph_nodes"] = bk.graph_nodes("step")
+                t_counter[name] += 20
+                notes[key][name]["gpu_ms"] = gpu_step_ms(bk, toks, t_counter[name] - 19)
             if bk.gemm is not None:
                 timed, best, first = bk.gemm.timing_summary()
                 notes[key][name]["gemm_timing"] = {"problems": timed, "best_ms": best,
@@ -329,10 +431,14 @@ def bench_model(key: str, torch_variants: list[str], steps: int, rounds: int,
     for rnd in range(rounds):
         for name, (step, _) in impls.items():
             times = []
-            for _ in range(steps):
+            for i in range(steps):
                 t_counter[name] += 1
+                c = t_counter[name]
+                # the engine stages the next batch while a step runs (andrea-train does)
+                ahead = ((toks[(c + 1) % len(toks)],) if name.startswith("andrea")
+                         and i + 1 < steps else ())
                 t0 = time.perf_counter()
-                step(toks[t_counter[name] % len(toks)], t_counter[name])
+                step(toks[c % len(toks)], c, *ahead)
                 times.append(time.perf_counter() - t0)
             medians[name].append(statistics.median(times))
             print(f"  {key} round {rnd + 1} {name}: {medians[name][-1] * 1e3:.2f} ms", flush=True)
@@ -370,6 +476,10 @@ def main() -> int:
                     help="time every implementation this many times, interleaved")
     ap.add_argument("--json", default="")
     ap.add_argument("--profile", default="", help="models to profile per kernel, e.g. 120M,12M")
+    ap.add_argument("--profile-paths", default="before,after",
+                    help="which paths --profile profiles")
+    ap.add_argument("--telemetry", default="",
+                    help="models whose step is timed with the telemetry sampler running, e.g. 12M")
     ap.add_argument("--no-loss-check", action="store_true")
     ap.add_argument("--variants", action="store_true",
                     help="also time the default with one fusion switched off at a time")
@@ -379,11 +489,15 @@ def main() -> int:
     out: dict[str, Any] = {"rows": [], "notes": {}, "profile": {}, "loss_check": {}}
     for key in [m for m in args.profile.split(",") if m]:
         for name, opts in (("before", BEFORE), ("after", AFTER)):
+            if name not in args.profile_paths.split(","):
+                continue
             prof = profile_andrea(MODELS[key], opts)
             print_profile(key, name, prof)
             out["profile"].setdefault(key, {})[name] = {
                 "total_ms": prof["total_us"] / 1e3, "kernels": prof["kernels"],
                 "top": [(us / 1e3, c, n) for us, c, n in prof["rows"][:40]]}
+    for key in [m for m in args.telemetry.split(",") if m]:
+        out["telemetry"] = bench_telemetry(key, args.steps, args.rounds)
     for key in models:
         if variants and not args.no_loss_check:
             ours, theirs = loss_check(MODELS[key])
@@ -420,6 +534,11 @@ def main() -> int:
                   f"{pa['activations'] / 2**30:.2f}, scratch {pb['scratch'] / 2**20:.0f} → "
                   f"{pa['scratch'] / 2**20:.0f} MiB)")
             print(f"    after: {a['describe']}")
+            if "graph_nodes" in a:
+                print(f"    the step's graph nodes: {a['graph_nodes']}")
+            if "gpu_ms" in a:
+                print(f"    device time of the step (CUDA events around the queued step): "
+                      f"{a['gpu_ms']:.2f} ms")
             g = a.get("gemm_timing")
             if g and g["problems"]:
                 print(f"    GEMMs timed: {g['problems']} problems, fastest of the candidates "
