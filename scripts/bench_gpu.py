@@ -92,20 +92,19 @@ def andrea_backend(s: ModelShapes, opts: dict[str, Any], graphs: bool = True,
 
 def andrea_step(bk: Any) -> Callable[..., None]:
     """One optimizer step as the trainer runs it: the one-graph step when the backend has it
-    (queued, then the next step's batch staged while it runs, as andrea-train does when it is
-    given `nxt`), else zero_grads / forward_backward / grad_norm / clip / adamw from the host."""
-    staged = [False]
+    (given `nxt`, the next step is queued behind it before it is waited for, as andrea-train
+    queues it: the device never waits for the host), else zero_grads / forward_backward /
+    grad_norm / clip / adamw from the host."""
+    hp = {"loss_scale": 1.0, "grad_mult": 1.0, "lr": 3e-4, "beta1": 0.9, "beta2": 0.95,
+          "eps": 1e-8, "weight_decay": 0.1, "max_norm": 1.0}
 
     def step(tok: np.ndarray, t: int, nxt: np.ndarray | None = None) -> None:
         x, y = tok[:, :-1], tok[:, 1:]
         if bk.fused_step:
-            if not staged[0]:
-                bk.prepare_step(x, y)
-            bk.launch_step(None, None, loss_scale=1.0, grad_mult=1.0, lr=3e-4, beta1=0.9,
-                           beta2=0.95, eps=1e-8, weight_decay=0.1, t=t, max_norm=1.0)
-            staged[0] = nxt is not None
+            if bk.queued_steps == 0:
+                bk.launch_step(x, y, t=t, **hp)
             if nxt is not None:
-                bk.prepare_step(nxt[:, :-1], nxt[:, 1:])
+                bk.launch_step(nxt[:, :-1], nxt[:, 1:], t=t + 1, **hp)
             bk.step_result()
             return
         bk.zero_grads()

@@ -258,9 +258,14 @@ def signals_reach_every_rank_and_resume_is_bit_exact(tmp_path: Path, write_confi
     assert p.returncode == 0, out
     state = json.loads((run / "state.json").read_text())
     assert state["status"] == "stopped" and state["last_checkpoint"]["reason"] == "stop"
-    reasons = sorted(json.loads(ln).get("reason", "") for ln in
-                     (run / "events.jsonl").read_text().splitlines() if '"checkpoint"' in ln)
-    assert "snapshot" in reasons and "stop" in reasons
+    events = [json.loads(ln) for ln in (run / "events.jsonl").read_text().splitlines() if ln]
+    reasons = sorted(e.get("reason", "") for e in events if e["event"] == "checkpoint")
+    usr1 = [e for e in events if e["event"] == "signal" and e.get("signal") == "SIGUSR1"]
+    assert usr1, "SIGUSR1 never reached the job"
+    # a snapshot, or (on a fast GPU the periodic checkpoint may still be being written when it
+    # arrives) the snapshot folded into the stop checkpoint, as documented
+    assert "stop" in reasons and ("snapshot" in reasons
+                                  or any(e.get("action") == "coalesced" for e in usr1)), events
     p = gpus(cfg, run, 2, "--resume", backend=backend)
     out, _ = p.communicate(timeout=300)
     assert p.returncode == 0, out

@@ -103,11 +103,12 @@ def test_prepared_steps_are_train_steps_and_misuse_is_refused() -> None:
     a, b = engine.Trainer(cfg, backend="numpy"), engine.Trainer(cfg, backend="numpy")
     plain = [a.train_step(batch(a, s)) for s in range(3)]
     b.prepare(batch(b, 0))
+    b.begin_step()
     piped = []
-    for s in range(3):
-        b.begin_step()
+    for s in range(3):  # as the loop runs them: the next step begun before this one ends
         if s + 1 < 3:
             b.prepare(batch(b, s + 1))
+            b.begin_step()
         piped.append(b.end_step())
     assert piped == plain
     assert np.array_equal(a.params, b.params)
@@ -121,6 +122,8 @@ def test_prepared_steps_are_train_steps_and_misuse_is_refused() -> None:
     with pytest.raises(RuntimeError, match="tokens twice"):
         b.begin_step(batch(b, 8))
     b.begin_step()
-    with pytest.raises(RuntimeError, match="twice"):
-        b.begin_step(batch(b, 9))
-    assert b.end_step().step == 4
+    assert b.queue_depth == 2 and b.queued == 1
+    b.begin_step(batch(b, 9))  # a second step queued behind the first
+    with pytest.raises(RuntimeError, match="2 step"):
+        b.begin_step(batch(b, 10))
+    assert [b.end_step().step, b.end_step().step] == [4, 5] and b.queued == 0

@@ -10,6 +10,7 @@ loss scale; the backend owns the buffers. Nothing here allocates per step beyond
 
 from __future__ import annotations
 
+import collections
 import math
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -120,9 +121,9 @@ class Trainer:
         self.skipped_steps = 0
         self._row_losses: list[np.ndarray] = []
         self._micro_tokens = 0
-        # begin_step's: the tokens of a step end_step runs, or (step, lr, tokens) of one
-        # queued on the device
-        self._begun: np.ndarray | tuple[int, float, int] | None = None
+        # the steps begun and not ended, oldest first: the tokens of one end_step runs, or
+        # (step, lr, tokens) of one queued on the device
+        self._begun: collections.deque[np.ndarray | tuple[int, float, int]] = collections.deque()
         self._prepared: np.ndarray | None = None  # prepare()'s tokens, for the next step
 
     def join(self, reducer: GradientReducer) -> None:
@@ -242,13 +243,26 @@ class Trainer:
                                       np.ascontiguousarray(tokens[:, 1:]))
         self._prepared = tokens
 
+    @property
+    def queue_depth(self) -> int:
+        """How many steps may be begun and not yet ended: two, so that the device starts the
+        next step while the host reads the one before; one where the next step's loss scale
+        depends on that one's outcome (fp16 on the device)."""
+        return 1 if self._queues_steps() and self.scaler.enabled else 2
+
+    @property
+    def queued(self) -> int:
+        """Steps begun and not yet ended."""
+        return len(self._begun)
+
     def begin_step(self, tokens: np.ndarray | None = None) -> None:
         """The first half of `train_step` (tokens None: those given to `prepare`): on a
         backend with a fused step the step is queued and the host is free until `end_step`
         (the training loop writes the previous step's records and draws the next batch
-        meanwhile); elsewhere the tokens are kept and `end_step` runs the step."""
-        if self._begun is not None:
-            raise RuntimeError("begin_step() twice without end_step()")
+        meanwhile); elsewhere the tokens are kept and `end_step` runs the step. Up to
+        `queue_depth` steps may be begun before the first of them is ended."""
+        if len(self._begun) >= self.queue_depth:
+            raise RuntimeError(f"begin_step(): {len(self._begun)} step(s) begun and not ended")
         if tokens is None:
             if self._prepared is None:
                 raise RuntimeError("begin_step() without tokens or prepare()")
@@ -259,11 +273,12 @@ class Trainer:
             tokens, staged = np.array(tokens, dtype=np.int32), False
         self._prepared = None
         if not self._queues_steps():
-            self._begun = tokens
+            self._begun.append(tokens)
             return
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         o = self.config.optim
-        step = self.step_count + 1
+        ahead = len(self._begun)  # steps queued before this one, each assumed to apply
+        step = self.step_count + 1 + ahead
         lr = self.lr_at(step)
         b1, b2 = o.betas
         # data parallel: the all-reduce runs inside the step, bucket by bucket (the backend's)
@@ -273,14 +288,14 @@ class Trainer:
             None if staged else np.ascontiguousarray(targets),
             loss_scale=self.scaler.scale, grad_mult=1.0 / (self.world * self.scaler.scale),
             lr=lr, beta1=b1, beta2=b2, eps=o.eps, weight_decay=o.weight_decay,
-            t=self.adam_t + 1, max_norm=o.max_grad_norm, **extra)
-        self._begun = (step, lr, inputs.size)
+            t=self.adam_t + 1 + ahead, max_norm=o.max_grad_norm, **extra)
+        self._begun.append((step, lr, inputs.size))
 
     def end_step(self) -> StepResult:
-        """Wait for the step `begin_step` started; what happened."""
-        begun, self._begun = self._begun, None
-        if begun is None:
+        """Wait for the oldest step `begin_step` started; what happened."""
+        if not self._begun:
             raise RuntimeError("end_step() without begin_step()")
+        begun = self._begun.popleft()
         if isinstance(begun, np.ndarray):
             # data parallel on the host: the ranks' gradients summed between backward and step
             self.zero_grads()

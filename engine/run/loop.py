@@ -8,6 +8,7 @@ the telemetry sampler (system.jsonl) and the stall watchdog (engine.run.alerts).
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import platform
@@ -444,26 +445,40 @@ class TrainingRun:
         # ranks' exchange) to the end of this step's optimizer update and exchange, so it
         # counts the data, the staging and the host's share too; checkpoint writes, validation
         # and text samples (restarting the clock) are not counted.
-        # With one micro-batch the host works while the device runs a step: it writes the
-        # previous step's records (`pending`, unless something must see the state between
-        # the two steps) and draws and stages the next step's batch (`self._drawn`, unless the
-        # bandit's phase ends with this step: the next batch's mixture is not known yet).
+        # With one micro-batch the device is kept busy and the host works meanwhile: the step
+        # after the one running is queued behind it (`queue`: two in flight, while nothing is
+        # due between them and the bandit's phase goes on), the previous step's records are
+        # written while they run (`pending`), and where the next step may not be queued yet,
+        # its batch is at least drawn and staged (`self._drawn`).
         pending: tuple[rec.StepRecord, Any] | None = None
+        queue: collections.deque[tuple[list[np.ndarray], np.ndarray, tuple[int, int, int]]] = \
+            collections.deque()
         t0 = time.perf_counter()
-        while tr.step_count < max_steps and not self._stop and self.out.failed is None:
-            weights = self.bandit.weights.copy()
-            phase = (self.bandit.phase, self.bandit.phase_step + 1, self.bandit.phase_len)
+        while queue or (tr.step_count < max_steps and not self._stop
+                        and self.out.failed is None):
             if n_micro == 1:  # the fused step where the backend has one (the all-reduce in it)
-                srcs, self._drawn = self._drawn or self._draw(weights, mine), None
-                tr.begin_step()
+                if not queue:
+                    weights = self.bandit.weights.copy()
+                    srcs, self._drawn = self._drawn or self._draw(weights, mine), None
+                    tr.begin_step()
+                    queue.append((srcs, weights, (self.bandit.phase, self.bandit.phase_step + 1,
+                                                  self.bandit.phase_len)))
                 if pending is not None:
                     self._after_step(*pending)
                     pending = None
-                if self.bandit.phase_step + 1 < self.bandit.phase_len and \
-                        tr.step_count + 2 <= max_steps and not self._stop:
+                weights = queue[0][1]
+                if self._may_queue_next(len(queue)):
+                    srcs, self._drawn = self._drawn or self._draw(weights, mine), None
+                    tr.begin_step()
+                    queue.append((srcs, weights, (self.bandit.phase, self.bandit.phase_step + 2,
+                                                  self.bandit.phase_len)))
+                elif self._drawn is None and self._next_mixture_known(len(queue)):
                     self._drawn = self._draw(weights, mine)
                 done = tr.end_step()
+                srcs, weights, phase = queue.popleft()
             else:
+                weights = self.bandit.weights.copy()
+                phase = (self.bandit.phase, self.bandit.phase_step + 1, self.bandit.phase_len)
                 srcs = []
                 tr.zero_grads()
                 # The whole job's micro-batches in one order (every rank draws them all and
@@ -486,8 +501,8 @@ class TrainingRun:
                 phase_step=phase[1], phase_len=phase[2], weights=self._by_source(weights),
                 src_loss=src_loss, skipped=done.skipped, t=time.time(), rank_ms=rank_ms)
             t0 = time.perf_counter()  # the next step's clock starts here ...
-            if n_micro == 1 and not self._due_between_steps(record.step):
-                pending = (record, change)
+            if queue or (n_micro == 1 and not self._due_between_steps(record.step)):
+                pending = (record, change)  # written while the next step runs
                 continue
             self._after_step(record, change)
             step = record.step
@@ -521,6 +536,20 @@ class TrainingRun:
                 self.trainer.prepare(tokens)
             srcs.append(src)
         return srcs
+
+    def _next_mixture_known(self, queued: int) -> bool:
+        """Whether the batch of the step after the `queued` ones can be drawn now: it exists,
+        no stop is asked for, and the bandit's mixture will not change before it (its phase
+        goes on past the oldest queued step: the others were queued under the same rule)."""
+        return (self.trainer.step_count + queued + 1 <= self.cfg.train.max_steps
+                and not self._stop and self.bandit.phase_step + 1 < self.bandit.phase_len)
+
+    def _may_queue_next(self, queued: int) -> bool:
+        """Whether the step after the one queued may be queued behind it: the trainer takes
+        two, its batch can be drawn, and nothing must see the state between the two steps."""
+        return (queued == 1 and self.trainer.queue_depth > 1 and self._next_mixture_known(1)
+                and self.out.failed is None
+                and not self._due_between_steps(self.trainer.step_count + 1))
 
     def _due_between_steps(self, step: int) -> bool:
         """Whether anything must run on the state after `step` before the next step starts:

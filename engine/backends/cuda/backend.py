@@ -26,6 +26,7 @@ names the numpy backend uses too).
 
 from __future__ import annotations
 
+import collections
 import os
 import statistics
 from collections.abc import Callable
@@ -44,6 +45,7 @@ from engine.errors import RunError, UserError
 from engine.model.layout import ModelShapes, init_params, n_params, tensor_table
 
 ADAMW_MAX_SEGS = 1024  # the same cap as kernels/optim.cu
+STEP_SLOTS = 2  # fused steps that can be queued at once (launch_step before step_result)
 SAFETY_BYTES = 256 << 20  # left free for the driver, cuBLAS's own state and graph instantiation
 ATTENTIONS = ("auto", "cudnn", "classic")
 TIMING_REPS = 5
@@ -182,10 +184,15 @@ class CudaBackend:
         # A gradient scale (clip, 1/n_micro) not yet written into the buffer: grad_norm and
         # adamw apply it on the fly, saving a pass over 4·n bytes; anything else settles it.
         self._pending_scale = 1.0
-        self._launched_T: int | None = None  # the sequence length of a step not waited for
-        # the fused step's io blocks, taking turns (prepare_step), and the one staged next
-        self.h_step = [drv.pagelocked_zeros(self.train.io_words, np.int32) for _ in range(2)]
-        self._step_slot = 0
+        # the fused step's slots (prepare_step): page-locked io block and results [R + 2] (row
+        # losses, norm, clip) and an event after the copies; the steps queued (slot, T), oldest
+        # first; the slot staged next
+        self.h_step = [drv.pagelocked_zeros(self.train.io_words, np.int32)
+                       for _ in range(STEP_SLOTS)]
+        self.h_res = [drv.pagelocked_zeros(self.train.R + 2, np.float32)
+                      for _ in range(STEP_SLOTS)]
+        self._done = [drv.Event(drv.event_flags.DISABLE_TIMING) for _ in range(STEP_SLOTS)]
+        self._queued: collections.deque[tuple[int, int]] = collections.deque()
         self._prepared: tuple[int, int] | None = None  # (slot, T)
         # Everything starts at zero: rows past a short sequence are then finite (cuDNN's
         # full-length graphs read them; see cudnn_attn.py), and the counters of the fused
@@ -509,11 +516,15 @@ class CudaBackend:
 
     def prepare_step(self, inputs: np.ndarray, targets: np.ndarray) -> None:
         """The host's share of the next `launch_step(None, None, ...)`: the tokens checked and
-        staged with their embedding-gradient buckets, while the step before may still run on
-        the device. Two page-locked blocks take turns: the one the running step was sent
-        from is not touched (its copy may still be queued)."""
+        staged with their embedding-gradient buckets, while steps before may still run on the
+        device. Each queued step has its own page-locked slot (its io block, sent from there,
+        and its results, copied back there); this stages into a slot no queued step holds."""
         x, y = self._xy(inputs, targets)
-        slot = 1 - self._step_slot
+        busy = {slot for slot, _ in self._queued}
+        free = [s for s in range(STEP_SLOTS) if s not in busy]
+        if not free:
+            raise RunError(f"prepare_step(): {STEP_SLOTS} steps queued; step_result() first")
+        slot = free[0]
         T = self.train.stage(self.h_step[slot], x, y, 1.0)
         self._prepared = (slot, T)
 
@@ -609,8 +620,8 @@ class CudaBackend:
         if t < 1:
             raise ValueError(f"train_step: t is the 1-based Adam step, got {t}")
         b = self.train
-        if self._launched_T is not None:
-            raise RunError("launch_step() while a step is queued: step_result() first")
+        if len(self._queued) >= STEP_SLOTS:
+            raise RunError(f"launch_step(): {STEP_SLOTS} steps queued; step_result() first")
         if inputs is not None:
             self.prepare_step(inputs, targets)
         elif self._prepared is None:
@@ -618,9 +629,11 @@ class CudaBackend:
         (slot, T), self._prepared = self._prepared, None
         h = self.h_step[slot]
         b.stage_scale(h, loss_scale, b.B * T)
-        b.stage_hp(h, self._hp(grad_mult, lr, beta1, beta2, eps, weight_decay, t, max_norm))
+        # A step queued behind another guesses that one applies its update (Adam's t); the
+        # device corrects the guess when it was skipped (k_step_hp)
+        b.stage_hp(h, self._hp(grad_mult, lr, beta1, beta2, eps, weight_decay, t, max_norm,
+                               behind=bool(self._queued)))
         self.drv.memcpy_htod_async(b.at("io"), h, self.stream)
-        self._step_slot = slot
         self._pending_scale = 1.0  # the step zeroes the gradients first
         if reducer is not None:
             self._ready_to_reduce(reducer, ("step-ddp", T))
@@ -638,6 +651,7 @@ class CudaBackend:
 
         def issue() -> None:
             o = self.ops
+            o.step_hp(b.io()["hp"], self._plan["skipped"])
             if not write:
                 self.drv.memset_d32_async(self.g, 0, self.n, self.stream)
             o.begin_pass()
@@ -653,19 +667,32 @@ class CudaBackend:
             self._optimizer_tail(b)
 
         self._run(("step" if reducer is None else "step-ddp", T), issue)
-        R = b.B * T
-        self.drv.memcpy_dtoh_async(self.h_losses[:R], b.at("losses"), self.stream)
-        self._launched_T = T
+        self._copy_results(self.h_res[slot], T)
+        self._done[slot].record(self.stream)
+        self._queued.append((slot, T))
+
+    def _copy_results(self, h: np.ndarray, T: int) -> None:
+        """Queue the copies of a step's row losses, norm and clip factor into h [R + 2]."""
+        R = self.train.B * T
+        self.drv.memcpy_dtoh_async(h[:R], self.train.at("losses"), self.stream)
+        self.drv.memcpy_dtoh_async(h[R : R + 1], self._plan["norm"], self.stream)
+        self.drv.memcpy_dtoh_async(h[R + 1 : R + 2], self._plan["clip"], self.stream)
+
+    @property
+    def queued_steps(self) -> int:
+        """Steps `launch_step` queued that `step_result` has not returned yet."""
+        return len(self._queued)
 
     def step_result(self) -> tuple[np.ndarray, float, float]:
-        """Wait for the step `launch_step` queued: (per-row mean loss [B], norm, clip)."""
-        T, self._launched_T = self._launched_T, None
-        if T is None:
+        """Wait for the oldest step `launch_step` queued (not for any queued after it): (per-row
+        mean loss [B], norm, clip)."""
+        if not self._queued:
             raise RunError("step_result() without launch_step()")
-        self.stream.synchronize()
-        R = self.train.B * T
-        rows = self.h_losses[:R].reshape(T, self.train.B).astype(np.float64).mean(axis=0)
-        return rows, float(self.h_norm[0]), float(self.h_norm[1])
+        slot, T = self._queued.popleft()
+        self._done[slot].synchronize()
+        h, R = self.h_res[slot], self.train.B * T
+        rows = h[:R].reshape(T, self.train.B).astype(np.float64).mean(axis=0)
+        return rows, float(h[R]), float(h[R + 1])
 
     def optimizer_step(self, *, grad_mult: float, lr: float, beta1: float, beta2: float,
                        eps: float, weight_decay: float, t: int, max_norm: float
@@ -685,19 +712,26 @@ class CudaBackend:
         at, n = b.io_fields["hp"], len(HP_FIELDS)
         self.drv.memcpy_htod_async(b.at("io") + 4 * at, h[at : at + n], self.stream)
         self._run(("opt", 0), lambda: self._optimizer_tail(b))
+        self.drv.memcpy_dtoh_async(self.h_norm[:1], self._plan["norm"], self.stream)
+        self.drv.memcpy_dtoh_async(self.h_norm[1:], self._plan["clip"], self.stream)
         self.stream.synchronize()
         return float(self.h_norm[0]), float(self.h_norm[1])
 
     @staticmethod
     def _hp(grad_mult: float, lr: float, beta1: float, beta2: float, eps: float,
-            weight_decay: float, t: int, max_norm: float) -> dict[str, float]:
+            weight_decay: float, t: int, max_norm: float, behind: bool = False
+            ) -> dict[str, float]:
+        """HP_FIELDS' values. behind: queued behind a step not yet ended, which t - 1 assumes
+        applied (bc*_alt: Adam's step t - 1, for when it was skipped)."""
+        alt = max(t - 1, 1)
         return {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps,
                 "weight_decay": weight_decay, "bc1": 1.0 - beta1**t, "bc2": 1.0 - beta2**t,
-                "grad_mult": grad_mult, "max_norm": max_norm}
+                "grad_mult": grad_mult, "max_norm": max_norm, "bc1_alt": 1.0 - beta1**alt,
+                "bc2_alt": 1.0 - beta2**alt, "alt_if_skipped": 1.0 if behind else 0.0}
 
     def _optimizer_tail(self, b: BatchBuffers) -> None:
         """grads·grad_mult → norm → clip → AdamW, reading the hyper-parameters staged in b's
-        io block; the norm and the clip factor are copied to h_norm."""
+        io block; the norm and the clip factor stay in the plan's `norm` and `clip`."""
         o, io = self.ops, b.io()
         norm, clip = self._plan["norm"], self._plan["clip"]
         gm = io["hp"] + 4 * HP_FIELDS.index("grad_mult")
@@ -705,9 +739,8 @@ class CudaBackend:
         self.drv.memset_d32_async(clip, 0x3F800000, 1, self.stream)  # 1.0f unless clipped
         lp = self.plp if self.precision != "fp32" else 0
         o.adamw_step(self.p, lp, self.g, self.m, self.v, self._plan["seg_start"],
-                     self._plan["seg_decay"], self.nseg, self.n, io["hp"], norm, clip)
-        self.drv.memcpy_dtoh_async(self.h_norm[:1], norm, self.stream)
-        self.drv.memcpy_dtoh_async(self.h_norm[1:], clip, self.stream)
+                     self._plan["seg_decay"], self.nseg, self.n, io["hp"], norm, clip,
+                     self._plan["skipped"])
 
     def _ready_to_reduce(self, reducer: Any, key: tuple[str, int]) -> None:
         """Before the data-parallel step's graph is captured: the all-reduce stream, events for

@@ -36,8 +36,11 @@ def logits_ld(vocab_size: int) -> int:
     return -(-vocab_size // LOGITS_ALIGN) * LOGITS_ALIGN
 
 
+# k_adamw_step's hyper-parameters, in its order; then k_step_hp's: the bias corrections of
+# Adam's step t - 1, taken instead of bc1, bc2 when alt_if_skipped != 0 and the step before was
+# skipped (a step queued before the one ahead of it has ended guesses that one applied)
 HP_FIELDS = ("lr", "beta1", "beta2", "eps", "weight_decay", "bc1", "bc2", "grad_mult",
-             "max_norm")  # k_adamw_step's hyper-parameters, in its order
+             "max_norm", "bc1_alt", "bc2_alt", "alt_if_skipped")
 
 
 def io_fields(R: int, step: bool = False) -> dict[str, int]:
@@ -205,8 +208,10 @@ def plan_memory(shapes: ModelShapes, micro_batch: int, precision: str,
         plan.add("scratch", name, nbytes)
     if attention == "cudnn":
         plan.add("scratch", "cudnn_ws", cudnn_workspace)
-    if fused:  # the weight-gradient stream's cuBLAS workspace; k_*_fused's int counters; clip
+    if fused:  # the weight-gradient stream's cuBLAS workspace; k_*_fused's int counters; clip;
+        # whether the last fused step was skipped (k_adamw_step writes it, k_step_hp reads it)
         plan.add("scratch", "cublas_ws2", WORKSPACE_BYTES)
         plan.add("scratch", "counters", 2 * 4)
         plan.add("scratch", "clip", 4)
+        plan.add("scratch", "skipped", 4)
     return plan, train, sample

@@ -503,12 +503,16 @@ class Ops:
 
     def adamw_step(self, params: int, params_lp: int, grads: int, m: int, v: int,
                    seg_start: int, seg_decay: int, nseg: int, n: int, hp: int, norm: int,
-                   clip: int) -> None:
+                   clip: int, skipped: int) -> None:
         """adamw with the step's values read on the device: hp (buffers.HP_FIELDS, float32),
         norm from grad_norm; skips the update when the norm is not finite, else folds in the
-        clip factor (written to clip[0])."""
+        clip factor (written to clip[0]); skipped[0] says which it was."""
         self._go("k_adamw_step", _blocks(-(-n // 4), cap=2048), params, params_lp, grads, m, v,
-                 seg_start, seg_decay, nseg, n, hp, norm, clip)
+                 seg_start, seg_decay, nseg, n, hp, norm, clip, skipped)
+
+    def step_hp(self, hp: int, skipped: int) -> None:
+        """The bias corrections of hp as Adam's step count stands (k_step_hp)."""
+        self._go("k_step_hp", 1, hp, skipped)
 
     def params_to_lp(self, params_lp: int, params: int, n: int) -> None:
         self._go("k_params_to_lp", _blocks(n), params_lp, params, n)

@@ -47,7 +47,8 @@ SIGNATURES: dict[str, str] = {
     "k_grad_scale": "Pqf",
     "k_grad_add": "PPq",
     "k_adamw": "PPPPPPPiqffffffff",
-    "k_adamw_step": "PPPPPPPiqPPP",
+    "k_adamw_step": "PPPPPPPiqPPPP",
+    "k_step_hp": "PP",
     "k_params_to_lp": "PPq",
 }
 

@@ -180,16 +180,31 @@ extern "C" __global__ void k_adamw(float* p, act_t* p_lp, const float* g, float*
 // skips the update (nothing is written: the trainer counts and records the skip); else the clip
 // factor gc = max_norm/norm when norm > max_norm (else 1) is folded in, g·gm·gc rounded as the
 // separate passes would round it, and written to clip[0] for the step record.
+// skipped[0] is set to whether this step was skipped (k_step_hp of the next step reads it).
 extern "C" __global__ void k_adamw_step(float* p, act_t* p_lp, const float* g, float* m, float* v,
                                         const long* seg_start, const int* seg_decay, int nseg,
-                                        long n, const float* hp, const float* norm, float* clip) {
+                                        long n, const float* hp, const float* norm, float* clip,
+                                        int* skipped) {
     const float nrm = norm[0];
+    if (blockIdx.x == 0 && threadIdx.x == 0) skipped[0] = !isfinite(nrm);
     if (!isfinite(nrm)) return;
     const float max_norm = hp[8];
     const float gc = nrm > max_norm ? max_norm / nrm : 1.0f;
     if (blockIdx.x == 0 && threadIdx.x == 0) clip[0] = gc;
     adamw_body(p, p_lp, g, m, v, seg_start, seg_decay, nseg, n, hp[0], hp[1], hp[2], hp[3], hp[4],
                hp[5], hp[6], hp[7], gc);
+}
+
+// numpy twin: none — the host's Adam step count, kept right on the device when a step is
+// queued before the one ahead of it has ended. The host stages bc1, bc2 (hp[5], hp[6]) for
+// Adam's t as if that step applied, and bc1_alt, bc2_alt (hp[9], hp[10]) for t - 1; when it
+// was skipped instead (skipped[0], from its k_adamw_step), this step takes the alternatives.
+// The first node of the fused step's graph; one thread.
+extern "C" __global__ void k_step_hp(float* hp, const int* skipped) {
+    if (threadIdx.x == 0 && blockIdx.x == 0 && hp[11] != 0.0f && skipped[0]) {
+        hp[5] = hp[9];
+        hp[6] = hp[10];
+    }
 }
 
 // numpy twin: none — numpy computes in its one dtype and keeps no low-precision weights. This
