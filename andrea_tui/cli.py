@@ -1,6 +1,7 @@
 """`andrea-tui`: launch and watch a run, attach to one, or browse checkpoints (DESIGN §10).
 
   andrea-tui CONFIG.json [--run-dir DIR] [--resume] [--max-steps N] [--backend auto|numpy|cuda]
+             [--precision fp32|bf16|fp16|fp8]
              [--gpus N]
   andrea-tui attach RUN_DIR
   andrea-tui ckpt PATH
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from engine.config import PRECISIONS
 from engine.errors import UserError, cli_entry
 from engine.run.control import engine_alive, lock_held
 from engine.run.identity import read_engine_info
@@ -52,6 +54,8 @@ def _launch_flags(p: argparse.ArgumentParser) -> None:
                    help="resume from the newest valid checkpoint if there is one")
     p.add_argument("--max-steps", type=int, help="override train.max_steps")
     p.add_argument("--backend", choices=("auto", "numpy", "cuda"), default=None)
+    p.add_argument("--precision", choices=PRECISIONS, default=None,
+                   help="override train.precision (fp8: the MLP's GEMMs in FP8, CUDA sm_89+)")
 
 
 def _run_app(app: AndreaApp) -> int:
@@ -143,8 +147,8 @@ def start_engine(args: argparse.Namespace) -> tuple[subprocess.Popen, Path]:
     gpus = getattr(args, "gpus", 1)
     if gpus < 1:
         raise UserError(f"--gpus: expected an integer >= 1, got {gpus}")
-    proc = start(train_argv(config, run_dir, args.resume, args.max_steps, args.backend, gpus),
-                 run_dir)
+    proc = start(train_argv(config, run_dir, args.resume, args.max_steps, args.backend, gpus,
+                            getattr(args, "precision", None)), run_dir)
     refusal = wait_for_acceptance(proc, run_dir)
     if refusal is not None:  # bad input the engine refused: its one line, before any screen
         raise UserError(refusal.removeprefix("error: "))
@@ -254,9 +258,9 @@ def serve(argv: list[str]) -> int:
     sv.check_port(a.host, a.port)  # all before an engine is started for it
     target = Path(a.target)
     if target.is_dir():
-        if a.run_dir or a.resume or a.max_steps is not None or a.backend:
+        if a.run_dir or a.resume or a.max_steps is not None or a.backend or a.precision:
             raise UserError(f"{target}: a run directory is attached to as it is; --run-dir, "
-                            "--resume, --max-steps and --backend go with a CONFIG")
+                            "--resume, --max-steps, --backend and --precision go with a CONFIG")
         return sv.serve(require_run_dir(target), a.host, a.port, a.public)
     a.config = a.target
     proc, run_dir = start_engine(a)

@@ -26,13 +26,16 @@ def default_run_dir(config: Config) -> Path:
 
 
 def train_argv(config: Path, run_dir: Path, resume: bool = False, max_steps: int | None = None,
-               backend: str | None = None, gpus: int = 1) -> list[str]:
+               backend: str | None = None, gpus: int = 1,
+               precision: str | None = None) -> list[str]:
     """The andrea-train command line (run dir always explicit, so both sides agree on it)."""
     argv = [sys.executable, "-m", "engine.run.cli", str(config), "--run-dir", str(run_dir)]
     if resume:
         argv.append("--resume")
     if max_steps is not None:
         argv += ["--max-steps", str(max_steps)]
+    if precision:
+        argv += ["--precision", precision]
     if backend:
         argv += ["--backend", backend]
     if gpus > 1:

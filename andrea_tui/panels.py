@@ -46,7 +46,9 @@ def header(st: RunState, now: float, note: str = "", dead: bool = False) -> Text
         f"[bold]{escape(st.name)}[/]",
         f"{escape(st.backend)}/{escape(st.device)}"
         + (f" ×{st.world_size}" if st.world_size > 1 else "")
-        + (f" attn {escape(attention)}" if attention else ""),
+        + (f" attn {escape(attention)}" if attention else "")
+        + (f" fp8 {len(st.ready.fp8_gemms)} MLP GEMMs" if st.ready and st.ready.fp8_gemms
+           else ""),
         f"[{style}]{escape(status)}[/]",
         f"step [bold]{fmt_int(step)}[/]/{fmt_int(st.max_steps)}",
         f"tokens {fmt_num(st.tokens)}",

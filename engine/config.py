@@ -24,7 +24,7 @@ from engine import jsonio
 from engine.errors import UserError
 
 BUILTIN_SOURCES = ("python-reference", "stdlib-docstrings", "stdlib-code")
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")  # fp8: bf16 with the MLP's GEMMs in FP8 (CUDA)
 SOURCE_FORMATS = ("auto", "text", "docs", "gutenberg", "jsonl")
 BANDIT_SCORES = ("progress", "loss")
 TOKENIZER_BYTES = 64 << 20  # an 8449-id BPE tokenizer is about 0.5 MB
@@ -300,6 +300,14 @@ class Config:
     def to_json(self) -> dict[str, Any]:
         """The JSON object of this config (what config.json and checkpoints hold)."""
         return _to_json(self)
+
+    def with_precision(self, precision: str) -> Config:
+        """The same experiment in another train.precision (one of PRECISIONS)."""
+        if precision not in PRECISIONS:
+            raise UserError(f"precision: expected one of {', '.join(PRECISIONS)}, got "
+                            f"{precision!r}")
+        return dataclasses.replace(self, train=dataclasses.replace(self.train,
+                                                                   precision=precision))
 
     def with_max_steps(self, max_steps: int) -> Config:
         """The same experiment trained to `max_steps` (the lr schedule follows)."""

@@ -309,17 +309,22 @@ class ReadyEvent(Event):
     attention: str = ""  # which attention runs, e.g. "cudnn (cuDNN 91900 ...)"; "" when none said
     world_size: int = 1
     topology: dict[str, Any] = field(default_factory=dict)  # GPU links and NCCL settings (DP)
+    precision: str = ""  # train.precision as the run trains ("" in runs from before)
+    fp8_gemms: list[str] = field(default_factory=list)  # the GEMMs that run in FP8 (fp8 only)
 
     @classmethod
     def _read(cls, o: Mapping[str, Any], t: float) -> ReadyEvent:
         plan = o.get("memory_plan")
         plan_ok = ({str(k): v for k, v in plan.items() if as_int(v, 0) is not None}
                    if isinstance(plan, Mapping) else {})
+        fp8 = o.get("fp8_gemms")
         return cls(t, plan_ok, as_int(o.get("n_params"), 0), as_str(o.get("backend")),
                    as_str(o.get("device")), _valid_step(o.get("step")),
                    as_int(o.get("max_steps"), 1), as_int(o.get("tokens_per_step"), 1),
                    as_str(o.get("attention"))[:200], as_int(o.get("world_size"), 1) or 1,
-                   dict(o["topology"]) if isinstance(o.get("topology"), Mapping) else {})
+                   dict(o["topology"]) if isinstance(o.get("topology"), Mapping) else {},
+                   as_str(o.get("precision"))[:16],
+                   [as_str(g)[:32] for g in fp8[:16]] if isinstance(fp8, list) else [])
 
 
 @dataclass(frozen=True)

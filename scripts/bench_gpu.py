@@ -52,6 +52,7 @@ QKV = ("attn.W_Q", "attn.W_K", "attn.W_V")
 SEPARATE_QKV = "-sepqkv"  # a PyTorch variant's suffix: Q, K, V as three Linears (not best practice)
 AFTER = {"attention": "auto", "fusions": True}
 BEFORE = {"attention": "classic", "fusions": False}
+FP8 = {**AFTER, "precision": "fp8"}  # train/precision "fp8": the MLP's GEMMs in FP8 (--fp8)
 # the default with one fusion switched off (backend._flag), timed beside it: --variants
 VARIANTS = {"andrea no side stream": {"ANDREA_SIDE_STREAM": "0"},
             "andrea with fused LN": {"ANDREA_FUSED_LN": "1"}}
@@ -78,7 +79,8 @@ def andrea_backend(s: ModelShapes, opts: dict[str, Any], graphs: bool = True,
     saved = {k: os.environ.get(k) for k in env or {}}
     os.environ.update(env or {})
     try:
-        bk = CudaBackend(s, B, "bf16", **opts)
+        bk = CudaBackend(s, B, opts.get("precision", "bf16"),
+                         **{k: v for k, v in opts.items() if k != "precision"})
     finally:
         for k, v in saved.items():
             if v is None:
@@ -379,12 +381,15 @@ def bench_telemetry(key: str, steps: int, rounds: int) -> dict[str, float]:
 
 
 def bench_model(key: str, torch_variants: list[str], steps: int, rounds: int,
-                notes: dict[str, Any], variants: bool = False) -> list[dict[str, Any]]:
+                notes: dict[str, Any], variants: bool = False,
+                fp8: bool = False) -> list[dict[str, Any]]:
     s = MODELS[key]
     toks = batches(s)
     impls: dict[str, tuple[Callable[[np.ndarray, int], None], Any]] = {}
     info: dict[str, str] = {}
     andreas = [("andrea", AFTER, None), ("andrea before", BEFORE, None)]
+    if fp8:
+        andreas.append(("andrea fp8", FP8, None))
     if variants:
         andreas += [(n, AFTER, env) for n, env in VARIANTS.items()]
     for name, opts, env in andreas:
@@ -410,7 +415,7 @@ def bench_model(key: str, torch_variants: list[str], steps: int, rounds: int,
         warm = time.perf_counter() - t0
         if name.startswith("torch ") and name != "torch eager":
             info[name] = f"compile+3 steps {warm:.0f} s"
-    for name in ("andrea", "andrea before"):
+    for name in ("andrea", "andrea before", "andrea fp8"):
         if name in impls:
             bk = impls[name][1]
             k = kernels_per_step(bk)
@@ -480,6 +485,8 @@ def main() -> int:
     ap.add_argument("--telemetry", default="",
                     help="models whose step is timed with the telemetry sampler running, e.g. 12M")
     ap.add_argument("--no-loss-check", action="store_true")
+    ap.add_argument("--fp8", action="store_true",
+                    help="also time the engine with train/precision fp8 (the MLP in FP8)")
     ap.add_argument("--variants", action="store_true",
                     help="also time the default with one fusion switched off at a time")
     args = ap.parse_args()
@@ -504,7 +511,7 @@ def main() -> int:
             print(f"\nANDREA-{key} loss at step 1, same weights and tokens: engine {ours:.5f}, "
                   f"PyTorch {theirs:.5f} (|diff| {abs(ours - theirs):.2e})")
         out["rows"] += bench_model(key, variants, args.steps, args.rounds, out["notes"],
-                                   args.variants)
+                                   args.variants, args.fp8)
     print(f"\nGPU benchmark: B={B}, T=1024, one full step (fwd, bwd, clip, AdamW); median of "
           f"{args.rounds} interleaved rounds of the median of {args.steps} steps (± the spread "
           f"between rounds); MFU = tok/s·(6N + 6·L·d·T)/989 TFLOP/s")
@@ -522,6 +529,12 @@ def main() -> int:
             print(f"ANDREA-{key}: andrea {ours['ms']:.2f} ms vs the fastest PyTorch "
                   f"({best['impl']}) {best['ms']:.2f} ms: {best['ms'] / ours['ms']:.2f}x "
                   f"(goal 1.25x)")
+        f8 = next((r for r in rows if r["impl"] == "andrea fp8" and r["ms"] == r["ms"]), None)
+        if f8 and ours:
+            print(f"ANDREA-{key}: andrea fp8 {f8['ms']:.2f} ms vs the engine's bf16 "
+                  f"{ours['ms']:.2f} ms: {ours['ms'] / f8['ms']:.2f}x (goal 1.15x)"
+                  + (f"; vs the fastest PyTorch {best['ms'] / f8['ms']:.2f}x" if torch_rows
+                     else ""))
     print("\nkernels per step and memory plan (before → after):")
     for key, by in out["notes"].items():
         b, a = by.get("andrea before", {}), by.get("andrea", {})
@@ -533,6 +546,10 @@ def main() -> int:
                   f"{pa['activations'] / 2**30:.2f}, scratch {pb['scratch'] / 2**20:.0f} → "
                   f"{pa['scratch'] / 2**20:.0f} MiB)")
             print(f"    after: {a['describe']}")
+            f8 = by.get("andrea fp8")
+            if f8:
+                print(f"    fp8: {f8['describe']}; memory {f8['memory_plan']['total'] / 2**30:.2f}"
+                      f" GiB (FP8 copies {f8['memory_plan'].get('fp8', 0) / 2**20:.0f} MiB)")
             if "graph_nodes" in a:
                 print(f"    the step's graph nodes: {a['graph_nodes']}")
             if "gpu_ms" in a:

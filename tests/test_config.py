@@ -118,8 +118,8 @@ def test_out_of_range(tmp_path: Path) -> None:
     c["optim"]["betas"] = [0.9, 1.0]
     assert bad(tmp_path, c).endswith("optim.betas[1]: must be < 1, got 1.0")
     c = base()
-    c["train"]["precision"] = "fp8"
-    assert "train.precision: must be one of fp32, bf16, fp16; got 'fp8'" in bad(tmp_path, c)
+    c["train"]["precision"] = "fp4"
+    assert "train.precision: must be one of fp32, bf16, fp16, fp8; got 'fp4'" in bad(tmp_path, c)
 
 
 def test_head_must_divide_width(tmp_path: Path) -> None:

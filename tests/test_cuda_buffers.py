@@ -288,18 +288,37 @@ def test_fused_plan_adds_the_second_copies_and_the_step_block():
         assert name not in sample.slabs
     assert "hp" in train.io_fields and "hp" not in sample.io_fields
     plan.allocate(_FakeDrv())
-    for name in ("cudnn_ws", "cublas_ws2", "counters", "clip"):
+    for name in ("cudnn_ws", "cublas_ws2", "counters", "clip", "skipped"):
         assert plan[name]
     h = np.zeros(train.io_words, np.int32)
     x = np.arange(8 * 16, dtype=np.int32).reshape(8, 16) % 7
     train.stage(h, x, x, 2.0)
-    hp = dict(zip(HP_FIELDS, [1e-3, 0.9, 0.95, 1e-8, 0.1, 0.1, 0.05, 0.5, 1.0], strict=True))
+    hp = dict(zip(HP_FIELDS, [1e-3, 0.9, 0.95, 1e-8, 0.1, 0.1, 0.05, 0.5, 1.0, 0.09, 0.04, 1.0],
+                  strict=True))
     train.stage_hp(h, hp)
     at = train.io_fields["hp"]
     assert np.array_equal(h[at:at + len(HP_FIELDS)].view(np.float32),
                           np.array(list(hp.values()), np.float32))
     assert h[train.io_fields["scale"]:].view(np.float32)[0] == np.float32(2.0 / x.size)
     assert train.qkv_slab() == train.R * s.d_model
+
+
+def test_the_fp8_plan_names_its_buffers_in_a_group_of_its_own():
+    """train/precision fp8 (fp8.plan_fp8): per layer the four FP8 weight copies, one set of
+    activation copies, the amax words and inverse scales; the "fp8" group shows in the plan's
+    totals only when it has buffers."""
+    from engine.backends.cuda.fp8 import TENSORS, plan_fp8
+
+    s = SHAPES["120M"]
+    plan, train, _ = plan_memory(s, 8, "bf16", "cudnn", fused=True, cudnn_workspace=1)
+    assert "fp8" not in plan.totals()
+    plan_fp8(plan, s.n_layer, s.d_model, s.d_ff, train.R)
+    d, F, L, R = s.d_model, s.d_ff, s.n_layer, train.R
+    want = 4 * L * d * F + 4 * R * d + 4 * R * F + 2 * 4 * L * len(TENSORS)
+    got = plan.totals()["fp8"]
+    assert want <= got <= want + 16 * 256  # each buffer rounded up to 256 bytes
+    plan.allocate(_FakeDrv())
+    assert plan["fp8.w1t"] - plan["fp8.w1"] >= L * d * F
 
 
 def test_the_blas_libraries_load_from_the_wheels_else_a_soname_else_say_what_was_tried(

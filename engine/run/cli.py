@@ -12,7 +12,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from engine.config import load_config
+from engine.config import PRECISIONS, load_config
 from engine.errors import UserError, cli_entry
 from engine.run.loop import RunOptions, TrainingRun
 from engine.run.signals import SignalFlags
@@ -29,6 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(starts fresh when there is none)")
     p.add_argument("--max-steps", type=int, help="override train.max_steps (the lr schedule too)")
     p.add_argument("--backend", default="auto", choices=("auto", "numpy", "cuda"))
+    p.add_argument("--precision", choices=PRECISIONS,
+                   help="override train.precision (on --resume too: the checkpoint holds fp32 "
+                        "masters, so a run may go on in another precision); fp8: bf16 with the "
+                        "MLP's GEMMs in FP8 (CUDA, compute capability 8.9+)")
     p.add_argument("--attention", default="auto", choices=("auto", "cudnn", "classic"),
                    help="CUDA backend: cuDNN's fused attention (auto: when installed and it "
                         "accepts the model) or the engine's own (classic)")
@@ -66,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config)
     if args.max_steps is not None:
         cfg = cfg.with_max_steps(args.max_steps)
+    if args.precision is not None:
+        cfg = cfg.with_precision(args.precision)
     run_dir = Path(args.run_dir or Path("runs") / cfg.name)
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"{run_dir}: exists and is not a directory")
@@ -76,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         raise UserError(f"--run-dir {run_dir}: cannot create it: {e.strerror or e}") from None
     options = RunOptions(resume=args.resume, max_steps=args.max_steps, backend=args.backend,
-                         attention=args.attention, retune=args.retune)
+                         attention=args.attention, retune=args.retune, precision=args.precision)
     try:
         require_writable(run_dir)
         if args.gpus > 1:

@@ -59,6 +59,7 @@ class RunOptions:
     backend: str = "auto"
     attention: str = "auto"  # CUDA backend: auto | cudnn | classic
     retune: bool = False  # CUDA backend: time the GEMMs again instead of the recorded plan
+    precision: str | None = None  # overrides train.precision (a resumed run's too)
 
 
 class TrainingRun:
@@ -199,8 +200,9 @@ class TrainingRun:
                             f"({why})")
         ck = load_checkpoint(path)
         saved = parse_config(ck.state["config"], f"{path / 'state.json'}: config", path)
+        overridden = {"train.max_steps"} | ({"train.precision"} if self.args.precision else set())
         ignored = [rec.IgnoredSetting(k, kept, given)
-                   for k, kept, given in config_diff(saved, self.cfg) if k != "train.max_steps"]
+                   for k, kept, given in config_diff(saved, self.cfg) if k not in overridden]
         if ignored:
             self._warn_ignored(ignored)
         self.cfg = saved
@@ -211,6 +213,11 @@ class TrainingRun:
             self.out.log(f"resume: --max-steps {self.args.max_steps} replaces the run's "
                          f"{saved.train.max_steps} (the lr schedule changes with it)")
             self.cfg = saved.with_max_steps(self.args.max_steps)
+        if self.args.precision is not None and self.args.precision != saved.train.precision:
+            self.out.log(f"resume: --precision {self.args.precision} replaces the run's "
+                         f"{saved.train.precision} (the checkpoint's fp32 masters and Adam "
+                         f"moments go on as they are)")
+            self.cfg = self.cfg.with_precision(self.args.precision)
         self.out.log(f"resume: from {path} (step {ck.step})")
         was = ck.state.get("world_size", 1)
         self.world_size_was = was if was != self.world.size else None
@@ -340,7 +347,8 @@ class TrainingRun:
                                       max_steps=cfg.train.max_steps,
                                       tokens_per_step=cfg.tokens_per_step * self.world.size,
                                       world_size=self.world.size, attention=attention,
-                                      topology=topology))
+                                      topology=topology, precision=cfg.train.precision,
+                                      fp8_gemms=list(getattr(be, "fp8_gemms", []))))
         if self.world.main:
             self._start_monitors(backend)
 
@@ -648,6 +656,8 @@ class TrainingRun:
             "trainer": tr.state_dict(),
             # the state before a batch drawn ahead for the next step (a resume draws it again)
             "sampler": self._sampler_state if self._drawn else self.sampler.state_dict(),
+            # how the steps were computed (train/precision "fp8": which GEMMs ran in FP8)
+            "fp8_gemms": list(getattr(tr.backend, "fp8_gemms", [])),
             "bandit": self.bandit.state_dict(),
             "schedule": {"step": tr.step_count, "lr": tr.lr_at(max(tr.step_count, 1)),
                          "warmup_steps": self.cfg.optim.warmup_steps,

@@ -201,8 +201,9 @@ def test_adamw_step_is_the_host_driven_step(env, rng, case):
     norm = {"clip": 3.7, "no clip": 0.6, "non-finite": np.inf}[case]
     t, max_norm, gm = 7, 1.0, 0.5
     b1, b2 = 0.9, 0.95
-    hp = {"lr": 1e-2, "beta1": b1, "beta2": b2, "eps": 1e-8, "weight_decay": 0.1,
-          "bc1": 1.0 - b1**t, "bc2": 1.0 - b2**t, "grad_mult": gm, "max_norm": max_norm}
+    from engine.backends.cuda.backend import CudaBackend
+
+    hp = CudaBackend._hp(gm, 1e-2, b1, b2, 1e-8, 0.1, t, max_norm)
     outs = []
     for fused in (True, False):
         dp, dg, dm, dv = (dev.put(a, "f32") for a in (p, g, m, v))
@@ -211,8 +212,10 @@ def test_adamw_step_is_the_host_driven_step(env, rng, case):
         if fused:
             dhp = dev.put(np.array([hp[k] for k in HP_FIELDS]), "f32")
             clip = dev.put(np.array([1.0]), "f32")
+            skipped = dev.put(np.array([7]), "i32")
             o.adamw_step(dp, plp, dg, dm, dv, dseg, ddec, 3, n, dhp,
-                         dev.put(np.array([norm]), "f32"), clip)
+                         dev.put(np.array([norm]), "f32"), clip, skipped)
+            assert dev.get(skipped)[0] == (0 if np.isfinite(norm) else 1)
         elif np.isfinite(norm):
             c = np.float32(max_norm) / np.float32(norm) if norm > max_norm else np.float32(1)
             o.grad_scale(dg, n, gm)  # g·gm stored, then the clip folded into k_adamw

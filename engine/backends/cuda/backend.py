@@ -38,6 +38,8 @@ from engine.backends.cuda import graphs
 from engine.backends.cuda.buffers import HP_FIELDS, BatchBuffers, logits_ld, plan_memory
 from engine.backends.cuda.cublas import WORKSPACE_BYTES, Cublas
 from engine.backends.cuda.cublaslt import CublasLt
+from engine.backends.cuda.fp8 import GEMMS as FP8_GEMMS
+from engine.backends.cuda.fp8 import Fp8Mlp, plan_fp8
 from engine.backends.cuda.memory import format_plan
 from engine.backends.cuda.ops import Ops
 from engine.backends.cuda.runtime import ACT_BYTES, Gpu
@@ -86,8 +88,12 @@ class CudaBackend:
         GEMM candidates at start when no plan covers them (else cuBLASLt's first choice;
         default ANDREA_GEMM_TUNE or on); separate_micro: the buffer that
         forward_backward(separate=True) needs (gradient accumulation, see the interface)."""
-        if precision not in ACT_BYTES:
-            raise UserError(f"train/precision: expected fp32, bf16 or fp16, got {precision!r}")
+        if precision not in (*ACT_BYTES, "fp8"):
+            raise UserError(f"train/precision: expected fp32, bf16, fp16 or fp8, got "
+                            f"{precision!r}")
+        # fp8: bf16 activations with the MLP's GEMMs in FP8 (fp8.py)
+        self.fp8 = precision == "fp8"
+        named, precision = precision, ("bf16" if self.fp8 else precision)
         if np.dtype(dtype) != np.float32:
             raise UserError("the CUDA backend computes in float32 masters; dtype must be float32")
         if micro_batch < 1:
@@ -96,12 +102,20 @@ class CudaBackend:
         if attention not in ATTENTIONS:
             raise UserError(f"attention: expected auto, cudnn or classic, got {attention!r}")
         self.fusions = default_fusions() if fusions is None else bool(fusions)
+        if self.fp8 and not self.fusions:
+            raise UserError("train/precision fp8: the FP8 GEMMs are the fused path's "
+                            "(cuBLASLt); ANDREA_FUSIONS=0 turns it off")
         self.shapes, self.B, self.precision = shapes, micro_batch, precision
         self.gpu = gpu = Gpu.get()
         self.drv = drv = gpu.drv
-        self.device = gpu.describe(precision)
+        self.device = gpu.describe(named)
         if precision == "bf16" and gpu.dev.compute_capability() < (8, 0):
             raise RunError(f"bf16 needs compute capability 8.0 or newer, {self.device} has not")
+        if self.fp8 and gpu.dev.compute_capability() < (8, 9):
+            major, minor = gpu.dev.compute_capability()
+            raise UserError(f"train/precision fp8: {gpu.dev.name()} (sm_{major}{minor}) has no "
+                            f"FP8 tensor cores; FP8 needs compute capability 8.9 or newer "
+                            f"(Ada, Hopper): use bf16")
         self.stream = gpu.stream
         self.table = tensor_table(shapes)
         self.n = n = n_params(shapes)
@@ -121,6 +135,8 @@ class CudaBackend:
         plan, self.train, self.sample = plan_memory(shapes, micro_batch, precision,
                                                     self.attention, self.fusions, cudnn_ws,
                                                     separate_micro)
+        if self.fp8:
+            plan_fp8(plan, shapes.n_layer, shapes.d_model, shapes.d_ff, self.train.R)
         self.separate_micro = separate_micro
         self._plan = plan
         nseg = len(self.table)
@@ -166,6 +182,8 @@ class CudaBackend:
                        if os.environ.get("ANDREA_GELU_FUSION", "1") != "0" else None)
             self.ops = Ops(gpu.kernels(precision), self.blas, self.stream, precision, self.lt,
                            cudnn=self.cudnn, cudnn_ws=cws)
+        self.fp8_mlp = (Fp8Mlp(self.ops, plan, shapes.n_layer, shapes.d_model, shapes.d_ff,
+                               self.ops.act) if self.fp8 else None)
         self.fused_step = self.fusions
         self.fused_ln = self.fusions and _flag("ANDREA_FUSED_LN", default=False)
         self.write_grads = _flag("ANDREA_WRITE_GRADS")
@@ -312,6 +330,8 @@ class CudaBackend:
             if self.gemm is not None:
                 self.gemm.tuning = False
                 self.gemm.timer = None
+        if self.fp8_mlp is not None:
+            self.notes.extend(self.fp8_mlp.notes)
         if self.gemm is not None:
             self.notes.extend(self.gemm.warnings)
             timed, best, first = self.gemm.timing_summary()
@@ -331,8 +351,20 @@ class CudaBackend:
         gemm = "cuBLAS (heuristic choices)"
         if self.gemm is not None:
             gemm = f"cuBLASLt, algorithms {self.gemm_source}"
+        fp8 = ""
+        if self.fp8_mlp is not None:
+            on = self.fp8_gemms
+            fp8 = (f"; FP8 (E4M3 forward, E5M2 gradients, current scaling): "
+                   f"{', '.join(on) if on else 'none'}"
+                   + (f" (bf16: {', '.join(g for g in FP8_GEMMS if g not in on)})"
+                      if len(on) < len(FP8_GEMMS) else ""))
         return (f"attention {self.attention_info}; GEMMs {gemm}; fusions "
-                f"{'on' if self.fusions else 'off'}")
+                f"{'on' if self.fusions else 'off'}{fp8}")
+
+    @property
+    def fp8_gemms(self) -> list[str]:
+        """The MLP GEMMs that run in FP8 (train/precision "fp8"; [] otherwise)."""
+        return self.fp8_mlp.fp8_gemms if self.fp8_mlp is not None else []
 
     # --- pointers ---------------------------------------------------------------------------------
     def _w(self, name: str) -> int:
@@ -362,6 +394,9 @@ class CudaBackend:
         fused = self.fusions
         io = b.io()
         proj = b.at("proj")
+        fp8 = self.fp8_mlp if train and b is self.train else None
+        if fp8 is not None:  # this pass's FP8 weight copies, from the masters
+            fp8.begin_pass(lambda layer, name: self._p32(f"h.{layer}.{name}"))
         o.embed_fwd(io["tokens"], self._p32("wte"), self._p32("wpe"), b.at("x", 0), B, T, d)
         a0 = b.layer(0)
         o.layernorm_fwd(b.at("x", 0), self._p32("h.0.ln1.gamma"), self._p32("h.0.ln1.beta"),
@@ -380,8 +415,12 @@ class CudaBackend:
             else:
                 o.residual_add(b.at("x", l), proj, a["xmid"], R * d)
                 o.layernorm_fwd(a["xmid"], g2, b2, a["ln2"], st2, st2 + R * 4, R, d)
-            o.mlp_fwd(a["ln2"], self._w(h + "mlp.W_1"), self._w(h + "mlp.W_2"), a["pre"],
-                      a["act"], proj, R, d, F)
+            if fp8 is not None:
+                fp8.forward(l, a["ln2"], self._w(h + "mlp.W_1"), self._w(h + "mlp.W_2"),
+                            a["pre"], a["act"], proj, R)
+            else:
+                o.mlp_fwd(a["ln2"], self._w(h + "mlp.W_1"), self._w(h + "mlp.W_2"), a["pre"],
+                          a["act"], proj, R, d, F)
             # x[l+1] = xmid + mlp; then the next LayerNorm: layer l+1's ln1, or lnf
             if l + 1 < L:
                 nxt = b.layer(l + 1)
@@ -444,9 +483,13 @@ class CudaBackend:
             a = b.layer(l)
             st1, st2 = a["ln1_stats"], a["ln2_stats"]
             # x[l+1] = xmid + mlp(ln2(xmid)); cur holds d x[l+1]
-            o.mlp_bwd(cur, a["ln2"], self._w(h + "mlp.W_1"), self._w(h + "mlp.W_2"), a["pre"],
-                      a["act"], dln, self._g32(h + "mlp.W_1"), self._g32(h + "mlp.W_2"),
-                      dpre[l % 2], R, d, F)
+            mlp = (cur, a["ln2"], self._w(h + "mlp.W_1"), self._w(h + "mlp.W_2"), a["pre"],
+                   a["act"], dln, self._g32(h + "mlp.W_1"), self._g32(h + "mlp.W_2"),
+                   dpre[l % 2])
+            if self.fp8_mlp is not None:
+                self.fp8_mlp.backward(l, *mlp, R)
+            else:
+                o.mlp_bwd(*mlp, R, d, F)
             o.layernorm_bwd(dln, a["xmid"], self._p32(h + "ln2.gamma"), st2, st2 + R * 4, nxt,
                             self._g32(h + "ln2.gamma"), part, R, d, accumulate=True,
                             resid=cur, fused=fln)

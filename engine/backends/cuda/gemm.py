@@ -46,6 +46,9 @@ from engine.backends.cuda.cublaslt import (
 from engine.errors import RunError
 
 CANDIDATES = 8  # heuristic proposals timed per problem
+R_8F_E4M3, R_8F_E5M2 = 28, 29  # cudaDataType of FP8 operands (train/precision "fp8")
+DESC_A_SCALE_POINTER, DESC_B_SCALE_POINTER, DESC_FAST_ACCUM = 17, 18, 25
+ELEM_BYTES = {R_32F: 4, R_8F_E4M3: 1, R_8F_E5M2: 1}  # else 2 (bf16, fp16)
 EPILOGUE_DEFAULT = 1
 LAYOUT_BATCH_COUNT, LAYOUT_BATCH_OFFSET = 5, 6
 PREF_MIN_ALIGN = (5, 6, 7, 8)  # A, B, C, D bytes
@@ -64,13 +67,14 @@ def alignment(ptr: int) -> int:
 
 def problem_key(types: tuple[int, int, int], ta: bool, tb: bool, M: int, N: int, K: int,
                 lda: int, ldb: int, ldc: int, batch: int, sa: int, sb: int, sc: int,
-                beta_zero: bool, epilogue: int, aligns: tuple[int, int, int]) -> str:
+                beta_zero: bool, epilogue: int, aligns: tuple[int, int, int],
+                fast_accum: bool = False) -> str:
     """The plan's name for one GEMM problem (row-major terms; stable across runs)."""
     t = "".join("T" if x else "N" for x in (ta, tb))
     epi = EPILOGUE_NAMES.get(epilogue, str(epilogue))
     return (f"{M}x{N}x{K} {t} types={types[0]},{types[1]},{types[2]} ld={lda},{ldb},{ldc} "
             f"batch={batch}:{sa},{sb},{sc} beta={'0' if beta_zero else '1'} epi={epi} "
-            f"align={aligns[0]},{aligns[1]},{aligns[2]}")
+            f"align={aligns[0]},{aligns[1]},{aligns[2]}" + (" fast_accum" if fast_accum else ""))
 
 
 @dataclass
@@ -114,7 +118,7 @@ class LtGemm:
     # --- the problems -----------------------------------------------------------------------------
     def _describe(self, types: tuple[int, int, int], ta: bool, tb: bool, M: int, N: int, K: int,
                   lda: int, ldb: int, ldc: int, batch: int, sa: int, sb: int, sc: int,
-                  epilogue: int, aux_ld: int) -> _Problem:
+                  epilogue: int, aux_ld: int, fast_accum: bool = False) -> _Problem:
         """Descriptors in cuBLASLt's column-major terms: D[N,M] = op(b)·op(a) (operands swap,
         as in Cublas.matmul)."""
         lib, vp = self._lib, C.c_void_p
@@ -127,6 +131,8 @@ class LtGemm:
         if epilogue != EPILOGUE_DEFAULT:
             self._set(sd, desc, DESC_EPILOGUE, C.c_uint32(epilogue))
             self._set(sd, desc, DESC_AUX_LD, C.c_int64(aux_ld))
+        if fast_accum:  # FP8: accumulate without the periodic fp32 promotion (forward only)
+            self._set(sd, desc, DESC_FAST_ACCUM, C.c_int8(1))
         a_rows, a_cols = (N, K) if opa == OP_N else (K, N)
         b_rows, b_cols = (K, M) if opb == OP_N else (M, K)
         layouts = []
@@ -165,11 +171,14 @@ class LtGemm:
         return [results[i] for i in range(count.value) if results[i].state == 0]
 
     def _run(self, p: _Problem, algo: LtAlgo, out: int, a: int, b: int, alpha: float, beta: float,
-             aux: int, stream: int, ws: int) -> int:
+             aux: int, stream: int, ws: int, scales: tuple[int, int] = (0, 0)) -> int:
         vp = C.c_void_p
+        sd = self._lib.cublasLtMatmulDescSetAttribute
         if aux:
-            self._set(self._lib.cublasLtMatmulDescSetAttribute, p.desc, DESC_AUX_POINTER,
-                      vp(aux))
+            self._set(sd, p.desc, DESC_AUX_POINTER, vp(aux))
+        if scales[0] or scales[1]:  # FP8: the inverse scales; cuBLASLt's A is our b
+            self._set(sd, p.desc, DESC_A_SCALE_POINTER, vp(scales[1]))
+            self._set(sd, p.desc, DESC_B_SCALE_POINTER, vp(scales[0]))
         al, be = C.c_float(alpha), C.c_float(beta)
         la, lb, lc = p.layouts
         return self._lib.cublasLtMatmul(self.handle, p.desc, C.byref(al), vp(b), la, vp(a), lb,
@@ -217,17 +226,20 @@ class LtGemm:
                tb: bool = False, lda: int | None = None, ldb: int | None = None,
                ldc: int | None = None, alpha: float = 1.0, beta: float = 0.0, batch: int = 1,
                sa: int = 0, sb: int = 0, sc: int = 0, epilogue: int = EPILOGUE_DEFAULT,
-               aux: int = 0) -> None:
+               aux: int = 0, scales: tuple[int, int] = (0, 0), fast_accum: bool = False
+               ) -> None:
         """Row-major out[M,N] = epilogue(alpha·op(a)@op(b) + beta·out); a is [M,K] (stored [K,M]
         when ta), b is [K,N] (stored [N,K] when tb); ld* row strides, s* batch strides, in
         elements; types = (a, b, out) cudaDataType. GELU_AUX also writes the pre-activation to
-        aux, DGELU reads it from aux (both [M,N] with row stride ldc)."""
+        aux, DGELU reads it from aux (both [M,N] with row stride ldc). FP8 operands (types
+        R_8F_E4M3/E5M2): `scales` are device pointers to a's and b's inverse scales, and
+        Hopper takes them only as a [M,K], b stored [N,K] (ta False, tb True); fast_accum."""
         lda = lda if lda is not None else (M if ta else K)
         ldb = ldb if ldb is not None else (K if tb else N)
         ldc = ldc if ldc is not None else N
         # what every row of every batch matrix is aligned to: the base, the row stride and the
         # batch stride (in bytes), so the heuristic only proposes algorithms that can run them
-        esz = {R_32F: 4}.get(types[0], 2), {R_32F: 4}.get(types[1], 2), {R_32F: 4}.get(types[2], 2)
+        esz = tuple(ELEM_BYTES.get(t, 2) for t in types)
 
         def align(ptr: int, ld: int, stride: int, es: int) -> int:
             al = min(alignment(ptr), alignment(ld * es))
@@ -236,15 +248,15 @@ class LtGemm:
         aligns = (align(a, lda, sa, esz[0]), align(b, ldb, sb, esz[1]),
                   min(align(out, ldc, sc, esz[2]), align(aux, ldc, 0, esz[2])))
         key = problem_key(types, ta, tb, M, N, K, lda, ldb, ldc, batch, sa, sb, sc, beta == 0.0,
-                          epilogue, aligns)
+                          epilogue, aligns, fast_accum)
         p = self._problems.get(key)
         fresh = p is None
         if p is None:
             p = self._problems[key] = self._describe(types, ta, tb, M, N, K, lda, ldb, ldc,
-                                                     batch, sa, sb, sc, epilogue, ldc)
+                                                     batch, sa, sb, sc, epilogue, ldc, fast_accum)
 
         def run(algo: LtAlgo) -> int:
-            return self._run(p, algo, out, a, b, alpha, beta, aux, stream, ws)
+            return self._run(p, algo, out, a, b, alpha, beta, aux, stream, ws, scales)
 
         if fresh:
             try:

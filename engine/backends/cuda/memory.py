@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 ALIGN = 256
-GROUPS = ("weights", "grads", "adam_m", "adam_v", "activations", "scratch")
+GROUPS = ("weights", "grads", "adam_m", "adam_v", "activations", "scratch", "fp8")
+OPTIONAL = ("fp8",)  # groups a plan names only when it has them (train/precision "fp8")
 
 
 class Plan:
@@ -25,7 +26,7 @@ class Plan:
         self.sizes[group] += -(-max(nbytes, 1) // ALIGN) * ALIGN
 
     def totals(self) -> dict[str, int]:
-        out = dict(self.sizes)
+        out = {k: v for k, v in self.sizes.items() if v or k not in OPTIONAL}
         out["total"] = sum(self.sizes.values())
         return out
 

@@ -98,17 +98,19 @@ class Ops:
 
     def _mm(self, out: int, a: int, b: int, M: int, N: int, K: int, *, acc32: bool = False,
             out32: bool = False, side: bool = False, **kw: Any) -> None:
-        """GEMM on activations/low-precision weights; acc32: += into a float32 gradient."""
+        """GEMM on activations/low-precision weights; acc32: += into a float32 gradient;
+        `types` (a, b, out) instead of the precision's (the FP8 GEMMs, fp8.py)."""
         act = self.act
         c = R_32F if (acc32 or out32) else act
+        types = kw.pop("types", None) or (act, act, c)
         beta = 1.0 if acc32 else kw.pop("beta", 0.0)
         if self.gemm is not None:
             stream, ws = (self.side, self.ws2) if side else (self.stream, self.ws)
-            self.gemm.matmul(out, a, b, M, N, K, types=(act, act, c), stream=stream.handle,
+            self.gemm.matmul(out, a, b, M, N, K, types=types, stream=stream.handle,
                              ws=ws, beta=beta, **kw)
         else:
             assert self.blas is not None
-            self.blas.matmul(out, a, b, M, N, K, types=(act, act, c), beta=beta, **kw)
+            self.blas.matmul(out, a, b, M, N, K, types=types, beta=beta, **kw)
         if self.debug:
             self._sync(f"GEMM {M}x{N}x{K} {kw}")
 
@@ -414,6 +416,20 @@ class Ops:
             self._go("k_mlp_gelu_bwd", _blocks(R * F), dpre, dpre, pre, R * F)
         self._wgrad(dw1, x, dpre, d, F, R, (dpre,), ta=True)
         self._mm(dx, dpre, w1, R, d, F, tb=True)
+
+    def gelu_fwd(self, act: int, pre: int, n: int) -> None:
+        """act = GELU(pre) over n elements (k_mlp_gelu_fwd)."""
+        self._go("k_mlp_gelu_fwd", _blocks(n), act, pre, n)
+
+    def gelu_bwd(self, dpre: int, pre: int, n: int) -> None:
+        """dpre *= GELU'(pre), in place (k_mlp_gelu_bwd)."""
+        self._go("k_mlp_gelu_bwd", _blocks(n), dpre, dpre, pre, n)
+
+    def zero32(self, ptr: int, count: int) -> None:
+        """count 4-byte words at ptr to zero, on the stream."""
+        import pycuda.driver as drv
+
+        drv.memset_d32_async(ptr, 0, count, self.stream)
 
     # --- residual --------------------------------------------------------------------------------
     def residual_add(self, x: int, y: int, out: int, n: int) -> None:

@@ -49,6 +49,11 @@ SIGNATURES: dict[str, str] = {
     "k_adamw": "PPPPPPPiqffffffff",
     "k_adamw_step": "PPPPPPPiqPPPP",
     "k_step_hp": "PP",
+    "k_fp8_amax": "PPq",
+    "k_fp8_amax_f32": "PPq",
+    "k_fp8_cast": "PPPPqi",
+    "k_fp8_cast_t": "PPPPPiii",
+    "k_fp8_cast_t_f32": "PPPPPiii",
     "k_params_to_lp": "PPq",
 }
 

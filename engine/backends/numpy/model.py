@@ -104,6 +104,10 @@ class NumpyBackend:
         dtype: type = np.float32,
         separate_micro: bool = False,
     ) -> None:
+        if precision == "fp8":
+            raise UserError("train/precision fp8: FP8 GEMMs need the cuda backend on a GPU with "
+                            "FP8 tensor cores (compute capability 8.9 or newer); the numpy "
+                            "backend computes in fp32: use bf16 or fp32 here")
         if precision not in PRECISIONS:
             raise UserError(f"train/precision: expected one of {PRECISIONS}, got {precision!r}")
         if micro_batch < 1:

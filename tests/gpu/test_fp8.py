@@ -1,0 +1,216 @@
+"""train/precision "fp8" (engine/backends/cuda/fp8.py): the FP8 copies and GEMMs against fp32,
+a whole step against the bf16 step, determinism, bit-exact resume, and checkpoints that move
+between fp8 and bf16."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+from devarrays import DevArrays, rounded
+
+from engine.model.layout import ModelShapes, init_params
+from tests.conftest import loss_records, micro_config_dict, run_engine, start_engine, wait_for_step
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = ModelShapes(n_layer=2, d_model=128, n_head=2, d_ff=512, vocab_size=8449, seq_len=64)
+HP = {"loss_scale": 1.0, "grad_mult": 1.0, "lr": 1e-3, "beta1": 0.9, "beta2": 0.95,
+      "eps": 1e-8, "weight_decay": 0.1, "max_norm": 1.0}
+
+
+def rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.fixture
+def lt(gpu):
+    """Ops on an LtGemm (the fused path's GEMMs), bf16 activations."""
+    from engine.backends.cuda.cublas import WORKSPACE_BYTES
+    from engine.backends.cuda.gemm import LtGemm
+    from engine.backends.cuda.ops import Ops
+
+    dev = DevArrays(gpu.drv, "bf16")
+    gemm = LtGemm(WORKSPACE_BYTES, "test")
+    ws = dev.empty((WORKSPACE_BYTES // 4,), "f32")
+    o = Ops(gpu.kernels("bf16"), None, gpu.stream, "bf16", gemm=gemm, ws=ws)
+    yield o, dev, gpu
+    gpu.stream.synchronize()
+    gemm.close()
+    dev.free()
+
+
+def decode_fp8(q: np.ndarray, e5m2: int) -> np.ndarray:
+    """FP8 bytes (OCP E4M3 or E5M2) as float64, written out from the formats' definitions."""
+    q = q.astype(np.int64)
+    mbits, bias = (2, 15) if e5m2 else (3, 7)
+    sign = np.where(q & 0x80, -1.0, 1.0)
+    exp = (q >> mbits) & (0x7F >> mbits)
+    man = q & ((1 << mbits) - 1)
+    normal = (1.0 + man / 2.0**mbits) * 2.0 ** (exp - bias)
+    sub = man / 2.0**mbits * 2.0 ** (1 - bias)
+    return sign * np.where(exp == 0, sub, normal)
+
+
+def fp8_copy(o, dev, x_dev: int, rows: int, cols: int, fmt: int) -> tuple[int, int, int]:
+    """(q [rows, cols], qt [cols, rows], inv) of a bf16 device matrix, by the engine's kernels."""
+    amax = dev.put(np.zeros(1), "i32")
+    inv = dev.empty((1,), "f32")
+    q, qt = (dev.empty((rows * cols // 4 + 1,), "f32") for _ in range(2))  # bytes
+    o._go("k_fp8_amax", 64, amax, x_dev, rows * cols)
+    grid = (-(-cols // 32), -(-rows // 32))
+    o._go("k_fp8_cast_t", grid, q, qt, inv, x_dev, amax, rows, cols, fmt)
+    return q, qt, inv
+
+
+def test_fp8_copies_and_gemms_against_fp32(lt, rng) -> None:
+    """The cast kernels: q·(1/s) within FP8's rounding of x (E4M3 2^-4, E5M2 2^-3 relative),
+    qt exactly q transposed, the scale from the tensor's amax; each FP8 GEMM layout the MLP
+    uses (E4M3·E4M3 → bf16 with fast accumulation, E5M2·E4M3 → bf16, E4M3·E5M2 → fp32)
+    against the fp32 product of the unquantized operands (bounds 5e-2 and 1e-1, relative
+    Frobenius; the probe measured 3.75e-2 for E4M3)."""
+    from engine.backends.cuda.cublas import R_32F
+    from engine.backends.cuda.gemm import R_8F_E4M3, R_8F_E5M2
+
+    o, dev, gpu = lt
+    M, N, K = 256, 384, 512
+    a = rounded(rng.normal(0, 1.0, (M, K)), "bf16")
+    b = rounded(rng.normal(0, 0.05, (N, K)), "bf16")  # stored [N, K]: the TN layout
+    want = a.astype(np.float64) @ b.astype(np.float64).T
+    a_dev, b_dev = dev.put(a), dev.put(b)
+    for fmt, tol in ((0, 2.0**-4), (1, 2.0**-3)):
+        q, qt, inv = fp8_copy(o, dev, a_dev, M, K, fmt)
+        gpu.stream.synchronize()
+        qb = np.empty(M * K, np.uint8)
+        qtb = np.empty(M * K, np.uint8)
+        gpu.drv.memcpy_dtoh(qb, q)
+        gpu.drv.memcpy_dtoh(qtb, qt)
+        assert np.array_equal(qb.reshape(M, K).T, qtb.reshape(K, M)), "qt is not q transposed"
+        s = 1.0 / float(dev.get(inv)[0])
+        assert abs(s - (57344.0 if fmt else 448.0) / np.abs(a).max()) <= 1e-6 * s
+        back = decode_fp8(qb.reshape(M, K), fmt) / s
+        big = np.abs(a) * s >= 2.0 ** (-6 if fmt == 0 else -14)  # normal FP8 numbers
+        assert np.all(np.abs(back - a)[big] <= tol * np.abs(a)[big])
+    layouts = [((R_8F_E4M3, R_8F_E4M3), 0, 0, "bf16", True, 5e-2),
+               ((R_8F_E5M2, R_8F_E4M3), 1, 0, "bf16", False, 1e-1),
+               ((R_8F_E4M3, R_8F_E5M2), 0, 1, "fp32", False, 1e-1)]
+    for (ta, tb), fa, fb, out_kind, fast, bound in layouts:
+        qa, _, ia = fp8_copy(o, dev, a_dev, M, K, fa)
+        qb_, _, ib = fp8_copy(o, dev, b_dev, N, K, fb)
+        out = dev.empty((M, N), "f32" if out_kind == "fp32" else "act")
+        o._mm(out, qa, qb_, M, N, K, tb=True, scales=(ia, ib), fast_accum=fast,
+              types=(ta, tb, R_32F if out_kind == "fp32" else o.act))
+        got = dev.get(out)
+        err = rel(got, want)
+        print(f"FP8 GEMM types {ta},{tb} -> {out_kind}: relative error {err:.3e} (<= {bound})")
+        assert np.all(np.isfinite(got)) and err <= bound
+
+
+def backend(precision: str, **kw):
+    from engine.backends.cuda import CudaBackend
+
+    bk = CudaBackend(SHAPES, 4, precision, tune=False, **kw)
+    bk.load_params(init_params(SHAPES, seed=5))
+    return bk
+
+
+def test_fp8_step_against_the_bf16_step(rng) -> None:
+    """The same weights and tokens: the loss within 1% of the bf16 step's, the gradient's
+    direction within a cosine of 0.99 and its norm within 10%; every MLP GEMM in FP8 on this
+    GPU, said by the backend."""
+    tok = rng.integers(0, 8449, (4, 65)).astype(np.int32)
+    out = {}
+    for precision in ("bf16", "fp8"):
+        bk = backend(precision)
+        bk.zero_grads()
+        rows = bk.forward_backward(tok[:, :-1], tok[:, 1:])
+        out[precision] = (float(np.mean(rows)), bk.read_grads().astype(np.float64))
+        if precision == "fp8":
+            assert bk.fp8_gemms == ["fc1 fwd", "fc2 fwd", "fc2 dgrad", "fc1 dgrad",
+                                    "fc2 wgrad", "fc1 wgrad"], bk.notes
+            assert "FP8" in bk.describe() and bk.memory_plan().get("fp8", 0) > 0
+        bk.close()
+    (l16, g16), (l8, g8) = out["bf16"], out["fp8"]
+    cos = float(g8 @ g16 / (np.linalg.norm(g8) * np.linalg.norm(g16)))
+    ratio = float(np.linalg.norm(g8) / np.linalg.norm(g16))
+    print(f"fp8 vs bf16 step: loss {l8:.5f} vs {l16:.5f}; gradient cosine {cos:.5f}, "
+          f"norm ratio {ratio:.4f}")
+    assert abs(l8 - l16) <= 1e-2 * abs(l16)
+    assert cos >= 0.99 and abs(ratio - 1) <= 0.1
+
+
+def test_fp8_steps_are_deterministic(rng) -> None:
+    tok = rng.integers(0, 8449, (3, 4, 65)).astype(np.int32)
+    res = []
+    for _ in range(2):
+        bk = backend("fp8")
+        rows = [bk.train_step(t[:, :-1], t[:, 1:], t=i + 1, **HP) for i, t in enumerate(tok)]
+        res.append((rows, bk.read_params()))
+        bk.close()
+    for (ra, na, ca), (rb, nb, cb) in zip(res[0][0], res[1][0], strict=True):
+        assert np.array_equal(ra, rb) and (na, ca) == (nb, cb)
+    assert np.array_equal(res[0][1], res[1][1])
+
+
+@pytest.mark.slow
+def test_sigterm_resume_in_fp8_is_bit_exact(tmp_path: Path, prepared_data: Path) -> None:
+    """As test_train_resume's bf16 case: SIGTERM at step k, --resume, and the straight run with
+    the same GEMM plan give the same records and model.ckpt bytes."""
+    n = 30
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps(micro_config_dict(max_steps=n, precision="fp8")))
+    tuned = {"ANDREA_GEMM_TUNE": "1"}
+    run = tmp_path / "stopped"
+    proc = start_engine(cfg, run, "--backend", "cuda", env={**os.environ, **tuned})
+    wait_for_step(run, 17, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    state = json.loads((run / "state.json").read_text())
+    assert state["status"] == "stopped"
+    ck = Path(state["last_checkpoint"]["path"])
+    assert json.loads((ck / "state.json").read_text())["fp8_gemms"], "no FP8 GEMM recorded"
+    plan = (run / "gemm_plan.json").read_text()
+    r = run_engine(cfg, run, "--resume", "--backend", "cuda", env=tuned)
+    assert r.returncode == 0, r.stdout + r.stderr
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    (straight / "gemm_plan.json").write_text(plan)
+    r = run_engine(cfg, straight, "--backend", "cuda", env=tuned)
+    assert r.returncode == 0, r.stdout + r.stderr
+    keys = ("step", "loss", "grad_norm", "clip_scale", "lr", "tokens")
+    traj = [[json.dumps(getattr(x, k)) for k in keys] for x in loss_records(run)]
+    assert traj == [[json.dumps(getattr(x, k)) for k in keys] for x in loss_records(straight)]
+    name = f"checkpoints/step_{n:08d}/model.ckpt"
+    assert (run / name).read_bytes() == (straight / name).read_bytes()
+    ready = [json.loads(x) for x in (straight / "events.jsonl").read_text().splitlines()
+             if '"ready"' in x][-1]
+    assert ready["precision"] == "fp8" and len(ready["fp8_gemms"]) == 6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("first, then", [("fp8", "bf16"), ("bf16", "fp8")])
+def test_a_checkpoint_moves_between_fp8_and_bf16(first: str, then: str, tmp_path: Path,
+                                                 prepared_data: Path) -> None:
+    """The checkpoint holds fp32 masters and moments only: a run goes on in the other precision
+    with --resume --precision, says so, and keeps learning (finite losses to the end)."""
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps(micro_config_dict(max_steps=20, precision=first)))
+    run = tmp_path / "run"
+    r = run_engine(cfg, run, "--backend", "cuda", "--max-steps", "10")
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = run_engine(cfg, run, "--backend", "cuda", "--resume", "--precision", then)
+    assert r.returncode == 0, r.stdout + r.stderr
+    log = (run / "engine.log").read_text()
+    assert f"--precision {then} replaces the run's {first}" in log
+    assert "NOT used" not in r.stderr
+    recs = loss_records(run)
+    assert [x.step for x in recs] == list(range(1, 21))
+    assert all(np.isfinite(x.loss) for x in recs)
+    ready = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()
+             if '"ready"' in x][-1]
+    assert ready["precision"] == then and bool(ready["fp8_gemms"]) == (then == "fp8")

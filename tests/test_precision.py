@@ -1,0 +1,94 @@
+"""train/precision and --precision as a user meets them on any machine: fp8 refused with one
+line where there is no FP8 (the numpy backend), the override on a fresh run and on --resume
+(the checkpoint holds fp32 masters, so a run may go on in another precision), and where the
+precision shows: the ready event, the dashboard's header, the launcher's command line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.config import PRECISIONS, parse_config
+from engine.errors import UserError
+from tests.conftest import ROOT, loss_records, micro_config_dict, run_engine
+
+
+def ready_events(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()
+            if '"ready"' in x]
+
+
+def test_fp8_on_the_numpy_backend_is_one_line_and_exit_2(tmp_path: Path, write_config) -> None:
+    cfg = write_config(micro_config_dict(max_steps=3))
+    run = tmp_path / "run"
+    r = run_engine(cfg, run, "--backend", "numpy", "--precision", "fp8")
+    assert r.returncode == 2, r.stdout + r.stderr
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and "fp8" in err[0] and "Traceback" not in r.stderr, r.stderr
+    assert "8.9" in err[0] and "bf16" in err[0]  # what it needs, and what to use instead
+    assert not (run / "loss.jsonl").exists()
+    # the same from the config file
+    cfg8 = write_config(micro_config_dict(max_steps=3, precision="fp8"))
+    r = run_engine(cfg8, tmp_path / "run8", "--backend", "numpy")
+    assert r.returncode == 2 and "fp8" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_precision_values_and_the_override() -> None:
+    assert "fp8" in PRECISIONS
+    cfg = parse_config(micro_config_dict(precision="fp8"), "micro", ROOT)
+    assert cfg.train.precision == "fp8"
+    assert cfg.with_precision("bf16").train.precision == "bf16"
+    with pytest.raises(UserError, match="expected one of"):
+        cfg.with_precision("fp4")
+    r = run_engine(Path("experiments/ANDREA-tiny-TRAIN.json"), Path("/nonexistent/x"),
+                   "--precision", "fp4")
+    assert r.returncode == 2 and "--precision" in r.stderr and "invalid choice" in r.stderr
+
+
+def test_resume_in_another_precision_goes_on_and_says_so(tmp_path: Path, write_config) -> None:
+    cfg = write_config(micro_config_dict(max_steps=8, precision="fp32"))
+    run = tmp_path / "run"
+    r = run_engine(cfg, run, "--backend", "numpy", "--max-steps", "5")
+    assert r.returncode == 0, r.stderr
+    r = run_engine(cfg, run, "--backend", "numpy", "--resume", "--precision", "bf16",
+                   "--max-steps", "8")
+    assert r.returncode == 0, r.stderr
+    assert "NOT used" not in r.stderr  # an asked-for change is not an ignored setting
+    log = (run / "engine.log").read_text()
+    assert "--precision bf16 replaces the run's fp32" in log
+    assert [x.step for x in loss_records(run)] == list(range(1, 9))
+    first, then = ready_events(run)[0], ready_events(run)[-1]
+    assert (first["precision"], then["precision"]) == ("fp32", "bf16")
+    assert then["fp8_gemms"] == []
+    # a precision given in the config file on --resume is still the checkpoint's (and said)
+    cfg16 = write_config(micro_config_dict(max_steps=10, precision="fp16"))
+    r = run_engine(cfg16, run, "--backend", "numpy", "--resume", "--max-steps", "10")
+    assert r.returncode == 0 and "train.precision" in r.stderr and "NOT used" in r.stderr
+
+
+def test_the_precision_travels_to_the_engine_and_shows_in_the_header() -> None:
+    from andrea_tui import panels
+    from andrea_tui.launcher import train_argv
+    from andrea_tui.runstate import RunState
+    from engine.records import Event, ReadyEvent
+
+    argv = train_argv(Path("c.json"), Path("runs/x"), precision="fp8")
+    assert argv[argv.index("--precision") + 1] == "fp8"
+    assert "--precision" not in train_argv(Path("c.json"), Path("runs/x"))
+    ev = ReadyEvent(t=1.0, backend="cuda", device="H200", precision="fp8",
+                    fp8_gemms=["fc1 fwd", "fc2 fwd", "fc2 dgrad", "fc1 dgrad", "fc2 wgrad",
+                               "fc1 wgrad"])
+    back = Event.from_json(json.loads(json.dumps(ev.to_json())))
+    assert back == ev
+    hostile = Event.from_json({"t": 1, "event": "ready", "fp8_gemms": "all of them",
+                               "precision": 8})
+    assert isinstance(hostile, ReadyEvent) and hostile.fp8_gemms == [] and hostile.precision == ""
+    st = RunState()
+    st.add_events([ev.to_json()])
+    assert "fp8 6 MLP GEMMs" in panels.header(st, 2.0).plain
+    st = RunState()
+    st.add_events([ReadyEvent(t=1.0, backend="cuda", device="H200",
+                              precision="bf16").to_json()])
+    assert "fp8" not in panels.header(st, 2.0).plain
