@@ -656,8 +656,6 @@ class TrainingRun:
             "trainer": tr.state_dict(),
             # the state before a batch drawn ahead for the next step (a resume draws it again)
             "sampler": self._sampler_state if self._drawn else self.sampler.state_dict(),
-            # how the steps were computed (train/precision "fp8": which GEMMs ran in FP8)
-            "fp8_gemms": list(getattr(tr.backend, "fp8_gemms", [])),
             "bandit": self.bandit.state_dict(),
             "schedule": {"step": tr.step_count, "lr": tr.lr_at(max(tr.step_count, 1)),
                          "warmup_steps": self.cfg.optim.warmup_steps,
@@ -667,6 +665,9 @@ class TrainingRun:
             "backend": tr.backend.name,
             "world_size": self.world.size,
             "versions": {"python": platform.python_version(), "numpy": np.__version__},
+            # train/precision "fp8": the GEMMs that ran in FP8 (only then: the key says so)
+            **({"fp8_gemms": fp8} if (fp8 := list(getattr(tr.backend, "fp8_gemms", [])))
+               else {}),
         }
 
     def _copy_state(self) -> None:

@@ -56,15 +56,25 @@ def decode_fp8(q: np.ndarray, e5m2: int) -> np.ndarray:
     return sign * np.where(exp == 0, sub, normal)
 
 
-def fp8_copy(o, dev, x_dev: int, rows: int, cols: int, fmt: int) -> tuple[int, int, int]:
-    """(q [rows, cols], qt [cols, rows], inv) of a bf16 device matrix, by the engine's kernels."""
+def fp8_copy(o, dev, x_dev: int, rows: int, cols: int, fmt: int,
+             kernel: str = "k_fp8_cast_t") -> tuple[int, int, int]:
+    """(q [rows, cols], qt [cols, rows], inv) of a bf16 device matrix, by the engine's kernels
+    (k_fp8_cast_t: 32 x 32 tiles of bytes; k_fp8_cast_t64: 64 x 64 tiles, 16-byte accesses)."""
     amax = dev.put(np.zeros(1), "i32")
     inv = dev.empty((1,), "f32")
-    q, qt = (dev.empty((rows * cols // 4 + 1,), "f32") for _ in range(2))  # bytes
+    q, qt = (dev.empty((rows * cols // 4 + 4,), "f32") for _ in range(2))  # bytes
     o._go("k_fp8_amax", 64, amax, x_dev, rows * cols)
-    grid = (-(-cols // 32), -(-rows // 32))
-    o._go("k_fp8_cast_t", grid, q, qt, inv, x_dev, amax, rows, cols, fmt)
+    tile = 64 if kernel.endswith("64") else 32
+    grid = (-(-cols // tile), -(-rows // tile))
+    o._go(kernel, grid, q, qt, inv, x_dev, amax, rows, cols, fmt)
     return q, qt, inv
+
+
+def host_bytes(gpu, ptr: int, n: int) -> np.ndarray:
+    gpu.stream.synchronize()
+    h = np.empty(n, np.uint8)
+    gpu.drv.memcpy_dtoh(h, ptr)
+    return h
 
 
 def test_fp8_copies_and_gemms_against_fp32(lt, rng) -> None:
@@ -95,6 +105,15 @@ def test_fp8_copies_and_gemms_against_fp32(lt, rng) -> None:
         back = decode_fp8(qb.reshape(M, K), fmt) / s
         big = np.abs(a) * s >= 2.0 ** (-6 if fmt == 0 else -14)  # normal FP8 numbers
         assert np.all(np.abs(back - a)[big] <= tol * np.abs(a)[big])
+        # the 64 x 64 vector kernel and k_fp8_cast: the same bytes
+        q64, qt64, _ = fp8_copy(o, dev, a_dev, M, K, fmt, "k_fp8_cast_t64")
+        assert np.array_equal(host_bytes(gpu, q64, M * K), qb)
+        assert np.array_equal(host_bytes(gpu, qt64, M * K), qtb)
+        amax = dev.put(np.zeros(1), "i32")
+        o._go("k_fp8_amax", 1000, amax, a_dev, M * K)  # many blocks, one atomic each
+        flat = dev.empty((M * K // 4 + 4,), "f32")
+        o._go("k_fp8_cast", 100, flat, dev.empty((1,), "f32"), a_dev, amax, M * K, fmt)
+        assert np.array_equal(host_bytes(gpu, flat, M * K), qb)
     layouts = [((R_8F_E4M3, R_8F_E4M3), 0, 0, "bf16", True, 5e-2),
                ((R_8F_E5M2, R_8F_E4M3), 1, 0, "bf16", False, 1e-1),
                ((R_8F_E4M3, R_8F_E5M2), 0, 1, "fp32", False, 1e-1)]
@@ -131,7 +150,7 @@ def test_fp8_step_against_the_bf16_step(rng) -> None:
         out[precision] = (float(np.mean(rows)), bk.read_grads().astype(np.float64))
         if precision == "fp8":
             assert bk.fp8_gemms == ["fc1 fwd", "fc2 fwd", "fc2 dgrad", "fc1 dgrad",
-                                    "fc2 wgrad", "fc1 wgrad"], bk.notes
+                                    "fc2 wgrad", "fc1 wgrad"], bk.fp8_mlp.notes
             assert "FP8" in bk.describe() and bk.memory_plan().get("fp8", 0) > 0
         bk.close()
     (l16, g16), (l8, g8) = out["bf16"], out["fp8"]

@@ -30,12 +30,16 @@ from typing import Any
 
 from engine.backends.cuda.cublas import R_32F
 from engine.backends.cuda.gemm import R_8F_E4M3, R_8F_E5M2
+from engine.backends.cuda.ops import _blocks
 from engine.errors import RunError
 
 GEMMS = ("fc1 fwd", "fc2 fwd", "fc2 dgrad", "fc1 dgrad", "fc2 wgrad", "fc1 wgrad")
 TENSORS = ("x", "h", "dy", "dh", "w1", "w2")  # per layer: an amax word and an inverse scale each
 E4M3, E5M2 = 0, 1  # the kernels' e5m2 flag
 TILE = 32  # kernels/fp8.cu's transpose tile
+# bytes between two inverse scales: cuBLASLt refused (CUBLAS_STATUS_NOT_SUPPORTED) FP8 GEMMs
+# whose scale pointers were only 4-byte aligned
+SCALE_STRIDE = 16
 
 
 def plan_fp8(plan: Any, n_layer: int, d: int, F: int, R: int) -> None:
@@ -48,7 +52,7 @@ def plan_fp8(plan: Any, n_layer: int, d: int, F: int, R: int) -> None:
                     ("dyt", R * d), ("dh", R * F), ("dht", R * F)):
         plan.add("fp8", f"fp8.{name}", n)
     plan.add("fp8", "fp8.amax", n_layer * len(TENSORS) * 4)
-    plan.add("fp8", "fp8.inv", n_layer * len(TENSORS) * 4)
+    plan.add("fp8", "fp8.inv", n_layer * len(TENSORS) * SCALE_STRIDE)
 
 
 def _slot(nbytes: int) -> int:
@@ -74,27 +78,31 @@ class Fp8Mlp:
     def _scale(self, layer: int, tensor: str) -> tuple[int, int]:
         """(amax word, inverse scale) of one tensor of one layer."""
         i = layer * len(TENSORS) + TENSORS.index(tensor)
-        return self.buf["amax"] + 4 * i, self.buf["inv"] + 4 * i
+        return self.buf["amax"] + 4 * i, self.buf["inv"] + SCALE_STRIDE * i
 
     def _w(self, name: str, layer: int) -> int:
         return self.buf[name] + layer * _slot(self.d * self.F)
 
     # --- kernels -------------------------------------------------------------------------------
     def _amax(self, amax: int, x: int, n: int, f32: bool = False) -> None:
-        from engine.backends.cuda.ops import _blocks
-
-        self.o._go("k_fp8_amax_f32" if f32 else "k_fp8_amax", _blocks(n), amax, x, n)
+        # a block reads 8 elements a thread per turn and ends with one atomic
+        self.o._go("k_fp8_amax_f32" if f32 else "k_fp8_amax", _blocks(-(-n // 8), cap=1024),
+                   amax, x, n)
 
     def _cast(self, q: int, inv: int, x: int, amax: int, n: int, fmt: int) -> None:
-        from engine.backends.cuda.ops import _blocks
-
         self.o._writes(q)
-        self.o._go("k_fp8_cast", _blocks(n), q, inv, x, amax, n, fmt)
+        self.o._go("k_fp8_cast", _blocks(-(-n // 8)), q, inv, x, amax, n, fmt)
 
     def _cast_t(self, q: int, qt: int, inv: int, x: int, amax: int, rows: int, cols: int,
                 fmt: int, f32: bool = False) -> None:
-        """qt = FP8 of xᵀ [cols, rows] (q = FP8 of x too, unless 0)."""
+        """qt = FP8 of xᵀ [cols, rows] (q = FP8 of x too, unless 0): whole 64 x 64 tiles with
+        16-byte accesses where the shapes and addresses allow, else 32 x 32 tiles of bytes."""
         self.o._writes(*(p for p in (q, qt) if p))
+        if not f32 and rows % 64 == 0 and cols % 64 == 0 and all(
+                p % 16 == 0 for p in (x, q, qt)):
+            self.o._go("k_fp8_cast_t64", (cols // 64, rows // 64), q, qt, inv, x, amax, rows,
+                       cols, fmt)
+            return
         grid = (-(-cols // TILE), -(-rows // TILE))
         self.o._go("k_fp8_cast_t_f32" if f32 else "k_fp8_cast_t", grid, q, qt, inv, x, amax,
                    rows, cols, fmt)

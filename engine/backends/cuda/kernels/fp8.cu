@@ -31,14 +31,32 @@ __device__ __forceinline__ unsigned char to_fp8(float v, int e5m2) {
                 : __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
 }
 
+// The block's max of |x|, then one atomicMax per block (an atomic per warp on one word made
+// the first version spend milliseconds queueing at that word). 16-byte loads where x allows.
 template <typename T>
 __device__ __forceinline__ void amax_body(unsigned* amax, const T* x, long n) {
-    float m = 0.0f;
-    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n;
-         i += (long)gridDim.x * blockDim.x)
-        m = fmaxf(m, fabsf(to_f(x[i])));  // fmaxf drops NaN: a NaN is caught by the norm
+    __shared__ float wmax[32];
+    constexpr int V = 16 / sizeof(T);
+    const long stride = (long)gridDim.x * blockDim.x;
+    const long i0 = blockIdx.x * (long)blockDim.x + threadIdx.x;
+    const long nv = (reinterpret_cast<unsigned long long>(x) & 15) == 0 ? n / V : 0;
+    float m = 0.0f;  // fmaxf drops NaN: a NaN is caught by the step's gradient norm
+    for (long v = i0; v < nv; v += stride) {
+        const int4 raw = reinterpret_cast<const int4*>(x)[v];
+        const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+        for (int k = 0; k < V; k++) m = fmaxf(m, fabsf(to_f(e[k])));
+    }
+    for (long i = nv * V + i0; i < n; i += stride) m = fmaxf(m, fabsf(to_f(x[i])));
     m = warp_max(m);
-    if ((threadIdx.x & 31) == 0) atomicMax(amax, __float_as_uint(m));
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) wmax[warp] = m;
+    __syncthreads();
+    if (warp == 0) {
+        m = lane < (int)(blockDim.x >> 5) ? wmax[lane] : 0.0f;
+        m = warp_max(m);
+        if (lane == 0) atomicMax(amax, __float_as_uint(m));
+    }
 }
 
 // numpy twin: none — FP8 exists only on the GPU. amax[0] = max(amax[0], max |x|) over n
@@ -54,13 +72,28 @@ extern "C" __global__ void k_fp8_amax_f32(unsigned* amax, const float* x, long n
 
 // numpy twin: none — q = sat(x·s) over n activations, s from amax (the top of this file);
 // inv[0] = 1/s for cuBLASLt.
+// Eight FP8 bytes, stored as one 8-byte word.
+struct alignas(8) Fp8x8 {
+    unsigned char v[8];
+};
+
 extern "C" __global__ void k_fp8_cast(unsigned char* q, float* inv, const act_t* x,
                                       const unsigned* amax, long n, int e5m2) {
     const float s = fp8_scale(amax, e5m2);
     if (blockIdx.x == 0 && threadIdx.x == 0) inv[0] = 1.0f / s;
-    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n;
-         i += (long)gridDim.x * blockDim.x)
-        q[i] = to_fp8(to_f(x[i]) * s, e5m2);
+    const long stride = (long)gridDim.x * blockDim.x;
+    const long i0 = blockIdx.x * (long)blockDim.x + threadIdx.x;
+    // 8 elements a thread (16-byte loads of bf16, one 8-byte store) where both allow it
+    const bool vec = VEC == 8 && aligned16(x) && (reinterpret_cast<unsigned long long>(q) & 7) == 0;
+    const long nv = vec ? n / 8 : 0;
+    for (long v = i0; v < nv; v += stride) {
+        const Vec xv = load_vec(x + v * 8);
+        Fp8x8 o;
+#pragma unroll
+        for (int k = 0; k < 8; k++) o.v[k] = to_fp8(to_f(xv[k % VEC]) * s, e5m2);
+        *reinterpret_cast<Fp8x8*>(q + v * 8) = o;
+    }
+    for (long i = nv * 8 + i0; i < n; i += stride) q[i] = to_fp8(to_f(x[i]) * s, e5m2);
 }
 
 // x [rows, cols] row-major into qt = FP8 of xᵀ [cols, rows] and, when q is not null, q = FP8 of x
@@ -88,6 +121,49 @@ __device__ __forceinline__ void cast_t_body(unsigned char* q, unsigned char* qt,
         const int c = c0 + k, r = r0 + tx;
         if (c < cols && r < rows) qt[(long)c * rows + r] = tile[tx][k];
     }
+}
+
+// The same for rows % 64 == 0 and cols % 64 == 0 (and 16-byte aligned x, q, qt), bf16/fp16 x:
+// a 64 x 64 tile per block of 256 threads, read as 16-byte vectors (8 elements), q written as
+// 8-byte words from registers, qt as 16-byte words (16 rows of one column) from shared memory.
+__device__ __forceinline__ void cast_t64_body(unsigned char* q, unsigned char* qt, float* inv,
+                                              const act_t* x, const unsigned* amax, int rows,
+                                              int cols, int e5m2) {
+    __shared__ unsigned char tile[64][64 + 16];
+    const float s = fp8_scale(amax, e5m2);
+    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) inv[0] = 1.0f / s;
+    const int c0 = blockIdx.x * 64, r0 = blockIdx.y * 64;
+    const int cv = (threadIdx.x & 7) * 8;  // this thread's 8 columns of the tile
+#pragma unroll
+    for (int pass = 0; pass < 2; pass++) {
+        const int r = pass * 32 + (threadIdx.x >> 3);
+        const Vec xv = load_vec(x + (long)(r0 + r) * cols + c0 + cv);
+        Fp8x8 o;
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            o.v[k] = to_fp8(to_f(xv[k]) * s, e5m2);
+            tile[r][cv + k] = o.v[k];
+        }
+        if (q) *reinterpret_cast<Fp8x8*>(q + (long)(r0 + r) * cols + c0 + cv) = o;
+    }
+    __syncthreads();
+    const int c = threadIdx.x >> 2, rv = (threadIdx.x & 3) * 16;  // column c, rows rv..rv+15
+    alignas(16) unsigned char out[16];
+#pragma unroll
+    for (int k = 0; k < 16; k++) out[k] = tile[rv + k][c];
+    *reinterpret_cast<int4*>(qt + (long)(c0 + c) * rows + r0 + rv) =
+        *reinterpret_cast<const int4*>(out);
+}
+
+// numpy twin: none — k_fp8_cast_t on whole 64 x 64 tiles, 16-byte accesses (above).
+extern "C" __global__ void k_fp8_cast_t64(unsigned char* q, unsigned char* qt, float* inv,
+                                          const act_t* x, const unsigned* amax, int rows,
+                                          int cols, int e5m2) {
+#if ANDREA_ACT == 0
+    cast_t_body(q, qt, inv, x, amax, rows, cols, e5m2);  // never launched: fp8 runs on bf16
+#else
+    cast_t64_body(q, qt, inv, x, amax, rows, cols, e5m2);
+#endif
 }
 
 // numpy twin: none — FP8 copies of activations or gradients for a TN GEMM (above).
