@@ -481,7 +481,7 @@ def main() -> int:
     ap.add_argument("--json", default="")
     ap.add_argument("--profile", default="", help="models to profile per kernel, e.g. 120M,12M")
     ap.add_argument("--profile-paths", default="before,after",
-                    help="which paths --profile profiles")
+                    help="which paths --profile profiles (before, after, fp8)")
     ap.add_argument("--telemetry", default="",
                     help="models whose step is timed with the telemetry sampler running, e.g. 12M")
     ap.add_argument("--no-loss-check", action="store_true")
@@ -494,7 +494,7 @@ def main() -> int:
     variants = [v for v in args.torch.split(",") if v]
     out: dict[str, Any] = {"rows": [], "notes": {}, "profile": {}, "loss_check": {}}
     for key in [m for m in args.profile.split(",") if m]:
-        for name, opts in (("before", BEFORE), ("after", AFTER)):
+        for name, opts in (("before", BEFORE), ("after", AFTER), ("fp8", FP8)):
             if name not in args.profile_paths.split(","):
                 continue
             prof = profile_andrea(MODELS[key], opts)

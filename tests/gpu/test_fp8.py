@@ -114,6 +114,18 @@ def test_fp8_copies_and_gemms_against_fp32(lt, rng) -> None:
         flat = dev.empty((M * K // 4 + 4,), "f32")
         o._go("k_fp8_cast", 100, flat, dev.empty((1,), "f32"), a_dev, amax, M * K, fmt)
         assert np.array_equal(host_bytes(gpu, flat, M * K), qb)
+        # the weights' kernels (float32 masters): 64 x 64 tiles and 32 x 32 tiles agree
+        w = dev.put(a, "f32")
+        wamax = dev.put(np.zeros(1), "i32")
+        o._go("k_fp8_amax_f32", 64, wamax, w, M * K)
+        got = []
+        for name, tile in (("k_fp8_cast_t_f32", 32), ("k_fp8_cast_t64_f32", 64)):
+            wq, wqt = (dev.empty((M * K // 4 + 4,), "f32") for _ in range(2))
+            o._go(name, (K // tile, M // tile), wq, wqt, dev.empty((1,), "f32"), w, wamax, M,
+                  K, fmt)
+            got.append((host_bytes(gpu, wq, M * K), host_bytes(gpu, wqt, M * K)))
+        assert all(np.array_equal(x, y) for x, y in zip(*got, strict=True))
+        assert np.array_equal(got[0][0], qb)  # bf16-exact values: the same bytes as from bf16
     layouts = [((R_8F_E4M3, R_8F_E4M3), 0, 0, "bf16", True, 5e-2),
                ((R_8F_E5M2, R_8F_E4M3), 1, 0, "bf16", False, 1e-1),
                ((R_8F_E4M3, R_8F_E5M2), 0, 1, "fp32", False, 1e-1)]
@@ -222,7 +234,8 @@ def test_a_checkpoint_moves_between_fp8_and_bf16(first: str, then: str, tmp_path
     run = tmp_path / "run"
     r = run_engine(cfg, run, "--backend", "cuda", "--max-steps", "10")
     assert r.returncode == 0, r.stdout + r.stderr
-    r = run_engine(cfg, run, "--backend", "cuda", "--resume", "--precision", then)
+    r = run_engine(cfg, run, "--backend", "cuda", "--resume", "--precision", then,
+                   "--max-steps", "20")
     assert r.returncode == 0, r.stdout + r.stderr
     log = (run / "engine.log").read_text()
     assert f"--precision {then} replaces the run's {first}" in log

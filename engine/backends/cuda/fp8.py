@@ -98,10 +98,9 @@ class Fp8Mlp:
         """qt = FP8 of xᵀ [cols, rows] (q = FP8 of x too, unless 0): whole 64 x 64 tiles with
         16-byte accesses where the shapes and addresses allow, else 32 x 32 tiles of bytes."""
         self.o._writes(*(p for p in (q, qt) if p))
-        if not f32 and rows % 64 == 0 and cols % 64 == 0 and all(
-                p % 16 == 0 for p in (x, q, qt)):
-            self.o._go("k_fp8_cast_t64", (cols // 64, rows // 64), q, qt, inv, x, amax, rows,
-                       cols, fmt)
+        if rows % 64 == 0 and cols % 64 == 0 and all(p % 16 == 0 for p in (x, q, qt)):
+            self.o._go("k_fp8_cast_t64_f32" if f32 else "k_fp8_cast_t64",
+                       (cols // 64, rows // 64), q, qt, inv, x, amax, rows, cols, fmt)
             return
         grid = (-(-cols // TILE), -(-rows // TILE))
         self.o._go("k_fp8_cast_t_f32" if f32 else "k_fp8_cast_t", grid, q, qt, inv, x, amax,

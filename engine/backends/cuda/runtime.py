@@ -54,6 +54,7 @@ SIGNATURES: dict[str, str] = {
     "k_fp8_cast": "PPPPqi",
     "k_fp8_cast_t": "PPPPPiii",
     "k_fp8_cast_t64": "PPPPPiii",
+    "k_fp8_cast_t64_f32": "PPPPPiii",
     "k_fp8_cast_t_f32": "PPPPPiii",
     "k_params_to_lp": "PPq",
 }

@@ -123,11 +123,26 @@ __device__ __forceinline__ void cast_t_body(unsigned char* q, unsigned char* qt,
     }
 }
 
-// The same for rows % 64 == 0 and cols % 64 == 0 (and 16-byte aligned x, q, qt), bf16/fp16 x:
-// a 64 x 64 tile per block of 256 threads, read as 16-byte vectors (8 elements), q written as
-// 8-byte words from registers, qt as 16-byte words (16 rows of one column) from shared memory.
+// Eight elements at p (16-byte aligned) as floats: one 16-byte load of bf16/fp16, two of float.
+#if ANDREA_ACT != 0  // with fp32 activations act_t is float: the overload below
+__device__ __forceinline__ void load8(const act_t* p, float (&f)[8]) {
+    const Vec v = load_vec(p);
+#pragma unroll
+    for (int k = 0; k < 8; k++) f[k] = to_f(v[k % VEC]);
+}
+#endif
+__device__ __forceinline__ void load8(const float* p, float (&f)[8]) {
+    const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+    f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+}
+
+// k_fp8_cast_t for rows % 64 == 0 and cols % 64 == 0 (and 16-byte aligned x, q, qt): a 64 x 64
+// tile per block of 256 threads, x read as 16-byte vectors (8 elements a thread per pass), q
+// written as 8-byte words from registers, qt as 16-byte words (16 rows of one column) from
+// shared memory. The same bytes as k_fp8_cast_t.
+template <typename T>
 __device__ __forceinline__ void cast_t64_body(unsigned char* q, unsigned char* qt, float* inv,
-                                              const act_t* x, const unsigned* amax, int rows,
+                                              const T* x, const unsigned* amax, int rows,
                                               int cols, int e5m2) {
     __shared__ unsigned char tile[64][64 + 16];
     const float s = fp8_scale(amax, e5m2);
@@ -137,11 +152,12 @@ __device__ __forceinline__ void cast_t64_body(unsigned char* q, unsigned char* q
 #pragma unroll
     for (int pass = 0; pass < 2; pass++) {
         const int r = pass * 32 + (threadIdx.x >> 3);
-        const Vec xv = load_vec(x + (long)(r0 + r) * cols + c0 + cv);
+        float f[8];
+        load8(x + (long)(r0 + r) * cols + c0 + cv, f);
         Fp8x8 o;
 #pragma unroll
         for (int k = 0; k < 8; k++) {
-            o.v[k] = to_fp8(to_f(xv[k]) * s, e5m2);
+            o.v[k] = to_fp8(f[k] * s, e5m2);
             tile[r][cv + k] = o.v[k];
         }
         if (q) *reinterpret_cast<Fp8x8*>(q + (long)(r0 + r) * cols + c0 + cv) = o;
@@ -159,11 +175,14 @@ __device__ __forceinline__ void cast_t64_body(unsigned char* q, unsigned char* q
 extern "C" __global__ void k_fp8_cast_t64(unsigned char* q, unsigned char* qt, float* inv,
                                           const act_t* x, const unsigned* amax, int rows,
                                           int cols, int e5m2) {
-#if ANDREA_ACT == 0
-    cast_t_body(q, qt, inv, x, amax, rows, cols, e5m2);  // never launched: fp8 runs on bf16
-#else
     cast_t64_body(q, qt, inv, x, amax, rows, cols, e5m2);
-#endif
+}
+
+// numpy twin: none — k_fp8_cast_t_f32 on whole 64 x 64 tiles (the weights' copies).
+extern "C" __global__ void k_fp8_cast_t64_f32(unsigned char* q, unsigned char* qt, float* inv,
+                                              const float* x, const unsigned* amax, int rows,
+                                              int cols, int e5m2) {
+    cast_t64_body(q, qt, inv, x, amax, rows, cols, e5m2);
 }
 
 // numpy twin: none — FP8 copies of activations or gradients for a TN GEMM (above).
