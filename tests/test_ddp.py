@@ -391,3 +391,44 @@ def test_ranks_started_with_other_cuda_settings_are_refused() -> None:
         check_same_collectives([same, same, other])
     assert "ANDREA_DDP_OVERLAP on rank 0 on, on rank 2 off" in str(e.value)
     assert "same environment" in str(e.value)
+
+
+@pytest.mark.parametrize("due", ["checkpoint", "sample", "eval"])
+def test_a_stop_while_rank_0_has_work_due_every_step(due: str, tmp_path: Path,
+                                                     write_config) -> None:
+    """Rank 0 alone writes checkpoints, text samples and validation, yet every rank must decide
+    alike whether to queue the next step behind the running one (engine.run.loop
+    `_may_queue_next`): a rank that queued a step the others did not waited in its all-reduce
+    while they stopped (numpy: a crash, CUDA: a hang). With that work due at every step, a
+    SIGTERM ends the job cleanly, and the run resumes to the end."""
+    c = micro_config_dict(max_steps=400)
+    if due == "checkpoint":
+        c["checkpoint"].update(every=1, keep=2)
+    elif due == "sample":
+        c["samples"].update(every_steps=1)
+    else:
+        c["eval"] = {"every_steps": 1, "batches": 1}
+    cfg = write_config(c)
+    run = tmp_path / "run"
+    p = gpus(cfg, run, 2)
+    wait_for_step(run, 5, p)
+    from engine.run.control import signal_engine
+
+    signal_engine(run, signal.SIGTERM)
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 0, out[-3000:]
+    assert json.loads((run / "state.json").read_text())["status"] == "stopped"
+
+
+def test_precision_reaches_every_rank(tmp_path: Path, write_config) -> None:
+    """`--gpus N --precision X`: the ranks train in X (numpy refuses fp8: exit 2, one line)."""
+    cfg = write_config(micro_config_dict(max_steps=3, precision="fp32"))
+    p = gpus(cfg, tmp_path / "run", 2, "--precision", "bf16")
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, out
+    ready = [json.loads(x) for x in (tmp_path / "run" / "events.jsonl").read_text().splitlines()
+             if '"ready"' in x]
+    assert ready and all(r["precision"] == "bf16" for r in ready)
+    p = gpus(cfg, tmp_path / "run8", 2, "--precision", "fp8")
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 2 and "fp8" in out and "Traceback" not in out, out

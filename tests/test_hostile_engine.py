@@ -294,3 +294,30 @@ def test_keep_manual_bounds_snapshot_and_stop_checkpoints(tmp_path: Path, write_
         assert proc.wait(timeout=120) == 0
     names = sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_"))
     assert len(names) == 2, names
+
+
+def test_a_crash_keeps_the_record_of_the_step_before(tmp_path: Path, write_config) -> None:
+    """The loop writes a step's record while the next step runs: a failure before that (here:
+    drawing the batch after the bandit's first phase, which ends at step 7 and so is not drawn
+    ahead) must not lose it. loss.jsonl ends at the last step that completed; exit status 1."""
+    cfg = write_config(micro_config_dict(max_steps=20))
+    run = tmp_path / "run"
+    script = (
+        "import sys\n"
+        "from engine.data.sampler import Sampler\n"
+        "calls = [0]\n"
+        "real = Sampler.sample\n"
+        "def sample(self, *a, **k):\n"
+        "    calls[0] += 1\n"
+        "    if calls[0] == 8:\n"
+        "        raise RuntimeError('injected failure drawing step 8')\n"
+        "    return real(self, *a, **k)\n"
+        "Sampler.sample = sample\n"
+        "from engine.run.cli import main\n"
+        f"sys.exit(main([{str(cfg)!r}, '--run-dir', {str(run)!r}, '--backend', 'numpy']))\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=300, cwd=ROOT)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "injected failure drawing step 8" in r.stderr
+    assert [x.step for x in loss_records(run)] == list(range(1, 8))
+    assert json.loads((run / "state.json").read_text())["status"] == "failed"

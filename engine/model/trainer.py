@@ -142,12 +142,14 @@ class Trainer:
         return self.backend.read_grads()
 
     def zero_grads(self) -> None:
+        self._idle("zero_grads")
         self.backend.zero_grads()
         self._row_losses = []
         self._micro_tokens = 0
 
     def forward_backward(self, tokens: np.ndarray) -> float:
         """One micro-batch: tokens `[B, T+1]`; accumulates gradients, returns the mean loss."""
+        self._idle("forward_backward")
         tokens = np.ascontiguousarray(tokens, dtype=np.int32)
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         # After the first micro-batch each one's gradient is formed on its own and added
@@ -163,6 +165,7 @@ class Trainer:
     def eval_loss(self, tokens: np.ndarray) -> np.ndarray:
         """Per-row mean loss of `tokens` `[B, T+1]` (B = train.batch_size), forward only: the
         parameters, gradients, optimizer state and the row losses of the step are untouched."""
+        self._idle("eval_loss")
         tokens = np.ascontiguousarray(tokens, dtype=np.int32)
         rows = self.backend.forward_loss(np.ascontiguousarray(tokens[:, :-1]),
                                          np.ascontiguousarray(tokens[:, 1:]))
@@ -179,6 +182,7 @@ class Trainer:
 
     def step(self) -> StepResult:
         """Clip + AdamW over the gradients accumulated since `zero_grads`; what happened."""
+        self._idle("step")
         n_micro = len(self._row_losses)
         if n_micro == 0:
             raise RuntimeError("step() without forward_backward() since zero_grads()")
@@ -242,6 +246,12 @@ class Trainer:
             self.backend.prepare_step(np.ascontiguousarray(tokens[:, :-1]),
                                       np.ascontiguousarray(tokens[:, 1:]))
         self._prepared = tokens
+
+    def _idle(self, what: str) -> None:
+        """Refuse what would read or change the state under a step queued on the device."""
+        n = sum(isinstance(b, tuple) for b in self._begun)
+        if n:
+            raise RuntimeError(f"{what}(): {n} step(s) queued on the device; end_step() first")
 
     @property
     def queue_depth(self) -> int:
@@ -326,11 +336,13 @@ class Trainer:
 
     def state_dict(self) -> dict[str, Any]:
         """Counters and loss-scale state (the arrays travel separately in model.ckpt)."""
+        self._idle("state_dict")
         return {"step": self.step_count, "adam_t": self.adam_t, "tokens": self.tokens,
                 "skipped_steps": self.skipped_steps, "loss_scale": self.scaler.state_dict()}
 
     def load_state(self, params: np.ndarray, m: np.ndarray, v: np.ndarray,
                    state: dict[str, Any]) -> None:
+        self._idle("load_state")
         self.backend.load_params(params)
         self.backend.load_optimizer(m, v)
         self.step_count = int(state["step"])

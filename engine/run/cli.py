@@ -117,6 +117,8 @@ def _launch(args: argparse.Namespace, run_dir: Path) -> int:
         rank_argv.append("--resume")
     if args.max_steps is not None:
         rank_argv += ["--max-steps", str(args.max_steps)]
+    if args.precision is not None:
+        rank_argv += ["--precision", args.precision]
     rank_argv += ["--attention", args.attention] + (["--retune"] if args.retune else [])
     try:
         return run_ranks(args.gpus, rank_argv, run_dir, cuda=backend == "cuda")

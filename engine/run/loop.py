@@ -91,6 +91,9 @@ class TrainingRun:
         self.last_write_failed = False
         self._stop = False  # the job agreed to stop at this step boundary
         self._snapshots = 0  # snapshot requests the job agreed on, not acted on yet
+        self._hold = False  # a rank asked for one step at a time (agreed in _exchange)
+        # a completed step's (record, bandit change), written while the next step runs
+        self._pending: tuple[rec.StepRecord, Any] | None = None
         self._last_print = 0.0  # when the last progress line went to the log
         self._drawn: list[np.ndarray] | None = None  # sources of a batch drawn ahead (_draw)
         self._sampler_state: dict[str, Any] = {}  # the sampler's state before that draw
@@ -151,6 +154,12 @@ class TrainingRun:
             self.out.close()
 
     def _crashed(self, e: BaseException) -> int:
+        if self._pending is not None:  # the last step that completed keeps its record
+            try:
+                self._after_step(*self._pending)
+            except Exception:
+                pass  # the run directory may be what failed: the first error is the one to tell
+            self._pending = None
         lost = self.channel.lost if self.channel is not None else None
         what = lost or f"{type(e).__name__}: {e}"  # a rank that died explains what followed
         self.out.log("error: " + "".join(traceback.format_exception(e)).rstrip(), echo=False)
@@ -456,9 +465,9 @@ class TrainingRun:
         # With one micro-batch the device is kept busy and the host works meanwhile: the step
         # after the one running is queued behind it (`queue`: two in flight, while nothing is
         # due between them and the bandit's phase goes on), the previous step's records are
-        # written while they run (`pending`), and where the next step may not be queued yet,
+        # written while they run (`self._pending`), and where the next step may not be queued yet,
         # its batch is at least drawn and staged (`self._drawn`).
-        pending: tuple[rec.StepRecord, Any] | None = None
+        self._pending = None
         queue: collections.deque[tuple[list[np.ndarray], np.ndarray, tuple[int, int, int]]] = \
             collections.deque()
         t0 = time.perf_counter()
@@ -471,9 +480,9 @@ class TrainingRun:
                     tr.begin_step()
                     queue.append((srcs, weights, (self.bandit.phase, self.bandit.phase_step + 1,
                                                   self.bandit.phase_len)))
-                if pending is not None:
-                    self._after_step(*pending)
-                    pending = None
+                if self._pending is not None:
+                    self._after_step(*self._pending)
+                    self._pending = None
                 weights = queue[0][1]
                 if self._may_queue_next(len(queue)):
                     srcs, self._drawn = self._drawn or self._draw(weights, mine), None
@@ -510,7 +519,7 @@ class TrainingRun:
                 src_loss=src_loss, skipped=done.skipped, t=time.time(), rank_ms=rank_ms)
             t0 = time.perf_counter()  # the next step's clock starts here ...
             if queue or (n_micro == 1 and not self._due_between_steps(record.step)):
-                pending = (record, change)  # written while the next step runs
+                self._pending = (record, change)  # written while the next step runs
                 continue
             self._after_step(record, change)
             step = record.step
@@ -524,9 +533,12 @@ class TrainingRun:
                 periodic_due = step % cfg.checkpoint.every == 0 and step != max_steps
                 if not self._handle_snapshot_requests(periodic_due) and periodic_due:
                     self._checkpoint("periodic", wait=False)
+            else:
+                self._snapshots = 0  # taken here by rank 0 too: the ranks go on deciding alike
             t0 = time.perf_counter()  # ... or after validation, a text sample or a checkpoint
-        if pending is not None:
-            self._after_step(*pending)
+        if self._pending is not None:
+            self._after_step(*self._pending)
+            self._pending = None
         if self.channel is not None:
             self.channel.finish()  # no collective after this: the others may end now
         self._stop_monitors()  # a stop or final checkpoint is expected work, not a stall
@@ -554,24 +566,26 @@ class TrainingRun:
 
     def _may_queue_next(self, queued: int) -> bool:
         """Whether the step after the one queued may be queued behind it: the trainer takes
-        two, its batch can be drawn, and nothing must see the state between the two steps."""
+        two, its batch can be drawn, and nothing must see the state between the two steps.
+        Every rank of a job decides alike, from what they share (the config, the step, the
+        bandit, the requests and holds agreed in `_exchange`): a rank that queued a step the
+        others did not would wait in that step's all-reduce while they stop."""
         return (queued == 1 and self.trainer.queue_depth > 1 and self._next_mixture_known(1)
-                and self.out.failed is None
-                and not self._due_between_steps(self.trainer.step_count + 1))
+                and not self._hold and not self._due_between_steps(self.trainer.step_count + 1))
 
     def _due_between_steps(self, step: int) -> bool:
         """Whether anything must run on the state after `step` before the next step starts:
-        validation, a text sample, a checkpoint (periodic, or a snapshot asked for), the end."""
+        validation, a text sample, a checkpoint (periodic, or a snapshot asked for), the end.
+        From the config and the agreed requests, so every rank answers alike (rank 0 alone
+        validates, samples and writes, but the others must not run ahead meanwhile)."""
         cfg = self.cfg
-        if step >= cfg.train.max_steps or self._stop:
+        if step >= cfg.train.max_steps or self._stop or self._snapshots > 0 or self._hold:
             return True
-        if self.evaluator is not None and self.evaluator.due(step):
+        if cfg.eval is not None and step % cfg.eval.every_steps == 0:
             return True
-        every_sample = cfg.samples.every_steps
-        if every_sample and step % every_sample == 0 and self.world.main:
+        if cfg.samples.every_steps and step % cfg.samples.every_steps == 0:
             return True
-        return self.world.main and (step % cfg.checkpoint.every == 0 or self._snapshots > 0
-                                    or self.snapshot_pending)
+        return step % cfg.checkpoint.every == 0
 
     def _after_step(self, record: rec.StepRecord, change: Any) -> None:
         """A step's records: loss.jsonl, its events and alerts, the log line, the status; and
@@ -606,17 +620,22 @@ class TrainingRun:
         which all ranks then act on at this same step boundary (`_stop`, `_snapshots`).
         Returns (rows, each rank's step ms)."""
         stop, snaps = self.flags.stop_requested, self.flags.take_snapshot_requests()
+        # a rank that wants the steps taken one at a time for now: a snapshot waiting for the
+        # writer, or a run directory it can no longer write
+        hold = self.snapshot_pending or self.out.failed is not None
         if self.channel is None:
-            self._stop, self._snapshots = stop, self._snapshots + snaps
+            self._stop, self._snapshots, self._hold = stop, self._snapshots + snaps, hold
             return rows, []
-        head = struct.Struct(">qqd")
+        head = struct.Struct(">qqqd")
         rows = np.asarray(rows, dtype=np.float64)
-        parts = self.channel.allgather(head.pack(stop, snaps, step_s * 1e3) + rows.tobytes())
+        parts = self.channel.allgather(head.pack(stop, snaps, hold, step_s * 1e3)
+                                       + rows.tobytes())
         heads = [head.unpack(p[: head.size]) for p in parts]
         self._stop = any(h[0] for h in heads)
         self._snapshots += max(h[1] for h in heads)
+        self._hold = any(h[2] for h in heads)
         every = np.concatenate([np.frombuffer(p[head.size :], dtype=np.float64) for p in parts])
-        return every, [h[2] for h in heads]
+        return every, [h[3] for h in heads]
 
     def _by_source(self, values: Any) -> dict[str, float]:
         return {n: float(x) for n, x in zip(self.source_names, values, strict=True)}

@@ -109,13 +109,13 @@ class CudaBackend:
         self.gpu = gpu = Gpu.get()
         self.drv = drv = gpu.drv
         self.device = gpu.describe(named)
-        if precision == "bf16" and gpu.dev.compute_capability() < (8, 0):
-            raise RunError(f"bf16 needs compute capability 8.0 or newer, {self.device} has not")
         if self.fp8 and gpu.dev.compute_capability() < (8, 9):
             major, minor = gpu.dev.compute_capability()
             raise UserError(f"train/precision fp8: {gpu.dev.name()} (sm_{major}{minor}) has no "
                             f"FP8 tensor cores; FP8 needs compute capability 8.9 or newer "
                             f"(Ada, Hopper): use bf16")
+        if precision == "bf16" and gpu.dev.compute_capability() < (8, 0):
+            raise RunError(f"bf16 needs compute capability 8.0 or newer, {self.device} has not")
         self.stream = gpu.stream
         self.table = tensor_table(shapes)
         self.n = n = n_params(shapes)

@@ -12,6 +12,9 @@
 //
 // Hopper's FP8 GEMMs take both operands K-contiguous ("TN"), so some GEMMs need a transposed copy
 // (engine/backends/cuda/NOTES.md, "FP8"): k_fp8_cast_t writes it, with the plain copy when asked.
+// cuda_fp8.h comes with CUDA 11.8 and newer: the engine's kernels need that toolkit at least
+// (every .cu is compiled at start, whatever the precision).
+#include <cfloat>
 #include <cuda_fp8.h>
 
 #include "common.cuh"
@@ -23,7 +26,11 @@
 __device__ __forceinline__ float fp8_scale(const unsigned* amax, int e5m2) {
     const float a = __uint_as_float(amax[0]);
     const float fmax = e5m2 ? E5M2_MAX : E4M3_MAX;
-    return a == 0.0f ? 1.0f : fmax / a;
+    if (a == 0.0f) return 1.0f;
+    const float s = fmax / a;
+    // a tiny amax (below ~1e-36) makes fmax/a infinite, and 0·inf a NaN: the largest finite
+    // scale instead (x·s then stays within FMAX). An infinite amax still gives s = 0 (above).
+    return isinf(s) ? FLT_MAX : s;
 }
 
 __device__ __forceinline__ unsigned char to_fp8(float v, int e5m2) {
