@@ -77,13 +77,13 @@ extern "C" __global__ void k_fp8_amax_f32(unsigned* amax, const float* x, long n
     amax_body(amax, x, n);
 }
 
-// numpy twin: none — q = sat(x·s) over n activations, s from amax (the top of this file);
-// inv[0] = 1/s for cuBLASLt.
 // Eight FP8 bytes, stored as one 8-byte word.
 struct alignas(8) Fp8x8 {
     unsigned char v[8];
 };
 
+// numpy twin: none — q = sat(x·s) over n activations, s from amax (the top of this file);
+// inv[0] = 1/s for cuBLASLt.
 extern "C" __global__ void k_fp8_cast(unsigned char* q, float* inv, const act_t* x,
                                       const unsigned* amax, long n, int e5m2) {
     const float s = fp8_scale(amax, e5m2);
