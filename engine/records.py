@@ -324,7 +324,7 @@ class ReadyEvent(Event):
                    as_str(o.get("attention"))[:200], as_int(o.get("world_size"), 1) or 1,
                    dict(o["topology"]) if isinstance(o.get("topology"), Mapping) else {},
                    as_str(o.get("precision"))[:16],
-                   [as_str(g)[:32] for g in fp8[:16]] if isinstance(fp8, list) else [])
+                   [g[:32] for g in fp8[:16] if isinstance(g, str)] if isinstance(fp8, list) else [])
 
 
 @dataclass(frozen=True)
@@ -864,6 +864,16 @@ class EngineInfo:
                    as_int(obj.get("world_size"), 1, 1 << 16) or 1,
                    [r for r in map(RankInfo.from_json, ranks[:4096]) if r is not None]
                    if isinstance(ranks, list) else [])
+
+
+# A checkpoint's state.json: the GEMMs that ran in FP8, written by fp8 runs only
+STATE_FP8_GEMMS = "fp8_gemms"
+
+
+def fp8_gemms_of(state: Any) -> list[str]:
+    """The FP8 GEMMs a checkpoint's state.json names ([] when none, or not a list of names)."""
+    got = state.get(STATE_FP8_GEMMS) if isinstance(state, Mapping) else None
+    return [g[:32] for g in got[:16] if isinstance(g, str)] if isinstance(got, list) else []
 
 
 def parse_all(reader: Any, objects: Iterable[Any]) -> tuple[list[Any], int]:

@@ -52,6 +52,9 @@ QKV = ("attn.W_Q", "attn.W_K", "attn.W_V")
 SEPARATE_QKV = "-sepqkv"  # a PyTorch variant's suffix: Q, K, V as three Linears (not best practice)
 AFTER = {"attention": "auto", "fusions": True}
 BEFORE = {"attention": "classic", "fusions": False}
+# the optimizer step every implementation takes (PyTorch's AdamW gets the same values)
+STEP_HP = {"loss_scale": 1.0, "grad_mult": 1.0, "lr": 3e-4, "beta1": 0.9, "beta2": 0.95,
+           "eps": 1e-8, "weight_decay": 0.1, "max_norm": 1.0}
 FP8 = {**AFTER, "precision": "fp8"}  # train/precision "fp8": the MLP's GEMMs in FP8 (--fp8)
 # the default with one fusion switched off (backend._flag), timed beside it: --variants
 VARIANTS = {"andrea no side stream": {"ANDREA_SIDE_STREAM": "0"},
@@ -97,8 +100,7 @@ def andrea_step(bk: Any) -> Callable[..., None]:
     (given `nxt`, the next step is queued behind it before it is waited for, as andrea-train
     queues it: the device never waits for the host), else zero_grads / forward_backward /
     grad_norm / clip / adamw from the host."""
-    hp = {"loss_scale": 1.0, "grad_mult": 1.0, "lr": 3e-4, "beta1": 0.9, "beta2": 0.95,
-          "eps": 1e-8, "weight_decay": 0.1, "max_norm": 1.0}
+    hp = STEP_HP
 
     def step(tok: np.ndarray, t: int, nxt: np.ndarray | None = None) -> None:
         x, y = tok[:, :-1], tok[:, 1:]
@@ -112,10 +114,10 @@ def andrea_step(bk: Any) -> Callable[..., None]:
         bk.zero_grads()
         bk.forward_backward(x, y)
         norm = bk.grad_norm()
-        sc = clip_scale(norm, 1.0)
+        sc = clip_scale(norm, hp["max_norm"])
         if sc < 1.0:
             bk.grad_scale(sc)
-        bk.adamw(3e-4, 0.9, 0.95, 1e-8, 0.1, t)
+        bk.adamw(hp["lr"], hp["beta1"], hp["beta2"], hp["eps"], hp["weight_decay"], t)
         bk.synchronize()
 
     return step
@@ -131,8 +133,7 @@ def gpu_step_ms(bk: Any, toks: list[np.ndarray], t0: int, n: int = 20) -> float:
         tok = toks[i % len(toks)]
         bk.prepare_step(tok[:, :-1], tok[:, 1:])
         e0.record(bk.stream)
-        bk.launch_step(None, None, loss_scale=1.0, grad_mult=1.0, lr=3e-4, beta1=0.9,
-                       beta2=0.95, eps=1e-8, weight_decay=0.1, t=t0 + i, max_norm=1.0)
+        bk.launch_step(None, None, t=t0 + i, **STEP_HP)
         e1.record(bk.stream)
         bk.step_result()
         times.append(e1.time_since(e0))
@@ -289,9 +290,10 @@ def torch_step(s: ModelShapes, variant: str) -> tuple[Callable[[np.ndarray, int]
         run = torch.compile(model, mode=variant)
     decay = [p for p in model.parameters() if p.dim() == 2]
     other = [p for p in model.parameters() if p.dim() != 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": STEP_HP["weight_decay"]},
                              {"params": other, "weight_decay": 0.0}],
-                            lr=3e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
+                            lr=STEP_HP["lr"], betas=(STEP_HP["beta1"], STEP_HP["beta2"]),
+                            eps=STEP_HP["eps"], fused=True)
     dev: dict[int, Any] = {}
 
     def step(tok: np.ndarray, t: int) -> None:
@@ -302,7 +304,7 @@ def torch_step(s: ModelShapes, variant: str) -> tuple[Callable[[np.ndarray, int]
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = run(d[:, :-1], d[:, 1:])
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), STEP_HP["max_norm"])
         opt.step()
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()

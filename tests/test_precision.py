@@ -92,3 +92,23 @@ def test_the_precision_travels_to_the_engine_and_shows_in_the_header() -> None:
     st.add_events([ReadyEvent(t=1.0, backend="cuda", device="H200",
                               precision="bf16").to_json()])
     assert "fp8" not in panels.header(st, 2.0).plain
+
+
+def test_a_checkpoint_says_which_gemms_ran_in_fp8() -> None:
+    """state.json's fp8_gemms (engine.records.STATE_FP8_GEMMS), read tolerantly, and shown by
+    `andrea-ckpt inspect` beside the precision; absent in other precisions."""
+    from engine import records as rec
+    from engine.run.ckpt_cli import _summary_lines, state_summary
+
+    gemms = ["fc1 fwd", "fc2 fwd"]
+    state = {"config": {"train": {"precision": "fp8"}}, rec.STATE_FP8_GEMMS: gemms}
+    assert rec.fp8_gemms_of(state) == gemms
+    assert rec.fp8_gemms_of({rec.STATE_FP8_GEMMS: "all"}) == []
+    assert rec.fp8_gemms_of({rec.STATE_FP8_GEMMS: [3, "fc1 fwd"]}) == ["fc1 fwd"]
+    assert rec.fp8_gemms_of("not a state") == []
+    run_line = next(x for x in _summary_lines(state_summary(state)) if x.startswith("run:"))
+    assert "precision fp8 (FP8: fc1 fwd, fc2 fwd)" in run_line
+    plain = {"config": {"train": {"precision": "bf16"}}}
+    assert state_summary(plain)["fp8_gemms"] == []
+    assert "FP8" not in next(x for x in _summary_lines(state_summary(plain))
+                             if x.startswith("run:"))

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from engine import records as rec
 from engine.errors import UserError, cli_entry
 from engine.run.checkpoint import (
     CORE_FIELDS,
@@ -83,7 +84,7 @@ def state_summary(state: dict[str, Any]) -> dict[str, Any]:
         "backend": state.get("backend"),
         "experiment": _dig(state, "config", "name"),
         "precision": _dig(state, "config", "train", "precision"),
-        "fp8_gemms": state.get("fp8_gemms", []),  # the GEMMs that ran in FP8 (none: [])
+        "fp8_gemms": rec.fp8_gemms_of(state),  # the GEMMs that ran in FP8 (none: [])
         "tokens": state.get("tokens"),
         "schedule": _pick(state.get("schedule"), "step", "max_steps", "lr", "warmup_steps"),
         "trainer": {
@@ -147,8 +148,7 @@ def _summary_lines(s: dict[str, Any]) -> list[str]:
         f"reason: {_v(s['reason'])}  written {_when(s['wall_time'])}",
         f"run: {_v(s['run_id'])}  backend {_v(s['backend'])}  experiment {_v(s['experiment'])}"
         f"  precision {_v(s['precision'])}"
-        + (f" (FP8: {', '.join(map(str, s['fp8_gemms']))})"
-           if isinstance(s["fp8_gemms"], list) and s["fp8_gemms"] else "")
+        + (f" (FP8: {', '.join(s['fp8_gemms'])})" if s["fp8_gemms"] else "")
         + f"  ranks {_v(s['world_size'])}",
         f"tokens: {_v(s['tokens'], ',')}",
         f"schedule: step {_v(sch['step'])} of {_v(sch['max_steps'])}  lr {_v(sch['lr'], '.3e')}"

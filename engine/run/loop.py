@@ -685,7 +685,7 @@ class TrainingRun:
             "world_size": self.world.size,
             "versions": {"python": platform.python_version(), "numpy": np.__version__},
             # train/precision "fp8": the GEMMs that ran in FP8 (only then: the key says so)
-            **({"fp8_gemms": fp8} if (fp8 := list(getattr(tr.backend, "fp8_gemms", [])))
+            **({rec.STATE_FP8_GEMMS: fp8} if (fp8 := list(getattr(tr.backend, "fp8_gemms", [])))
                else {}),
         }
 
