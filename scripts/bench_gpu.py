@@ -58,7 +58,9 @@ STEP_HP = {"loss_scale": 1.0, "grad_mult": 1.0, "lr": 3e-4, "beta1": 0.9, "beta2
 FP8 = {**AFTER, "precision": "fp8"}  # train/precision "fp8": the MLP's GEMMs in FP8 (--fp8)
 # the default with one fusion switched off (backend._flag), timed beside it: --variants
 VARIANTS = {"andrea no side stream": {"ANDREA_SIDE_STREAM": "0"},
-            "andrea with fused LN": {"ANDREA_FUSED_LN": "1"}}
+            "andrea with fused LN": {"ANDREA_FUSED_LN": "1"},
+            "andrea LN sums on main": {"ANDREA_SIDE_LN": "0"},
+            "andrea AdamW not deferred": {"ANDREA_DEFER_ADAMW": "0"}}
 
 
 def flops_per_token(s: ModelShapes) -> float:

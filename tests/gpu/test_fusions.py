@@ -188,9 +188,10 @@ def test_grad_norm_is_partial_then_final(env, rng):
 
 @pytest.mark.parametrize("case", ["clip", "no clip", "non-finite"])
 def test_adamw_step_is_the_host_driven_step(env, rng, case):
-    """k_adamw_step (norm, clip and skip read on the device) against k_adamw given the clip the
+    """k_step_clip (clip and skip decided on the device) then k_adamw_step, in three ranges cut
+    inside tensors as a deferred update is cut by layer, against k_adamw given the clip the
     host would compute; a non-finite norm changes nothing."""
-    from engine.backends.cuda.buffers import HP_FIELDS
+    from engine.backends.cuda.buffers import HP_FIELDS, UPD_WORDS
 
     _precision, o, dev = env
     n = 100_003
@@ -211,11 +212,16 @@ def test_adamw_step_is_the_host_driven_step(env, rng, case):
         dseg, ddec = dev.put(seg.view(np.int32), "i32"), dev.put(decay, "i32")
         if fused:
             dhp = dev.put(np.array([hp[k] for k in HP_FIELDS]), "f32")
-            clip = dev.put(np.array([1.0]), "f32")
+            clip = dev.put(np.array([7.0]), "f32")
             skipped = dev.put(np.array([7]), "i32")
-            o.adamw_step(dp, plp, dg, dm, dv, dseg, ddec, 3, n, dhp,
-                         dev.put(np.array([norm]), "f32"), clip, skipped)
+            upd = dev.put(np.zeros(UPD_WORDS), "f32")
+            o.step_clip(upd, dhp, dev.put(np.array([norm]), "f32"), clip, skipped)
+            for begin, end in ((0, 4_000), (4_000, 60_052), (60_052, n)):
+                o.adamw_step(dp, plp, dg, dm, dv, dseg, ddec, 3, begin, end, upd)
             assert dev.get(skipped)[0] == (0 if np.isfinite(norm) else 1)
+            finite_clip = norm > max_norm and np.isfinite(norm)
+            want = np.float32(max_norm) / np.float32(norm) if finite_clip else np.float32(1)
+            assert dev.get(clip)[0] == want
         elif np.isfinite(norm):
             c = np.float32(max_norm) / np.float32(norm) if norm > max_norm else np.float32(1)
             o.grad_scale(dg, n, gm)  # g·gm stored, then the clip folded into k_adamw

@@ -48,3 +48,46 @@ def test_a_queued_step_gives_the_bits_of_steps_run_in_turn(first: str) -> None:
     for a, b in zip(ra, rb, strict=True):
         assert np.array_equal(a[0], b[0]) and np.array_equal(a[1:], b[1:], equal_nan=True)
     assert np.array_equal(pa, pb) and np.array_equal(ma, mb) and np.array_equal(va, vb)
+
+
+@pytest.mark.parametrize("first", ["applied", "skipped"])
+def test_the_update_beside_the_next_forward_gives_the_bits_of_the_update_in_its_step(
+        monkeypatch: pytest.MonkeyPatch, first: str) -> None:
+    """Each step's AdamW left to the next step's graph (on the weight-gradient stream, layer by
+    layer beside the forward) and the LayerNorm parameter sums on that stream: the same bits as
+    both on the main stream in their own step, through two-deep queues, a validation forward
+    between steps (which applies the pending update first), a shorter sequence (its pending
+    update applied before its gradients are zeroed), a skipped step and the state read at the
+    end."""
+    from engine.backends.cuda import CudaBackend
+
+    tok = np.random.default_rng(5).integers(0, 8449, (7, 4, 65)).astype(np.int32)
+    x = [(t[:, :-1], t[:, 1:]) for t in tok]
+    gm0 = float("nan") if first == "skipped" else 1.0
+    out = []
+    for on in ("0", "1"):
+        monkeypatch.setenv("ANDREA_DEFER_ADAMW", on)
+        monkeypatch.setenv("ANDREA_SIDE_LN", on)
+        bk = CudaBackend(SHAPES, 4, "bf16", tune=False)
+        assert bk.defer_update == (on == "1")
+        bk.load_params(init_params(SHAPES, seed=9))
+        t = 1
+        rows = [bk.train_step(*x[0], grad_mult=gm0, t=t, **HP)]
+        t += first == "applied"
+        rows.append(bk.train_step(*x[1], grad_mult=1.0, t=t, **HP))
+        t += 1
+        rows.append((bk.forward_loss(*x[2]),))  # validation: sees step 2's update
+        bk.launch_step(*x[3], grad_mult=1.0, t=t, **HP)
+        bk.launch_step(*x[4], grad_mult=1.0, t=t + 1, **HP)
+        rows += [bk.step_result(), bk.step_result()]
+        t += 2
+        short = tok[5][:, :33]
+        rows.append(bk.train_step(short[:, :-1], short[:, 1:], grad_mult=1.0, t=t, **HP))
+        rows.append(bk.train_step(*x[6], grad_mult=1.0, t=t + 1, **HP))
+        m, v = bk.read_optimizer()
+        out.append((rows, bk.read_params(), m.copy(), v.copy()))
+        bk.close()
+    (ra, pa, ma, va), (rb, pb, mb, vb) = out
+    for a, b in zip(ra, rb, strict=True):
+        assert np.array_equal(a[0], b[0]) and np.array_equal(a[1:], b[1:], equal_nan=True)
+    assert np.array_equal(pa, pb) and np.array_equal(ma, mb) and np.array_equal(va, vb)

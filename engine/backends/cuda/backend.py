@@ -69,7 +69,8 @@ def _flag(name: str, default: bool = True) -> bool:
     stream), ANDREA_FUSED_LN (the one-kernel LayerNorm backward: off by default, it measured
     slower than the three kernels on the H200, NOTES.md), ANDREA_WRITE_GRADS (the step writes
     its gradients instead of zeroing and adding), ANDREA_DWTE_PAD (dwte's GEMM over the aligned
-    rows)."""
+    rows), ANDREA_DEFER_ADAMW (a step's AdamW in the next step's graph, beside its forward),
+    ANDREA_SIDE_LN (the LayerNorm parameter sums on the weight-gradient stream, ops.py)."""
     return os.environ.get(name, "1" if default else "0") != "0"
 
 
@@ -173,8 +174,10 @@ class CudaBackend:
                            event=lambda: drv.Event(drv.event_flags.DISABLE_TIMING))
             self.ops.counter = plan["counters"]
             if self.side is not None:
-                # two per weight-gradient GEMM (fork, done), the joins: 4 GEMMs a layer, dwte
-                self.ops.reserve_events(8 * shapes.n_layer + 16)
+                # two per weight-gradient GEMM (fork, done; 4 a layer, dwte) and per LayerNorm
+                # parameter sum (2 a layer, the final one), one per layer's deferred update,
+                # the joins
+                self.ops.reserve_events(13 * shapes.n_layer + 24)
         else:
             self.blas = Cublas(self.stream.handle, plan["cublas_ws"], WORKSPACE_BYTES)
             # GELU in the MLP GEMMs' epilogues (ANDREA_GELU_FUSION=0: separate GELU kernels)
@@ -188,6 +191,14 @@ class CudaBackend:
         self.fused_ln = self.fusions and _flag("ANDREA_FUSED_LN", default=False)
         self.write_grads = _flag("ANDREA_WRITE_GRADS")
         self.dwte_pad = self.S if _flag("ANDREA_DWTE_PAD") else 0
+        # A fused step may leave its AdamW update pending (k_step_clip recorded it): the next
+        # step's graph applies it layer by layer on the weight-gradient stream while its
+        # forward runs, each layer's forward waiting for its own range; anything else that
+        # touches the state applies it first (_settle_update). Not with FP8 (its weight copies
+        # are made at the start of the pass) nor data-parallel steps.
+        self.defer_update = (self.fused_step and self.side is not None and not self.fp8
+                             and _flag("ANDREA_DEFER_ADAMW"))
+        self._update_pending = False
         self.p, self.g = plan["params"], plan["grads"]
         self.plp = plan["params_lp"] if precision != "fp32" else self.p
         self.m, self.v = plan["m"], plan["v"]
@@ -198,7 +209,7 @@ class CudaBackend:
         self.h_losses = drv.pagelocked_zeros(self.train.R, np.float32)
         self.h_norm = drv.pagelocked_zeros(2, np.float32)  # norm, clip
         self.h_logits = drv.pagelocked_zeros(self.ldv, np.float32)
-        self._graphs: dict[tuple[str, int], graphs.CudaGraph] = {}
+        self._graphs: dict[tuple[Any, ...], graphs.CudaGraph] = {}
         # A gradient scale (clip, 1/n_micro) not yet written into the buffer: grad_norm and
         # adamw apply it on the fly, saving a pass over 4·n bytes; anything else settles it.
         self._pending_scale = 1.0
@@ -212,6 +223,7 @@ class CudaBackend:
         self._done = [drv.Event(drv.event_flags.DISABLE_TIMING) for _ in range(STEP_SLOTS)]
         self._queued: collections.deque[tuple[int, int]] = collections.deque()
         self._prepared: tuple[int, int] | None = None  # (slot, T)
+        self._update_ranges = self._ranges_by_layer()
         # Everything starts at zero: rows past a short sequence are then finite (cuDNN's
         # full-length graphs read them; see cudnn_attn.py), and the counters of the fused
         # kernels start at 0.
@@ -386,8 +398,11 @@ class CudaBackend:
         else:
             o.attn_fwd(a["qkv"], s.n_head, a["probs"], a["att"], b.at("scores"), b.B, T, d, slab)
 
-    def _forward(self, b: BatchBuffers, T: int, loss: bool, train: bool = False) -> None:
-        """train: a training step's forward (fusions: the loss kernel writes dlogits too)."""
+    def _forward(self, b: BatchBuffers, T: int, loss: bool, train: bool = False,
+                 ready: Callable[[int], None] | None = None) -> None:
+        """train: a training step's forward (fusions: the loss kernel writes dlogits too).
+        ready(l): called before layer l's parameters are first read (l = L: the final
+        LayerNorm's), where the previous step's update is still being applied."""
         s, o = self.shapes, self.ops
         d, F, L = s.d_model, s.d_ff, s.n_layer
         B, R = b.B, b.B * T
@@ -398,6 +413,8 @@ class CudaBackend:
         if fp8 is not None:  # this pass's FP8 weight copies, from the masters
             fp8.begin_pass(lambda layer, name: self._p32(f"h.{layer}.{name}"))
         o.embed_fwd(io["tokens"], self._p32("wte"), self._p32("wpe"), b.at("x", 0), B, T, d)
+        if ready is not None:
+            ready(0)
         a0 = b.layer(0)
         o.layernorm_fwd(b.at("x", 0), self._p32("h.0.ln1.gamma"), self._p32("h.0.ln1.beta"),
                         a0["ln1"], a0["ln1_stats"], a0["ln1_stats"] + R * 4, R, d)
@@ -422,6 +439,8 @@ class CudaBackend:
                 o.mlp_fwd(a["ln2"], self._w(h + "mlp.W_1"), self._w(h + "mlp.W_2"), a["pre"],
                           a["act"], proj, R, d, F)
             # x[l+1] = xmid + mlp; then the next LayerNorm: layer l+1's ln1, or lnf
+            if ready is not None:
+                ready(l + 1)
             if l + 1 < L:
                 nxt = b.layer(l + 1)
                 h1 = f"h.{l + 1}."
@@ -571,7 +590,7 @@ class CudaBackend:
         T = self.train.stage(self.h_step[slot], x, y, 1.0)
         self._prepared = (slot, T)
 
-    def _run(self, key: tuple[str, int], issue: Callable[[], None]) -> None:
+    def _run(self, key: tuple[Any, ...], issue: Callable[[], None]) -> None:
         """Issue the work directly, or through a graph captured on first use per (kind, T)."""
         if not self.use_graphs:
             issue()
@@ -597,6 +616,7 @@ class CudaBackend:
     # --- the interface ----------------------------------------------------------------------------
     def forward_backward(self, inputs: np.ndarray, targets: np.ndarray,
                          loss_scale: float = 1.0, separate: bool = False) -> np.ndarray:
+        self._settle_update()
         if separate:
             # This micro-batch's gradient on its own, then one add (see the interface).
             if not self.separate_micro:
@@ -613,6 +633,7 @@ class CudaBackend:
     def grad_device(self) -> tuple[int, int, Any]:
         """(device pointer, float32 count, stream) of the live gradient buffer, every deferred
         scale settled: what a data-parallel all-reduce sums in place, on this stream."""
+        self._settle_update()
         self._settle_scale()
         return self.g, self.n, self.stream
 
@@ -686,6 +707,8 @@ class CudaBackend:
         # A shorter sequence leaves position rows unwritten: zero, then add, as usual.
         write = T == self.S and self.write_grads
         buckets = self.grad_buckets()
+        pending = self._update_pending  # the step ahead left its update to this graph
+        defer = self.defer_update and reducer is None and write
 
         def reduce_bucket(i: int) -> None:
             first, count = buckets[i]
@@ -695,21 +718,25 @@ class CudaBackend:
         def issue() -> None:
             o = self.ops
             o.step_hp(b.io()["hp"], self._plan["skipped"])
+            o.begin_pass()
+            # the pending update beside the forward needs the gradients it reads left alone
+            # until the backward (written, not zeroed first)
+            ready = self._apply_update(beside=write) if pending else None
             if not write:
                 self.drv.memset_d32_async(self.g, 0, self.n, self.stream)
-            o.begin_pass()
             o.overwrite_grads = write
             try:
-                self._forward(b, T, loss=True, train=True)
+                self._forward(b, T, loss=True, train=True, ready=ready)
                 self._backward(b, T, reduce_bucket if reducer is not None else None)
             finally:
                 o.overwrite_grads = False
             o.join()
             if reducer is not None:
                 o.wait_for(self.comm)
-            self._optimizer_tail(b)
+            self._optimizer_tail(b, apply=not defer)
 
-        self._run(("step" if reducer is None else "step-ddp", T), issue)
+        self._run(("step" if reducer is None else "step-ddp", T, pending, defer), issue)
+        self._update_pending = defer
         self._copy_results(self.h_res[slot], T)
         self._done[slot].record(self.stream)
         self._queued.append((slot, T))
@@ -749,6 +776,7 @@ class CudaBackend:
         if t < 1:
             raise ValueError(f"optimizer_step: t is the 1-based Adam step, got {t}")
         b = self.train
+        self._settle_update()
         self._settle_scale()
         h = self.h_io[b.p]
         b.stage_hp(h, self._hp(grad_mult, lr, beta1, beta2, eps, weight_decay, t, max_norm))
@@ -772,18 +800,58 @@ class CudaBackend:
                 "grad_mult": grad_mult, "max_norm": max_norm, "bc1_alt": 1.0 - beta1**alt,
                 "bc2_alt": 1.0 - beta2**alt, "alt_if_skipped": 1.0 if behind else 0.0}
 
-    def _optimizer_tail(self, b: BatchBuffers) -> None:
-        """grads·grad_mult → norm → clip → AdamW, reading the hyper-parameters staged in b's
-        io block; the norm and the clip factor stay in the plan's `norm` and `clip`."""
+    def _optimizer_tail(self, b: BatchBuffers, apply: bool = True) -> None:
+        """grads·grad_mult → norm → clip (or skip) → AdamW, reading the hyper-parameters staged
+        in b's io block; the norm and the clip factor stay in the plan's `norm` and `clip`, and
+        the update's values in `update`. apply False: the update is left pending."""
         o, io = self.ops, b.io()
-        norm, clip = self._plan["norm"], self._plan["clip"]
+        norm = self._plan["norm"]
         gm = io["hp"] + 4 * HP_FIELDS.index("grad_mult")
         o.grad_norm(self.g, self.n, self._plan["norm_partials"], norm, gs_dev=gm)
-        self.drv.memset_d32_async(clip, 0x3F800000, 1, self.stream)  # 1.0f unless clipped
+        o.step_clip(self._plan["update"], io["hp"], norm, self._plan["clip"],
+                    self._plan["skipped"])
+        if apply:
+            self._adamw_range(0, self.n)
+
+    def _adamw_range(self, begin: int, end: int, stream: Any = None) -> None:
         lp = self.plp if self.precision != "fp32" else 0
-        o.adamw_step(self.p, lp, self.g, self.m, self.v, self._plan["seg_start"],
-                     self._plan["seg_decay"], self.nseg, self.n, io["hp"], norm, clip,
-                     self._plan["skipped"])
+        self.ops.adamw_step(self.p, lp, self.g, self.m, self.v, self._plan["seg_start"],
+                            self._plan["seg_decay"], self.nseg, begin, end,
+                            self._plan["update"], stream=stream)
+
+    def _ranges_by_layer(self) -> list[tuple[int, int]]:
+        """The flat parameters cut where each layer's begin (rounded up to a 16-byte float
+        group): the embeddings, then layer 0 .. L-1, the last with the final LayerNorm. A
+        layer's few elements before its cut are in the range before it, applied earlier."""
+        L, n = self.shapes.n_layer, self.n
+        cuts = [0] + [min(n, -(-self.off[f"h.{l}.ln1.gamma"] // 4) * 4) for l in range(L)]
+        return [(a, b) for a, b in zip(cuts, [*cuts[1:], n], strict=True)]
+
+    def _apply_update(self, beside: bool) -> Callable[[int], None] | None:
+        """Queue the pending update (k_step_clip's record). beside: the layers' ranges on the
+        weight-gradient stream, returning the `ready` of `_forward` (layer l's forward waits for
+        its range); else one launch on the main stream. Same bits either way."""
+        o = self.ops
+        if not beside or o.side is None:
+            self._adamw_range(0, self.n)
+            return None
+        fork = o._event()
+        fork.record(self.stream)
+        o.side.wait_for_event(fork)
+        done = []
+        for begin, end in self._update_ranges[1:]:
+            self._adamw_range(begin, end, stream=o.side)
+            ev = o._event()
+            ev.record(o.side)
+            done.append(ev)
+        self._adamw_range(*self._update_ranges[0])  # the embeddings, read first
+        return lambda l: self.stream.wait_for_event(done[min(l, len(done) - 1)])
+
+    def _settle_update(self) -> None:
+        """Apply a step's pending update now (before the state is read or used)."""
+        if self._update_pending:
+            self._update_pending = False
+            self._run(("update", 0), lambda: self._apply_update(beside=False))
 
     def _ready_to_reduce(self, reducer: Any, key: tuple[str, int]) -> None:
         """Before the data-parallel step's graph is captured: the all-reduce stream, events for
@@ -792,7 +860,7 @@ class CudaBackend:
         gradients they sum are then overwritten or zeroed by the step)."""
         if self.comm is None:
             self.comm = self.drv.Stream(flags=1)
-            self.ops.reserve_events(12 * self.shapes.n_layer + 24)
+            self.ops.reserve_events(16 * self.shapes.n_layer + 32)
         if key not in self._graphs and self.use_graphs:
             self.stream.synchronize()
             for first, count in self.grad_buckets():
@@ -800,6 +868,7 @@ class CudaBackend:
             self.comm.synchronize()
 
     def forward_loss(self, inputs: np.ndarray, targets: np.ndarray) -> np.ndarray:
+        self._settle_update()
         b = self.train
         x, y = self._xy(inputs, targets)
         T = self._stage(b, x, y, 1.0)
@@ -807,6 +876,7 @@ class CudaBackend:
         return self._row_means(b, T)
 
     def logits_last(self, tokens: np.ndarray) -> np.ndarray:
+        self._settle_update()
         b, s = self.sample, self.shapes
         x = self._check_tokens(np.asarray(tokens).reshape(1, -1), "tokens", 1)
         T = self._stage(b, x, None, 1.0)
@@ -837,26 +907,32 @@ class CudaBackend:
         return out
 
     def load_params(self, params: np.ndarray) -> None:
+        self._settle_update()
         self._put(self.p, params, "params")
         if self.precision != "fp32":
             self.ops.params_to_lp(self.plp, self.p, self.n)
         self.stream.synchronize()
 
     def load_optimizer(self, m: np.ndarray, v: np.ndarray) -> None:
+        self._settle_update()
         self._put(self.m, m, "adam m")
         self._put(self.v, v, "adam v")
 
     def read_params(self) -> np.ndarray:
+        self._settle_update()
         return self._get(self.p)
 
     def read_grads(self) -> np.ndarray:
+        self._settle_update()
         self._settle_scale()
         return self._get(self.g)
 
     def read_optimizer(self) -> tuple[np.ndarray, np.ndarray]:
+        self._settle_update()
         return self._get(self.m), self._get(self.v)
 
     def copy_state_into(self, params: np.ndarray, m: np.ndarray, v: np.ndarray) -> None:
+        self._settle_update()
         self.stream.synchronize()
         for out, ptr in ((params, self.p), (m, self.m), (v, self.v)):
             if out.dtype != np.float32 or out.shape != (self.n,) or not out.flags.c_contiguous:
@@ -864,6 +940,7 @@ class CudaBackend:
             self.drv.memcpy_dtoh(out, ptr)
 
     def zero_grads(self) -> None:
+        self._settle_update()
         self.drv.memset_d32_async(self.g, 0, self.n, self.stream)
         self._pending_scale = 1.0
 
@@ -879,12 +956,14 @@ class CudaBackend:
         """grads *= s, deferred: the next grad_norm or adamw multiplies as it reads, rounding
         g·s to float exactly as a separate pass would have stored it (same bits). A second
         scale while one is pending settles the first, so s1 then s2 stays fl(fl(g·s1)·s2)."""
+        self._settle_update()
         if float(s) == 1.0:
             return
         self._settle_scale()
         self._pending_scale = float(s)
 
     def grad_norm(self) -> float:
+        self._settle_update()
         partials, norm = self._plan["norm_partials"], self._plan["norm"]
         if self.fusions:
             self.ops.grad_norm(self.g, self.n, partials, norm, self._pending_scale)
@@ -897,6 +976,7 @@ class CudaBackend:
 
     def adamw(self, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
               t: int) -> None:
+        self._settle_update()
         lp = self.plp if self.precision != "fp32" else 0
         self.ops.adamw(self.p, lp, self.g, self.m, self.v, self._plan["seg_start"],
                        self._plan["seg_decay"], self.nseg, self.n, float(lr), float(beta1),

@@ -41,6 +41,7 @@ def logits_ld(vocab_size: int) -> int:
 # skipped (a step queued before the one ahead of it has ended guesses that one applied)
 HP_FIELDS = ("lr", "beta1", "beta2", "eps", "weight_decay", "bc1", "bc2", "grad_mult",
              "max_norm", "bc1_alt", "bc2_alt", "alt_if_skipped")
+UPD_WORDS = len(HP_FIELDS) + 2  # k_step_clip's record of a step's update: hp, clip, skip
 
 
 def io_fields(R: int, step: bool = False) -> dict[str, int]:
@@ -209,9 +210,11 @@ def plan_memory(shapes: ModelShapes, micro_batch: int, precision: str,
     if attention == "cudnn":
         plan.add("scratch", "cudnn_ws", cudnn_workspace)
     if fused:  # the weight-gradient stream's cuBLAS workspace; k_*_fused's int counters; clip;
-        # whether the last fused step was skipped (k_adamw_step writes it, k_step_hp reads it)
+        # whether the last fused step was skipped (k_step_clip writes it, k_step_hp reads it);
+        # the last step's update as k_step_clip decided it (k_adamw_step reads it)
         plan.add("scratch", "cublas_ws2", WORKSPACE_BYTES)
         plan.add("scratch", "counters", 2 * 4)
         plan.add("scratch", "clip", 4)
         plan.add("scratch", "skipped", 4)
+        plan.add("scratch", "update", UPD_WORDS * 4)
     return plan, train, sample

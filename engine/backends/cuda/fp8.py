@@ -190,6 +190,7 @@ class Fp8Mlp:
                                     tb=True, types=(R_8F_E4M3, R_8F_E5M2, R_32F),
                                     scales=(xi, di)),
                    lambda: o._wgrad(dw1, x, dpre, d, F, R, (dpre,), ta=True))
+        o._writes(dx)
         self._gemm("fc1 dgrad",
                    lambda: o._mm(dx, b["dh"], self._w("w1", layer), R, d, F, tb=True,
                                  types=(R_8F_E5M2, R_8F_E4M3, self.act), scales=(di, w1i)),

@@ -80,10 +80,13 @@ class Ops:
         self._events: list[Any] = []
         self._used = 0
         self._side_reads: dict[int, Any] = {}  # buffer -> event after the side's last read
+        # the LayerNorm parameter sums on the side stream too (ANDREA_SIDE_LN=0: on the main)
+        self.side_ln = os.environ.get("ANDREA_SIDE_LN", "1") != "0"
 
-    def _go(self, name: str, grid: int | tuple[int, int], *args: Any, shared: int = 0) -> None:
+    def _go(self, name: str, grid: int | tuple[int, int], *args: Any, shared: int = 0,
+            stream: Any = None) -> None:
         g = grid if isinstance(grid, tuple) else (grid, 1)
-        self.k[name].prepared_async_call(g, (THREADS, 1, 1), self.stream, *args,
+        self.k[name].prepared_async_call(g, (THREADS, 1, 1), stream or self.stream, *args,
                                          shared_size=shared)
         if self.debug:
             self._sync(name)
@@ -148,6 +151,22 @@ class Ops:
         fork.record(self.stream)
         self.side.wait_for_event(fork)
         self._mm(out, a, b, M, N, K, out32=True, beta=beta, side=True, **kw)
+        done = self._event()
+        done.record(self.side)
+        for ptr in reads:
+            self._side_reads[ptr] = done
+
+    def _on_side(self, issue: Callable[[Any], None], reads: tuple[int, ...]) -> None:
+        """issue(stream) after everything the main stream has queued so far, on the side stream
+        when there is one (work whose result only the gradient norm reads: the LayerNorm
+        parameter sums), with `reads` marked as in `_wgrad`."""
+        if self.side is None or not self.side_ln:
+            issue(self.stream)
+            return
+        fork = self._event()
+        fork.record(self.stream)
+        self.side.wait_for_event(fork)
+        issue(self.side)
         done = self._event()
         done.record(self.side)
         for ptr in reads:
@@ -238,10 +257,14 @@ class Ops:
         nchunk = -(-R // rows)
         assert rows <= LN_PARAMS_ROWS, rows
         tile = 32 * VEC_BYTES // self.esize  # columns per block: a warp's 16-byte vectors
-        self._go("k_layernorm_bwd_params", (-(-d // tile), nchunk), partial, dout, x, mean,
-                 rstd, R, d, rows)
-        self._go("k_colsum_reduce", -(-2 * d // THREADS), dgamma_beta, partial, nchunk, 2 * d,
-                 ow)
+
+        def sums(stream: Any) -> None:  # dγ, dβ: read by nothing before the gradient norm
+            self._go("k_layernorm_bwd_params", (-(-d // tile), nchunk), partial, dout, x, mean,
+                     rstd, R, d, rows, stream=stream)
+            self._go("k_colsum_reduce", -(-2 * d // THREADS), dgamma_beta, partial, nchunk,
+                     2 * d, ow, stream=stream)
+
+        self._on_side(sums, (dout,))
 
     # --- attention -------------------------------------------------------------------------------
     def attn_qkv_fwd(self, x: int, w_qkv: int, out: int, R: int, d: int, slab: int = 0) -> None:
@@ -337,6 +360,7 @@ class Ops:
     def attn_out_bwd(self, dout: int, y: int, w_o: int, dy: int, dw_o: int, R: int,
                      d: int) -> None:
         self._wgrad(dw_o, y, dout, d, d, R, (dout,), ta=True)
+        self._writes(dy)
         self._mm(dy, dout, w_o, R, d, d, tb=True)
 
     # --- MLP -------------------------------------------------------------------------------------
@@ -415,6 +439,7 @@ class Ops:
             self._mm(dpre, dout, w2, R, F, d, tb=True)
             self._go("k_mlp_gelu_bwd", _blocks(R * F), dpre, dpre, pre, R * F)
         self._wgrad(dw1, x, dpre, d, F, R, (dpre,), ta=True)
+        self._writes(dx)
         self._mm(dx, dpre, w1, R, d, F, tb=True)
 
     def gelu_fwd(self, act: int, pre: int, n: int) -> None:
@@ -482,6 +507,7 @@ class Ops:
         vg = ldv if wte_rows >= ldv else V
         mg = ldv if self.gemm is not None and ldv - V <= pad_rows else V
         self._wgrad(dwte, dlogits, x, mg, d, R, (dlogits, dwte), ta=True, lda=ldv)
+        self._writes(dx)
         self._mm(dx, dlogits, wte, R, d, vg, lda=ldv)
 
     # --- optimizer utilities ---------------------------------------------------------------------
@@ -517,14 +543,21 @@ class Ops:
                  seg_start, seg_decay, nseg, n, lr, beta1, beta2, eps, weight_decay, bc1, bc2,
                  gs)
 
+    def step_clip(self, upd: int, hp: int, norm: int, clip: int, skipped: int) -> None:
+        """The step's clip factor (clip[0]) and non-finite skip (skipped[0]) from the norm of
+        grad_norm, and into upd (buffers.UPD_WORDS floats) everything its update reads: hp
+        (buffers.HP_FIELDS) included, so that the update may run after the io block is
+        restaged (k_step_clip)."""
+        self._go("k_step_clip", 1, upd, hp, norm, clip, skipped)
+
     def adamw_step(self, params: int, params_lp: int, grads: int, m: int, v: int,
-                   seg_start: int, seg_decay: int, nseg: int, n: int, hp: int, norm: int,
-                   clip: int, skipped: int) -> None:
-        """adamw with the step's values read on the device: hp (buffers.HP_FIELDS, float32),
-        norm from grad_norm; skips the update when the norm is not finite, else folds in the
-        clip factor (written to clip[0]); skipped[0] says which it was."""
-        self._go("k_adamw_step", _blocks(-(-n // 4), cap=2048), params, params_lp, grads, m, v,
-                 seg_start, seg_decay, nseg, n, hp, norm, clip, skipped)
+                   seg_start: int, seg_decay: int, nseg: int, begin: int, end: int, upd: int,
+                   stream: Any = None) -> None:
+        """adamw over elements [begin, end) (begin a multiple of 4) as step_clip decided it
+        (nothing when the step is skipped); the same bits whichever ranges a step is split
+        into."""
+        self._go("k_adamw_step", _blocks(-(-(end - begin) // 4), cap=2048), params, params_lp,
+                 grads, m, v, seg_start, seg_decay, nseg, begin, end, upd, stream=stream)
 
     def step_hp(self, hp: int, skipped: int) -> None:
         """The bias corrections of hp as Adam's step count stands (k_step_hp)."""

@@ -93,24 +93,29 @@ extern "C" __global__ void k_grad_add(float* g, const float* other, long n) {
 }
 
 #define ADAMW_MAX_SEGS 1024
+#define UPD_GC 12    // k_step_clip's upd: HP_FIELDS (12 floats), then the clip factor,
+#define UPD_SKIP 13  // then 1.0 when the step is skipped (buffers.UPD_WORDS = 14)
 
-// AdamW over the flat buffers with g·gm·gc as the gradient (each product rounded to float, as
-// separate k_grad_scale passes would have stored it); the body of k_adamw and k_adamw_step.
+// AdamW over elements [begin, end) of the flat buffers (begin a multiple of 4) with g·gm·gc
+// as the gradient (each product rounded to float, as separate k_grad_scale passes would have
+// stored it); the body of k_adamw and k_adamw_step. Each element's arithmetic is the same
+// whichever range it falls in: a step split into ranges gives the bits of one launch.
 __device__ __forceinline__ void adamw_body(float* p, act_t* p_lp, const float* g, float* m,
                                            float* v, const long* seg_start, const int* seg_decay,
-                                           int nseg, long n, float lr, float b1, float b2,
-                                           float eps, float wd, float bc1, float bc2, float gm,
-                                           float gc) {
+                                           int nseg, long begin, long end, float lr, float b1,
+                                           float b2, float eps, float wd, float bc1, float bc2,
+                                           float gm, float gc) {
     __shared__ long starts[ADAMW_MAX_SEGS + 1];
     __shared__ int decay[ADAMW_MAX_SEGS];
     for (int i = threadIdx.x; i <= nseg; i += blockDim.x) starts[i] = seg_start[i];
     for (int i = threadIdx.x; i < nseg; i += blockDim.x) decay[i] = seg_decay[i];
     __syncthreads();
+    const long n = end - begin;
     const long nq = n / 4;  // float4 groups; the tail (n % 4) goes element by element
     for (long q = blockIdx.x * (long)blockDim.x + threadIdx.x; q < nq + (n & 3);
          q += (long)gridDim.x * blockDim.x) {
         const bool vec = q < nq;
-        const long i0 = vec ? q * 4 : nq * 4 + (q - nq);
+        const long i0 = begin + (vec ? q * 4 : nq * 4 + (q - nq));
         int lo = 0, hi = nseg - 1;  // the segment with starts[k] <= i0 < starts[k+1]
         while (lo < hi) {
             const int mid = (lo + hi + 1) >> 1;
@@ -168,37 +173,49 @@ extern "C" __global__ void k_adamw(float* p, act_t* p_lp, const float* g, float*
                                    const long* seg_start, const int* seg_decay, int nseg, long n,
                                    float lr, float b1, float b2, float eps, float wd, float bc1,
                                    float bc2, float gs) {
-    adamw_body(p, p_lp, g, m, v, seg_start, seg_decay, nseg, n, lr, b1, b2, eps, wd, bc1, bc2, gs,
-               1.0f);
+    adamw_body(p, p_lp, g, m, v, seg_start, seg_decay, nseg, 0, n, lr, b1, b2, eps, wd, bc1, bc2,
+               gs, 1.0f);
 }
 
-// numpy twin: ops.adamw (with the clip and the non-finite skip of DESIGN §4, on the device)
+// numpy twin: none — the trainer's clip and non-finite skip (engine/model/optim.py clip_scale,
+// DESIGN §4) decided on the device for the fused step. After k_grad_norm, one thread: a norm that is not finite skips the step's update (skipped[0]
+// = 1, and k_step_hp of the next step reads it); else the clip factor gc = max_norm/norm when
+// norm > max_norm (else 1) goes to clip[0] for the step record (1 when skipped). upd receives
+// what k_adamw_step needs, so that the update can run later, in the next step's graph, after
+// the io block holds that step's values: the hyper-parameters hp (buffers.HP_FIELDS), then
+// gc, then the skip flag.
+extern "C" __global__ void k_step_clip(float* upd, const float* hp, const float* norm,
+                                       float* clip, int* skipped) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    const float nrm = norm[0], max_norm = hp[8];
+    const int skip = !isfinite(nrm);
+    const float gc = skip ? 1.0f : nrm > max_norm ? max_norm / nrm : 1.0f;
+    for (int i = 0; i < UPD_GC; i++) upd[i] = hp[i];
+    upd[UPD_GC] = gc;
+    upd[UPD_SKIP] = (float)skip;
+    clip[0] = gc;
+    skipped[0] = skip;
+}
+
+// numpy twin: ops.adamw (the update of DESIGN §4 as k_step_clip decided it, on the device)
 // >   p -= lr·(m̂/(sqrt(v̂)+eps) + wd·p·decay)   (decay: 1 on 2-D tensors, 0 elsewhere; decoupled).
-// The whole optimizer step inside the captured step graph, after k_grad_norm: hp holds the
-// step's hyper-parameters, staged with the tokens (lr, β1, β2, eps, wd, bc1, bc2, gm, max_norm;
-// gm = 1/(n_micro·loss_scale)); norm[0] is ‖g·gm‖ from k_grad_norm. A norm that is not finite
-// skips the update (nothing is written: the trainer counts and records the skip); else the clip
-// factor gc = max_norm/norm when norm > max_norm (else 1) is folded in, g·gm·gc rounded as the
-// separate passes would round it, and written to clip[0] for the step record.
-// skipped[0] is set to whether this step was skipped (k_step_hp of the next step reads it).
+// The optimizer step inside the captured step graph, over elements [begin, end) (begin a
+// multiple of 4): upd is k_step_clip's (lr, β1, β2, eps, wd, bc1, bc2, gm, max_norm, ..., gc,
+// skip; gm = 1/(n_micro·loss_scale)). A skipped step writes nothing (the trainer counts and
+// records the skip); else g·gm·gc is the gradient, rounded as the separate passes would round
+// it. Split into ranges (one per layer), it runs in the next step's graph beside the forward.
 extern "C" __global__ void k_adamw_step(float* p, act_t* p_lp, const float* g, float* m, float* v,
                                         const long* seg_start, const int* seg_decay, int nseg,
-                                        long n, const float* hp, const float* norm, float* clip,
-                                        int* skipped) {
-    const float nrm = norm[0];
-    if (blockIdx.x == 0 && threadIdx.x == 0) skipped[0] = !isfinite(nrm);
-    if (!isfinite(nrm)) return;
-    const float max_norm = hp[8];
-    const float gc = nrm > max_norm ? max_norm / nrm : 1.0f;
-    if (blockIdx.x == 0 && threadIdx.x == 0) clip[0] = gc;
-    adamw_body(p, p_lp, g, m, v, seg_start, seg_decay, nseg, n, hp[0], hp[1], hp[2], hp[3], hp[4],
-               hp[5], hp[6], hp[7], gc);
+                                        long begin, long end, const float* upd) {
+    if (upd[UPD_SKIP] != 0.0f) return;
+    adamw_body(p, p_lp, g, m, v, seg_start, seg_decay, nseg, begin, end, upd[0], upd[1], upd[2],
+               upd[3], upd[4], upd[5], upd[6], upd[7], upd[UPD_GC]);
 }
 
 // numpy twin: none — the host's Adam step count, kept right on the device when a step is
 // queued before the one ahead of it has ended. The host stages bc1, bc2 (hp[5], hp[6]) for
 // Adam's t as if that step applied, and bc1_alt, bc2_alt (hp[9], hp[10]) for t - 1; when it
-// was skipped instead (skipped[0], from its k_adamw_step), this step takes the alternatives.
+// was skipped instead (skipped[0], from its k_step_clip), this step takes the alternatives.
 // The first node of the fused step's graph; one thread.
 extern "C" __global__ void k_step_hp(float* hp, const int* skipped) {
     if (threadIdx.x == 0 && blockIdx.x == 0 && hp[11] != 0.0f && skipped[0]) {
