@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -60,7 +61,8 @@ FP8 = {**AFTER, "precision": "fp8"}  # train/precision "fp8": the MLP's GEMMs in
 VARIANTS = {"andrea no side stream": {"ANDREA_SIDE_STREAM": "0"},
             "andrea with fused LN": {"ANDREA_FUSED_LN": "1"},
             "andrea LN sums on main": {"ANDREA_SIDE_LN": "0"},
-            "andrea AdamW not deferred": {"ANDREA_DEFER_ADAMW": "0"}}
+            "andrea AdamW not deferred": {"ANDREA_DEFER_ADAMW": "0"},
+            "andrea 32 GEMM candidates": {"ANDREA_GEMM_CANDIDATES": "32"}}
 
 
 def flops_per_token(s: ModelShapes) -> float:
@@ -140,6 +142,20 @@ def gpu_step_ms(bk: Any, toks: list[np.ndarray], t0: int, n: int = 20) -> float:
         bk.step_result()
         times.append(e1.time_since(e0))
     return statistics.median(times)
+
+
+def gemm_rates(plan: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each timed GEMM problem of a plan with its best time and rate, slowest rate first."""
+    out = []
+    for key, e in plan.get("gemms", {}).items():
+        m = re.match(r"(\d+)x(\d+)x(\d+) .*?batch=(\d+):.*?epi=(\S+)", key)
+        if not m or not e.get("ms"):
+            continue
+        M, N, K, batch = (int(m.group(i)) for i in range(1, 5))
+        flop = 2.0 * M * N * K * batch
+        out.append({"problem": key, "ms": e["ms"], "tflops": flop / e["ms"] / 1e9,
+                    "rank": e.get("rank"), "top1_ms": e.get("top1_ms"), "epilogue": m.group(5)})
+    return sorted(out, key=lambda r: r["tflops"])
 
 
 def kernels_per_step(bk: Any) -> int:
@@ -435,6 +451,7 @@ def bench_model(key: str, torch_variants: list[str], steps: int, rounds: int,
                 timed, best, first = bk.gemm.timing_summary()
                 notes[key][name]["gemm_timing"] = {"problems": timed, "best_ms": best,
                                                    "first_choice_ms": first}
+                notes[key][name]["gemms"] = gemm_rates(bk.gemm.export_plan())
     medians: dict[str, list[float]] = {n: [] for n in impls}
     for rnd in range(rounds):
         for name, (step, _) in impls.items():
@@ -564,6 +581,9 @@ def main() -> int:
                 print(f"    GEMMs timed: {g['problems']} problems, fastest of the candidates "
                       f"{g['best_ms']:.3f} ms vs cuBLASLt's first choices {g['first_choice_ms']:.3f}"
                       f" ms (one run each)")
+            for r in a.get("gemms", [])[:8]:  # the slowest rates: where GEMM time goes
+                print(f"      {r['tflops']:6.0f} TFLOP/s {r['ms'] * 1e3:7.1f} us  rank "
+                      f"{r['rank']}  {r['problem'][:100]}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1, default=str))
     return 0

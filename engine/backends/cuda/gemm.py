@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes as C
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -43,9 +44,9 @@ from engine.backends.cuda.cublaslt import (
     lt_check,
     lt_set,
 )
-from engine.errors import RunError
+from engine.errors import RunError, UserError
 
-CANDIDATES = 8  # heuristic proposals timed per problem
+CANDIDATES = 8  # heuristic proposals timed per problem (ANDREA_GEMM_CANDIDATES overrides)
 R_8F_E4M3, R_8F_E5M2 = 28, 29  # cudaDataType of FP8 operands (train/precision "fp8")
 DESC_A_SCALE_POINTER, DESC_B_SCALE_POINTER, DESC_FAST_ACCUM = 17, 18, 25
 ELEM_BYTES = {R_32F: 4, R_8F_E4M3: 1, R_8F_E5M2: 1}  # else 2 (bf16, fp16)
@@ -75,6 +76,18 @@ def problem_key(types: tuple[int, int, int], ta: bool, tb: bool, M: int, N: int,
     return (f"{M}x{N}x{K} {t} types={types[0]},{types[1]},{types[2]} ld={lda},{ldb},{ldc} "
             f"batch={batch}:{sa},{sb},{sc} beta={'0' if beta_zero else '1'} epi={epi} "
             f"align={aligns[0]},{aligns[1]},{aligns[2]}" + (" fast_accum" if fast_accum else ""))
+
+
+def candidates() -> int:
+    """Heuristic proposals to time per problem: CANDIDATES, or ANDREA_GEMM_CANDIDATES (to look
+    further down cuBLASLt's list; the plan records the choice, so a resume does not depend on
+    it)."""
+    raw = os.environ.get("ANDREA_GEMM_CANDIDATES", "")
+    if not raw:
+        return CANDIDATES
+    if not raw.isdigit() or not 1 <= int(raw) <= 64:
+        raise UserError(f"ANDREA_GEMM_CANDIDATES: expected an integer from 1 to 64, got {raw!r}")
+    return int(raw)
 
 
 @dataclass
@@ -199,7 +212,7 @@ class LtGemm:
                 return
             self.warnings.append(f"gemm plan: the recorded algorithm for {key} is not valid "
                                  f"here; the heuristic's choice runs instead")
-        cands = self._heuristics(p, aligns, CANDIDATES if self.tuning else 1)
+        cands = self._heuristics(p, aligns, candidates() if self.tuning else 1)
         if not cands:
             raise RunError(f"cuBLASLt proposes no algorithm for the GEMM {key}")
         p.candidates = len(cands)
