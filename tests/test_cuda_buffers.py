@@ -379,3 +379,32 @@ def test_every_cublaslt_call_has_its_signature(monkeypatch: pytest.MonkeyPatch) 
                   for n in ("cublaslt.py", "gemm.py"))
     called = set(re.findall(r"lib\.(cublasLt\w+)\b", src))
     assert called and all(fake.fns[n].argtypes is not None for n in called), called
+
+
+def test_the_optimizer_kernels_read_the_hyper_parameters_where_the_host_puts_them():
+    """kernels/optim.cu indexes the staged hyper-parameters by number: its constants and
+    indices name the very slots of buffers.HP_FIELDS and UPD_WORDS."""
+    import re
+
+    from engine.backends.cuda import KERNEL_DIR
+    from engine.backends.cuda.buffers import HP_FIELDS, UPD_WORDS
+
+    src = (KERNEL_DIR / "optim.cu").read_text()
+    define = {k: int(v) for k, v in re.findall(r"#define (HP_MAX_NORM|UPD_GC|UPD_SKIP) (\d+)", src)}
+    assert define == {"HP_MAX_NORM": HP_FIELDS.index("max_norm"), "UPD_GC": len(HP_FIELDS),
+                      "UPD_SKIP": len(HP_FIELDS) + 1}
+    assert UPD_WORDS == len(HP_FIELDS) + 2
+    # k_adamw_step: upd[0] .. upd[7] are lr, beta1, beta2, eps, weight_decay, bc1, bc2, grad_mult
+    call = re.search(r"adamw_body\(p, p_lp, g, m, v, seg_start, seg_decay, nseg, begin, end, "
+                     r"(upd\[\d\], ){8}upd\[UPD_GC\]\)", " ".join(src.split()))
+    assert call, "k_adamw_step's call of adamw_body"
+    assert HP_FIELDS[:8] == ("lr", "beta1", "beta2", "eps", "weight_decay", "bc1", "bc2",
+                             "grad_mult")
+    assert [int(i) for i in re.findall(r"upd\[(\d)\]", call.group(0))] == list(range(8))
+    # k_step_hp: bc1, bc2 replaced by bc1_alt, bc2_alt when alt_if_skipped
+    body = src[src.index("void k_step_hp"):]
+    body = body[:body.index("\n}")]
+    want = {f"hp[{HP_FIELDS.index(a)}] = hp[{HP_FIELDS.index(b)}]"
+            for a, b in (("bc1", "bc1_alt"), ("bc2", "bc2_alt"))}
+    assert want <= {" ".join(x.split()) for x in re.findall(r"hp\[\d+\] = hp\[\d+\]", body)}
+    assert f"hp[{HP_FIELDS.index('alt_if_skipped')}] != 0.0f" in body

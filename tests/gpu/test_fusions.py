@@ -357,9 +357,11 @@ def test_kernels_per_step_fall():
     tok = np.random.default_rng(0).integers(0, 64, (4, 257)).astype(np.int32)
     for fusions, attention in ((False, "classic"), (True, "cudnn")):
         bk = CudaBackend(SHAPES, 4, "bf16", attention=attention, fusions=fusions)
-        if fusions:
-            bk.train_step(tok[:, :-1], tok[:, 1:], loss_scale=1.0, grad_mult=1.0, lr=1e-3,
-                          beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, t=1, max_norm=1.0)
+        if fusions:  # two steps: the second's graph holds the first's deferred update too
+            for t in (1, 2):
+                bk.train_step(tok[:, :-1], tok[:, 1:], loss_scale=1.0, grad_mult=1.0, lr=1e-3,
+                              beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, t=t,
+                              max_norm=1.0)
             counts[fusions] = bk.graph_nodes("step").get("kernel", 0)
         else:
             bk.forward_backward(tok[:, :-1], tok[:, 1:])

@@ -15,7 +15,8 @@ Two choices, both made at start and said in `attention_info` / `describe()`:
   (or taken from a recorded plan: `gemm_plan`), weight-gradient GEMMs on a second stream, the
   fused kernels (residual + LayerNorm, LayerNorm backward with its parameter sums, loss forward
   and backward in one pass), and `train_step`: zero, forward, backward, gradient norm, clip,
-  non-finite skip and AdamW in one graph with one host read. Off: the path before all this
+  non-finite skip and AdamW in one graph with one host read (the AdamW left to the next step's
+  graph, beside its forward, unless ANDREA_DEFER_ADAMW=0: see `_apply_update`). Off: the path before all this
   (plain cuBLAS, separate kernels, the optimizer launched from the host), kept for comparison
   and as the unfused reference (ANDREA_FUSIONS=0 sets the default).
 
@@ -69,8 +70,8 @@ def _flag(name: str, default: bool = True) -> bool:
     stream), ANDREA_FUSED_LN (the one-kernel LayerNorm backward: off by default, it measured
     slower than the three kernels on the H200, NOTES.md), ANDREA_WRITE_GRADS (the step writes
     its gradients instead of zeroing and adding), ANDREA_DWTE_PAD (dwte's GEMM over the aligned
-    rows), ANDREA_DEFER_ADAMW (a step's AdamW in the next step's graph, beside its forward),
-    ANDREA_SIDE_LN (the LayerNorm parameter sums on the weight-gradient stream, ops.py)."""
+    rows), ANDREA_DEFER_ADAMW (a step's AdamW in the next step's graph, beside its forward).
+    ops.py reads ANDREA_SIDE_LN (the LayerNorm parameter sums on the weight-gradient stream)."""
     return os.environ.get(name, "1" if default else "0") != "0"
 
 
@@ -591,7 +592,8 @@ class CudaBackend:
         self._prepared = (slot, T)
 
     def _run(self, key: tuple[Any, ...], issue: Callable[[], None]) -> None:
-        """Issue the work directly, or through a graph captured on first use per (kind, T)."""
+        """Issue the work directly, or through a graph captured on first use per key (kind, T,
+        and for a step whether an update is pending before it and left pending after it)."""
         if not self.use_graphs:
             issue()
             return
@@ -672,6 +674,8 @@ class CudaBackend:
         inputs None: the tokens given to `prepare_step`):
         zero_grads → forward, backward (loss_scale) → grads·grad_mult → grad norm → when the
         norm is finite: clip (max_norm) and AdamW (lr, t); else nothing changes. One host read.
+        The AdamW may be left pending to the next step's graph (`defer_update`); whatever reads
+        or uses the state applies it first, so callers see the stepped state either way.
         `step_result` returns (per-row mean loss [B], the norm, the clip factor used: 1.0
         when none or skipped). Needs fusions (`fused_step`).
 
@@ -699,16 +703,21 @@ class CudaBackend:
                                behind=bool(self._queued)))
         self.drv.memcpy_htod_async(b.at("io"), h, self.stream)
         self._pending_scale = 1.0  # the step zeroes the gradients first
-        if reducer is not None:
-            self._ready_to_reduce(reducer, ("step-ddp", T))
 
         # At full length every parameter's gradient is written by this micro-batch (GEMMs with
         # beta 0, the LayerNorm and position sums stored): no zeroing pass over the 4·n bytes.
         # A shorter sequence leaves position rows unwritten: zero, then add, as usual.
         write = T == self.S and self.write_grads
-        buckets = self.grad_buckets()
+        if reducer is not None or not write:
+            # the gradients are summed eagerly before a data-parallel capture, or zeroed first:
+            # the update still pending (it reads them) goes before, on its own
+            self._settle_update()
         pending = self._update_pending  # the step ahead left its update to this graph
         defer = self.defer_update and reducer is None and write
+        key = ("step" if reducer is None else "step-ddp", T, pending, defer)
+        if reducer is not None:
+            self._ready_to_reduce(reducer, key)
+        buckets = self.grad_buckets()
 
         def reduce_bucket(i: int) -> None:
             first, count = buckets[i]
@@ -722,6 +731,8 @@ class CudaBackend:
             # the pending update beside the forward needs the gradients it reads left alone
             # until the backward (written, not zeroed first)
             ready = self._apply_update(beside=write) if pending else None
+            if pending and not self.use_graphs:
+                self._update_pending = False  # applied now: a failure below must not repeat it
             if not write:
                 self.drv.memset_d32_async(self.g, 0, self.n, self.stream)
             o.overwrite_grads = write
@@ -735,7 +746,7 @@ class CudaBackend:
                 o.wait_for(self.comm)
             self._optimizer_tail(b, apply=not defer)
 
-        self._run(("step" if reducer is None else "step-ddp", T, pending, defer), issue)
+        self._run(key, issue)
         self._update_pending = defer
         self._copy_results(self.h_res[slot], T)
         self._done[slot].record(self.stream)
@@ -850,10 +861,10 @@ class CudaBackend:
     def _settle_update(self) -> None:
         """Apply a step's pending update now (before the state is read or used)."""
         if self._update_pending:
-            self._update_pending = False
             self._run(("update", 0), lambda: self._apply_update(beside=False))
+            self._update_pending = False
 
-    def _ready_to_reduce(self, reducer: Any, key: tuple[str, int]) -> None:
+    def _ready_to_reduce(self, reducer: Any, key: tuple[Any, ...]) -> None:
         """Before the data-parallel step's graph is captured: the all-reduce stream, events for
         its forks, and the very all-reduces the graph will hold run once eagerly (NCCL connects
         its channels, per algorithm, on first use, which must not happen under capture; the

@@ -49,7 +49,8 @@ def io_fields(R: int, step: bool = False) -> dict[str, int]:
     up to R rows. tokens [R] and targets [R], batch-major as given; the embedding-gradient
     buckets of Ops.embed_bwd: n_unique [1], bucket_tok [R], bucket_start [R+1], rows [R]; the
     float loss_scale/(B·T) [1] that k_loss_bwd reads; with `step` (the fused step), the floats
-    of HP_FIELDS that k_adamw_step reads; "end" is the block's length."""
+    of HP_FIELDS that k_step_hp fixes and k_step_clip reads (and keeps, with the clip factor
+    and the skip, in the UPD_WORDS floats k_adamw_step reads); "end" is the block's length."""
     lengths = (("tokens", R), ("targets", R), ("n_unique", 1), ("bucket_tok", R),
                ("bucket_start", R + 1), ("rows", R), ("scale", 1),
                *((("hp", len(HP_FIELDS)),) if step else ()), ("end", 0))

@@ -13,9 +13,10 @@ Backward ops accumulate (+=) into float32 parameter gradients, like numpy's.
 The fused step (CudaBackend with fusions on) adds, each next to the unfused ops it replaces and
 with their bits: `residual_layernorm_fwd` (residual_add + layernorm_fwd), `layernorm_bwd(...,
 fused=True)` (dx, dγ, dβ in one kernel), `loss_fwd_bwd` (the loss and dlogits in one pass),
-`grad_norm` (partial + final) and `adamw_step` (clip, non-finite skip and AdamW on the device).
-GEMMs then go through gemm.LtGemm (algorithms chosen by timing, GELU epilogue or kernel chosen
-per shape), and the weight-gradient GEMMs run on a second stream (`side`): see `_wgrad`.
+`grad_norm` (partial + final), `step_clip` (clip and non-finite skip on the device) and
+`adamw_step` (AdamW over a range, as step_clip decided). GEMMs then go through gemm.LtGemm
+(algorithms chosen by timing, GELU epilogue or kernel chosen per shape), and the weight-gradient
+GEMMs and the LayerNorm parameter sums run on a second stream (`side`): see `_wgrad`, `_on_side`.
 """
 
 from __future__ import annotations
@@ -246,6 +247,7 @@ class Ops:
         src = resid or dx
         ow = int(self.overwrite_grads)
         if fused and self.fused_ln_bwd_ok(d, dx, src, dout, x):
+            self._writes(partial)  # an unfused call's sums may still read it on the side
             nchunk = -(-R // LN_FUSED_ROWS)
             self._go("k_layernorm_bwd_fused", nchunk, dx, src, dout, x, mean, rstd, gamma,
                      dgamma_beta, partial, self.counter, R, d, LN_FUSED_ROWS, int(accumulate),
@@ -264,7 +266,7 @@ class Ops:
             self._go("k_colsum_reduce", -(-2 * d // THREADS), dgamma_beta, partial, nchunk,
                      2 * d, ow, stream=stream)
 
-        self._on_side(sums, (dout,))
+        self._on_side(sums, (dout, partial))
 
     # --- attention -------------------------------------------------------------------------------
     def attn_qkv_fwd(self, x: int, w_qkv: int, out: int, R: int, d: int, slab: int = 0) -> None:
@@ -556,6 +558,7 @@ class Ops:
         """adamw over elements [begin, end) (begin a multiple of 4) as step_clip decided it
         (nothing when the step is skipped); the same bits whichever ranges a step is split
         into."""
+        assert begin % 4 == 0, f"adamw_step: begin {begin} is not a multiple of 4 (float4 groups)"
         self._go("k_adamw_step", _blocks(-(-(end - begin) // 4), cap=2048), params, params_lp,
                  grads, m, v, seg_start, seg_decay, nseg, begin, end, upd, stream=stream)
 

@@ -93,8 +93,9 @@ extern "C" __global__ void k_grad_add(float* g, const float* other, long n) {
 }
 
 #define ADAMW_MAX_SEGS 1024
-#define UPD_GC 12    // k_step_clip's upd: HP_FIELDS (12 floats), then the clip factor,
-#define UPD_SKIP 13  // then 1.0 when the step is skipped (buffers.UPD_WORDS = 14)
+#define HP_MAX_NORM 8  // buffers.HP_FIELDS.index("max_norm")
+#define UPD_GC 12      // k_step_clip's upd: HP_FIELDS (12 floats), then the clip factor,
+#define UPD_SKIP 13    // then 1.0 when the step is skipped (buffers.UPD_WORDS = 14)
 
 // AdamW over elements [begin, end) of the flat buffers (begin a multiple of 4) with g·gm·gc
 // as the gradient (each product rounded to float, as separate k_grad_scale passes would have
@@ -178,16 +179,17 @@ extern "C" __global__ void k_adamw(float* p, act_t* p_lp, const float* g, float*
 }
 
 // numpy twin: none — the trainer's clip and non-finite skip (engine/model/optim.py clip_scale,
-// DESIGN §4) decided on the device for the fused step. After k_grad_norm, one thread: a norm that is not finite skips the step's update (skipped[0]
-// = 1, and k_step_hp of the next step reads it); else the clip factor gc = max_norm/norm when
-// norm > max_norm (else 1) goes to clip[0] for the step record (1 when skipped). upd receives
-// what k_adamw_step needs, so that the update can run later, in the next step's graph, after
-// the io block holds that step's values: the hyper-parameters hp (buffers.HP_FIELDS), then
-// gc, then the skip flag.
+// DESIGN §4) decided on the device for the fused step. After k_grad_norm, one thread: a norm
+// that is not finite skips the step's update (skipped[0] = 1, and k_step_hp of the next step
+// reads it); else the clip factor gc = max_norm/norm when norm > max_norm (else 1) goes to
+// clip[0] for the step record (1 when skipped). upd receives what k_adamw_step needs, so that
+// the update can run later, in the next step's graph, after the io block holds that step's
+// values: the hyper-parameters hp (buffers.HP_FIELDS; hp[HP_MAX_NORM] is max_norm), then gc,
+// then the skip flag.
 extern "C" __global__ void k_step_clip(float* upd, const float* hp, const float* norm,
                                        float* clip, int* skipped) {
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
-    const float nrm = norm[0], max_norm = hp[8];
+    const float nrm = norm[0], max_norm = hp[HP_MAX_NORM];
     const int skip = !isfinite(nrm);
     const float gc = skip ? 1.0f : nrm > max_norm ? max_norm / nrm : 1.0f;
     for (int i = 0; i < UPD_GC; i++) upd[i] = hp[i];
