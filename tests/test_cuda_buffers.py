@@ -304,9 +304,10 @@ def test_fused_plan_adds_the_second_copies_and_the_step_block():
 
 
 def test_the_fp8_plan_names_its_buffers_in_a_group_of_its_own():
-    """train/precision fp8 (fp8.plan_fp8): per layer the four FP8 weight copies, one set of
-    activation copies, the amax words and inverse scales; the "fp8" group shows in the plan's
-    totals only when it has buffers."""
+    """train/precision fp8 (fp8.plan_fp8): per layer the four FP8 weight copies and the
+    transposed copies of X and H (made in the forward for the backward), one set of the other
+    activation and gradient copies, the amax words and inverse scales; the "fp8" group shows in
+    the plan's totals only when it has buffers."""
     from engine.backends.cuda.fp8 import SCALE_STRIDE, TENSORS, plan_fp8
 
     s = SHAPES["120M"]
@@ -314,11 +315,13 @@ def test_the_fp8_plan_names_its_buffers_in_a_group_of_its_own():
     assert "fp8" not in plan.totals()
     plan_fp8(plan, s.n_layer, s.d_model, s.d_ff, train.R)
     d, F, L, R = s.d_model, s.d_ff, s.n_layer, train.R
-    want = 4 * L * d * F + 4 * R * d + 4 * R * F + (4 + SCALE_STRIDE) * L * len(TENSORS)
+    want = (4 * L * d * F + L * R * (d + F) + 3 * R * d + 3 * R * F
+            + (4 + SCALE_STRIDE) * L * len(TENSORS))
     got = plan.totals()["fp8"]
     assert want <= got <= want + 16 * 256  # each buffer rounded up to 256 bytes
     plan.allocate(_FakeDrv())
     assert plan["fp8.w1t"] - plan["fp8.w1"] >= L * d * F
+    assert plan["fp8.ht"] - plan["fp8.xt"] >= L * R * d
 
 
 def test_the_blas_libraries_load_from_the_wheels_else_a_soname_else_say_what_was_tried(

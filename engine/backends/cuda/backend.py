@@ -187,7 +187,7 @@ class CudaBackend:
             self.ops = Ops(gpu.kernels(precision), self.blas, self.stream, precision, self.lt,
                            cudnn=self.cudnn, cudnn_ws=cws)
         self.fp8_mlp = (Fp8Mlp(self.ops, plan, shapes.n_layer, shapes.d_model, shapes.d_ff,
-                               self.ops.act) if self.fp8 else None)
+                               self.ops.act, self.train.R) if self.fp8 else None)
         self.fused_step = self.fusions
         self.fused_ln = self.fusions and _flag("ANDREA_FUSED_LN", default=False)
         self.write_grads = _flag("ANDREA_WRITE_GRADS")

@@ -20,7 +20,9 @@ output [R,d], W1 [d,F], H = GELU(X·W1) [R,F], W2 [F,d], dY the gradient of the 
 
 The weights' copies (W and Wᵀ) are made from the fp32 masters at the start of every training
 pass (so after each AdamW step, and after a resume); the activations' copies as the pass makes
-them. A GEMM for which cuBLASLt proposes no FP8 algorithm runs in bf16 (`use`, `notes`).
+them: X8 with Xᵀ8 and H8 with Hᵀ8 in one kernel each in the forward (the transposed ones kept
+per layer for the backward's weight gradients, which then need not read X and H again), and
+the amax of H and dH by the GELU kernels that write them. A GEMM for which cuBLASLt proposes no FP8 algorithm runs in bf16 (`use`, `notes`).
 Validation and text sampling run the bf16 forward: FP8 is how a step computes, not the model.
 """
 
@@ -43,13 +45,16 @@ SCALE_STRIDE = 16
 
 
 def plan_fp8(plan: Any, n_layer: int, d: int, F: int, R: int) -> None:
-    """The FP8 buffers, in the memory plan's "fp8" group: per layer the four weight copies,
-    one set of activation copies (reused layer by layer), and the amax words and inverse
-    scales."""
+    """The FP8 buffers, in the memory plan's "fp8" group: per layer the four weight copies and
+    the transposed activations Xᵀ8, Hᵀ8 (made in the forward, read in the backward); one set of
+    the other activation and gradient copies (reused layer by layer); the amax words and
+    inverse scales."""
     for name in ("w1", "w1t", "w2", "w2t"):
         plan.add("fp8", f"fp8.{name}", n_layer * _slot(d * F))
-    for name, n in (("x", R * d), ("xt", R * d), ("h", R * F), ("ht", R * F), ("dy", R * d),
-                    ("dyt", R * d), ("dh", R * F), ("dht", R * F)):
+    for name, n in (("xt", R * d), ("ht", R * F)):
+        plan.add("fp8", f"fp8.{name}", n_layer * _slot(n))
+    for name, n in (("x", R * d), ("h", R * F), ("dy", R * d), ("dyt", R * d), ("dh", R * F),
+                    ("dht", R * F)):
         plan.add("fp8", f"fp8.{name}", n)
     plan.add("fp8", "fp8.amax", n_layer * len(TENSORS) * 4)
     plan.add("fp8", "fp8.inv", n_layer * len(TENSORS) * SCALE_STRIDE)
@@ -63,8 +68,9 @@ class Fp8Mlp:
     """The MLP forward and backward of one layer with FP8 GEMMs, on an Ops (its stream, side
     stream and LtGemm)."""
 
-    def __init__(self, ops: Any, plan: Any, n_layer: int, d: int, F: int, act: int) -> None:
-        self.o, self.L, self.d, self.F, self.act = ops, n_layer, d, F, act
+    def __init__(self, ops: Any, plan: Any, n_layer: int, d: int, F: int, act: int,
+                 R: int) -> None:
+        self.o, self.L, self.d, self.F, self.act, self.R = ops, n_layer, d, F, act, R
         self.buf = {name: plan[f"fp8.{name}"] for name in
                     ("w1", "w1t", "w2", "w2t", "x", "xt", "h", "ht", "dy", "dyt", "dh", "dht",
                      "amax", "inv")}
@@ -83,15 +89,16 @@ class Fp8Mlp:
     def _w(self, name: str, layer: int) -> int:
         return self.buf[name] + layer * _slot(self.d * self.F)
 
+    def _at(self, name: str, layer: int) -> int:
+        """Layer `layer`'s transposed activation copy: "x" → Xᵀ8 [d, R], "h" → Hᵀ8 [F, R]."""
+        cols = self.d if name == "x" else self.F
+        return self.buf[name + "t"] + layer * _slot(self.R * cols)
+
     # --- kernels -------------------------------------------------------------------------------
     def _amax(self, amax: int, x: int, n: int, f32: bool = False) -> None:
         # a block reads 8 elements a thread per turn and ends with one atomic
         self.o._go("k_fp8_amax_f32" if f32 else "k_fp8_amax", _blocks(-(-n // 8), cap=1024),
                    amax, x, n)
-
-    def _cast(self, q: int, inv: int, x: int, amax: int, n: int, fmt: int) -> None:
-        self.o._writes(q)
-        self.o._go("k_fp8_cast", _blocks(-(-n // 8)), q, inv, x, amax, n, fmt)
 
     def _cast_t(self, q: int, qt: int, inv: int, x: int, amax: int, rows: int, cols: int,
                 fmt: int, f32: bool = False) -> None:
@@ -137,61 +144,60 @@ class Fp8Mlp:
                 R: int) -> None:
         """pre = x·W1, act = GELU(pre), out = act·W2 (x: ln2's output; w1, w2: the bf16
         weights, for a GEMM that falls back)."""
-        o, d, F, b = self.o, self.d, self.F, self.buf
-        xa, xi = self._scale(layer, "x")
-        _, w1i = self._scale(layer, "w1")
-        ha, hi = self._scale(layer, "h")
-        _, w2i = self._scale(layer, "w2")
-        fwd = {"tb": True, "fast_accum": True}
-        self._amax(xa, x, R * d)
-        self._cast(b["x"], xi, x, xa, R * d, E4M3)
-        self._gemm("fc1 fwd",
-                   lambda: o._mm(pre, b["x"], self._w("w1t", layer), R, F, d,
-                                 types=(R_8F_E4M3, R_8F_E4M3, self.act), scales=(xi, w1i), **fwd),
-                   lambda: o._mm(pre, x, w1, R, F, d))
-        o.gelu_fwd(act, pre, R * F)
-        self._amax(ha, act, R * F)
-        self._cast(b["h"], hi, act, ha, R * F, E4M3)
-        self._gemm("fc2 fwd",
-                   lambda: o._mm(out, b["h"], self._w("w2t", layer), R, d, F,
-                                 types=(R_8F_E4M3, R_8F_E4M3, self.act), scales=(hi, w2i), **fwd),
-                   lambda: o._mm(out, act, w2, R, d, F))
+        self._linear_fwd("fc1", layer, x, "x", w1, "w1", pre, self.d, self.F, R)
+        self.o.gelu_fwd(act, pre, R * self.F, amax=self._scale(layer, "h")[0])
+        self._linear_fwd("fc2", layer, act, "h", w2, "w2", out, self.F, self.d, R,
+                         amax_done=True)
 
     def backward(self, layer: int, dout: int, x: int, w1: int, w2: int, pre: int, act: int,
                  dx: int, dw1: int, dw2: int, dpre: int, R: int) -> None:
         """Ops.mlp_bwd's outputs with FP8 GEMMs: dpre, dx, and dW1, dW2 (+= or written, as the
         pass says) from dout = the gradient of the MLP's output."""
-        o, d, F, b = self.o, self.d, self.F, self.buf
-        xa, xi = self._scale(layer, "x")
-        _, w1i = self._scale(layer, "w1")
-        ha, hi = self._scale(layer, "h")
-        _, w2i = self._scale(layer, "w2")
-        ya, yi = self._scale(layer, "dy")
-        da, di = self._scale(layer, "dh")
-        self._amax(ya, dout, R * d)
-        self._cast_t(b["dy"], b["dyt"], yi, dout, ya, R, d, E5M2)
-        self._cast_t(0, b["ht"], hi, act, ha, R, F, E4M3)
-        self._gemm("fc2 wgrad",
-                   lambda: o._wgrad(dw2, b["ht"], b["dyt"], F, d, R, (b["ht"], b["dyt"]),
-                                    tb=True, types=(R_8F_E4M3, R_8F_E5M2, R_32F),
-                                    scales=(hi, yi)),
-                   lambda: o._wgrad(dw2, act, dout, F, d, R, (dout,), ta=True))
-        o._writes(dpre)
-        self._gemm("fc2 dgrad",
-                   lambda: o._mm(dpre, b["dy"], self._w("w2", layer), R, F, d, tb=True,
-                                 types=(R_8F_E5M2, R_8F_E4M3, self.act), scales=(yi, w2i)),
-                   lambda: o._mm(dpre, dout, w2, R, F, d, tb=True))
-        o.gelu_bwd(dpre, pre, R * F)
-        self._amax(da, dpre, R * F)
-        self._cast_t(b["dh"], b["dht"], di, dpre, da, R, F, E5M2)
-        self._cast_t(0, b["xt"], xi, x, xa, R, d, E4M3)
-        self._gemm("fc1 wgrad",
-                   lambda: o._wgrad(dw1, b["xt"], b["dht"], d, F, R, (b["xt"], b["dht"]),
-                                    tb=True, types=(R_8F_E4M3, R_8F_E5M2, R_32F),
-                                    scales=(xi, di)),
-                   lambda: o._wgrad(dw1, x, dpre, d, F, R, (dpre,), ta=True))
-        o._writes(dx)
-        self._gemm("fc1 dgrad",
-                   lambda: o._mm(dx, b["dh"], self._w("w1", layer), R, d, F, tb=True,
-                                 types=(R_8F_E5M2, R_8F_E4M3, self.act), scales=(di, w1i)),
-                   lambda: o._mm(dx, dpre, w1, R, d, F, tb=True))
+        self._linear_bwd("fc2", layer, dout, "dy", act, "h", w2, "w2", dpre, dw2, self.F,
+                         self.d, R)
+        self.o.gelu_bwd(dpre, pre, R * self.F, amax=self._scale(layer, "dh")[0])
+        self._linear_bwd("fc1", layer, dpre, "dh", x, "x", w1, "w1", dx, dw1, self.d, self.F,
+                         R, amax_done=True)
+
+    def _linear_fwd(self, fc: str, layer: int, a: int, aname: str, w: int, wname: str,
+                    out: int, n_in: int, n_out: int, R: int, amax_done: bool = False) -> None:
+        """out [R, n_out] = a [R, n_in] · W, with a's E4M3 copy (its amax and scale now; the
+        transposed copy made alongside, for the backward) and W's transposed copy (wname + "t");
+        w: the bf16 weight, for a GEMM that falls back. amax_done: a's amax word already holds
+        its max (the kernel that wrote a)."""
+        o, b = self.o, self.buf
+        aa, ai = self._scale(layer, aname)
+        _, wi = self._scale(layer, wname)
+        if not amax_done:
+            self._amax(aa, a, R * n_in)
+        self._cast_t(b[aname], self._at(aname, layer), ai, a, aa, R, n_in, E4M3)
+        self._gemm(f"{fc} fwd",
+                   lambda: o._mm(out, b[aname], self._w(wname + "t", layer), R, n_out, n_in,
+                                 types=(R_8F_E4M3, R_8F_E4M3, self.act), scales=(ai, wi),
+                                 tb=True, fast_accum=True),
+                   lambda: o._mm(out, a, w, R, n_out, n_in))
+
+    def _linear_bwd(self, fc: str, layer: int, g: int, gname: str, a: int, aname: str, w: int,
+                    wname: str, din: int, dw: int, n_in: int, n_out: int, R: int,
+                    amax_done: bool = False) -> None:
+        """For out = a·W with g = d out [R, n_out]: dW += aᵀ·g (or written, as the pass says)
+        and din = g·Wᵀ [R, n_in], from g's E5M2 copies (as it is and transposed; its amax and
+        scale now, amax_done as in _linear_fwd) and a's transposed E4M3 copy (made by the
+        forward, with its scale); w: the bf16 weight."""
+        o, b = self.o, self.buf
+        ga, gi = self._scale(layer, gname)
+        _, ai = self._scale(layer, aname)
+        _, wi = self._scale(layer, wname)
+        gq, gqt, aqt = b[gname], b[gname + "t"], self._at(aname, layer)
+        if not amax_done:
+            self._amax(ga, g, R * n_out)
+        self._cast_t(gq, gqt, gi, g, ga, R, n_out, E5M2)
+        self._gemm(f"{fc} wgrad",
+                   lambda: o._wgrad(dw, aqt, gqt, n_in, n_out, R, (aqt, gqt), tb=True,
+                                    types=(R_8F_E4M3, R_8F_E5M2, R_32F), scales=(ai, gi)),
+                   lambda: o._wgrad(dw, a, g, n_in, n_out, R, (g,), ta=True))
+        o._writes(din)
+        self._gemm(f"{fc} dgrad",
+                   lambda: o._mm(din, gq, self._w(wname, layer), R, n_in, n_out, tb=True,
+                                 types=(R_8F_E5M2, R_8F_E4M3, self.act), scales=(gi, wi)),
+                   lambda: o._mm(din, g, w, R, n_in, n_out, tb=True))

@@ -408,7 +408,7 @@ class Ops:
 
             def kernel() -> None:
                 self._mm(pre, x, w1, R, F, d)
-                self._go("k_mlp_gelu_fwd", _blocks(R * F), act, pre, R * F)
+                self._go("k_mlp_gelu_fwd", _blocks(R * F), act, pre, R * F, 0)
 
             self._gelu_variant(f"mlp_fwd R={R} d={d} F={F}", epilogue, kernel)
         # column-major: actᵀ[F,R] = GELU(W_1ᵀ[F,d] · xᵀ[d,R]), preᵀ saved as the aux output
@@ -417,7 +417,7 @@ class Ops:
             self.fused_gelu_calls += 1
         else:
             self._mm(pre, x, w1, R, F, d)
-            self._go("k_mlp_gelu_fwd", _blocks(R * F), act, pre, R * F)
+            self._go("k_mlp_gelu_fwd", _blocks(R * F), act, pre, R * F, 0)
         self._mm(out, act, w2, R, d, F)
 
     def mlp_bwd(self, dout: int, x: int, w1: int, w2: int, pre: int, act: int, dx: int, dw1: int,
@@ -431,7 +431,7 @@ class Ops:
 
             def kernel() -> None:
                 self._mm(dpre, dout, w2, R, F, d, tb=True)
-                self._go("k_mlp_gelu_bwd", _blocks(R * F), dpre, dpre, pre, R * F)
+                self._go("k_mlp_gelu_bwd", _blocks(R * F), dpre, dpre, pre, R * F, 0)
 
             self._gelu_variant(f"mlp_bwd R={R} d={d} F={F}", epilogue, kernel)
         elif self.lt and self.lt.gelu_gemm(EPILOGUE_DGELU, OP_T, F, R, d, w2, d, dout, d, dpre,
@@ -439,18 +439,19 @@ class Ops:
             self.fused_gelu_calls += 1
         else:
             self._mm(dpre, dout, w2, R, F, d, tb=True)
-            self._go("k_mlp_gelu_bwd", _blocks(R * F), dpre, dpre, pre, R * F)
+            self._go("k_mlp_gelu_bwd", _blocks(R * F), dpre, dpre, pre, R * F, 0)
         self._wgrad(dw1, x, dpre, d, F, R, (dpre,), ta=True)
         self._writes(dx)
         self._mm(dx, dpre, w1, R, d, F, tb=True)
 
-    def gelu_fwd(self, act: int, pre: int, n: int) -> None:
-        """act = GELU(pre) over n elements (k_mlp_gelu_fwd)."""
-        self._go("k_mlp_gelu_fwd", _blocks(n), act, pre, n)
+    def gelu_fwd(self, act: int, pre: int, n: int, amax: int = 0) -> None:
+        """act = GELU(pre) over n elements (k_mlp_gelu_fwd); amax (a device word, or 0): the max
+        |act| joins it, for act's FP8 copy."""
+        self._go("k_mlp_gelu_fwd", _blocks(n), act, pre, n, amax)
 
-    def gelu_bwd(self, dpre: int, pre: int, n: int) -> None:
-        """dpre *= GELU'(pre), in place (k_mlp_gelu_bwd)."""
-        self._go("k_mlp_gelu_bwd", _blocks(n), dpre, dpre, pre, n)
+    def gelu_bwd(self, dpre: int, pre: int, n: int, amax: int = 0) -> None:
+        """dpre *= GELU'(pre), in place (k_mlp_gelu_bwd); amax as in gelu_fwd (of dpre)."""
+        self._go("k_mlp_gelu_bwd", _blocks(n), dpre, dpre, pre, n, amax)
 
     def zero32(self, ptr: int, count: int) -> None:
         """count 4-byte words at ptr to zero, on the stream."""

@@ -77,6 +77,22 @@ __device__ __forceinline__ float block_max(float v, float* shared) {
     return v;
 }
 
+// amax[0] = max(amax[0], the block's max of m), on the float's bits as an unsigned int (for
+// m >= 0 they order alike, and a max is exact in any order: the same bits every run), one
+// atomic per block: the FP8 path's per-tensor amax (kernels/fp8.cu). Every thread calls it.
+__device__ __forceinline__ void block_amax(unsigned* amax, float m) {
+    __shared__ float wmax[32];
+    m = warp_max(m);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) wmax[warp] = m;
+    __syncthreads();
+    if (warp == 0) {
+        m = lane < (int)(blockDim.x >> 5) ? wmax[lane] : 0.0f;
+        m = warp_max(m);
+        if (lane == 0) atomicMax(amax, __float_as_uint(m));
+    }
+}
+
 // 16-byte vectors of activations (8 bf16/fp16 or 4 fp32): one load or store instruction each.
 constexpr int VEC = 16 / sizeof(act_t);
 struct Vec {

@@ -6,9 +6,10 @@
 // gives s = 1. A non-finite amax gives s = 0 or NaN: the copy, the GEMM and the step's gradient
 // norm are then not finite, and the step is skipped like any other non-finite step.
 //
-// amax is reduced with atomicMax on the float's bits as an unsigned int: |x| >= 0 orders like its
-// bits, and a max is exact in any order, so the result is the same bits on every run (the one
-// atomic here; no float atomics). The caller zeroes the amax words before the step.
+// amax is reduced with atomicMax on the float's bits as an unsigned int (common.cuh block_amax:
+// |x| >= 0 orders like its bits, and a max is exact in any order, so the result is the same bits
+// on every run; no float atomics), here or in the kernel that writes the tensor (the GELU
+// kernels, kernels/mlp.cu). The caller zeroes the amax words before the step.
 //
 // Hopper's FP8 GEMMs take both operands K-contiguous ("TN"), so some GEMMs need a transposed copy
 // (engine/backends/cuda/NOTES.md, "FP8"): k_fp8_cast_t writes it, with the plain copy when asked.
@@ -42,7 +43,6 @@ __device__ __forceinline__ unsigned char to_fp8(float v, int e5m2) {
 // the first version spend milliseconds queueing at that word). 16-byte loads where x allows.
 template <typename T>
 __device__ __forceinline__ void amax_body(unsigned* amax, const T* x, long n) {
-    __shared__ float wmax[32];
     constexpr int V = 16 / sizeof(T);
     const long stride = (long)gridDim.x * blockDim.x;
     const long i0 = blockIdx.x * (long)blockDim.x + threadIdx.x;
@@ -55,15 +55,7 @@ __device__ __forceinline__ void amax_body(unsigned* amax, const T* x, long n) {
         for (int k = 0; k < V; k++) m = fmaxf(m, fabsf(to_f(e[k])));
     }
     for (long i = nv * V + i0; i < n; i += stride) m = fmaxf(m, fabsf(to_f(x[i])));
-    m = warp_max(m);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane == 0) wmax[warp] = m;
-    __syncthreads();
-    if (warp == 0) {
-        m = lane < (int)(blockDim.x >> 5) ? wmax[lane] : 0.0f;
-        m = warp_max(m);
-        if (lane == 0) atomicMax(amax, __float_as_uint(m));
-    }
+    block_amax(amax, m);
 }
 
 // numpy twin: none — FP8 exists only on the GPU. amax[0] = max(amax[0], max |x|) over n
@@ -82,30 +74,9 @@ struct alignas(8) Fp8x8 {
     unsigned char v[8];
 };
 
-// numpy twin: none — q = sat(x·s) over n activations, s from amax (the top of this file);
-// inv[0] = 1/s for cuBLASLt.
-extern "C" __global__ void k_fp8_cast(unsigned char* q, float* inv, const act_t* x,
-                                      const unsigned* amax, long n, int e5m2) {
-    const float s = fp8_scale(amax, e5m2);
-    if (blockIdx.x == 0 && threadIdx.x == 0) inv[0] = 1.0f / s;
-    const long stride = (long)gridDim.x * blockDim.x;
-    const long i0 = blockIdx.x * (long)blockDim.x + threadIdx.x;
-    // 8 elements a thread (16-byte loads of bf16, one 8-byte store) where both allow it
-    const bool vec = VEC == 8 && aligned16(x) && (reinterpret_cast<unsigned long long>(q) & 7) == 0;
-    const long nv = vec ? n / 8 : 0;
-    for (long v = i0; v < nv; v += stride) {
-        const Vec xv = load_vec(x + v * 8);
-        Fp8x8 o;
-#pragma unroll
-        for (int k = 0; k < 8; k++) o.v[k] = to_fp8(to_f(xv[k % VEC]) * s, e5m2);
-        *reinterpret_cast<Fp8x8*>(q + v * 8) = o;
-    }
-    for (long i = nv * 8 + i0; i < n; i += stride) q[i] = to_fp8(to_f(x[i]) * s, e5m2);
-}
-
 // x [rows, cols] row-major into qt = FP8 of xᵀ [cols, rows] and, when q is not null, q = FP8 of x
-// [rows, cols], both with the scale of k_fp8_cast; inv[0] = 1/s. A TILE x TILE tile per block goes
-// through shared memory, so reads and writes are both along rows.
+// [rows, cols], both scaled by s from amax (fp8_scale); inv[0] = 1/s. A TILE x TILE tile per
+// block goes through shared memory, so reads and writes are both along rows.
 template <typename T>
 __device__ __forceinline__ void cast_t_body(unsigned char* q, unsigned char* qt, float* inv,
                                             const T* x, const unsigned* amax, int rows, int cols,

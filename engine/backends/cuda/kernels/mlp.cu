@@ -4,15 +4,23 @@
 
 #define GELU_K 0.7978845608028654f  // sqrt(2/pi)
 
+// tanh(y) = 1 - 2/(exp(2y) + 1), with the hardware exp (__expf) and one division: a few
+// 1e-6 absolute at most, and a handful of instructions where tanhf's accurate path takes
+// several times as many, which made these kernels compute-bound (about 2 TB/s on the H200,
+// NOTES.md). Saturates to ±1 (exp overflows to inf, or underflows to 0); NaN stays NaN.
+__device__ __forceinline__ float tanh_exp(float y) {
+    return 1.0f - 2.0f / (__expf(2.0f * y) + 1.0f);
+}
+
 // GELU(u) = ½u(1 + tanh(k(u + 0.044715u³))), k = sqrt(2/π)   (ops.mlp_fwd's docstring)
 __device__ __forceinline__ float gelu(float x) {
-    return 0.5f * x * (1.0f + tanhf(GELU_K * (x + 0.044715f * x * x * x)));
+    return 0.5f * x * (1.0f + tanh_exp(GELU_K * (x + 0.044715f * x * x * x)));
 }
 
 // With t = tanh(k(u + c·u³)): GELU'(u) = ½(1+t) + ½u(1-t²)·k(1 + 3c·u²)   (ops.mlp_bwd's
 // docstring gives this form and the one numpy computes, ½(1+t)·(1 + (1-t)·u·k(1 + 3c·u²)))
 __device__ __forceinline__ float gelu_grad(float x) {
-    const float th = tanhf(GELU_K * (x + 0.044715f * x * x * x));
+    const float th = tanh_exp(GELU_K * (x + 0.044715f * x * x * x));
     const float du = GELU_K * (1.0f + 3.0f * 0.044715f * x * x);
     return 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * du;
 }
@@ -27,18 +35,27 @@ __device__ __forceinline__ float gelu_grad(float x) {
 // >   act *= pre
 // >   act *= 0.5
 // The GEMMs pre = x @ W_1 and out = act @ W_2 are cuBLAS (Ops.mlp_fwd), which runs this kernel
-// only when the cuBLASLt GELU_AUX epilogue is off or unavailable.
-extern "C" __global__ void k_mlp_gelu_fwd(act_t* g, const act_t* h, long n) {
+// only when the cuBLASLt GELU_AUX epilogue is off or unavailable, and the FP8 MLP. amax (may be
+// null): the max |g| written, for g's FP8 copy (common.cuh block_amax).
+extern "C" __global__ void k_mlp_gelu_fwd(act_t* g, const act_t* h, long n, unsigned* amax) {
     const long i0 = blockIdx.x * (long)blockDim.x + threadIdx.x, step = (long)gridDim.x * blockDim.x;
     const long nv = (aligned16(g) && aligned16(h)) ? n / VEC : 0;
+    float m = 0.0f;  // fmaxf drops NaN: a NaN is caught by the step's gradient norm
     for (long v = i0; v < nv; v += step) {
         const Vec x = load_vec(h + v * VEC);
         Vec y;
 #pragma unroll
-        for (int k = 0; k < VEC; k++) y[k] = to_act(gelu(to_f(x[k])));
+        for (int k = 0; k < VEC; k++) {
+            y[k] = to_act(gelu(to_f(x[k])));
+            m = fmaxf(m, fabsf(to_f(y[k])));
+        }
         store_vec(g + v * VEC, y);
     }
-    for (long i = nv * VEC + i0; i < n; i += step) g[i] = to_act(gelu(to_f(h[i])));
+    for (long i = nv * VEC + i0; i < n; i += step) {
+        g[i] = to_act(gelu(to_f(h[i])));
+        m = fmaxf(m, fabsf(to_f(g[i])));
+    }
+    if (amax) block_amax(amax, m);
 }
 
 // numpy twin: ops.mlp_bwd (du from da, between its matmuls; dpre is dh here and da is dg)
@@ -46,18 +63,26 @@ extern "C" __global__ void k_mlp_gelu_fwd(act_t* g, const act_t* h, long n) {
 // >   np.tanh(ftmp, out=ftmp)  # t
 // >   dpre *= ftmp  # du
 // numpy builds ftmp = GELU'(u) in place from t; here gelu_grad computes the first form.
-// dh may alias dg (numpy: dpre holds da, then du). Run only when the cuBLASLt DGELU epilogue is
-// off or unavailable (Ops.mlp_bwd).
-extern "C" __global__ void k_mlp_gelu_bwd(act_t* dh, const act_t* dg, const act_t* h, long n) {
+// dh may alias dg (numpy: dpre holds da, then du). Run when the cuBLASLt DGELU epilogue is off,
+// unavailable or the slower (Ops.mlp_bwd), and by the FP8 MLP; amax as in k_mlp_gelu_fwd (of dh).
+extern "C" __global__ void k_mlp_gelu_bwd(act_t* dh, const act_t* dg, const act_t* h, long n,
+                                          unsigned* amax) {
     const long i0 = blockIdx.x * (long)blockDim.x + threadIdx.x, step = (long)gridDim.x * blockDim.x;
     const long nv = (aligned16(dh) && aligned16(dg) && aligned16(h)) ? n / VEC : 0;
+    float m = 0.0f;
     for (long v = i0; v < nv; v += step) {
         const Vec x = load_vec(h + v * VEC), gv = load_vec(dg + v * VEC);
         Vec y;
 #pragma unroll
-        for (int k = 0; k < VEC; k++) y[k] = to_act(to_f(gv[k]) * gelu_grad(to_f(x[k])));
+        for (int k = 0; k < VEC; k++) {
+            y[k] = to_act(to_f(gv[k]) * gelu_grad(to_f(x[k])));
+            m = fmaxf(m, fabsf(to_f(y[k])));
+        }
         store_vec(dh + v * VEC, y);
     }
-    for (long i = nv * VEC + i0; i < n; i += step)
+    for (long i = nv * VEC + i0; i < n; i += step) {
         dh[i] = to_act(to_f(dg[i]) * gelu_grad(to_f(h[i])));
+        m = fmaxf(m, fabsf(to_f(dh[i])));
+    }
+    if (amax) block_amax(amax, m);
 }
