@@ -262,3 +262,25 @@ def test_the_gelu_kernels_amax_is_the_amax_pass(lt, rng) -> None:
             words.append(int(dev.get(word)[0]))
         assert np.array_equal(outs[0], outs[1])
         assert words[0] == words[1] != 0
+
+
+def test_a_shorter_pass_keeps_fp8_at_full_length(rng) -> None:
+    """A pass of 37 positions (148 rows: the weight gradients' K = rows is not a multiple of 16
+    bytes, which cuBLASLt's FP8 may refuse) runs, close to bf16, and the full-length pass after
+    it still runs every MLP GEMM in FP8."""
+    tok = rng.integers(0, 8449, (4, 65)).astype(np.int32)
+    short = tok[:, :38]
+    out = {}
+    for precision in ("bf16", "fp8"):
+        bk = backend(precision)
+        bk.zero_grads()
+        bk.forward_backward(short[:, :-1], short[:, 1:])
+        out[precision] = bk.read_grads().astype(np.float64)
+        bk.zero_grads()
+        bk.forward_backward(tok[:, :-1], tok[:, 1:])
+        if precision == "fp8":
+            assert len(bk.fp8_gemms) == 6, bk.fp8_mlp.notes
+        bk.close()
+    g16, g8 = out["bf16"], out["fp8"]
+    assert np.all(np.isfinite(g8))
+    assert float(g8 @ g16 / (np.linalg.norm(g8) * np.linalg.norm(g16))) >= 0.99

@@ -22,8 +22,9 @@ The weights' copies (W and Wᵀ) are made from the fp32 masters at the start of 
 pass (so after each AdamW step, and after a resume); the activations' copies as the pass makes
 them: X8 with Xᵀ8 and H8 with Hᵀ8 in one kernel each in the forward (the transposed ones kept
 per layer for the backward's weight gradients, which then need not read X and H again), and
-the amax of H and dH by the GELU kernels that write them. A GEMM for which cuBLASLt proposes no FP8 algorithm runs in bf16 (`use`, `notes`).
-Validation and text sampling run the bf16 forward: FP8 is how a step computes, not the model.
+the amax of H and dH by the GELU kernels that write them. A GEMM for which cuBLASLt proposes
+no FP8 algorithm at some length runs in bf16 at that length (`use`, `notes`). Validation and
+text sampling run the bf16 forward: FP8 is how a step computes, not the model.
 """
 
 from __future__ import annotations
@@ -69,12 +70,15 @@ class Fp8Mlp:
     stream and LtGemm)."""
 
     def __init__(self, ops: Any, plan: Any, n_layer: int, d: int, F: int, act: int,
-                 R: int) -> None:
-        self.o, self.L, self.d, self.F, self.act, self.R = ops, n_layer, d, F, act, R
+                 R_max: int) -> None:
+        self.o, self.L, self.d, self.F, self.act = ops, n_layer, d, F, act
+        self.R_max = R_max  # the longest pass's rows (the plan's slots); R below: this pass's
         self.buf = {name: plan[f"fp8.{name}"] for name in
                     ("w1", "w1t", "w2", "w2t", "x", "xt", "h", "ht", "dy", "dyt", "dh", "dht",
                      "amax", "inv")}
-        self.use = dict.fromkeys(GEMMS, True)  # False: cuBLASLt had no FP8 algorithm (bf16)
+        # False: at full length cuBLASLt had no FP8 algorithm for this GEMM (it runs in bf16)
+        self.use = dict.fromkeys(GEMMS, True)
+        self._bf16_at: set[tuple[str, int]] = set()  # (GEMM, rows) that fell back to bf16
         self.notes: list[str] = []
 
     @property
@@ -90,9 +94,10 @@ class Fp8Mlp:
         return self.buf[name] + layer * _slot(self.d * self.F)
 
     def _at(self, name: str, layer: int) -> int:
-        """Layer `layer`'s transposed activation copy: "x" → Xᵀ8 [d, R], "h" → Hᵀ8 [F, R]."""
+        """Layer `layer`'s transposed activation copy: "x" → Xᵀ8 [d, R], "h" → Hᵀ8 [F, R]
+        (R: this pass's rows, in a slot for R_max)."""
         cols = self.d if name == "x" else self.F
-        return self.buf[name + "t"] + layer * _slot(self.R * cols)
+        return self.buf[name + "t"] + layer * _slot(self.R_max * cols)
 
     # --- kernels -------------------------------------------------------------------------------
     def _amax(self, amax: int, x: int, n: int, f32: bool = False) -> None:
@@ -113,16 +118,20 @@ class Fp8Mlp:
         self.o._go("k_fp8_cast_t_f32" if f32 else "k_fp8_cast_t", grid, q, qt, inv, x, amax,
                    rows, cols, fmt)
 
-    def _gemm(self, name: str, fp8: Any, bf16: Any) -> None:
-        """The FP8 GEMM, or (cuBLASLt proposing no FP8 algorithm: decided on the first, eager
-        pass, before any graph is captured) the same product in bf16."""
-        if self.use[name]:
+    def _gemm(self, name: str, R: int, fp8: Any, bf16: Any) -> None:
+        """The FP8 GEMM, or (cuBLASLt proposing no FP8 algorithm for this shape: decided on its
+        first, eager pass, before a graph is captured) the same product in bf16. A refusal at
+        one length (e.g. rows not a multiple of 16 bytes for a K = rows weight gradient) leaves
+        the other lengths in FP8; one at full length is what `use` and the notes report."""
+        if (name, R) not in self._bf16_at:
             try:
                 fp8()
                 return
             except RunError as e:
-                self.use[name] = False
-                self.notes.append(f"FP8 {name}: {e}; this GEMM runs in bf16")
+                self._bf16_at.add((name, R))
+                if R == self.R_max:
+                    self.use[name] = False
+                self.notes.append(f"FP8 {name} ({R} rows): {e}; this GEMM runs in bf16 there")
         bf16()
 
     # --- the pass ------------------------------------------------------------------------------
@@ -171,7 +180,7 @@ class Fp8Mlp:
         if not amax_done:
             self._amax(aa, a, R * n_in)
         self._cast_t(b[aname], self._at(aname, layer), ai, a, aa, R, n_in, E4M3)
-        self._gemm(f"{fc} fwd",
+        self._gemm(f"{fc} fwd", R,
                    lambda: o._mm(out, b[aname], self._w(wname + "t", layer), R, n_out, n_in,
                                  types=(R_8F_E4M3, R_8F_E4M3, self.act), scales=(ai, wi),
                                  tb=True, fast_accum=True),
@@ -192,12 +201,12 @@ class Fp8Mlp:
         if not amax_done:
             self._amax(ga, g, R * n_out)
         self._cast_t(gq, gqt, gi, g, ga, R, n_out, E5M2)
-        self._gemm(f"{fc} wgrad",
+        self._gemm(f"{fc} wgrad", R,
                    lambda: o._wgrad(dw, aqt, gqt, n_in, n_out, R, (aqt, gqt), tb=True,
                                     types=(R_8F_E4M3, R_8F_E5M2, R_32F), scales=(ai, gi)),
                    lambda: o._wgrad(dw, a, g, n_in, n_out, R, (g,), ta=True))
         o._writes(din)
-        self._gemm(f"{fc} dgrad",
+        self._gemm(f"{fc} dgrad", R,
                    lambda: o._mm(din, gq, self._w(wname, layer), R, n_in, n_out, tb=True,
                                  types=(R_8F_E5M2, R_8F_E4M3, self.act), scales=(gi, wi)),
                    lambda: o._mm(din, g, w, R, n_in, n_out, tb=True))

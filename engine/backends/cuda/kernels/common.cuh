@@ -79,7 +79,8 @@ __device__ __forceinline__ float block_max(float v, float* shared) {
 
 // amax[0] = max(amax[0], the block's max of m), on the float's bits as an unsigned int (for
 // m >= 0 they order alike, and a max is exact in any order: the same bits every run), one
-// atomic per block: the FP8 path's per-tensor amax (kernels/fp8.cu). Every thread calls it.
+// atomic per block: the FP8 path's per-tensor amax (kernels/fp8.cu). Every thread calls it,
+// once per kernel (its shared words are not guarded for reuse).
 __device__ __forceinline__ void block_amax(unsigned* amax, float m) {
     __shared__ float wmax[32];
     m = warp_max(m);

@@ -35,8 +35,8 @@ __device__ __forceinline__ float gelu_grad(float x) {
 // >   act *= pre
 // >   act *= 0.5
 // The GEMMs pre = x @ W_1 and out = act @ W_2 are cuBLAS (Ops.mlp_fwd), which runs this kernel
-// only when the cuBLASLt GELU_AUX epilogue is off or unavailable, and the FP8 MLP. amax (may be
-// null): the max |g| written, for g's FP8 copy (common.cuh block_amax).
+// when the cuBLASLt GELU_AUX epilogue is off, unavailable or the slower; the FP8 MLP always
+// does. amax (may be null): the max |g| written, for g's FP8 copy (common.cuh block_amax).
 extern "C" __global__ void k_mlp_gelu_fwd(act_t* g, const act_t* h, long n, unsigned* amax) {
     const long i0 = blockIdx.x * (long)blockDim.x + threadIdx.x, step = (long)gridDim.x * blockDim.x;
     const long nv = (aligned16(g) && aligned16(h)) ? n / VEC : 0;
