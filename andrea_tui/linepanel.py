@@ -4,20 +4,20 @@ A `Static` re-renders all of its content on every update, and Textual then re-st
 of it. The per-step panels (header, training, data mixture) change a few lines per step, several
 times a second while following a run, so this widget keeps each logical line's rendered strips
 and hands Textual only the rows of the lines that changed: a frame costs a few line renders
-instead of whole panels. Lines are rendered by Textual's own Content path (the widget's CSS:
-colours, wrapping, text-overflow), so what is drawn is what a Static would draw.
+instead of whole panels. Lines are drawn as Textual's Content path draws them (the widget's CSS:
+colours, wrapping, text-overflow; andrea_tui.strips), so what is drawn is what a Static would
+draw.
 """
 
 from __future__ import annotations
 
-from rich.segment import Segment
 from rich.text import Text
 from textual.content import Content
 from textual.geometry import Region, Size
 from textual.strip import Strip
-from textual.style import Style as TStyle
-from textual.visual import Visual
 from textual.widget import Widget
+
+from andrea_tui.strips import line_strips
 
 
 class LinePanel(Widget):
@@ -55,16 +55,16 @@ class LinePanel(Widget):
         if not changed:
             return
         self._keys = keys
-        valid = self._rows_for == self._render_key()
+        width = self.size.width
+        valid = self._rows_for == (width, self.visual_style)
         old_rows = [len(r) if r is not None else -1 for r in self._rows]
         for i in changed:
             self._lines[i] = self._content(lines[i])
-            self._rows[i] = self._render(i) if valid else None
+            self._rows[i] = self._render(i, width) if valid else None
         if not valid or any(len(self._rows[i] or ()) != old_rows[i] for i in changed):
             self.refresh(layout=True)  # a line now wraps to a different number of rows
             return
-        width = self.size.width
-        starts = self._row_starts()
+        starts = self._row_starts(width)
         self.refresh(*(Region(0, starts[i], width, old_rows[i]) for i in changed))
 
     def _content(self, line: Text) -> Content:
@@ -72,34 +72,9 @@ class LinePanel(Widget):
 
     # ------------------------------------------------------------ rendering
 
-    def _render_key(self) -> tuple:
-        return self.size.width, self.visual_style
-
-    def _render(self, i: int, width: int | None = None) -> list[Strip]:
-        line = self._lines[i]
-        width = self.size.width if width is None else width
-        fast = self._render_fitting(line, width, i)
-        if fast is not None:
-            return [fast]
-        strips = Visual.to_strips(self, line, width, None, self.visual_style)
+    def _render(self, i: int, width: int) -> list[Strip]:
+        strips = line_strips(self, self._lines[i], width, i)
         return strips or [Strip.blank(width, self.visual_style.rich_style)]
-
-    def _render_fitting(self, line: Content, width: int, y: int) -> Strip | None:
-        """The strip Textual's Content path draws for a left-aligned line that fits the width
-        (no wrapping, cropping, tabs, links or selection), at a fraction of its cost; None for
-        any other line. Each segment carries its (x, y) offset, as Textual's do, for mouse text
-        selection (y is the line number: exact while no line above wraps)."""
-        if (line.cell_length > width or "\t" in line.plain or self.text_selection is not None
-                or self.styles.content_align_horizontal != "left"):
-            return None
-        if any(not isinstance(span.style, TStyle) or span.style.link for span in line.spans):
-            return None
-        style = self.visual_style
-        segments, x = [], 0
-        for text, text_style in line.render(style, end="", parse_style=self._get_style):
-            segments.append(Segment(text, (style + text_style).rich_style_with_offset(x, y)))
-            x += len(text)
-        return Strip(segments, line.cell_length)
 
     def _ensure_rows(self, width: int | None = None) -> list[list[Strip]]:
         key = (self.size.width if width is None else width, self.visual_style)
@@ -111,9 +86,9 @@ class LinePanel(Widget):
                 self._rows[i] = self._render(i, key[0])
         return self._rows  # type: ignore[return-value]
 
-    def _row_starts(self) -> list[int]:
+    def _row_starts(self, width: int) -> list[int]:
         starts, y = [], 0
-        for rows in self._ensure_rows():
+        for rows in self._ensure_rows(width):
             starts.append(y)
             y += len(rows)
         return starts

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.widgets import Static
 
+from andrea_tui import strips
 from andrea_tui.linepanel import LinePanel
 from andrea_tui.screentext import screen_text
 
@@ -62,5 +64,46 @@ def test_linepanel_matches_static_and_repaints_changed_rows() -> None:
             await pilot.pause()
             assert rows(app, "lp")[1].strip(" │╭╮").startswith("step 333")
             assert "last 333" in rows(app, "lp")[4]
+
+    asyncio.run(go())
+
+
+def no_offsets(strip) -> list:
+    return [(seg.text, seg.style.clear_meta_and_links() if seg.style else None) for seg in strip]
+
+
+class NoVisualPath:
+    """Stands in for Textual's Visual in andrea_tui.strips: the fast paths must not need it."""
+
+    @staticmethod
+    def to_strips(*args, **kwargs):
+        raise AssertionError("Visual.to_strips called: the fast path was not taken")
+
+
+def test_linepanel_strips_are_static_strips_with_styles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not only the text: every row's segments and styles are what a Static draws, for lines
+    that fit, lines cut with an ellipsis (text-wrap: nowrap) and lines that wrap, all drawn
+    without Textual's Visual path."""
+    monkeypatch.setattr(strips, "Visual", NoVisualPath)
+
+    async def go() -> None:
+        app = Pair()
+        async with app.run_test(size=(40, 30)) as pilot:
+            for n in (1, 4444):
+                for wid in ("lp", "st", "wrap", "wst"):
+                    app.query_one(f"#{wid}").update(sample(n))
+                await pilot.pause()
+                for mine, static in (("lp", "st"), ("wrap", "wst")):
+                    lp, st = app.query_one(f"#{mine}", LinePanel), app.query_one(f"#{static}")
+                    assert lp.size == st.size
+                    got = [lp.render_line(y) for y in range(lp.size.height)]
+                    want = [st.render_line(y) for y in range(st.size.height)]
+                    assert any(seg.style and seg.style.color for s in got for seg in s)
+                    if mine == "wrap":
+                        # The rows of a wrapped line carry offsets within that line (Textual's
+                        # own Content path, line by line), a Static's within its whole text.
+                        got = [no_offsets(s) for s in got]
+                        want = [no_offsets(s) for s in want]
+                    assert got == want, mine
 
     asyncio.run(go())
