@@ -78,7 +78,7 @@ def test_from_records_equals_incremental() -> None:
     records = typed([*objects, {"step": "bad"}, {"step": True, "loss": 1.0}])
     assert len(records) == len(objects)
     a = StepSeries.from_records(records, 0.9)
-    b = StepSeries(0.9)
+    b = StepSeries(0.9, capacity=16)  # grows (doubling) five times on the way
     b.add(records)
     assert a.steps.tolist() == b.steps.tolist() == list(range(1, 301))
     np.testing.assert_array_equal(a.col("loss"), b.col("loss"))
