@@ -27,7 +27,6 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-from plotext import _utility as plotext_utility
 from rich.text import Text
 from textual.content import Content, Span
 from textual.strip import Strip
@@ -190,6 +189,10 @@ def _plot_range(plt, x: np.ndarray, lo: np.ndarray, hi: np.ndarray, color: str) 
         plt.plot(x.tolist(), lo.tolist(), color=color, marker="braille")
 
 
+# what reading plotext's internals raises when they are not as plotext 5.3.2 has them
+PLOTEXT_INTERNALS = (AttributeError, TypeError, IndexError, KeyError, ImportError)
+
+
 class CachedPlot(PlotextPlot):
     """A PlotextPlot that builds only when its inputs, size or theme changed, and draws plotext's
     character matrix straight into strips (a row drawn as before keeps its strip).
@@ -215,6 +218,9 @@ class CachedPlot(PlotextPlot):
         self._strips: list[Strip] | None = None  # None: a row does not fit (Textual's path)
         self._strip_rows: list[tuple] = []  # (y, text, spans) each strip was drawn from
         self._styles: dict[tuple, TStyle | None] = {}  # plotext (fg, style, bg) -> its style
+        # False once plotext's internals (the matrix and its helpers, plotext 5.3.2, the
+        # version pyproject pins) were not as this class reads them: PlotextPlot draws instead
+        self._matrix_ok = True
         self.build_seconds = 0.0  # cost of the last build (plotext + strips)
 
     def _set_inputs(self, inputs: tuple, data: tuple) -> bool:
@@ -274,17 +280,32 @@ class CachedPlot(PlotextPlot):
         it, worked out once per colour."""
         key = tuple(tuple(c) if isinstance(c, list) else c for c in (fg, st, bg))
         if key not in self._styles:
-            ansi = plotext_utility.colors_to_ansi(fg, st, bg)
-            text = Text.from_ansi(f"{ansi}x{plotext_utility.ansi_end}" if ansi else "x")
+            from plotext import _utility  # plotext's own colour codes (a private module)
+
+            ansi = _utility.colors_to_ansi(fg, st, bg)
+            text = Text.from_ansi(f"{ansi}x{_utility.ansi_end}" if ansi else "x")
             spans = Content.from_rich_text(text, console=self.app.console).spans
             self._styles[key] = spans[0].style if spans else None  # type: ignore[assignment]
         return self._styles[key]
 
+    def _give_up_matrix(self, e: Exception) -> None:
+        self._matrix_ok = False
+        self._canvas_key = self._strips_key = self._strips = None
+        self.app.log.warning(f"chart {self.id}: plotext's matrix is not as plotext 5.3.2 has "
+                             f"it ({type(e).__name__}: {e}); drawn through PlotextPlot")
+
     def _picture(self) -> list[Strip] | None:
         """The rows as strips, built when stale; None where Textual's own path must draw them
         (a row that does not fit, or a text selection)."""
-        if not plain_widget(self):
+        if not plain_widget(self) or not self._matrix_ok:
             return None
+        try:
+            return self._strips_of_matrix()
+        except PLOTEXT_INTERNALS as e:
+            self._give_up_matrix(e)
+            return None
+
+    def _strips_of_matrix(self) -> list[Strip] | None:
         t0 = time.perf_counter()
         built = self._build()
         width, style = self.size.width, self.visual_style
@@ -317,13 +338,22 @@ class CachedPlot(PlotextPlot):
 
     def render(self) -> Text:
         """The picture as Rich Text: Textual's path (text selection, rows that do not fit)."""
-        t0 = time.perf_counter()
-        built = self._build()
-        if self._canvas is None:
-            self._canvas = Text.from_ansi(self.plt.monitor.matrix.set_canvas())
-        if built:
-            self.build_seconds = time.perf_counter() - t0
-        return self._canvas
+        if self._matrix_ok:
+            t0 = time.perf_counter()
+            try:
+                built = self._build()
+                if self._canvas is None:
+                    self._canvas = Text.from_ansi(self.plt.monitor.matrix.set_canvas())
+                if built:
+                    self.build_seconds = time.perf_counter() - t0
+                return self._canvas
+            except PLOTEXT_INTERNALS as e:
+                self._give_up_matrix(e)
+        plt = self.plt  # PlotextPlot's own path: the plot drawn again, then plotext's build
+        plt.clear_data()
+        plt.clear_figure()
+        self._draw()
+        return super().render()  # type: ignore[return-value]
 
 
 class LossChart(CachedPlot):

@@ -15,6 +15,7 @@ from rich.text import Text
 from textual.content import Content
 from textual.geometry import Region, Size
 from textual.strip import Strip
+from textual.visual import Visual
 from textual.widget import Widget
 
 from andrea_tui.strips import line_strips
@@ -36,6 +37,10 @@ class LinePanel(Widget):
         self._lines: list[Content] = []
         self._rows: list[list[Strip] | None] = []  # rendered rows of each line, None = stale
         self._rows_for: tuple | None = None  # (width, style) the rendered rows are valid for
+        # while text is selected: the whole text drawn by Textual's Visual path (one pass, so
+        # the highlight and each row's line offsets are a Static's), and what it was drawn for
+        self._selected_rows: list[Strip] | None = None
+        self._selected_for: tuple | None = None
 
     # ------------------------------------------------------------ content
 
@@ -55,12 +60,19 @@ class LinePanel(Widget):
         if not changed:
             return
         self._keys = keys
+        if self.text_selection is not None:  # drawn whole (render_line): draw it again
+            for i in changed:
+                self._lines[i] = self._content(lines[i])
+                self._rows[i] = None
+            self._selected_rows = None
+            self.refresh(layout=True)
+            return
         width = self.size.width
         valid = self._rows_for == (width, self.visual_style)
         old_rows = [len(r) if r is not None else -1 for r in self._rows]
         for i in changed:
             self._lines[i] = self._content(lines[i])
-            self._rows[i] = self._render(i, width) if valid else None
+            self._rows[i] = self._line_rows(i, width) if valid else None
         if not valid or any(len(self._rows[i] or ()) != old_rows[i] for i in changed):
             self.refresh(layout=True)  # a line now wraps to a different number of rows
             return
@@ -72,7 +84,8 @@ class LinePanel(Widget):
 
     # ------------------------------------------------------------ rendering
 
-    def _render(self, i: int, width: int) -> list[Strip]:
+    # (not `_render`: Textual's Widget._render, which its text selection calls, must stay)
+    def _line_rows(self, i: int, width: int) -> list[Strip]:
         strips = line_strips(self, self._lines[i], width, i)
         return strips or [Strip.blank(width, self.visual_style.rich_style)]
 
@@ -83,7 +96,7 @@ class LinePanel(Widget):
             self._rows_for = key
         for i, rows in enumerate(self._rows):
             if rows is None:
-                self._rows[i] = self._render(i, key[0])
+                self._rows[i] = self._line_rows(i, key[0])
         return self._rows  # type: ignore[return-value]
 
     def _row_starts(self, width: int) -> list[int]:
@@ -94,11 +107,23 @@ class LinePanel(Widget):
         return starts
 
     def render_line(self, y: int) -> Strip:
+        if self.text_selection is not None:
+            rows = self._rows_with_selection()
+            if y < len(rows):
+                return rows[y]
+            return Strip.blank(self.size.width, self.visual_style.rich_style)
         for rows in self._ensure_rows():
             if y < len(rows):
                 return rows[y]
             y -= len(rows)
         return Strip.blank(self.size.width, self.visual_style.rich_style)
+
+    def _rows_with_selection(self) -> list[Strip]:
+        key = (self.size.width, self.visual_style)
+        if self._selected_rows is None or self._selected_for != key:
+            self._selected_rows = Visual.to_strips(self, self.render(), key[0], None, key[1])
+            self._selected_for = key
+        return self._selected_rows
 
     def render(self) -> Content:
         """The whole text, for Textual's text selection (drawing goes through render_line)."""
@@ -116,4 +141,5 @@ class LinePanel(Widget):
 
     def selection_updated(self, selection) -> None:
         self._rows_for = None
+        self._selected_rows = None
         super().selection_updated(selection)

@@ -13,6 +13,7 @@ Textual's.
 from __future__ import annotations
 
 from rich.segment import Segment
+from rich.style import Style as RichStyle
 from textual.content import Content
 from textual.strip import Strip
 from textual.style import Style as TStyle
@@ -21,8 +22,11 @@ from textual.widget import Widget
 
 
 def plain_widget(widget: Widget) -> bool:
-    """No text selection on `widget`, its content left-aligned: the fast paths below apply."""
-    return widget.text_selection is None and widget.styles.content_align_horizontal == "left"
+    """No text selection on `widget`, its content and text left-aligned, no line padding: the
+    fast paths below apply."""
+    styles = widget.styles
+    return (widget.text_selection is None and styles.content_align_horizontal == "left"
+            and styles.text_align in ("left", "start") and styles.line_pad == 0)
 
 
 def plain_line(line: Content) -> bool:
@@ -36,12 +40,26 @@ def fitting_strip(widget: Widget, line: Content, y: int, style: TStyle) -> Strip
     """The strip Textual's Content path draws for line `y` of `widget` (visual style `style`)
     when it fits the width, at a fraction of its cost; only for a `plain_widget` and a
     `plain_line`. Each segment carries its (x, y) offset, as Textual's do, for mouse text
-    selection (y is the line number: exact while no line above wraps)."""
+    selection (y: the logical line's number)."""
     segments, x = [], 0
     for text, text_style in line.render(style, end="", parse_style=widget._get_style):
         segments.append(Segment(text, (style + text_style).rich_style_with_offset(x, y)))
         x += len(text)
     return Strip(segments, line.cell_length)
+
+
+def at_line(strip: Strip, y: int) -> Strip:
+    """`strip` with the line number of its segments' (x, y) offsets set to `y`: Content's own
+    render counts lines from 0 within what it is given (one logical line here), a Static from
+    the top of its text, and a mouse selection starting on the row reads them."""
+    segments = []
+    for seg in strip:
+        meta = seg.style.meta if seg.style is not None else None
+        if meta and "offset" in meta:
+            seg = Segment(seg.text, seg.style + RichStyle.from_meta(  # type: ignore[operator]
+                {"offset": (meta["offset"][0], y)}), seg.control)
+        segments.append(seg)
+    return Strip(segments, strip.cell_length)
 
 
 def line_strips(widget: Widget, line: Content, width: int, y: int) -> list[Strip]:
@@ -60,7 +78,8 @@ def line_strips(widget: Widget, line: Content, width: int, y: int) -> list[Strip
             return [fitting_strip(widget, line, y, style)]
         styles = widget.styles
         if styles.text_wrap != "nowrap":
-            return line.render_strips(width, None, style, RenderOptions(widget._get_style, styles))
+            rows = line.render_strips(width, None, style, RenderOptions(widget._get_style, styles))
+            return [at_line(row, y) for row in rows]
         if styles.text_overflow != "fold":
             cut = line.truncate(width, ellipsis=styles.text_overflow == "ellipsis")
             return [fitting_strip(widget, cut, y, style)]

@@ -112,3 +112,40 @@ def test_a_redraw_keeps_the_strips_of_the_rows_that_did_not_change(tmp_path: Pat
                 assert all(now[y] is before[c.id][y] for y in kept), c.id  # not drawn again
 
     asyncio.run(go())
+
+
+def test_the_charts_read_the_plotext_they_were_written_for() -> None:
+    """CachedPlot reads plotext's matrix and colour helpers, which are not public API: the pin
+    in pyproject.toml and the version installed agree (a new plotext needs the tests above run
+    against it before the pin moves)."""
+    import importlib.metadata
+    import re
+
+    pin = re.search(r'"plotext==([\d.]+)"', (Path(__file__).parents[1] / "pyproject.toml")
+                    .read_text())
+    assert pin and importlib.metadata.version("plotext") == pin.group(1) == "5.3.2"
+
+
+def test_a_plotext_without_those_internals_falls_back_to_plotext_plot(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """When plotext's matrix is not as CachedPlot reads it, the chart is drawn by PlotextPlot's
+    own path (the same rows) and the app goes on."""
+    paths = write_run(tmp_path / "run", 300, status="finished")
+
+    def missing(self) -> list:
+        raise AttributeError("'Figure' object has no attribute 'monitor'")
+
+    monkeypatch.setattr(CachedPlot, "_matrix_rows", missing)
+
+    async def go() -> None:
+        app = AndreaApp(paths.root, follow=False, control_interval=3600)
+        async with app.run_test(size=(140, 45)) as pilot:
+            await wait_until(pilot, lambda: app.history_loaded)
+            await pilot.pause()
+            for chart in app.view._charts():
+                drawn = [chart.render_line(y) for y in range(chart.size.height)]
+                assert not chart._matrix_ok and chart._strips is None
+                assert [s.text for s in drawn] == [s.text for s in textual_path(chart)]
+                assert any(s.text.strip() for s in drawn)
+
+    asyncio.run(go())

@@ -86,6 +86,24 @@ def test_from_records_equals_incremental() -> None:
     np.testing.assert_allclose(a.ema(), b.ema())
 
 
+def test_growing_keeps_every_column_and_the_ema_already_computed() -> None:
+    """Rows added after the EMA was computed grow the arrays: the steps (int64), the skipped
+    flags (bool), every column and the EMA so far are carried over, equal to a series that
+    never grew."""
+    records = recs([float(i % 5) + 0.25 for i in range(40)])
+    a = StepSeries.from_records(records, 0.9)
+    b = StepSeries(0.9, capacity=16)
+    b.add(records[:10])
+    first = b.ema().copy()  # computed before the growth, kept through it
+    b.add(records[10:])  # 16 -> 32 -> 64 rows
+    assert b.steps.dtype == np.int64 and b._skipped.dtype == bool
+    assert b.steps.tolist() == a.steps.tolist()
+    for c in ("loss", "grad_norm", "lr"):
+        np.testing.assert_array_equal(b.col(c), a.col(c))
+    np.testing.assert_array_equal(b.ema()[:10], first)
+    np.testing.assert_allclose(b.ema(), a.ema())
+
+
 def test_downsample_keeps_each_columns_min_and_max() -> None:
     rng = np.random.default_rng(1)
     n, cols = 10_000, 37
