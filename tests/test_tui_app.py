@@ -4,6 +4,7 @@ the engine dying, and the checkpoint browser on real checkpoints."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import json
 import os
@@ -33,6 +34,16 @@ async def wait_until(pilot, cond: Callable[[], bool], timeout: float = 15.0) -> 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting; screen:\n{screen_text(pilot.app)}")
         await pilot.pause(0.05)
+
+
+@contextlib.asynccontextmanager
+async def finished_run_app(root: Path, size: tuple[int, int] = (140, 45)):
+    """A headless AndreaApp on a run directory, not following it, once its history is loaded:
+    yields (app, pilot)."""
+    app = AndreaApp(root, follow=False, control_interval=3600)
+    async with app.run_test(size=size) as pilot:
+        await wait_until(pilot, lambda: app.history_loaded)
+        yield app, pilot
 
 
 def record_notes(app: AndreaApp) -> list[str]:

@@ -12,12 +12,11 @@ import pytest
 from textual.visual import Visual, visualize
 from textual_plotext import PlotextPlot
 
-from andrea_tui.app import AndreaApp
 from andrea_tui.charts import CachedPlot
 from andrea_tui.settings import Settings
 from engine.records import StepRecord
 from tests.fakerun import loss_record, write_run
-from tests.test_tui_app import wait_until
+from tests.test_tui_app import finished_run_app
 
 
 def textual_path(chart: CachedPlot) -> list:
@@ -41,9 +40,7 @@ def test_chart_strips_are_what_plotext_plot_draws(tmp_path: Path, settings: Sett
     paths = write_run(tmp_path / "run", 1500, status="finished", monitor=True)
 
     async def go() -> None:
-        app = AndreaApp(paths.root, follow=False, control_interval=3600)
-        async with app.run_test(size=(140, 45)) as pilot:
-            await wait_until(pilot, lambda: app.history_loaded)
+        async with finished_run_app(paths.root) as (app, pilot):
             app.settings = settings
             app.view.apply(settings)
             await pilot.pause()
@@ -64,9 +61,7 @@ def test_chart_rebuilds_only_for_new_data_and_textual_path_agrees(tmp_path: Path
     paths = write_run(tmp_path / "run", 600, status="finished")
 
     async def go() -> None:
-        app = AndreaApp(paths.root, follow=False, control_interval=3600)
-        async with app.run_test(size=(120, 40)) as pilot:
-            await wait_until(pilot, lambda: app.history_loaded)
+        async with finished_run_app(paths.root, (120, 40)) as (app, pilot):
             await pilot.pause()
             loss = app.view._charts()[0]
             first = [loss.render_line(y) for y in range(loss.size.height)]
@@ -91,9 +86,7 @@ def test_a_redraw_keeps_the_strips_of_the_rows_that_did_not_change(tmp_path: Pat
     paths = write_run(tmp_path / "run", 20_000, status="running", max_steps=200_000)
 
     async def go() -> None:
-        app = AndreaApp(paths.root, follow=False, control_interval=3600)
-        async with app.run_test(size=(140, 45)) as pilot:
-            await wait_until(pilot, lambda: app.history_loaded)
+        async with finished_run_app(paths.root) as (app, pilot):
             await pilot.pause()
             charts = app.view._charts()
             before = {c.id: list(c._strips or ()) for c in charts}
@@ -138,9 +131,7 @@ def test_a_plotext_without_those_internals_falls_back_to_plotext_plot(
     monkeypatch.setattr(CachedPlot, "_matrix_rows", missing)
 
     async def go() -> None:
-        app = AndreaApp(paths.root, follow=False, control_interval=3600)
-        async with app.run_test(size=(140, 45)) as pilot:
-            await wait_until(pilot, lambda: app.history_loaded)
+        async with finished_run_app(paths.root) as (app, pilot):
             await pilot.pause()
             for chart in app.view._charts():
                 drawn = [chart.render_line(y) for y in range(chart.size.height)]

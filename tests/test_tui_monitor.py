@@ -32,7 +32,7 @@ from engine import records as rec
 from engine.run.control import engine_alive
 from engine.runfiles import read_jsonl
 from tests.fakerun import CONFIG, write_run
-from tests.test_tui_app import record_notes, wait_until
+from tests.test_tui_app import finished_run_app, record_notes, wait_until
 
 
 def run(coro) -> None:
@@ -90,9 +90,7 @@ def test_alerts_are_told_after_the_kept_ones_are_full(tmp_path: Path) -> None:
                                          threshold=2.0, message=f"{kind} at {step}").to_json())
 
     async def go() -> None:
-        app = AndreaApp(paths.root, follow=False, control_interval=3600)
-        async with app.run_test(size=(140, 45)) as pilot:
-            await wait_until(pilot, lambda: app.history_loaded)
+        async with finished_run_app(paths.root) as (app, pilot):
             now = time.time()
             with open(paths.events, "a") as f:
                 f.write("".join(alert(s, "loss_spike", now) + "\n" for s in range(1000)))
@@ -114,9 +112,7 @@ def test_chart_controls_persist_per_user(tmp_path: Path, user_config_home: Path)
     paths = write_run(tmp_path / "run", 600, status="finished", monitor=True)
 
     async def go() -> None:
-        app = AndreaApp(paths.root, follow=False, control_interval=3600)
-        async with app.run_test(size=(140, 45)) as pilot:
-            await wait_until(pilot, lambda: app.history_loaded)
+        async with finished_run_app(paths.root) as (app, pilot):
             for key in ("right_square_bracket", "right_square_bracket", "r", "t", "g", "y",
                         "b"):
                 await pilot.press(key)
@@ -281,9 +277,7 @@ def test_samples_log_screens_and_dashboard_keys_off_on_them(tmp_path: Path) -> N
         f.write("12:01:00 warning: disk slow\n12:01:01 error: something broke\n")
 
     async def go() -> None:
-        app = AndreaApp(paths.root, follow=False, control_interval=3600)
-        async with app.run_test(size=(140, 45)) as pilot:
-            await wait_until(pilot, lambda: app.history_loaded)
+        async with finished_run_app(paths.root) as (app, pilot):
             await pilot.press("p")
             assert isinstance(app.screen, SamplesScreen)
             await pilot.pause()
@@ -340,9 +334,7 @@ def test_resize_follows_the_new_size(tmp_path: Path) -> None:
     paths = write_run(tmp_path / "run", 200, status="finished", monitor=True)
 
     async def go() -> None:
-        app = AndreaApp(paths.root, follow=False, control_interval=3600)
-        async with app.run_test(size=(200, 50)) as pilot:
-            await wait_until(pilot, lambda: app.history_loaded)
+        async with finished_run_app(paths.root, (200, 50)) as (app, pilot):
             screen = app.view.screen
             assert not screen.has_class("compact")
             for size, compact in (((80, 24), True), ((120, 40), False), ((80, 24), True)):
@@ -360,9 +352,7 @@ def test_eval_and_telemetry_reach_the_panels(tmp_path: Path) -> None:
     paths = write_run(tmp_path / "run", 400, status="finished", monitor=True)
 
     async def go() -> None:
-        app = AndreaApp(paths.root, follow=False, control_interval=3600)
-        async with app.run_test(size=(140, 45)) as pilot:
-            await wait_until(pilot, lambda: app.history_loaded)
+        async with finished_run_app(paths.root) as (app, pilot):
             await pilot.pause()
             text = screen_text(app)
             ev = app.state.val_loss
