@@ -16,9 +16,9 @@ Two choices, both made at start and said in `attention_info` / `describe()`:
   fused kernels (residual + LayerNorm, LayerNorm backward with its parameter sums, loss forward
   and backward in one pass), and `train_step`: zero, forward, backward, gradient norm, clip,
   non-finite skip and AdamW in one graph with one host read (the AdamW left to the next step's
-  graph, beside its forward, unless ANDREA_DEFER_ADAMW=0: see `_apply_update`). Off: the path before all this
-  (plain cuBLAS, separate kernels, the optimizer launched from the host), kept for comparison
-  and as the unfused reference (ANDREA_FUSIONS=0 sets the default).
+  graph, beside its forward, unless ANDREA_DEFER_ADAMW=0: see `_apply_update`). Off: the path
+  before all this (plain cuBLAS, separate kernels, the optimizer launched from the host), kept
+  for comparison and as the unfused reference (ANDREA_FUSIONS=0 sets the default).
 
 Activation rows are time-major (row r = t*B + b): see ops.py for why. Buffers are named, sized
 and laid out by buffers.py (the saved activations by engine/backends/activations.py, the
