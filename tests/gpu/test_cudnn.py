@@ -52,6 +52,7 @@ def test_cudnn_attention_matches_numpy(att, rng, B, T, H, hd):
     a = CudnnAttention(precision, H, hd, gpu.stream.handle)
     a.build(B, T, backward=True)
     dev = DevArrays(gpu.drv, precision)
+    rows_att = None
     try:
         qkv = rounded(rng.normal(0, 1, (3, B, T, d)), precision)
         probs, want = np.empty((B, H, T, T)), np.empty((B, T, d))
@@ -81,9 +82,23 @@ def test_cudnn_attention_matches_numpy(att, rng, B, T, H, hd):
         for j, name in enumerate("QKV"):
             got = tm(grads[0][j, : R * d].reshape(T, B, d))
             check_close(got, w_dqkv[j], 1e-2, f"cudnn attn_bwd d{name}", precision)
+
+        # grad_rows: dQ, dK, dV side by side in each row, [R, 3d] (ANDREA_QKV_ROWS)
+        rows_att = ar = CudnnAttention(precision, H, hd, gpu.stream.handle, grad_rows=True)
+        ar.build(B, T, backward=True)
+        ws2 = dev.empty((max(1, ar.workspace_bytes(B, T)) // 4 + 1,), "f32")
+        g = dev.empty((R, 3 * d))
+        ar.bwd(q, k, v, out, dev.put(tm(dout)), stats, *(g + j * d * es for j in range(3)), B,
+               T, ws2)
+        rows = dev.get(g).reshape(T, B, 3 * d)
+        for j, name in enumerate("QKV"):
+            check_close(tm(rows[:, :, j * d : (j + 1) * d]), w_dqkv[j], 1e-2,
+                        f"cudnn attn_bwd d{name} (rows)", precision)
     finally:
         gpu.stream.synchronize()
         a.close()
+        if rows_att is not None:
+            rows_att.close()
         dev.free()
 
 

@@ -267,7 +267,8 @@ def _steps(bk, params, steps: int, T: int, fused_step: bool, max_norm: float):
 def test_train_step_is_the_host_driven_step(attention):
     """The one-graph step against zero_grads/forward_backward/grad_norm/adamw on the same fused
     backend: the same bits when no clipping happens (max_norm large); within float rounding of
-    the clip factor (float32 division on the device, float64 on the host) when it does."""
+    the clip factor (float32 division on the device, float64 on the host) when it does (cuDNN,
+    Q, K, V's input gradient in one GEMM: 1.06e-5 measured on the H200)."""
     from engine.backends.cuda import CudaBackend
 
     params = init_params(SHAPES, seed=5)
@@ -284,7 +285,7 @@ def test_train_step_is_the_host_driven_step(attention):
             assert np.array_equal(pa, pb)
         else:
             assert all(x[2] < 1.0 for x in a), "the test means to clip"
-            check_close(pa, pb, 1e-5, "train_step vs host step, clipping", "bf16")
+            check_close(pa, pb, 2e-5, "train_step vs host step, clipping", "bf16")
 
 
 @pytest.mark.parametrize("max_norm", [1e9, 0.05])
@@ -398,3 +399,36 @@ def test_adamw_decays_exactly_the_2d_tensors(fusions):
             check_close(b, a * np.float32(1 - 1e-3), 1e-6, f"decayed {t.name}", "fp32")
         else:
             assert np.array_equal(a, b), f"{t.name} is 1-D and must not decay"
+
+
+def test_qkv_rows_track_the_slabs(monkeypatch):
+    """cuDNN's dQ, dK, dV side by side in rows and one input-gradient GEMM over K = 3d (the
+    default) against the slabs and their three GEMMs (ANDREA_QKV_ROWS=0), from the same weights:
+    losses, norms and the updates of three one-graph steps (deferred AdamW included) agree to
+    bf16 rounding (the one GEMM rounds the sum once, the three after each addend); then, from
+    the same weights again (Adam's moments carried on), one step of a short sequence (T = 131)
+    through the full-length graph. Two backends with rows give the same bits."""
+    from engine.backends.cuda import CudaBackend
+    from engine.backends.cuda.cudnn_attn import cudnn_available
+
+    if not cudnn_available()[0]:
+        pytest.skip(cudnn_available()[1])
+    params = init_params(SHAPES, seed=9)
+    res = {}
+    for rows in ("0", "1", "1 again"):
+        monkeypatch.setenv("ANDREA_QKV_ROWS", rows.split()[0])
+        bk = CudaBackend(SHAPES, 4, "bf16", attention="cudnn", fusions=True)
+        assert bk.qkv_rows == (rows != "0")
+        assert ("ANDREA_QKV_ROWS" in bk.describe()) == bk.qkv_rows
+        res[rows] = (_steps(bk, params, 3, 256, True, 1.0), _steps(bk, params, 1, 131, True, 1.0))
+        bk.close()
+    ((a, pa), (sa, psa)), ((b, pb), (sb, psb)) = res["0"], res["1"]
+    for (ra, na, _), (rb, nb, _) in zip(a + sa, b + sb, strict=True):
+        check_close(rb, ra, 1e-2, "qkv rows vs slabs: losses", "bf16")
+        check_close(np.array([nb]), np.array([na]), 2e-2, "qkv rows vs slabs: norm", "bf16")
+    check_close(pb - params, pa - params, 5e-2, "qkv rows vs slabs: updates", "bf16")
+    check_close(psb - params, psa - params, 5e-2, "qkv rows vs slabs: short-T update", "bf16")
+    (c, pc), (sc, psc) = res["1 again"]
+    for (rb, nb, cb), (rc, nc, cc) in zip(b + sb, c + sc, strict=True):
+        assert np.array_equal(rb, rc) and nb == nc and cb == cc
+    assert np.array_equal(pb, pc) and np.array_equal(psb, psc)

@@ -23,16 +23,18 @@ def trajectory(run: Path) -> list[tuple]:
     return [tuple(json.dumps(getattr(r, k), sort_keys=True) for k in KEYS) for r in loss_records(run)]
 
 
-@pytest.mark.parametrize("attention", ["auto", "classic"])
-def test_sigterm_resume_on_gpu_is_bit_exact(attention: str, tmp_path: Path,
+@pytest.mark.parametrize(("attention", "rows"), [("auto", "1"), ("classic", "1"), ("auto", "0")],
+                         ids=["auto", "classic", "auto-qkv-slabs"])
+def test_sigterm_resume_on_gpu_is_bit_exact(attention: str, rows: str, tmp_path: Path,
                                             prepared_data: Path) -> None:
     """The GEMM algorithms are timed at the first start (ANDREA_GEMM_TUNE=1) and recorded in
     gemm_plan.json; the resume uses the record, not a new timing. The straight run is given the
-    same plan (timing twice may pick differently: the plan is what makes runs repeatable)."""
+    same plan (timing twice may pick differently: the plan is what makes runs repeatable).
+    rows: ANDREA_QKV_ROWS (Q, K, V's input gradient in one GEMM), the same in all three runs."""
     cfg = tmp_path / "cfg.json"
     cfg.write_text(json.dumps(micro_config_dict(max_steps=N, precision="bf16")))
     args = (*CUDA, "--attention", attention)
-    tuned = {"ANDREA_GEMM_TUNE": "1"}
+    tuned = {"ANDREA_GEMM_TUNE": "1", "ANDREA_QKV_ROWS": rows}
     popen_env = {**os.environ, **tuned}
     run = tmp_path / "stopped"
     proc = start_engine(cfg, run, *args, env=popen_env)
@@ -49,6 +51,8 @@ def test_sigterm_resume_on_gpu_is_bit_exact(attention: str, tmp_path: Path,
     assert r.returncode == 0, r.stdout + r.stderr
     log = (run / "engine.log").read_text()
     assert "GEMM algorithms from gemm_plan.json" in log, log[-2000:]
+    if "attention cudnn" in log:  # where cuDNN runs, the Q, K, V layout is the one asked for
+        assert ("ANDREA_QKV_ROWS" in log) == (rows == "1"), log[-2000:]
     assert (run / "gemm_plan.json").read_text() == plan  # the resume kept it
 
     straight = tmp_path / "straight"

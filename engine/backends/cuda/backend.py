@@ -70,7 +70,8 @@ def _flag(name: str, default: bool = True) -> bool:
     stream), ANDREA_FUSED_LN (the one-kernel LayerNorm backward: off by default, it measured
     slower than the three kernels on the H200, NOTES.md), ANDREA_WRITE_GRADS (the step writes
     its gradients instead of zeroing and adding), ANDREA_DWTE_PAD (dwte's GEMM over the aligned
-    rows), ANDREA_DEFER_ADAMW (a step's AdamW in the next step's graph, beside its forward).
+    rows), ANDREA_DEFER_ADAMW (a step's AdamW in the next step's graph, beside its forward),
+    ANDREA_QKV_ROWS (Q, K, V's input gradient as one GEMM over K = 3d, see __init__).
     ops.py reads ANDREA_SIDE_LN (the LayerNorm parameter sums on the weight-gradient stream)."""
     return os.environ.get(name, "1" if default else "0") != "0"
 
@@ -131,12 +132,24 @@ class CudaBackend:
         self.notes: list[str] = []  # what the start-up decided, for the run's log
 
         self.cudnn: Any = None
+        # Q, K, V's input gradient as one GEMM over K = 3d (cuDNN's dQ, dK, dV written side by
+        # side in rows, every layer's W_Q, W_K, W_V copied side by side before the backward)
+        # instead of three that add up: cuDNN attention and fusions only (ANDREA_QKV_ROWS=0:
+        # the three). It changes the bits (one rounding of the sum instead of three), so a run
+        # resumes with the setting it started with.
+        self._want_qkv_rows = (self.fusions and _flag("ANDREA_QKV_ROWS")
+                               and self._qkv_side_by_side())
         self.attention, self.attention_info = self._pick_attention(attention)
+        # the layout cuDNN was built for decides (one place): the GEMMs follow it
+        self.qkv_rows = self.attention == "cudnn" and self.cudnn.grad_rows
+        if self._want_qkv_rows and self.attention != "cudnn":
+            self.notes.append("ANDREA_QKV_ROWS: needs cuDNN's attention; the classic one runs "
+                              "with its three GEMMs")
         cudnn_ws = (max(self.cudnn.workspace_bytes(self.B, self.S),
                         self.cudnn.workspace_bytes(1, self.S)) if self.cudnn else 0)
         plan, self.train, self.sample = plan_memory(shapes, micro_batch, precision,
                                                     self.attention, self.fusions, cudnn_ws,
-                                                    separate_micro)
+                                                    separate_micro, self.qkv_rows)
         if self.fp8:
             plan_fp8(plan, shapes.n_layer, shapes.d_model, shapes.d_ff, self.train.R)
         self.separate_micro = separate_micro
@@ -202,6 +215,7 @@ class CudaBackend:
         self._update_pending = False
         self.p, self.g = plan["params"], plan["grads"]
         self.plp = plan["params_lp"] if precision != "fp32" else self.p
+        self.pqkv = plan["params_qkv"] if self.qkv_rows else 0  # [L,d,3d]: Ops.qkv_rows
         self.m, self.v = plan["m"], plan["v"]
         self.nseg = nseg
         # page-locked host staging for the per-call inputs and outputs
@@ -261,7 +275,9 @@ class CudaBackend:
             from engine.backends.cuda.cudnn_attn import CudnnAttention, cudnn_available
 
             ok, why = cudnn_available()
-            if ok:
+            # dQ, dK, dV in rows first when wanted; where cuDNN refuses that graph, the slabs
+            layouts = (True, False) if self._want_qkv_rows else (False,)
+            for rows in layouts if ok else ():
                 s = self.shapes
                 try:
                     # this backend's own graphs and handle: a cuDNN graph captured into a CUDA
@@ -269,10 +285,13 @@ class CudaBackend:
                     # (seen on the H200: wrong values, then an illegal address), so graphs are
                     # never shared
                     att = CudnnAttention(self.precision, s.n_head, s.d_model // s.n_head,
-                                         self.stream.handle)
+                                         self.stream.handle, grad_rows=rows)
                     self.cudnn = att
                     att.build(self.B, self.S, backward=True)
                     att.build(1, self.S, backward=False)  # sampling (logits_last)
+                    if self._want_qkv_rows and not rows:
+                        self.notes.append(f"ANDREA_QKV_ROWS: cuDNN refuses dQ, dK, dV in rows "
+                                          f"({why}); the slabs and three GEMMs run instead")
                     return "cudnn", f"cudnn ({att.version}; deterministic backward)"
                 except RunError as e:
                     why = str(e)
@@ -371,8 +390,9 @@ class CudaBackend:
                    f"{', '.join(on) if on else 'none'}"
                    + (f" (bf16: {', '.join(g for g in FP8_GEMMS if g not in on)})"
                       if len(on) < len(FP8_GEMMS) else ""))
+        rows = "; Q, K, V input gradient in one GEMM (ANDREA_QKV_ROWS)" if self.qkv_rows else ""
         return (f"attention {self.attention_info}; GEMMs {gemm}; fusions "
-                f"{'on' if self.fusions else 'off'}{fp8}")
+                f"{'on' if self.fusions else 'off'}{rows}{fp8}")
 
     @property
     def fp8_gemms(self) -> list[str]:
@@ -383,6 +403,27 @@ class CudaBackend:
     def _w(self, name: str) -> int:
         """The GEMM copy (low precision, or the fp32 master in fp32 mode) of a tensor."""
         return self.plp + self.off[name] * self.es
+
+    def _qkv_side_by_side(self) -> bool:
+        """The flat layout Ops.qkv_rows assumes (DESIGN §2): W_K and W_V d² and 2d² elements
+        after W_Q, and every layer's W_Q the same distance after the one before."""
+        d, L = self.shapes.d_model, self.shapes.n_layer
+        q = [self.off[f"h.{l}.attn.W_Q"] for l in range(L)]
+        return all(self.off[f"h.{l}.attn.W_K"] == q[l] + d * d and
+                   self.off[f"h.{l}.attn.W_V"] == q[l] + 2 * d * d and
+                   q[l] - q[0] == l * (q[1] - q[0] if L > 1 else 0) for l in range(L))
+
+    def _w_qkv_rows(self, layer: int) -> int:
+        """Layer `layer`'s W_Q, W_K, W_V side by side ([d,3d], made by `_qkv_rows`)."""
+        return self.pqkv + layer * 3 * self.shapes.d_model ** 2 * self.es
+
+    def _qkv_rows(self) -> None:
+        """Copy every layer's W_Q, W_K, W_V from the GEMM copy side by side (Ops.qkv_rows):
+        before each backward, when every layer's update (deferred or not) has been applied."""
+        s = self.shapes
+        q0 = self.off["h.0.attn.W_Q"]
+        stride = self.off["h.1.attn.W_Q"] - q0 if s.n_layer > 1 else 0
+        self.ops.qkv_rows(self.pqkv, self._w("h.0.attn.W_Q"), stride, s.d_model, s.n_layer)
 
     def _p32(self, name: str) -> int:
         return self.p + self.off[name] * 4
@@ -485,6 +526,8 @@ class CudaBackend:
         dpre = [b.at("dpre"), b.at("dpre2") if fused else b.at("dpre")]
         dqkv = [b.at("dqkv"), b.at("dqkv2") if fused else b.at("dqkv")]
         slab = b.qkv_slab()
+        if self.qkv_rows:  # the forward of every layer waited for its update: current weights
+            self._qkv_rows()
         if fused:  # dlogits came with the forward (loss_fwd_bwd)
             o.loss_bwd_gemms(b.at("lnf"), self._w("wte"), dln, self._g32("wte"),
                              b.at("dlogits"), B, T, s.vocab_size, self.ldv, d, self.wte_rows,
@@ -524,8 +567,12 @@ class CudaBackend:
                                  slab)
             else:
                 o.attn_bwd(datt, a["qkv"], a["probs"], H, dq, b.at("scores"), B, T, d, slab)
-            o.attn_qkv_bwd(dq, a["ln1"], self._w(h + "attn.W_Q"), dln,
-                           self._g32(h + "attn.W_Q"), R, d, slab)
+            if self.qkv_rows:
+                o.attn_qkv_bwd_rows(dq, a["ln1"], self._w_qkv_rows(l), dln,
+                                    self._g32(h + "attn.W_Q"), R, d)
+            else:
+                o.attn_qkv_bwd(dq, a["ln1"], self._w(h + "attn.W_Q"), dln,
+                               self._g32(h + "attn.W_Q"), R, d, slab)
             o.layernorm_bwd(dln, b.at("x", l), self._p32(h + "ln1.gamma"), st1, st1 + R * 4,
                             cur, self._g32(h + "ln1.gamma"), part, R, d, accumulate=True,
                             resid=nxt, fused=fln)

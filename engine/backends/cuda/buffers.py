@@ -186,15 +186,20 @@ class BatchBuffers:
 
 def plan_memory(shapes: ModelShapes, micro_batch: int, precision: str,
                 attention: str = "classic", fused: bool = False, cudnn_workspace: int = 0,
-                separate_micro: bool = False) -> tuple[Plan, BatchBuffers, BatchBuffers]:
+                separate_micro: bool = False, qkv_rows: bool = False
+                ) -> tuple[Plan, BatchBuffers, BatchBuffers]:
     """The whole memory plan (DESIGN §5), not yet allocated: weights, grads, Adam m and v, the
     training and sampling buffers, and the step's own scratch. Returns (plan, train, sample).
-    attention/fused: see the module doc; cudnn_workspace: the bytes cuDNN's graphs need."""
+    attention/fused: see the module doc; cudnn_workspace: the bytes cuDNN's graphs need;
+    qkv_rows: every layer's W_Q, W_K, W_V side by side ([L,d,3d] in the GEMM precision, made
+    by Ops.qkv_rows) for the one-GEMM input gradient of Q, K, V (dqkv then holds [R,3d] rows)."""
     n, es, ldv = n_params(shapes), ACT_BYTES[precision], logits_ld(shapes.vocab_size)
     plan = Plan()
     plan.add("weights", "params", n * 4)
     if precision != "fp32":
         plan.add("weights", "params_lp", n * es)
+    if qkv_rows:
+        plan.add("weights", "params_qkv", shapes.n_layer * 3 * shapes.d_model ** 2 * es)
     plan.add("grads", "grads", n * 4)
     if separate_micro:  # the sum so far, while a micro-batch forms its own gradient
         plan.add("grads", "grads_save", n * 4)

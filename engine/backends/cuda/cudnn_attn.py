@@ -11,7 +11,10 @@ the default is not bitwise repeatable), so the same inputs give the same bits.
 
 Layout, as everywhere on the GPU: time-major rows (r = t·B + b), heads side by side; Q, K and V
 are slabs of [R_max, d] (`slab` elements apart). cuDNN reads them in place through strides:
-dims [B, H, T, hd], strides [d, hd, B·d, 1]. No permutes.
+dims [B, H, T, hd], strides [d, hd, B·d, 1]. No permutes. With `grad_rows` the backward writes
+dQ, dK and dV side by side in each row instead, as one [R_max, 3d] matrix (strides [3d, hd,
+B·3d, 1], dK and dV d and 2d elements after dQ): the layout in which their input-gradient GEMM
+is one GEMM over K = 3d (ops.attn_qkv_bwd_rows).
 
 Graphs are built once per (B, T, direction) at start (build() runs cuDNN's heuristics and its
 run-time compilation), run once eagerly before a CUDA graph captures them (their first run does
@@ -42,6 +45,13 @@ def cudnn_available() -> tuple[bool, str]:
     return True, ""
 
 
+def sdpa_strides(B: int, head_dim: int, row: int) -> list[int]:
+    """cuDNN's strides (elements) for the dims [B, H, T, hd] of a time-major tensor whose rows
+    (r = t·B + b) are `row` elements apart, heads side by side in a row: d for a slab, 3d for
+    dQ, dK, dV side by side."""
+    return [row, head_dim, B * row, 1]
+
+
 @dataclass
 class _Graph:
     graph: Any
@@ -53,7 +63,8 @@ class CudnnAttention:
     """SDPA forward and (deterministic) backward graphs for one compute precision, on one
     stream. `fwd` and `bwd` take raw device pointers (ints)."""
 
-    def __init__(self, precision: str, n_head: int, head_dim: int, stream_handle: int) -> None:
+    def __init__(self, precision: str, n_head: int, head_dim: int, stream_handle: int,
+                 grad_rows: bool = False) -> None:
         try:  # cuDNN's run-time compiled engines load libnvrtc by soname: have one loaded
             from cuda.pathfinder import load_nvidia_dynamic_lib
 
@@ -67,6 +78,7 @@ class CudnnAttention:
         self.cudnn = cudnn
         self.io = cudnn.data_type.BFLOAT16 if precision == "bf16" else cudnn.data_type.HALF
         self.H, self.hd = n_head, head_dim
+        self.grad_rows = grad_rows  # the backward's dQ, dK, dV side by side in rows (module doc)
         self.scale = 1.0 / math.sqrt(head_dim)
         self.handle = cudnn.create_handle()
         cudnn.set_stream(self.handle, stream_handle)
@@ -76,8 +88,7 @@ class CudnnAttention:
     # --- building --------------------------------------------------------------------------------
     def _dims(self, B: int, T: int) -> tuple[list[int], list[int], list[int], list[int]]:
         H, hd = self.H, self.hd
-        d = H * hd
-        return [B, H, T, hd], [d, hd, B * d, 1], [B, H, T, 1], [H * T, T, 1, 1]
+        return [B, H, T, hd], sdpa_strides(B, hd, H * hd), [B, H, T, 1], [H * T, T, 1, 1]
 
     def _new(self) -> Any:
         c = self.cudnn
@@ -122,8 +133,10 @@ class CudnnAttention:
                 dq, dk, dv = g.sdpa_backward(name="sdpa_bwd", q=q, k=k, v=v, o=o, dO=do,
                                              stats=st, attn_scale=self.scale,
                                              use_deterministic_algorithm=True, **self._mask())
+                gstrides = sdpa_strides(B, self.hd, 3 * self.H * self.hd) if self.grad_rows \
+                    else strides
                 for t in (dq, dk, dv):
-                    t.set_output(True).set_dim(dims).set_stride(strides).set_data_type(self.io)
+                    t.set_output(True).set_dim(dims).set_stride(gstrides).set_data_type(self.io)
                 self._graphs[("bwd", B, T)] = self._finish(
                     g, {"q": q, "k": k, "v": v, "o": o, "do": do, "stats": st, "dq": dq,
                         "dk": dk, "dv": dv})

@@ -286,6 +286,26 @@ class Ops:
             self._mm(dx, dqkv + j * slab * es, w_qkv + j * d * d * es, R, d, d, tb=True,
                      beta=0.0 if j == 0 else 1.0)
 
+    def qkv_rows(self, w_rows: int, w_q: int, layer_stride: int, d: int, L: int) -> None:
+        """w_rows [L,d,3d] = every layer's W_Q, W_K, W_V side by side (k_qkv_rows), from the
+        GEMM copy whose layer 0 W_Q is at w_q and whose layers are layer_stride elements apart:
+        the weights of attn_qkv_bwd_rows."""
+        vec = VEC_BYTES // self.esize
+        self._go("k_qkv_rows", _blocks(L * 3 * d * d // (vec if d % vec == 0 else 1)), w_rows,
+                 w_q, layer_stride, d, L)
+
+    def attn_qkv_bwd_rows(self, dqkv: int, x: int, w_rows: int, dx: int, dw_qkv: int, R: int,
+                          d: int) -> None:
+        """attn_qkv_bwd with dQ, dK, dV side by side in each row of dqkv ([R,3d]: cuDNN's
+        backward writes them so when built with grad_rows) and W_Q, W_K, W_V side by side in
+        w_rows ([d,3d], qkv_rows): dW_j += xᵀ @ dqkv[:, j·d:(j+1)·d] (batched over the three
+        column blocks, into the flat gradient as it lies); dx = dqkv @ w_rowsᵀ, one GEMM over
+        K = 3d (overwritten), where the slabs take three that add up."""
+        self._wgrad(dw_qkv, x, dqkv, d, d, R, (dqkv,), ta=True, ldb=3 * d, batch=3, sa=0, sb=d,
+                    sc=d * d)
+        self._writes(dx)
+        self._mm(dx, dqkv, w_rows, R, d, 3 * d, tb=True)
+
     def attn_fwd(self, qkv: int, n_head: int, probs: int, out: int, scores: int, B: int, T: int,
                  d: int, slab: int = 0) -> None:
         """S = Q Kᵀ/sqrt(hd) (scratch `scores`), P = causal softmax (saved in `probs`,
@@ -347,10 +367,12 @@ class Ops:
     def attn_bwd_cudnn(self, dout: int, qkv: int, out: int, stats: int, dqkv: int, B: int,
                        T: int, d: int, slab: int) -> None:
         """attn_bwd through cuDNN (deterministic): dqkv overwritten, from dY = dout and the
-        forward's out and stats."""
+        forward's out and stats; as slabs like qkv, or with dQ, dK, dV side by side in each row
+        ([R,3d]) where the graphs were built so (CudnnAttention.grad_rows)."""
         es = self.esize
         q, k, v = (qkv + j * slab * es for j in range(3))
-        dq, dk, dv = (dqkv + j * slab * es for j in range(3))
+        apart = d if self.cudnn.grad_rows else slab
+        dq, dk, dv = (dqkv + j * apart * es for j in range(3))
         self._writes(dqkv)
         self.cudnn.bwd(q, k, v, out, dout, stats, dq, dk, dv, B, T, self.cudnn_ws)
         if self.debug:

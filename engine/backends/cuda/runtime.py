@@ -34,6 +34,7 @@ SIGNATURES: dict[str, str] = {
     "k_layernorm_bwd_fused": "PPPPPPPPPPiiiii",
     "k_attn_fwd": "PPiii",
     "k_attn_bwd": "PPPiii",
+    "k_qkv_rows": "PPqii",
     "k_mlp_gelu_fwd": "PPqP",
     "k_mlp_gelu_bwd": "PPPqP",
     "k_residual_add": "PPPq",

@@ -1,0 +1,179 @@
+"""Q, K, V's input gradient as one GEMM (ANDREA_QKV_ROWS), checked on the CPU: no GPU, no pycuda.
+
+What the CUDA ops hand to cuBLASLt is checked by running it: `EmuGemm` carries out
+`LtGemm.matmul`'s row-major contract (gemm.py: out[M,N] = alpha·op(a)@op(b) + beta·out, ld* row
+strides and s* batch strides in elements) in numpy over a fake device memory, and the results of
+`Ops.attn_qkv_bwd_rows` and of the slab path's `Ops.attn_qkv_bwd` are compared with numpy's
+`attn_qkv_bwd` in float64. cuDNN's strides for dQ, dK, dV (`sdpa_strides`) are checked to address
+the very elements the GEMMs read. The kernel that puts W_Q, W_K, W_V side by side and the GEMMs
+themselves run in tests/gpu (test_ops, test_cudnn, test_fusions, test_train_resume)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from numpy.lib.stride_tricks import as_strided
+
+from engine.backends.cuda.buffers import plan_memory
+from engine.backends.cuda.cublas import R_32F
+from engine.backends.cuda.cudnn_attn import sdpa_strides
+from engine.backends.cuda.ops import Ops
+from engine.backends.numpy import ops as npo
+from engine.model.layout import ModelShapes
+
+ES = 4  # float32 addresses: the emulation runs Ops in fp32, where every element is 4 bytes
+ALIGN = 256
+
+
+class EmuGemm:
+    """LtGemm.matmul in numpy over `mem` (float64; address a holds element a // ES). Every
+    operand is read through the strides the call gives (and must lie inside the memory handed
+    out so far), so a wrong leading dimension or batch stride reads the wrong elements, as it
+    would on the device."""
+
+    def __init__(self, words: int) -> None:
+        self.mem = np.full(words, np.nan)
+        self.top = ALIGN  # address 0 stays unused, as a null pointer
+        self.calls: list[tuple[int, int, int, int]] = []  # (M, N, K, batch) per GEMM
+
+    def put(self, a: np.ndarray) -> int:
+        ptr = self.alloc(a.size)
+        self.mem[ptr // ES : ptr // ES + a.size] = np.ravel(a)
+        return ptr
+
+    def alloc(self, n: int) -> int:
+        ptr = self.top
+        self.top += -(-n * ES // ALIGN) * ALIGN
+        assert self.top // ES <= self.mem.size, "emulated memory full"
+        return ptr
+
+    def get(self, ptr: int, shape: tuple[int, ...]) -> np.ndarray:
+        n = int(np.prod(shape))
+        return self.mem[ptr // ES : ptr // ES + n].reshape(shape).copy()
+
+    def _view(self, ptr: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> np.ndarray:
+        assert ptr % ES == 0 and ptr >= ALIGN, ptr
+        first = ptr // ES
+        last = first + sum((n - 1) * s for n, s in zip(shape, strides, strict=True))
+        assert last < self.top // ES, "a GEMM operand reaches past its buffers"
+        return as_strided(self.mem[first:], shape, tuple(s * self.mem.itemsize for s in strides))
+
+    def matmul(self, out: int, a: int, b: int, M: int, N: int, K: int, *,
+               types: tuple[int, int, int], stream: int, ws: int, ta: bool = False,
+               tb: bool = False, lda: int | None = None, ldb: int | None = None,
+               ldc: int | None = None, alpha: float = 1.0, beta: float = 0.0, batch: int = 1,
+               sa: int = 0, sb: int = 0, sc: int = 0, epilogue: int = 1, aux: int = 0,
+               scales: tuple[int, int] = (0, 0), fast_accum: bool = False) -> None:
+        assert types == (R_32F, R_32F, R_32F) and epilogue == 1 and not aux and not any(scales)
+        lda = lda if lda is not None else (M if ta else K)
+        ldb = ldb if ldb is not None else (K if tb else N)
+        ldc = ldc if ldc is not None else N
+        A = self._view(a, (batch, M, K), (sa, 1, lda) if ta else (sa, lda, 1))
+        B = self._view(b, (batch, K, N), (sb, 1, ldb) if tb else (sb, ldb, 1))
+        C = self._view(out, (batch, M, N), (sc, ldc, 1))
+        prod = alpha * (A @ B)
+        C[...] = prod + beta * C if beta != 0.0 else prod  # beta 0: out is not read
+        self.calls.append((M, N, K, batch))
+
+
+def emulated_ops(words: int = 1 << 22) -> tuple[Ops, EmuGemm]:
+    emu = EmuGemm(words)
+    return Ops({}, None, SimpleNamespace(handle=0), "fp32", gemm=emu), emu
+
+
+@pytest.fixture
+def case(request: pytest.FixtureRequest):
+    """x [R,d], W_Q, W_K, W_V [3,d,d], dQ, dK, dV [3,R,d], a gradient to add to, and numpy's
+    answer (float64)."""
+    rng = np.random.default_rng(7)
+    R, d = 3 * 37, 48
+    x = rng.normal(0, 1, (R, d))
+    w = rng.normal(0, 0.1, (3, d, d))
+    dqkv = rng.normal(0, 1, (3, R, d))
+    g0 = rng.normal(0, 1, (3, d, d))
+    dx, dw = np.empty((R, d)), g0.copy()
+    npo.attn_qkv_bwd(dqkv, x, w, dx, dw, np.empty((R, d)), np.empty(3 * d * d))
+    return SimpleNamespace(R=R, d=d, x=x, w=w, dqkv=dqkv, g0=g0, dx=dx, dw=dw)
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_one_gemm_over_rows_is_numpys_attn_qkv_bwd(case, overwrite):
+    """dQ, dK, dV side by side in rows [R,3d], W_Q, W_K, W_V side by side [d,3d]: dx in one GEMM
+    over K = 3d, dW batched over the three column blocks into the flat gradient as it lies
+    (added to, or written when the fused step writes its gradients)."""
+    c = case
+    o, emu = emulated_ops()
+    o.overwrite_grads = overwrite
+    dqkv = emu.put(np.concatenate(list(c.dqkv), axis=1))
+    w_rows = emu.put(np.concatenate(list(c.w), axis=1))
+    x, dx, dw = emu.put(c.x), emu.alloc(c.R * c.d), emu.put(c.g0)
+    o.attn_qkv_bwd_rows(dqkv, x, w_rows, dx, dw, c.R, c.d)
+    np.testing.assert_allclose(emu.get(dx, (c.R, c.d)), c.dx, rtol=1e-12, atol=1e-12)
+    want_dw = c.dw - c.g0 if overwrite else c.dw
+    np.testing.assert_allclose(emu.get(dw, (3, c.d, c.d)), want_dw, rtol=1e-12, atol=1e-12)
+    assert sorted(emu.calls) == sorted([(c.d, c.d, c.R, 3), (c.R, c.d, 3 * c.d, 1)])
+
+
+def test_the_slabs_take_three_gemms_for_the_same_answer(case):
+    """The slab path (attn_qkv_bwd) through the same emulation, the slabs farther apart than
+    R·d as in the backend: the emulation's own check, and the reference the rows replace."""
+    c = case
+    o, emu = emulated_ops()
+    slab = c.R * c.d + 5 * c.d
+    buf = np.full((3, slab), np.nan)
+    buf[:, : c.R * c.d] = c.dqkv.reshape(3, -1)
+    dqkv = emu.put(buf)
+    x, w, dx, dw = emu.put(c.x), emu.put(c.w), emu.alloc(c.R * c.d), emu.put(c.g0)
+    o.attn_qkv_bwd(dqkv, x, w, dx, dw, c.R, c.d, slab)
+    np.testing.assert_allclose(emu.get(dx, (c.R, c.d)), c.dx, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(emu.get(dw, (3, c.d, c.d)), c.dw, rtol=1e-12, atol=1e-12)
+    assert len(emu.calls) == 4  # dW batched, dx in three
+
+
+@pytest.mark.parametrize(("B", "T", "H", "hd"), [(3, 37, 4, 12), (8, 16, 12, 64)])
+def test_cudnn_strides_address_the_rows_the_gemm_reads(B, T, H, hd):
+    """cuDNN's dims [B,H,T,hd] with sdpa_strides(row = 3d), based at dQ, dK, dV = d·j elements
+    into the buffer, land on element (t·B + b, j·d + h·hd + e) of the [R,3d] matrix that
+    attn_qkv_bwd_rows reads; with row = d, on the slabs' (t·B + b, h·hd + e)."""
+    d, R = H * hd, B * T
+    cells = np.arange(R * 3 * d)
+    for j in range(3):
+        got = as_strided(cells[j * d :], (B, H, T, hd),
+                         tuple(s * cells.itemsize for s in sdpa_strides(B, hd, 3 * d)))
+        mat = cells.reshape(T, B, 3 * d)[:, :, j * d : (j + 1) * d]  # [T, B, d]
+        want = mat.reshape(T, B, H, hd).transpose(1, 2, 0, 3)
+        assert np.array_equal(got, want)
+    slab = as_strided(cells, (B, H, T, hd),
+                      tuple(s * cells.itemsize for s in sdpa_strides(B, hd, d)))
+    assert np.array_equal(slab, cells[: R * d].reshape(T, B, H, hd).transpose(1, 2, 0, 3))
+
+
+def test_the_memory_plan_adds_one_copy_of_the_attention_weights():
+    """qkv_rows adds [L,d,3d] in the GEMM precision to the weights (ANDREA-120M bf16: 42.5 MB)
+    and changes nothing else."""
+    s = ModelShapes(n_layer=12, d_model=768, n_head=12, d_ff=3072, vocab_size=8449, seq_len=1024)
+    base = plan_memory(s, 8, "bf16", "cudnn", True, 1 << 20)[0].totals()
+    rows = plan_memory(s, 8, "bf16", "cudnn", True, 1 << 20, qkv_rows=True)[0].totals()
+    extra = 12 * 3 * 768 * 768 * 2
+    assert rows["weights"] - base["weights"] == extra
+    assert {k: v for k, v in rows.items() if k not in ("weights", "total")} == \
+        {k: v for k, v in base.items() if k not in ("weights", "total")}
+    assert rows["total"] - base["total"] == extra
+
+
+@pytest.mark.parametrize("grad_rows", [False, True])
+def test_cudnn_backward_gets_the_pointers_of_its_layout(grad_rows):
+    """Ops.attn_bwd_cudnn hands cuDNN dK and dV d elements after dQ where its graphs were built
+    for rows, a slab apart otherwise; Q, K, V are slabs either way."""
+    calls = []
+    fake = SimpleNamespace(grad_rows=grad_rows, bwd=lambda *a: calls.append(a))
+    o = Ops({}, None, SimpleNamespace(handle=0), "bf16", cudnn=fake, cudnn_ws=4096)
+    d, slab, qkv, dqkv = 64, 1000 * 64, 1 << 20, 1 << 24
+    o.attn_bwd_cudnn(7, qkv, 8, 9, dqkv, 2, 16, d, slab)
+    (q, k, v, out, dout, stats, dq, dk, dv, B, T, ws), = calls
+    assert (q, k, v) == (qkv, qkv + 2 * slab, qkv + 4 * slab)
+    apart = 2 * (d if grad_rows else slab)
+    assert (dq, dk, dv) == (dqkv, dqkv + apart, dqkv + 2 * apart)
+    assert (out, dout, stats, B, T, ws) == (8, 7, 9, 2, 16, 4096)
