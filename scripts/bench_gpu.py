@@ -57,8 +57,9 @@ BEFORE = {"attention": "classic", "fusions": False}
 STEP_HP = {"loss_scale": 1.0, "grad_mult": 1.0, "lr": 3e-4, "beta1": 0.9, "beta2": 0.95,
            "eps": 1e-8, "weight_decay": 0.1, "max_norm": 1.0}
 FP8 = {**AFTER, "precision": "fp8"}  # train/precision "fp8": the MLP's GEMMs in FP8 (--fp8)
-# the default with one fusion switched off (backend._flag), timed beside it: --variants
-VARIANTS = {"andrea no side stream": {"ANDREA_SIDE_STREAM": "0"},
+# the default with one fusion switched (backend._flag), timed beside it: --variants
+VARIANTS = {"andrea no QKV rows": {"ANDREA_QKV_ROWS": "0"},
+            "andrea no side stream": {"ANDREA_SIDE_STREAM": "0"},
             "andrea with fused LN": {"ANDREA_FUSED_LN": "1"},
             "andrea LN sums on main": {"ANDREA_SIDE_LN": "0"},
             "andrea AdamW not deferred": {"ANDREA_DEFER_ADAMW": "0"},
@@ -401,7 +402,7 @@ def bench_telemetry(key: str, steps: int, rounds: int) -> dict[str, float]:
 
 
 def bench_model(key: str, torch_variants: list[str], steps: int, rounds: int,
-                notes: dict[str, Any], variants: bool = False,
+                notes: dict[str, Any], variants: tuple[str, ...] = (),
                 fp8: bool = False) -> list[dict[str, Any]]:
     s = MODELS[key]
     toks = batches(s)
@@ -410,8 +411,7 @@ def bench_model(key: str, torch_variants: list[str], steps: int, rounds: int,
     andreas = [("andrea", AFTER, None), ("andrea before", BEFORE, None)]
     if fp8:
         andreas.append(("andrea fp8", FP8, None))
-    if variants:
-        andreas += [(n, AFTER, env) for n, env in VARIANTS.items()]
+    andreas += [(n, AFTER, VARIANTS[n]) for n in variants]
     for name, opts, env in andreas:
         bk = andrea_backend(s, opts, env=env)
         impls[name] = (andrea_step(bk), bk)
@@ -508,11 +508,16 @@ def main() -> int:
     ap.add_argument("--no-loss-check", action="store_true")
     ap.add_argument("--fp8", action="store_true",
                     help="also time the engine with train/precision fp8 (the MLP in FP8)")
-    ap.add_argument("--variants", action="store_true",
-                    help="also time the default with one fusion switched off at a time")
+    ap.add_argument("--variants", nargs="?", const=",".join(VARIANTS), default="",
+                    help="also time the default with one fusion switched at a time: all, or "
+                         "the names given (comma-separated, e.g. 'andrea no QKV rows')")
     args = ap.parse_args()
     models = [m for m in args.models.split(",") if m]
     variants = [v for v in args.torch.split(",") if v]
+    switched = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    if unknown := [v for v in switched if v not in VARIANTS]:
+        ap.error(f"--variants: unknown {', '.join(map(repr, unknown))}; known: "
+                 f"{', '.join(VARIANTS)}")
     out: dict[str, Any] = {"rows": [], "notes": {}, "profile": {}, "loss_check": {}}
     for key in [m for m in args.profile.split(",") if m]:
         for name, opts in (("before", BEFORE), ("after", AFTER), ("fp8", FP8)):
@@ -532,7 +537,7 @@ def main() -> int:
             print(f"\nANDREA-{key} loss at step 1, same weights and tokens: engine {ours:.5f}, "
                   f"PyTorch {theirs:.5f} (|diff| {abs(ours - theirs):.2e})")
         out["rows"] += bench_model(key, variants, args.steps, args.rounds, out["notes"],
-                                   args.variants, args.fp8)
+                                   switched, args.fp8)
     print(f"\nGPU benchmark: B={B}, T=1024, one full step (fwd, bwd, clip, AdamW); median of "
           f"{args.rounds} interleaved rounds of the median of {args.steps} steps (± the spread "
           f"between rounds); MFU = tok/s·(6N + 6·L·d·T)/989 TFLOP/s")
