@@ -514,10 +514,11 @@ def main() -> int:
     args = ap.parse_args()
     models = [m for m in args.models.split(",") if m]
     variants = [v for v in args.torch.split(",") if v]
-    switched = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    switched = tuple(dict.fromkeys(v.strip() for v in args.variants.split(",") if v.strip()))
     if unknown := [v for v in switched if v not in VARIANTS]:
-        ap.error(f"--variants: unknown {', '.join(map(repr, unknown))}; known: "
-                 f"{', '.join(VARIANTS)}")
+        print(f"bench_gpu.py: --variants: unknown {', '.join(map(repr, unknown))}; known: "
+              f"{', '.join(VARIANTS)}", file=sys.stderr)
+        return 2
     out: dict[str, Any] = {"rows": [], "notes": {}, "profile": {}, "loss_check": {}}
     for key in [m for m in args.profile.split(",") if m]:
         for name, opts in (("before", BEFORE), ("after", AFTER), ("fp8", FP8)):

@@ -78,6 +78,11 @@ class EmuGemm:
         self.calls.append((M, N, K, batch))
 
 
+@pytest.fixture(autouse=True)
+def _no_device_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ANDREA_CUDA_SYNC", raising=False)  # Ops would wait on the fake stream
+
+
 def emulated_ops(words: int = 1 << 22) -> tuple[Ops, EmuGemm]:
     emu = EmuGemm(words)
     return Ops({}, None, SimpleNamespace(handle=0), "fp32", gemm=emu), emu

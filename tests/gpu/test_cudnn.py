@@ -133,6 +133,33 @@ def test_short_sequences_through_the_full_length_graph(att):
                 "bf16")
 
 
+def test_a_refused_rows_graph_falls_back_to_the_slabs(att, monkeypatch):
+    """Where cuDNN refuses to write dQ, dK, dV side by side in rows, the backend keeps cuDNN's
+    attention with the slabs and three GEMMs (not the classic attention), says so in its notes,
+    and trains."""
+    from engine.backends.cuda import CudaBackend, cudnn_attn
+    from engine.errors import RunError
+
+    build = cudnn_attn.CudnnAttention.build
+
+    def refuse_rows(self, B, T, backward):
+        if self.grad_rows and backward:
+            raise RunError("cuDNN refuses attention (this test refuses the rows layout)")
+        return build(self, B, T, backward)
+
+    monkeypatch.setattr(cudnn_attn.CudnnAttention, "build", refuse_rows)
+    monkeypatch.setenv("ANDREA_QKV_ROWS", "1")
+    bk = CudaBackend(TINY, 4, "bf16", attention="cudnn")
+    try:
+        assert bk.attention == "cudnn" and not bk.qkv_rows and not bk.cudnn.grad_rows
+        assert any("cuDNN refuses dQ, dK, dV in rows" in n for n in bk.notes), bk.notes
+        assert "ANDREA_QKV_ROWS" not in bk.describe()
+        tok = np.random.default_rng(1).integers(0, 8449, (4, 129)).astype(np.int32)
+        assert np.all(np.isfinite(bk.forward_backward(tok[:, :-1], tok[:, 1:])))
+    finally:
+        bk.close()
+
+
 def test_memory_plan_shrinks_without_probabilities(att):
     from engine.backends.cuda import CudaBackend
 

@@ -285,7 +285,9 @@ def test_train_step_is_the_host_driven_step(attention):
             assert np.array_equal(pa, pb)
         else:
             assert all(x[2] < 1.0 for x in a), "the test means to clip"
-            check_close(pa, pb, 2e-5, "train_step vs host step, clipping", "bf16")
+            bound = 2e-5 if attention == "cudnn" else 1e-5
+            check_close(pa, pb, bound, f"train_step vs host step, clipping ({attention})",
+                        "bf16")
 
 
 @pytest.mark.parametrize("max_norm", [1e9, 0.05])

@@ -10,7 +10,9 @@ Two choices, both made at start and said in `attention_info` / `describe()`:
 - attention: "cudnn" (cuDNN's fused flash attention, cudnn_attn.py: no [B,H,T,T] buffers) or
   "classic" (ops.attn_fwd / attn_bwd: chunked GEMMs and a softmax kernel). "auto" takes cuDNN
   when the frontend is installed, the precision is bf16/fp16 and cuDNN accepts the shapes; else
-  classic, with the reason.
+  classic, with the reason. With cuDNN, Q, K, V's input gradient is one GEMM over K = 3d:
+  cuDNN writes dQ, dK, dV side by side in rows (the slabs and three GEMMs where it refuses
+  that, or with ANDREA_QKV_ROWS=0).
 - fusions (default on): every GEMM through gemm.LtGemm with algorithms chosen by timing at start
   (or taken from a recorded plan: `gemm_plan`), weight-gradient GEMMs on a second stream, the
   fused kernels (residual + LayerNorm, LayerNorm backward with its parameter sums, loss forward
@@ -137,12 +139,16 @@ class CudaBackend:
         # instead of three that add up: cuDNN attention and fusions only (ANDREA_QKV_ROWS=0:
         # the three). It changes the bits (one rounding of the sum instead of three), so a run
         # resumes with the setting it started with.
-        self._want_qkv_rows = (self.fusions and _flag("ANDREA_QKV_ROWS")
-                               and self._qkv_side_by_side())
+        self._want_qkv_rows = self.fusions and _flag("ANDREA_QKV_ROWS")
+        if self._want_qkv_rows and not self._qkv_side_by_side():  # not with DESIGN §2's layout
+            self._want_qkv_rows = False
+            self.notes.append("ANDREA_QKV_ROWS: W_Q, W_K, W_V do not lie as k_qkv_rows reads "
+                              "them; the slabs and three GEMMs run")
         self.attention, self.attention_info = self._pick_attention(attention)
         # the layout cuDNN was built for decides (one place): the GEMMs follow it
         self.qkv_rows = self.attention == "cudnn" and self.cudnn.grad_rows
-        if self._want_qkv_rows and self.attention != "cudnn":
+        if (self._want_qkv_rows and self.attention != "cudnn"
+                and os.environ.get("ANDREA_QKV_ROWS") is not None):  # asked for, not the default
             self.notes.append("ANDREA_QKV_ROWS: needs cuDNN's attention; the classic one runs "
                               "with its three GEMMs")
         cudnn_ws = (max(self.cudnn.workspace_bytes(self.B, self.S),
@@ -168,6 +174,7 @@ class CudaBackend:
         plan.allocate(drv)
         cws = plan["cudnn_ws"] if self.cudnn else 0
 
+        plan_refused = ""
         self.blas: Cublas | None = None
         self.lt: CublasLt | None = None
         self.gemm: Any = None
@@ -177,9 +184,9 @@ class CudaBackend:
             from engine.backends.cuda.gemm import LtGemm
 
             self.gemm = LtGemm(WORKSPACE_BYTES, self.device)
-            why = self.gemm.import_plan(gemm_plan)
-            if why:
-                self.notes.append(why)
+            plan_refused = self.gemm.import_plan(gemm_plan)  # "" or why it is not used
+            if plan_refused:
+                self.notes.append(plan_refused)
             # the weight-gradient stream (non-blocking)
             self.side = drv.Stream(flags=1) if _flag("ANDREA_SIDE_STREAM") else None
             self.ops = Ops(gpu.kernels(precision), None, self.stream, precision,
@@ -257,7 +264,7 @@ class CudaBackend:
         self._zero_state()
         if tune is None:
             tune = os.environ.get("ANDREA_GEMM_TUNE", "1") != "0"
-        self.gemm_source = ("from the recorded plan" if gemm_plan and not self.notes else
+        self.gemm_source = ("from the recorded plan" if gemm_plan and not plan_refused else
                             "timed at start" if tune else "cuBLASLt's first choices")
         self._warm_up(tune and self.fusions)
         self._zero_state()
@@ -265,7 +272,9 @@ class CudaBackend:
 
     # --- start-up ---------------------------------------------------------------------------------
     def _pick_attention(self, want: str) -> tuple[str, str]:
-        """("cudnn" | "classic", what runs and why), building cuDNN's graphs when it is used."""
+        """("cudnn" | "classic", what runs and why), building cuDNN's graphs when it is used:
+        with dQ, dK, dV side by side in rows when ANDREA_QKV_ROWS wants it, else (or where cuDNN
+        refuses that graph, with a note) as slabs."""
         if want == "classic":
             return "classic", "classic (requested)"
         why = ""
