@@ -6,7 +6,8 @@ strides and s* batch strides in elements) in numpy over a fake device memory, an
 `Ops.attn_qkv_bwd_rows` and of the slab path's `Ops.attn_qkv_bwd` are compared with numpy's
 `attn_qkv_bwd` in float64. cuDNN's strides for dQ, dK, dV (`sdpa_strides`) are checked to address
 the very elements the GEMMs read. The kernel that puts W_Q, W_K, W_V side by side and the GEMMs
-themselves run in tests/gpu (test_ops, test_cudnn, test_fusions, test_train_resume)."""
+themselves run in tests/gpu (test_ops, test_cudnn, test_fusions, test_train_resume); here a
+stand-in for the cuDNN frontend records the strides CudnnAttention.build gives each tensor."""
 
 from __future__ import annotations
 
@@ -182,3 +183,85 @@ def test_cudnn_backward_gets_the_pointers_of_its_layout(grad_rows):
     apart = 2 * (d if grad_rows else slab)
     assert (dq, dk, dv) == (dqkv, dqkv + apart, dqkv + 2 * apart)
     assert (out, dout, stats, B, T, ws) == (8, 7, 9, 2, 16, 4096)
+
+
+class _FakeTensor:
+    def __init__(self, name: str, dim=None, stride=None) -> None:
+        self.name, self.dim, self.stride = name, dim, stride
+
+    def set_output(self, _on: bool) -> _FakeTensor:
+        return self
+
+    def set_dim(self, dim: list[int]) -> _FakeTensor:
+        self.dim = dim
+        return self
+
+    def set_stride(self, stride: list[int]) -> _FakeTensor:
+        self.stride = stride
+        return self
+
+    def set_data_type(self, _t: object) -> _FakeTensor:
+        return self
+
+
+class _FakeGraph:
+    """What CudnnAttention.build asks of a cuDNN frontend graph, recording every tensor."""
+
+    def __init__(self, made: list[dict[str, _FakeTensor]]) -> None:
+        self.tensors: dict[str, _FakeTensor] = {}
+        made.append(self.tensors)
+
+    def tensor(self, name: str, dim: list[int], stride: list[int], data_type: object):
+        self.tensors[name] = _FakeTensor(name, dim, stride)
+        return self.tensors[name]
+
+    def _out(self, *names: str) -> tuple[_FakeTensor, ...]:
+        for n in names:
+            self.tensors[n] = _FakeTensor(n)
+        return tuple(self.tensors[n] for n in names)
+
+    def sdpa(self, **_kw: object) -> tuple[_FakeTensor, ...]:
+        return self._out("o", "stats_out")
+
+    def sdpa_backward(self, **_kw: object) -> tuple[_FakeTensor, ...]:
+        return self._out("dq", "dk", "dv")
+
+    def validate(self) -> None: ...
+    def build_operation_graph(self) -> None: ...
+    def create_execution_plans(self, _modes: object) -> None: ...
+    def check_support(self) -> None: ...
+    def build_plans(self) -> None: ...
+
+    def get_workspace_size(self) -> int:
+        return 0
+
+
+@pytest.mark.parametrize("grad_rows", [False, True])
+def test_cudnn_graphs_give_the_rows_strides_to_dq_dk_dv_only(monkeypatch, grad_rows):
+    """CudnnAttention.build on a stand-in for the cuDNN frontend: with grad_rows, dQ, dK, dV are
+    described with rows 3d apart; Q, K, V, O, dO and the forward's O stay slabs (rows d apart)."""
+    import sys
+
+    from engine.backends.cuda.cudnn_attn import CudnnAttention
+
+    made: list[dict[str, _FakeTensor]] = []
+    names = SimpleNamespace(BFLOAT16="bf16", HALF="f16", FLOAT="f32")
+    fake = SimpleNamespace(
+        data_type=names, diagonal_alignment=SimpleNamespace(TOP_LEFT=0),
+        heur_mode=SimpleNamespace(A=0, FALLBACK=1), create_handle=lambda: object(),
+        set_stream=lambda h, s: None, destroy_handle=lambda h: None, backend_version=lambda: 0,
+        __version__="fake", pygraph=lambda **kw: _FakeGraph(made))
+    monkeypatch.setitem(sys.modules, "cudnn", fake)
+    B, T, H, hd = 3, 37, 4, 16
+    d = H * hd
+    att = CudnnAttention("bf16", H, hd, 0, grad_rows=grad_rows)
+    att.build(B, T, backward=True)
+    fwd, bwd = made
+    slab, rows = [d, hd, B * d, 1], [3 * d, hd, B * 3 * d, 1]
+    for name in ("q", "k", "v", "o"):
+        assert fwd[name].stride == slab, name
+    for name in ("q", "k", "v", "o", "do"):
+        assert bwd[name].stride == slab, name
+    for name in ("dq", "dk", "dv"):
+        assert bwd[name].dim == [B, H, T, hd]
+        assert bwd[name].stride == (rows if grad_rows else slab), name
