@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from numpy.lib.stride_tricks import as_strided
 
-from engine.backends.cuda.buffers import plan_memory
+from engine.backends.cuda.buffers import plan_memory, qkv_layer_stride
 from engine.backends.cuda.cublas import R_32F
 from engine.backends.cuda.cudnn_attn import sdpa_strides
 from engine.backends.cuda.ops import Ops
@@ -154,6 +154,15 @@ def test_cudnn_strides_address_the_rows_the_gemm_reads(B, T, H, hd):
     slab = as_strided(cells, (B, H, T, hd),
                       tuple(s * cells.itemsize for s in sdpa_strides(B, hd, d)))
     assert np.array_equal(slab, cells[: R * d].reshape(T, B, H, hd).transpose(1, 2, 0, 3))
+
+
+@pytest.mark.parametrize("n_layer", [1, 2, 12])
+def test_the_layout_keeps_each_layers_qkv_weights_together(n_layer):
+    """What k_qkv_rows reads: W_Q, W_K, W_V one after the other, every layer's the same distance
+    after the one before (the layer's parameter count: 4d² + 2dF + 4d)."""
+    s = ModelShapes(n_layer=n_layer, d_model=48, n_head=4, d_ff=80, vocab_size=97, seq_len=16)
+    want = 4 * 48 * 48 + 2 * 48 * 80 + 4 * 48 if n_layer > 1 else 0
+    assert qkv_layer_stride(s) == want
 
 
 def test_the_memory_plan_adds_one_copy_of_the_attention_weights():

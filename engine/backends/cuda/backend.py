@@ -38,7 +38,13 @@ from typing import Any
 import numpy as np
 
 from engine.backends.cuda import graphs
-from engine.backends.cuda.buffers import HP_FIELDS, BatchBuffers, logits_ld, plan_memory
+from engine.backends.cuda.buffers import (
+    HP_FIELDS,
+    BatchBuffers,
+    logits_ld,
+    plan_memory,
+    qkv_layer_stride,
+)
 from engine.backends.cuda.cublas import WORKSPACE_BYTES, Cublas
 from engine.backends.cuda.cublaslt import CublasLt
 from engine.backends.cuda.fp8 import GEMMS as FP8_GEMMS
@@ -140,10 +146,6 @@ class CudaBackend:
         # the three). It changes the bits (one rounding of the sum instead of three), so a run
         # resumes with the setting it started with.
         self._want_qkv_rows = self.fusions and _flag("ANDREA_QKV_ROWS")
-        if self._want_qkv_rows and not self._qkv_side_by_side():  # not with DESIGN §2's layout
-            self._want_qkv_rows = False
-            self.notes.append("ANDREA_QKV_ROWS: W_Q, W_K, W_V do not lie as k_qkv_rows reads "
-                              "them; the slabs and three GEMMs run")
         self.attention, self.attention_info = self._pick_attention(attention)
         # the layout cuDNN was built for decides (one place): the GEMMs follow it
         self.qkv_rows = self.attention == "cudnn" and self.cudnn.grad_rows
@@ -223,6 +225,7 @@ class CudaBackend:
         self.p, self.g = plan["params"], plan["grads"]
         self.plp = plan["params_lp"] if precision != "fp32" else self.p
         self.pqkv = plan["params_qkv"] if self.qkv_rows else 0  # [L,d,3d]: Ops.qkv_rows
+        self._qkv_stride = qkv_layer_stride(shapes) if self.qkv_rows else 0
         self.m, self.v = plan["m"], plan["v"]
         self.nseg = nseg
         # page-locked host staging for the per-call inputs and outputs
@@ -413,15 +416,6 @@ class CudaBackend:
         """The GEMM copy (low precision, or the fp32 master in fp32 mode) of a tensor."""
         return self.plp + self.off[name] * self.es
 
-    def _qkv_side_by_side(self) -> bool:
-        """The flat layout Ops.qkv_rows assumes (DESIGN §2): W_K and W_V d² and 2d² elements
-        after W_Q, and every layer's W_Q the same distance after the one before."""
-        d, L = self.shapes.d_model, self.shapes.n_layer
-        q = [self.off[f"h.{l}.attn.W_Q"] for l in range(L)]
-        return all(self.off[f"h.{l}.attn.W_K"] == q[l] + d * d and
-                   self.off[f"h.{l}.attn.W_V"] == q[l] + 2 * d * d and
-                   q[l] - q[0] == l * (q[1] - q[0] if L > 1 else 0) for l in range(L))
-
     def _w_qkv_rows(self, layer: int) -> int:
         """Layer `layer`'s W_Q, W_K, W_V side by side ([d,3d], made by `_qkv_rows`)."""
         return self.pqkv + layer * 3 * self.shapes.d_model ** 2 * self.es
@@ -430,9 +424,8 @@ class CudaBackend:
         """Copy every layer's W_Q, W_K, W_V from the GEMM copy side by side (Ops.qkv_rows):
         before each backward, when every layer's update (deferred or not) has been applied."""
         s = self.shapes
-        q0 = self.off["h.0.attn.W_Q"]
-        stride = self.off["h.1.attn.W_Q"] - q0 if s.n_layer > 1 else 0
-        self.ops.qkv_rows(self.pqkv, self._w("h.0.attn.W_Q"), stride, s.d_model, s.n_layer)
+        self.ops.qkv_rows(self.pqkv, self._w("h.0.attn.W_Q"), self._qkv_stride, s.d_model,
+                          s.n_layer)
 
     def _p32(self, name: str) -> int:
         return self.p + self.off[name] * 4

@@ -184,6 +184,20 @@ class BatchBuffers:
 
 
 
+def qkv_layer_stride(shapes: ModelShapes) -> int:
+    """Elements between one layer's W_Q and the next's in the flat buffer, where Ops.qkv_rows
+    reads W_Q, W_K, W_V as three [d,d] one after the other (DESIGN §2, engine/model/layout.py;
+    asserted: a layout that broke it would make that copy read the wrong weights)."""
+    d, L = shapes.d_model, shapes.n_layer
+    off = {t.name: t.offset for t in tensor_table(shapes)}
+    q = [off[f"h.{l}.attn.W_Q"] for l in range(L)]
+    stride = q[1] - q[0] if L > 1 else 0
+    for l in range(L):
+        assert off[f"h.{l}.attn.W_K"] == q[l] + d * d and off[f"h.{l}.attn.W_V"] == \
+            q[l] + 2 * d * d and q[l] == q[0] + l * stride, f"layer {l}: W_Q, W_K, W_V apart"
+    return stride
+
+
 def plan_memory(shapes: ModelShapes, micro_batch: int, precision: str,
                 attention: str = "classic", fused: bool = False, cudnn_workspace: int = 0,
                 separate_micro: bool = False, qkv_rows: bool = False

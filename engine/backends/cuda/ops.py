@@ -290,9 +290,9 @@ class Ops:
         """w_rows [L,d,3d] = every layer's W_Q, W_K, W_V side by side (k_qkv_rows), from the
         GEMM copy whose layer 0 W_Q is at w_q and whose layers are layer_stride elements apart:
         the weights of attn_qkv_bwd_rows."""
-        vec = VEC_BYTES // self.esize
-        self._go("k_qkv_rows", _blocks(L * 3 * d * d // (vec if d % vec == 0 else 1)), w_rows,
-                 w_q, layer_stride, d, L)
+        # a thread per 16-byte vector; the kernel's loop covers the rest where it copies scalars
+        self._go("k_qkv_rows", _blocks(L * 3 * d * d * self.esize // VEC_BYTES), w_rows, w_q,
+                 layer_stride, d, L)
 
     def attn_qkv_bwd_rows(self, dqkv: int, x: int, w_rows: int, dx: int, dw_qkv: int, R: int,
                           d: int) -> None:
