@@ -67,10 +67,11 @@ def test_residual_layernorm_is_residual_add_then_layernorm(env, rng, D):
 @pytest.mark.parametrize("D", [64, 384, 768])
 @pytest.mark.parametrize("rows", [37 * 3, 1000])
 def test_layernorm_bwd_fused_is_the_three_kernels(env, rng, accumulate, D, rows):
-    """k_layernorm_bwd_fused against k_layernorm_bwd + k_layernorm_bwd_params + k_colsum_reduce:
-    dx bit for bit (the same row function), dγ and dβ (the same sums in another fixed order) to
-    float rounding; the residual gradient read from another buffer (`resid`), as the backend's
-    ring does; and `overwrite` storing the sums instead of adding them."""
+    """k_layernorm_bwd_fused + k_colsum_chunks against k_layernorm_bwd + k_layernorm_bwd_params
+    + k_colsum_reduce: dx bit for bit (the same row function), dγ and dβ (the same sums in
+    another fixed order) to float rounding; the residual gradient read from another buffer
+    (`resid`), as the backend's ring does; and `overwrite` storing the sums instead of adding
+    them. rows = 1000 leaves the last chunk part-filled (1000 = 31·32 + 8)."""
     from engine.backends.cuda.ops import LN_FUSED_ROWS
 
     precision, o, dev = env
@@ -97,8 +98,7 @@ def test_layernorm_bwd_fused_is_the_three_kernels(env, rng, accumulate, D, rows)
     same(outs[0][0], outs[1][0], f"layernorm_bwd dx D={D}")
     check_close(outs[0][1] - gb0, outs[1][1] - gb0, 1e-5, "layernorm_bwd_fused dgamma/dbeta",
                 "fp32")
-    # again, overwriting: the counter was reset (a second launch elects its last block) and
-    # the sums are stored, not added
+    # again, overwriting: the sums are stored, not added, and twice the same bits
     stored = []
     for _ in range(2):
         dgb = dev.empty((2 * D,), "f32")  # NaN: every sum must be stored

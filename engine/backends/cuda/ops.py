@@ -35,8 +35,8 @@ THREADS = 256
 ROWS_PER_BLOCK = THREADS // 32  # one warp per row
 LN_ROWS_PER_CHUNK = 64  # rows per column-sum chunk of the unfused LayerNorm backward
 LN_PARAMS_ROWS = 64  # the most k_layernorm_bwd_params takes per chunk (8 per warp, 8 warps)
-LN_FUSED_ROWS = 64  # ... and per block of k_layernorm_bwd_fused
-LN_FUSED_COLS = 6  # columns of [0, 2d) per thread in k_layernorm_bwd_fused: 2d <= 6·256
+LN_FUSED_ROWS = 32  # rows per block (chunk) of k_layernorm_bwd_fused: 4 per warp
+LN_FUSED_SHARED = 48 << 10  # its shared column sums must fit the default limit
 NORM_BLOCKS = 1024
 MAX_GRID = 8192
 VEC_BYTES = 16
@@ -71,6 +71,7 @@ class Ops:
         self.esize = 4 if precision == "fp32" else 2  # bytes per activation element
         self.attn_chunk = int(os.environ.get("ANDREA_ATTN_CHUNK", "256"))
         self.ln_rows = LN_ROWS_PER_CHUNK  # chunk rows of the unfused LayerNorm backward
+        self.ln_fused_rows = LN_FUSED_ROWS  # ... and of the fused one (the partial's size)
         self.counter = 0  # device int, 0, for the fused kernels' last-block election
         # the fused step's single micro-batch WRITES the parameter gradients (GEMMs with beta 0,
         # the LayerNorm and position sums stored) instead of zeroing them and adding
@@ -230,28 +231,36 @@ class Ops:
                  gamma, beta, R, d)
 
     def fused_ln_bwd_ok(self, d: int, *ptrs: int) -> bool:
-        """k_layernorm_bwd_fused's conditions: whole 16-byte vectors per row, aligned rows, and
-        2d columns for its LN_FUSED_COLS per thread."""
+        """k_layernorm_bwd_fused's conditions: whole 16-byte vectors per row (at most 4 a
+        lane), aligned rows, and its shared column sums within the default 48 KiB."""
         vec = VEC_BYTES // self.esize
-        return (d % vec == 0 and 2 * d <= LN_FUSED_COLS * THREADS and d <= 32 * vec * 4
-                and all(p % VEC_BYTES == 0 for p in ptrs) and bool(self.counter))
+        return (d % vec == 0 and d <= 32 * vec * 4 and self._ln_fused_shared(d) <= LN_FUSED_SHARED
+                and all(p % VEC_BYTES == 0 for p in ptrs))
+
+    def _ln_fused_shared(self, d: int) -> int:
+        """Bytes of k_layernorm_bwd_fused's shared column sums: a row of 2·span floats per warp,
+        span = d rounded up to whole warps of 16-byte vectors (layernorm.cu ln_span)."""
+        per_warp = 32 * VEC_BYTES // self.esize
+        return (THREADS // 32) * 2 * (-(-d // per_warp) * per_warp) * 4
 
     def layernorm_bwd(self, dout: int, x: int, gamma: int, mean: int, rstd: int, dx: int,
                       dgamma_beta: int, partial: int, R: int, d: int, accumulate: bool,
                       resid: int = 0, fused: bool = False) -> None:
         """dgamma_beta: the float32 gradient of gamma, followed by beta's (adjacent in the flat
         buffer). partial: float32 scratch [ceil(R/rows), 2d]. resid: the residual gradient added
-        when accumulating (0: dx itself, in place). fused: one kernel (k_layernorm_bwd_fused,
-        chunks of LN_FUSED_ROWS) where it applies, else the three kernels (chunks of ln_rows)."""
+        when accumulating (0: dx itself, in place). fused: dx and the chunks' sums in one pass
+        (k_layernorm_bwd_fused, chunks of LN_FUSED_ROWS), then k_colsum_chunks, where it
+        applies; else the three kernels (chunks of ln_rows)."""
         self._writes(dx)
         src = resid or dx
         ow = int(self.overwrite_grads)
         if fused and self.fused_ln_bwd_ok(d, dx, src, dout, x):
             self._writes(partial)  # an unfused call's sums may still read it on the side
-            nchunk = -(-R // LN_FUSED_ROWS)
+            nchunk = -(-R // self.ln_fused_rows)
             self._go("k_layernorm_bwd_fused", nchunk, dx, src, dout, x, mean, rstd, gamma,
-                     dgamma_beta, partial, self.counter, R, d, LN_FUSED_ROWS, int(accumulate),
-                     ow, shared=(THREADS // 32) * 2 * d * 4)
+                     partial, R, d, self.ln_fused_rows, int(accumulate),
+                     shared=self._ln_fused_shared(d))
+            self._go("k_colsum_chunks", -(-2 * d // 32), dgamma_beta, partial, nchunk, 2 * d, ow)
             return
         rows = LN_FUSED_ROWS if fused else self.ln_rows
         self._go("k_layernorm_bwd", -(-R // ROWS_PER_BLOCK), dx, src, dout, x, mean, rstd, gamma,
