@@ -63,6 +63,7 @@ VARIANTS = {"andrea no QKV rows": {"ANDREA_QKV_ROWS": "0"},
             "andrea with fused LN": {"ANDREA_FUSED_LN": "1"},
             "andrea LN sums on main": {"ANDREA_SIDE_LN": "0"},
             "andrea AdamW not deferred": {"ANDREA_DEFER_ADAMW": "0"},
+            "andrea no resid GEMM": {"ANDREA_RESID_GEMM": "0"},
             "andrea 32 GEMM candidates": {"ANDREA_GEMM_CANDIDATES": "32"}}
 
 

@@ -31,6 +31,7 @@ SWITCHES = {
     "no side stream": {"ANDREA_SIDE_STREAM": "0"},
     "no grad writes": {"ANDREA_WRITE_GRADS": "0"},
     "no dwte pad": {"ANDREA_DWTE_PAD": "0"},
+    "no resid GEMM": {"ANDREA_RESID_GEMM": "0"},
     "fusions off": {"ANDREA_FUSIONS": "0"},
 }
 

@@ -1,10 +1,10 @@
 """Q, K, V's input gradient as one GEMM (ANDREA_QKV_ROWS), checked on the CPU: no GPU, no pycuda.
 
-What the CUDA ops hand to cuBLASLt is checked by running it: `EmuGemm` carries out
-`LtGemm.matmul`'s row-major contract (gemm.py: out[M,N] = alpha·op(a)@op(b) + beta·out, ld* row
-strides and s* batch strides in elements) in numpy over a fake device memory, and the results of
-`Ops.attn_qkv_bwd_rows` and of the slab path's `Ops.attn_qkv_bwd` are compared with numpy's
-`attn_qkv_bwd` in float64. cuDNN's strides for dQ, dK, dV (`sdpa_strides`) are checked to address
+What the CUDA ops hand to cuBLASLt is checked by running it: `EmuGemm` (tests/emugemm.py)
+carries out `LtGemm.matmul`'s row-major contract (gemm.py: out[M,N] = alpha·op(a)@op(b) +
+beta·out, ld* row strides and s* batch strides in elements) in numpy over a fake device memory,
+and the results of `Ops.attn_qkv_bwd_rows` and of the slab path's `Ops.attn_qkv_bwd` are
+compared with numpy's `attn_qkv_bwd` in float64. cuDNN's strides for dQ, dK, dV (`sdpa_strides`) are checked to address
 the very elements the GEMMs read. The kernel that puts W_Q, W_K, W_V side by side and the GEMMs
 themselves run in tests/gpu (test_ops, test_cudnn, test_fusions, test_train_resume); here a
 stand-in for the cuDNN frontend records the strides CudnnAttention.build gives each tensor."""
@@ -18,75 +18,16 @@ import pytest
 from numpy.lib.stride_tricks import as_strided
 
 from engine.backends.cuda.buffers import plan_memory, qkv_layer_stride
-from engine.backends.cuda.cublas import R_32F
 from engine.backends.cuda.cudnn_attn import sdpa_strides
 from engine.backends.cuda.ops import Ops
 from engine.backends.numpy import ops as npo
 from engine.model.layout import ModelShapes
-
-ES = 4  # float32 addresses: the emulation runs Ops in fp32, where every element is 4 bytes
-ALIGN = 256
-
-
-class EmuGemm:
-    """LtGemm.matmul in numpy over `mem` (float64; address a holds element a // ES). Every
-    operand is read through the strides the call gives (and must lie inside the memory handed
-    out so far), so a wrong leading dimension or batch stride reads the wrong elements, as it
-    would on the device."""
-
-    def __init__(self, words: int) -> None:
-        self.mem = np.full(words, np.nan)
-        self.top = ALIGN  # address 0 stays unused, as a null pointer
-        self.calls: list[tuple[int, int, int, int]] = []  # (M, N, K, batch) per GEMM
-
-    def put(self, a: np.ndarray) -> int:
-        ptr = self.alloc(a.size)
-        self.mem[ptr // ES : ptr // ES + a.size] = np.ravel(a)
-        return ptr
-
-    def alloc(self, n: int) -> int:
-        ptr = self.top
-        self.top += -(-n * ES // ALIGN) * ALIGN
-        assert self.top // ES <= self.mem.size, "emulated memory full"
-        return ptr
-
-    def get(self, ptr: int, shape: tuple[int, ...]) -> np.ndarray:
-        n = int(np.prod(shape))
-        return self.mem[ptr // ES : ptr // ES + n].reshape(shape).copy()
-
-    def _view(self, ptr: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> np.ndarray:
-        assert ptr % ES == 0 and ptr >= ALIGN, ptr
-        first = ptr // ES
-        last = first + sum((n - 1) * s for n, s in zip(shape, strides, strict=True))
-        assert last < self.top // ES, "a GEMM operand reaches past its buffers"
-        return as_strided(self.mem[first:], shape, tuple(s * self.mem.itemsize for s in strides))
-
-    def matmul(self, out: int, a: int, b: int, M: int, N: int, K: int, *,
-               types: tuple[int, int, int], stream: int, ws: int, ta: bool = False,
-               tb: bool = False, lda: int | None = None, ldb: int | None = None,
-               ldc: int | None = None, alpha: float = 1.0, beta: float = 0.0, batch: int = 1,
-               sa: int = 0, sb: int = 0, sc: int = 0, epilogue: int = 1, aux: int = 0,
-               scales: tuple[int, int] = (0, 0), fast_accum: bool = False) -> None:
-        assert types == (R_32F, R_32F, R_32F) and epilogue == 1 and not aux and not any(scales)
-        lda = lda if lda is not None else (M if ta else K)
-        ldb = ldb if ldb is not None else (K if tb else N)
-        ldc = ldc if ldc is not None else N
-        A = self._view(a, (batch, M, K), (sa, 1, lda) if ta else (sa, lda, 1))
-        B = self._view(b, (batch, K, N), (sb, 1, ldb) if tb else (sb, ldb, 1))
-        C = self._view(out, (batch, M, N), (sc, ldc, 1))
-        prod = alpha * (A @ B)
-        C[...] = prod + beta * C if beta != 0.0 else prod  # beta 0: out is not read
-        self.calls.append((M, N, K, batch))
+from tests.emugemm import emulated_ops
 
 
 @pytest.fixture(autouse=True)
 def _no_device_sync(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ANDREA_CUDA_SYNC", raising=False)  # Ops would wait on the fake stream
-
-
-def emulated_ops(words: int = 1 << 22) -> tuple[Ops, EmuGemm]:
-    emu = EmuGemm(words)
-    return Ops({}, None, SimpleNamespace(handle=0), "fp32", gemm=emu), emu
 
 
 @pytest.fixture

@@ -2,7 +2,9 @@
 Ops' unfused methods, and CudaBackend(fusions=False)), on fresh random inputs: the fused ones are
 written to give the same bits, and these tests hold them to that. Then the fused step of the
 backend (one graph: zero, forward, backward, norm, clip, AdamW) against the step the trainer
-drives from the host."""
+drives from the host; and the residual adds in the GEMM epilogues (ANDREA_RESID_GEMM), which
+round each sum once instead of twice, against the residual + LayerNorm kernel, within stated
+bounds instead of bits."""
 
 from __future__ import annotations
 
@@ -10,9 +12,9 @@ import itertools
 
 import numpy as np
 import pytest
-from devarrays import DevArrays, check_close, rounded
+from devarrays import DevArrays, check_close, rel_err, rounded
 
-from engine.model.layout import ModelShapes, init_params
+from engine.model.layout import ModelShapes, init_params, tensor_table
 
 pytestmark = pytest.mark.gpu
 
@@ -434,3 +436,61 @@ def test_qkv_rows_track_the_slabs(monkeypatch):
     for (rb, nb, cb), (rc, nc, cc) in zip(b + sb, c + sc, strict=True):
         assert np.array_equal(rb, rc) and nb == nc and cb == cc
     assert np.array_equal(pb, pc) and np.array_equal(psb, psc)
+
+
+# fused backend with the residual adds in the GEMM epilogues (=1, the default) against the
+# residual + LayerNorm kernel (=0): losses, the gradient of one forward_backward, and (bf16) the
+# losses, norms and updates of three one-graph steps. fp32: test_backend's full-step bounds
+# against numpy (rounding and summation order only). bf16: the epilogue rounds each residual
+# sum once where the kernel path rounds the branch output and then the sum (up to 2^-8 of the
+# sum per residual add, test_ops.RESID_BOUND), and those differences go through the rest of
+# the model as any bf16 rounding does: the bounds of the other bf16 layout change
+# (test_qkv_rows_track_the_slabs: losses 1e-2, norm 2e-2, updates 5e-2), and for the gradient
+# 5e-2 over the whole vector and 1e-1 for the worst tensor (test_backend bounds each tensor by
+# 5e-2 against float64 numpy; here both sides carry their bf16 error).
+RESID_STEP_BOUND = {"fp32": {"loss": 1e-5, "grad": 2e-4, "worst": 2e-4},
+                    "bf16": {"loss": 1e-2, "grad": 5e-2, "worst": 1e-1}}
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_resid_gemm_tracks_the_residual_kernel(monkeypatch, precision):
+    """ANDREA_RESID_GEMM=1 against =0 from the same weights, within RESID_STEP_BOUND; the
+    switch said in describe(); and two backends with it give the same bits."""
+    from engine.backends.cuda import CudaBackend
+
+    bound = RESID_STEP_BOUND[precision]
+    params = init_params(SHAPES, seed=10)
+    tok = np.random.default_rng(5).integers(0, 64, (4, 257)).astype(np.int32)
+    res = {}
+    for flag in ("0", "1", "1 again"):
+        monkeypatch.setenv("ANDREA_RESID_GEMM", flag.split()[0])
+        bk = CudaBackend(SHAPES, 4, precision, fusions=True)
+        assert bk.resid_gemm == (flag != "0")
+        assert ("ANDREA_RESID_GEMM" in bk.describe()) == bk.resid_gemm
+        bk.load_params(params)
+        bk.zero_grads()
+        rows = bk.forward_backward(tok[:, :-1], tok[:, 1:])
+        grads = bk.read_grads()
+        steps = _steps(bk, params, 3, 256, True, 1.0) if precision == "bf16" else None
+        res[flag] = (rows, grads, steps)
+        bk.close()
+    (r0, g0, s0), (r1, g1, s1) = res["0"], res["1"]
+    what = f"resid GEMM vs kernel ({precision})"
+    check_close(r1, r0, bound["loss"], f"{what}: row losses", precision)
+    check_close(g1, g0, bound["grad"], f"{what}: gradient", precision)
+    worst = max(((t.name, slice(t.offset, t.offset + t.size)) for t in tensor_table(SHAPES)),
+                key=lambda ts: rel_err(g1[ts[1]], g0[ts[1]]))
+    check_close(g1[worst[1]], g0[worst[1]], bound["worst"], f"{what}: worst grad ({worst[0]})",
+                precision)
+    if s0 is not None:
+        (a, pa), (b, pb) = s0, s1
+        for (ra, na, _), (rb, nb, _) in zip(a, b, strict=True):
+            check_close(rb, ra, 1e-2, f"{what}: step losses", precision)
+            check_close(np.array([nb]), np.array([na]), 2e-2, f"{what}: step norm", precision)
+        check_close(pb - params, pa - params, 5e-2, f"{what}: updates", precision)
+    r2, g2, s2 = res["1 again"]
+    assert np.array_equal(r1, r2) and np.array_equal(g1, g2)
+    if s1 is not None:
+        for (rb, nb, cb), (rc, nc, cc) in zip(s1[0], s2[0], strict=True):
+            assert np.array_equal(rb, rc) and nb == nc and cb == cc
+        assert np.array_equal(s1[1], s2[1])

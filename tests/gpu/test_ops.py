@@ -268,6 +268,128 @@ def test_mlp(env, rng, fused):
     check(precision, dev.get(dg2) - g2, w_g2 - g2, "mlp_bwd dW_2")
 
 
+# The residual added in the output GEMM's epilogue (resid=) against the two steps it replaces
+# (the GEMM into a scratch buffer, then residual_add). bf16: the two steps round the product p
+# to bf16 and then the sum s, the epilogue only the sum (from the float32 accumulator); each
+# rounding is within u = 2^-9 relative, so an element differs by at most 2u·|s| + u·|p| (the
+# two sums' roundings, the product's). With |p| below |s| in norm (here 0.6 to 0.8 of it),
+# that is under 0.6% in the worst case and about a quarter of it typically: 1e-2 (BOUND; the
+# figure measured is printed with the session). fp32: the same roundings at 2^-24, and the
+# GEMM's summation order (the beta-1 problem may run another algorithm than the beta-0 one):
+# 1e-6.
+RESID_BOUND = {"fp32": 1e-6, "bf16": 1e-2}
+
+
+@pytest.mark.parametrize("tuned", [False, True])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_ltgemm_reads_a_separate_c(gpu, rng, precision, tuned):
+    """LtGemm.matmul with beta 1 and c= a buffer apart from out: out = c + a·b and c unchanged;
+    the same with the candidates timed (tuned: each run several times, the chosen one last:
+    every run rewrites out from c, so nothing accumulates), and with c 16 bytes off the
+    alignment of out (a new problem, that alignment told to the heuristic for C and D)."""
+    from engine.backends.cuda.cublas import DTYPE_OF_PRECISION, WORKSPACE_BYTES
+    from engine.backends.cuda.gemm import LtGemm
+
+    dev = DevArrays(gpu.drv, precision)
+    ws = dev.empty((WORKSPACE_BYTES // 4,), "f32")
+    act, es = DTYPE_OF_PRECISION[precision], 4 if precision == "fp32" else 2
+    M, N, K = R, D, F
+    a = rounded(rng.normal(0, 1, (M, K)), precision)
+    b = rounded(rng.normal(0, 0.1, (K, N)), precision)
+    c = rounded(rng.normal(0, 1, (M, N)), precision)
+    lt = LtGemm(WORKSPACE_BYTES, "test")
+    if tuned:
+        def timer(fn):
+            e0, e1 = gpu.drv.Event(), gpu.drv.Event()
+            e0.record(gpu.stream)
+            for _ in range(3):
+                fn()
+            e1.record(gpu.stream)
+            e1.synchronize()
+            return e1.time_since(e0)
+
+        lt.tuning, lt.timer = True, timer
+    try:
+        da, db = dev.put(a), dev.put(b)
+        pad = 16 // es
+        aligned, shifted = dev.put(c), dev.put(np.concatenate([np.zeros(pad), c.ravel()]))
+        for name, dc in (("aligned", aligned), ("16 bytes off", shifted + 16)):
+            out = dev.empty((M, N))
+            lt.matmul(out, da, db, M, N, K, types=(act, act, act), stream=gpu.stream.handle,
+                      ws=ws, beta=1.0, c=dc)
+            check(precision, dev.get(out), c + a @ b, f"LtGemm c + a·b, C {name}")
+        assert np.array_equal(dev.get(aligned), c), "C was written"
+        assert np.array_equal(dev.get(shifted)[pad:].reshape(M, N), c), "C was written"
+        keys = list(lt._problems)  # the key's last field: C and D's alignment
+        assert len(keys) == 2 and sum(k.endswith(",16") for k in keys) == 1, keys
+        if tuned:
+            assert all(p.source == "timed" or p.candidates == 1 for p in lt._problems.values())
+    finally:
+        gpu.stream.synchronize()
+        lt.close()
+        dev.free()
+
+
+def test_attn_out_fwd_adds_the_residual_in_its_gemm(env, rng):
+    """resid=: xmid = resid + y·W_O from the GEMM (LtGemm), against the GEMM into a scratch
+    buffer then residual_add (RESID_BOUND) and numpy; the residual unchanged. Plain cuBLAS
+    refuses it."""
+    precision, o, dev = env
+    y = rounded(rng.normal(0, 1, (R, D)), precision)
+    w = rounded(rng.normal(0, 0.1, (D, D)), precision)
+    x = rounded(rng.normal(0, 1, (R, D)), precision)
+    dy_, dw, dx_ = dev.put(y), dev.put(w), dev.put(x)
+    out = dev.empty((R, D))
+    if o.gemm is None:
+        with pytest.raises(ValueError, match="needs LtGemm"):
+            o.attn_out_fwd(dy_, dw, out, R, D, resid=dx_)
+        return
+    o.attn_out_fwd(dy_, dw, out, R, D, resid=dx_)
+    proj, two = dev.empty((R, D)), dev.empty((R, D))
+    o.attn_out_fwd(dy_, dw, proj, R, D)
+    o.residual_add(dx_, proj, two, R * D)
+    got = dev.get(out)
+    check_close(got, dev.get(two), RESID_BOUND[precision], "attn_out_fwd resid vs two steps",
+                precision)
+    check(precision, got, x + y @ w, "attn_out_fwd resid vs numpy")
+    assert np.array_equal(dev.get(dx_), x), "the residual was written"
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_mlp_fwd_adds_the_residual_in_its_second_gemm(env, rng, fused):
+    """resid=: x[l+1] = resid + act·W_2 from the second GEMM, GELU in the first GEMM's epilogue
+    (fused) or in k_mlp_gelu_fwd, against the MLP into a scratch buffer then residual_add
+    (RESID_BOUND) and numpy; pre and act the same bits either way (the first GEMM does not
+    change); the residual unchanged. Plain cuBLAS refuses it before running anything."""
+    precision, o, dev = env
+    x = rounded(rng.normal(0, 1, (R, D)), precision)
+    w1 = rounded(rng.normal(0, 0.2, (D, F)), precision)
+    w2 = rounded(rng.normal(0, 0.1, (F, D)), precision)
+    r = rounded(rng.normal(0, 1, (R, D)), precision)
+    dx_, d1, d2, dr = dev.put(x), dev.put(w1), dev.put(w2), dev.put(r)
+    dpre, dact, out = dev.empty((R, F)), dev.empty((R, F)), dev.empty((R, D))
+    if o.gemm is None:
+        with pytest.raises(ValueError, match="needs LtGemm"):
+            o.mlp_fwd(dx_, d1, d2, dpre, dact, out, R, D, F, resid=dr)
+        assert not np.any(np.isfinite(dev.get(dpre))), "a GEMM ran before the refusal"
+        return
+    if not fused:
+        o.gemm.choices[f"mlp_fwd R={R} d={D} F={F}"] = "kernel"
+    o.mlp_fwd(dx_, d1, d2, dpre, dact, out, R, D, F, resid=dr)
+    pre1, act1, got = dev.get(dpre), dev.get(dact), dev.get(out)
+    proj, two = dev.empty((R, D)), dev.empty((R, D))
+    o.mlp_fwd(dx_, d1, d2, dpre, dact, proj, R, D, F)
+    o.residual_add(dr, proj, two, R * D)
+    assert o.fused_gelu_calls == (2 if fused else 0)
+    assert np.array_equal(pre1, dev.get(dpre)) and np.array_equal(act1, dev.get(dact))
+    check_close(got, dev.get(two), RESID_BOUND[precision], "mlp_fwd resid vs two steps",
+                precision)
+    pre, act, want = np.empty((R, F)), np.empty((R, F)), np.empty((R, D))
+    npo.mlp_fwd(x, w1, w2, pre, act, want)
+    check(precision, got, r + want, "mlp_fwd resid vs numpy")
+    assert np.array_equal(dev.get(dr), r), "the residual was written"
+
+
 def test_residual(env, rng):
     precision, o, dev = env
     a, b = (rounded(rng.normal(0, 1, (R, D)), precision) for _ in range(2))

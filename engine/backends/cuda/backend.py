@@ -16,7 +16,8 @@ Two choices, both made at start and said in `attention_info` / `describe()`:
 - fusions (default on): every GEMM through gemm.LtGemm with algorithms chosen by timing at start
   (or taken from a recorded plan: `gemm_plan`), weight-gradient GEMMs on a second stream, the
   fused kernels (residual + LayerNorm, LayerNorm backward with its parameter sums, loss forward
-  and backward in one pass), and `train_step`: zero, forward, backward, gradient norm, clip,
+  and backward in one pass; the forward's residual adds in the epilogues of the GEMMs before
+  them, ANDREA_RESID_GEMM), and `train_step`: zero, forward, backward, gradient norm, clip,
   non-finite skip and AdamW in one graph with one host read (the AdamW left to the next step's
   graph, beside its forward, unless ANDREA_DEFER_ADAMW=0: see `_apply_update`). Off: the path
   before all this (plain cuBLAS, separate kernels, the optimizer launched from the host), kept
@@ -79,7 +80,8 @@ def _flag(name: str, default: bool = True) -> bool:
     slower than the three kernels on the H200, NOTES.md), ANDREA_WRITE_GRADS (the step writes
     its gradients instead of zeroing and adding), ANDREA_DWTE_PAD (dwte's GEMM over the aligned
     rows), ANDREA_DEFER_ADAMW (a step's AdamW in the next step's graph, beside its forward),
-    ANDREA_QKV_ROWS (Q, K, V's input gradient as one GEMM over K = 3d, see __init__).
+    ANDREA_QKV_ROWS (Q, K, V's input gradient as one GEMM over K = 3d, see __init__),
+    ANDREA_RESID_GEMM (the forward's residual adds in the GEMM epilogues, see `_forward`).
     ops.py reads ANDREA_SIDE_LN (the LayerNorm parameter sums on the weight-gradient stream)."""
     return os.environ.get(name, "1" if default else "0") != "0"
 
@@ -212,6 +214,12 @@ class CudaBackend:
                                self.ops.act, self.train.R) if self.fp8 else None)
         self.fused_step = self.fusions
         self.fused_ln = self.fusions and _flag("ANDREA_FUSED_LN", default=False)
+        # the forward's residual adds in the epilogues of the attention-output and MLP-output
+        # GEMMs (beta 1, C = the residual stream), then the plain LayerNorm: cuBLASLt's GEMMs
+        # only (a C apart from D). It changes the bits (the sum rounded once instead of the
+        # projection and then the sum), so a run resumes with the setting it started with.
+        self.resid_gemm = (self.fusions and self.gemm is not None
+                           and _flag("ANDREA_RESID_GEMM"))
         self.write_grads = _flag("ANDREA_WRITE_GRADS")
         self.dwte_pad = self.S if _flag("ANDREA_DWTE_PAD") else 0
         # A fused step may leave its AdamW update pending (k_step_clip recorded it): the next
@@ -403,8 +411,10 @@ class CudaBackend:
                    + (f" (bf16: {', '.join(g for g in FP8_GEMMS if g not in on)})"
                       if len(on) < len(FP8_GEMMS) else ""))
         rows = "; Q, K, V input gradient in one GEMM (ANDREA_QKV_ROWS)" if self.qkv_rows else ""
+        resid = ("; residual adds in the GEMM epilogues (ANDREA_RESID_GEMM)" if self.resid_gemm
+                 else "")
         return (f"attention {self.attention_info}; GEMMs {gemm}; fusions "
-                f"{'on' if self.fusions else 'off'}{rows}{fp8}")
+                f"{'on' if self.fusions else 'off'}{rows}{resid}{fp8}")
 
     @property
     def fp8_gemms(self) -> list[str]:
@@ -446,7 +456,13 @@ class CudaBackend:
                  ready: Callable[[int], None] | None = None) -> None:
         """train: a training step's forward (fusions: the loss kernel writes dlogits too).
         ready(l): called before layer l's parameters are first read (l = L: the final
-        LayerNorm's), where the previous step's update is still being applied."""
+        LayerNorm's), where the previous step's update is still being applied.
+
+        Each residual add, x + branch, then a LayerNorm of the sum: with `resid_gemm`, the
+        branch's output GEMM writes the sum itself (C = x, D = the new residual) and the
+        LayerNorm reads it (one [R,d] tensor read and written less than residual_layernorm_fwd's
+        x and proj in, sum and LayerNorm out); the FP8 MLP writes `proj` and keeps the fused
+        kernel; without fusions, residual_add and layernorm_fwd."""
         s, o = self.shapes, self.ops
         d, F, L = s.d_model, s.d_ff, s.n_layer
         B, R = b.B, b.B * T
@@ -454,6 +470,8 @@ class CudaBackend:
         io = b.io()
         proj = b.at("proj")
         fp8 = self.fp8_mlp if train and b is self.train else None
+        attn_resid = fused and self.resid_gemm
+        mlp_resid = attn_resid and fp8 is None
         if fp8 is not None:  # this pass's FP8 weight copies, from the masters
             fp8.begin_pass(lambda layer, name: self._p32(f"h.{layer}.{name}"))
         o.embed_fwd(io["tokens"], self._p32("wte"), self._p32("wpe"), b.at("x", 0), B, T, d)
@@ -468,17 +486,26 @@ class CudaBackend:
             st2 = a["ln2_stats"]  # mean [R] floats, then rstd [R]
             o.attn_qkv_fwd(a["ln1"], self._w(h + "attn.W_Q"), a["qkv"], R, d, b.qkv_slab())
             self._attention_fwd(b, a, T)
-            o.attn_out_fwd(a["att"], self._w(h + "attn.W_O"), proj, R, d)
+            # xmid = x[l] + att @ W_O; ln2 = LayerNorm(xmid)
             g2, b2 = self._p32(h + "ln2.gamma"), self._p32(h + "ln2.beta")
-            if fused:
-                o.residual_layernorm_fwd(b.at("x", l), proj, a["xmid"], g2, b2, a["ln2"], st2,
-                                         st2 + R * 4, R, d)
-            else:
-                o.residual_add(b.at("x", l), proj, a["xmid"], R * d)
+            if attn_resid:
+                o.attn_out_fwd(a["att"], self._w(h + "attn.W_O"), a["xmid"], R, d,
+                               resid=b.at("x", l))
                 o.layernorm_fwd(a["xmid"], g2, b2, a["ln2"], st2, st2 + R * 4, R, d)
+            else:
+                o.attn_out_fwd(a["att"], self._w(h + "attn.W_O"), proj, R, d)
+                if fused:
+                    o.residual_layernorm_fwd(b.at("x", l), proj, a["xmid"], g2, b2, a["ln2"],
+                                             st2, st2 + R * 4, R, d)
+                else:
+                    o.residual_add(b.at("x", l), proj, a["xmid"], R * d)
+                    o.layernorm_fwd(a["xmid"], g2, b2, a["ln2"], st2, st2 + R * 4, R, d)
             if fp8 is not None:
                 fp8.forward(l, a["ln2"], self._w(h + "mlp.W_1"), self._w(h + "mlp.W_2"),
                             a["pre"], a["act"], proj, R)
+            elif mlp_resid:  # x[l+1] = xmid + mlp(ln2), written by the second GEMM
+                o.mlp_fwd(a["ln2"], self._w(h + "mlp.W_1"), self._w(h + "mlp.W_2"), a["pre"],
+                          a["act"], b.at("x", l + 1), R, d, F, resid=a["xmid"])
             else:
                 o.mlp_fwd(a["ln2"], self._w(h + "mlp.W_1"), self._w(h + "mlp.W_2"), a["pre"],
                           a["act"], proj, R, d, F)
@@ -493,7 +520,9 @@ class CudaBackend:
             else:
                 gn, bn = self._p32("lnf.gamma"), self._p32("lnf.beta")
                 out, st = b.at("lnf"), b.at("lnf_stats")
-            if fused:
+            if mlp_resid:
+                o.layernorm_fwd(b.at("x", l + 1), gn, bn, out, st, st + R * 4, R, d)
+            elif fused:
                 o.residual_layernorm_fwd(a["xmid"], proj, b.at("x", l + 1), gn, bn, out, st,
                                          st + R * 4, R, d)
             else:

@@ -2,7 +2,8 @@
 
 `LtGemm.matmul` speaks row-major like `Cublas.matmul` (out[M,N] = alpha·op(a)@op(b) + beta·out,
 optional strided batching) and adds the GELU epilogues of the MLP (GELU_AUX forward, DGELU
-backward). For each distinct problem — shape, transposes, leading dimensions, batch strides,
+backward) and a C apart from the output (`c=`: out = alpha·op(a)@op(b) + beta·c, the forward's
+residual adds). For each distinct problem — shape, transposes, leading dimensions, batch strides,
 data types, epilogue, beta = 0 or not, pointer alignments — one algorithm is used for the whole
 run, so the same shape always runs the same kernel (determinism, bit-exact resume).
 
@@ -169,7 +170,7 @@ class LtGemm:
         try:
             sp = lib.cublasLtMatmulPreferenceSetAttribute
             self._set(sp, pref, PREF_MAX_WORKSPACE, C.c_uint64(self.ws_bytes))
-            # cuBLASLt's A is our b, its B our a; C and D are out
+            # cuBLASLt's A is our b, its B our a; C and D share aligns[2] (matmul: the lower)
             for attr, al in zip(PREF_MIN_ALIGN, (aligns[1], aligns[0], aligns[2], aligns[2]),
                                 strict=True):
                 self._set(sp, pref, attr, C.c_uint32(al))
@@ -184,7 +185,9 @@ class LtGemm:
         return [results[i] for i in range(count.value) if results[i].state == 0]
 
     def _run(self, p: _Problem, algo: LtAlgo, out: int, a: int, b: int, alpha: float, beta: float,
-             aux: int, stream: int, ws: int, scales: tuple[int, int] = (0, 0)) -> int:
+             aux: int, stream: int, ws: int, scales: tuple[int, int] = (0, 0), c: int = 0) -> int:
+        """One cublasLtMatmul: D = out, C = c (0: out, in place); C is described by D's layout
+        (same type, ldc and batch stride)."""
         vp = C.c_void_p
         sd = self._lib.cublasLtMatmulDescSetAttribute
         if aux:
@@ -195,7 +198,7 @@ class LtGemm:
         al, be = C.c_float(alpha), C.c_float(beta)
         la, lb, lc = p.layouts
         return self._lib.cublasLtMatmul(self.handle, p.desc, C.byref(al), vp(b), la, vp(a), lb,
-                                        C.byref(be), vp(out), lc, vp(out), lc, C.byref(algo),
+                                        C.byref(be), vp(c or out), lc, vp(out), lc, C.byref(algo),
                                         vp(ws), self.ws_bytes, vp(stream))
 
     def _choose(self, key: str, p: _Problem, aligns: tuple[int, int, int],
@@ -219,6 +222,11 @@ class LtGemm:
         if not (self.tuning and self.timer and len(cands) > 1):
             p.algo, p.rank, p.source = cands[0].algo, 0, "heuristic"
             return
+        # Each candidate runs several times. With beta 0, or with a C apart from D (matmul
+        # refuses one that overlaps D), every run rewrites D from inputs it does not touch, so
+        # the last run's output is the right one; an in-place beta 1 (C = D, a gradient
+        # accumulation) adds once per run, which is why the backend tunes in a start-up pass
+        # whose state it zeroes afterwards.
         times: list[tuple[float, int]] = []
         for i, h in enumerate(cands):
             algo = h.algo
@@ -239,17 +247,21 @@ class LtGemm:
                tb: bool = False, lda: int | None = None, ldb: int | None = None,
                ldc: int | None = None, alpha: float = 1.0, beta: float = 0.0, batch: int = 1,
                sa: int = 0, sb: int = 0, sc: int = 0, epilogue: int = EPILOGUE_DEFAULT,
-               aux: int = 0, scales: tuple[int, int] = (0, 0), fast_accum: bool = False
-               ) -> None:
-        """Row-major out[M,N] = epilogue(alpha·op(a)@op(b) + beta·out); a is [M,K] (stored [K,M]
+               aux: int = 0, scales: tuple[int, int] = (0, 0), fast_accum: bool = False,
+               c: int = 0) -> None:
+        """Row-major out[M,N] = epilogue(alpha·op(a)@op(b) + beta·c); a is [M,K] (stored [K,M]
         when ta), b is [K,N] (stored [N,K] when tb); ld* row strides, s* batch strides, in
-        elements; types = (a, b, out) cudaDataType. GELU_AUX also writes the pre-activation to
-        aux, DGELU reads it from aux (both [M,N] with row stride ldc). FP8 operands (types
-        R_8F_E4M3/E5M2): `scales` are device pointers to a's and b's inverse scales, and
-        Hopper takes them only as a [M,K], b stored [N,K] (ta False, tb True); fast_accum."""
+        elements; types = (a, b, out) cudaDataType. c: the device pointer of C, of out's type
+        and layout (ldc, sc), read and not written (0, the default: out itself, in place; with
+        beta 1 and c = a residual stream, out = c + product: the residual add in the GEMM).
+        GELU_AUX also writes the pre-activation to aux, DGELU reads it from aux (both [M,N]
+        with row stride ldc). FP8 operands (types R_8F_E4M3/E5M2): `scales` are device pointers
+        to a's and b's inverse scales, and Hopper takes them only as a [M,K], b stored [N,K]
+        (ta False, tb True); fast_accum."""
         lda = lda if lda is not None else (M if ta else K)
         ldb = ldb if ldb is not None else (K if tb else N)
         ldc = ldc if ldc is not None else N
+        c = 0 if c == out else c
         # what every row of every batch matrix is aligned to: the base, the row stride and the
         # batch stride (in bytes), so the heuristic only proposes algorithms that can run them
         esz = tuple(ELEM_BYTES.get(t, 2) for t in types)
@@ -258,8 +270,22 @@ class LtGemm:
             al = min(alignment(ptr), alignment(ld * es))
             return min(al, alignment(stride * es)) if batch > 1 and stride else al
 
+        if c:
+            # cuBLASLt does not define a C that partly overlaps D; disjoint, D is rewritten from
+            # an unchanged C on every run (so `_choose` may run the GEMM as often as it likes)
+            span = ((batch - 1) * sc + (M - 1) * ldc + N) * esz[2]
+            if c < out + span and out < c + span:
+                raise ValueError(f"LtGemm.matmul: C at {c:#x} overlaps D at {out:#x} "
+                                 f"({span} bytes each) without being D")
+        # C and D get one alignment, the lower of the two (and of aux): the heuristic then only
+        # proposes algorithms that can read C and write D where they are
         aligns = (align(a, lda, sa, esz[0]), align(b, ldb, sb, esz[1]),
-                  min(align(out, ldc, sc, esz[2]), align(aux, ldc, 0, esz[2])))
+                  min(align(out, ldc, sc, esz[2]), align(c, ldc, sc, esz[2]),
+                      align(aux, ldc, 0, esz[2])))
+        # The key does not say whether C is D: cuBLASLt's heuristic and its algorithm check see
+        # the layouts (C's is D's) and the alignments, never the pointers, so one algorithm
+        # serves both, and a separate C enters the key only through the alignment (a C as
+        # aligned as D leaves the key, and a recorded plan's entry, as they were).
         key = problem_key(types, ta, tb, M, N, K, lda, ldb, ldc, batch, sa, sb, sc, beta == 0.0,
                           epilogue, aligns, fast_accum)
         p = self._problems.get(key)
@@ -269,7 +295,7 @@ class LtGemm:
                                                      batch, sa, sb, sc, epilogue, ldc, fast_accum)
 
         def run(algo: LtAlgo) -> int:
-            return self._run(p, algo, out, a, b, alpha, beta, aux, stream, ws, scales)
+            return self._run(p, algo, out, a, b, alpha, beta, aux, stream, ws, scales, c)
 
         if fresh:
             try:

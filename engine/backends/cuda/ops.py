@@ -1,13 +1,18 @@
 """The op twins on the GPU: each method mirrors the numpy function of the same name in
 `engine/backends/numpy/ops.py`, on raw device pointers, with cuBLAS/cuBLASLt doing the GEMMs.
 
-Differences from the numpy twins, all of layout or fusion, never of math:
+Differences from the numpy twins, all of layout, fusion or rounding, never of math:
 - Activations are time-major: row r = t*B + b (numpy: b*T + t). Then the Q, K, V of head h of
   sequence b are one strided view (offset (b*H + h)*hd, row stride B*d), so attention is a
   single strided-batched GEMM over B*H with no permute kernels (and cuDNN reads them in place).
 - `layernorm_bwd` can accumulate into dx (the skip path's `residual_add_bwd` fused in).
 - `attn_bwd` writes dS over the saved probabilities (they are not needed after the backward).
 - `loss_fwd` keeps float logits and the log-sum-exp; `loss_bwd` writes dlogits separately.
+- `attn_out_fwd(..., resid=)`, `mlp_fwd(..., resid=)` (LtGemm only): numpy's projection then
+  `residual_add`, the residual added in the output GEMM's epilogue (beta 1, C = the residual
+  stream, D = the new one). The same math, other rounding: the sum is rounded once to the
+  activation precision, where the two steps round the projection and then the sum (so it is more
+  accurate, and not the bits of the unfused ops).
 Backward ops accumulate (+=) into float32 parameter gradients, like numpy's.
 
 The fused step (CudaBackend with fusions on) adds, each next to the unfused ops it replaces and
@@ -17,6 +22,8 @@ fused=True)` (dx, dγ, dβ in one kernel), `loss_fwd_bwd` (the loss and dlogits 
 `adamw_step` (AdamW over a range, as step_clip decided). GEMMs then go through gemm.LtGemm
 (algorithms chosen by timing, GELU epilogue or kernel chosen per shape), and the weight-gradient
 GEMMs and the LayerNorm parameter sums run on a second stream (`side`): see `_wgrad`, `_on_side`.
+The residual adds in the GEMM epilogues (`resid=`, above) do not keep the bits; with them the
+backend runs the plain `layernorm_fwd` where it ran `residual_layernorm_fwd`.
 """
 
 from __future__ import annotations
@@ -102,18 +109,23 @@ class Ops:
             raise RunError(f"{what}: {type(e).__name__}: {e}") from None
 
     def _mm(self, out: int, a: int, b: int, M: int, N: int, K: int, *, acc32: bool = False,
-            out32: bool = False, side: bool = False, **kw: Any) -> None:
+            out32: bool = False, side: bool = False, c: int = 0, **kw: Any) -> None:
         """GEMM on activations/low-precision weights; acc32: += into a float32 gradient;
-        `types` (a, b, out) instead of the precision's (the FP8 GEMMs, fp8.py)."""
+        `types` (a, b, out) instead of the precision's (the FP8 GEMMs, fp8.py); c: C's device
+        pointer when it is not out (out = alpha·op(a)@op(b) + beta·c), LtGemm only."""
         act = self.act
-        c = R_32F if (acc32 or out32) else act
-        types = kw.pop("types", None) or (act, act, c)
+        cty = R_32F if (acc32 or out32) else act
+        types = kw.pop("types", None) or (act, act, cty)
         beta = 1.0 if acc32 else kw.pop("beta", 0.0)
         if self.gemm is not None:
             stream, ws = (self.side, self.ws2) if side else (self.stream, self.ws)
+            if c:
+                kw["c"] = c
             self.gemm.matmul(out, a, b, M, N, K, types=types, stream=stream.handle,
                              ws=ws, beta=beta, **kw)
         else:
+            if c and c != out:  # cublasGemmEx has one C, written in place
+                raise ValueError("Ops._mm: a C apart from the output needs LtGemm (fusions on)")
             assert self.blas is not None
             self.blas.matmul(out, a, b, M, N, K, types=types, beta=beta, **kw)
         if self.debug:
@@ -387,8 +399,21 @@ class Ops:
         if self.debug:
             self._sync("cuDNN attention backward")
 
-    def attn_out_fwd(self, y: int, w_o: int, out: int, R: int, d: int) -> None:
-        self._mm(out, y, w_o, R, d, d)
+    def _resid(self, resid: int) -> dict[str, Any]:
+        """The GEMM arguments of out = resid + product (beta 1, C = resid, read, not written);
+        {} without a residual. Only LtGemm takes a C apart from the output: refused here, before
+        anything runs, on the plain cuBLAS path."""
+        if not resid:
+            return {}
+        if self.gemm is None:
+            raise ValueError("a residual added in the GEMM (resid=) needs LtGemm (fusions on)")
+        return {"beta": 1.0, "c": resid}
+
+    def attn_out_fwd(self, y: int, w_o: int, out: int, R: int, d: int, resid: int = 0) -> None:
+        """out = y @ W_O; with resid (a device pointer, [R,d] like out; LtGemm only): out =
+        resid + y @ W_O in the GEMM's epilogue, numpy's attn_out_fwd then residual_add with the
+        sum rounded once instead of twice."""
+        self._mm(out, y, w_o, R, d, d, **self._resid(resid))
 
     def attn_out_bwd(self, dout: int, y: int, w_o: int, dy: int, dw_o: int, R: int,
                      d: int) -> None:
@@ -430,9 +455,13 @@ class Ops:
             self.fused_gelu_calls += 1
 
     def mlp_fwd(self, x: int, w1: int, w2: int, pre: int, act: int, out: int, R: int, d: int,
-                F: int) -> None:
+                F: int, resid: int = 0) -> None:
         """pre = x @ W_1; act = GELU(pre) (in the GEMM's epilogue when cuBLASLt has one for
-        this shape and it is the faster, else k_mlp_gelu_fwd); out = act @ W_2."""
+        this shape and it is the faster, else k_mlp_gelu_fwd); out = act @ W_2. With resid (a
+        device pointer, [R,d] like out; LtGemm only): out = resid + act @ W_2 in the second
+        GEMM's epilogue, whichever GELU variant runs (numpy's mlp_fwd then residual_add, the
+        sum rounded once instead of twice); the first GEMM is the same either way."""
+        fc2 = self._resid(resid)  # refused before any GEMM runs where it cannot be done
         if self.gemm is not None:
             def epilogue() -> None:
                 self._mm(act, x, w1, R, F, d, epilogue=EPILOGUE_GELU_AUX, aux=pre)
@@ -449,7 +478,7 @@ class Ops:
         else:
             self._mm(pre, x, w1, R, F, d)
             self._go("k_mlp_gelu_fwd", _blocks(R * F), act, pre, R * F, 0)
-        self._mm(out, act, w2, R, d, F)
+        self._mm(out, act, w2, R, d, F, **fc2)
 
     def mlp_bwd(self, dout: int, x: int, w1: int, w2: int, pre: int, act: int, dx: int, dw1: int,
                 dw2: int, dpre: int, R: int, d: int, F: int) -> None:
