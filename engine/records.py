@@ -876,6 +876,27 @@ def fp8_gemms_of(state: Any) -> list[str]:
     return [g[:32] for g in got[:16] if isinstance(g, str)] if isinstance(got, list) else []
 
 
+# A checkpoint's state.json: the CUDA backend's settings that decide the bits (the attention
+# path, then every ANDREA_* switch it read, as resolved: CudaBackend.settings), so that a resume
+# runs with them where the environment says nothing (a default that changed since included)
+STATE_CUDA_SETTINGS = "cuda_settings"
+
+
+def cuda_settings_of(state: Any) -> dict[str, bool | str]:
+    """The CUDA settings a checkpoint's state.json records ({} when none): switch names with
+    booleans, and "attention" with "cudnn" or "classic"; anything else is left out."""
+    got = state.get(STATE_CUDA_SETTINGS) if isinstance(state, Mapping) else None
+    if not isinstance(got, Mapping):
+        return {}
+    out: dict[str, bool | str] = {}
+    for k, v in list(got.items())[:64]:
+        if isinstance(k, str) and k.startswith("ANDREA_") and len(k) <= 64 and isinstance(v, bool):
+            out[k] = v
+        elif k == "attention" and v in ("cudnn", "classic"):
+            out[k] = v
+    return out
+
+
 def parse_all(reader: Any, objects: Iterable[Any]) -> tuple[list[Any], int]:
     """`reader.from_json` over `objects`: (the readable records, how many were not)."""
     out, bad = [], 0

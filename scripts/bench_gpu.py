@@ -57,13 +57,13 @@ BEFORE = {"attention": "classic", "fusions": False}
 STEP_HP = {"loss_scale": 1.0, "grad_mult": 1.0, "lr": 3e-4, "beta1": 0.9, "beta2": 0.95,
            "eps": 1e-8, "weight_decay": 0.1, "max_norm": 1.0}
 FP8 = {**AFTER, "precision": "fp8"}  # train/precision "fp8": the MLP's GEMMs in FP8 (--fp8)
-# the default with one fusion switched (backend._flag), timed beside it: --variants
+# the default with one fusion switched (CudaBackend._flag), timed beside it: --variants
 VARIANTS = {"andrea no QKV rows": {"ANDREA_QKV_ROWS": "0"},
             "andrea no side stream": {"ANDREA_SIDE_STREAM": "0"},
             "andrea with fused LN": {"ANDREA_FUSED_LN": "1"},
             "andrea LN sums on main": {"ANDREA_SIDE_LN": "0"},
             "andrea AdamW not deferred": {"ANDREA_DEFER_ADAMW": "0"},
-            "andrea no resid GEMM": {"ANDREA_RESID_GEMM": "0"},
+            "andrea with resid GEMM": {"ANDREA_RESID_GEMM": "1"},
             "andrea 32 GEMM candidates": {"ANDREA_GEMM_CANDIDATES": "32"}}
 
 

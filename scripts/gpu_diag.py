@@ -4,7 +4,7 @@ Each case runs in its own process (a crash there cannot poison the others): two 
 same model, one after the other in that process, each from the same weights through the same
 steps (the fused one-graph step at full length, forward_backward at a shorter one); their
 losses and weights must agree bit for bit. A case names a model, an attention and a set of
-switches that turn one fusion off (engine/backends/cuda/backend.py `_flag`), so a failure can be
+switches that turn one fusion off (engine/backends/cuda/backend.py `CudaBackend._flag`), so a failure can be
 pinned on one of them. Prints one line per case, then the failing case's error text.
 
     python3 scripts/gpu_diag.py [--jobs 4] [--sync]   (--sync: wait after every launch)
@@ -31,7 +31,7 @@ SWITCHES = {
     "no side stream": {"ANDREA_SIDE_STREAM": "0"},
     "no grad writes": {"ANDREA_WRITE_GRADS": "0"},
     "no dwte pad": {"ANDREA_DWTE_PAD": "0"},
-    "no resid GEMM": {"ANDREA_RESID_GEMM": "0"},
+    "with resid GEMM": {"ANDREA_RESID_GEMM": "1"},
     "fusions off": {"ANDREA_FUSIONS": "0"},
 }
 

@@ -90,7 +90,7 @@ class Trainer:
                  dtype: Any = np.float32, backend_options: dict[str, Any] | None = None,
                  reducer: GradientReducer | None = None) -> None:
         """backend_options: keyword arguments for the backend's constructor beyond the shapes,
-        batch and precision (the CUDA backend's attention, fusions, gemm_plan, tune)."""
+        batch and precision (the CUDA backend's attention, fusions, gemm_plan, tune, settings)."""
         self.config = config
         self.shapes = ModelShapes.from_config(config.model)
         self.reducer = reducer

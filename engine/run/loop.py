@@ -362,9 +362,11 @@ class TrainingRun:
             self._start_monitors(backend)
 
     def _backend_options(self, backend: str, resume: Any) -> dict[str, Any]:
-        """The CUDA backend's options: attention, and the run directory's GEMM plan
+        """The CUDA backend's options: attention, the run directory's GEMM plan
         (gemm_plan.json) when it has one, so a resumed run (or a new run given that plan)
-        runs the very same GEMM algorithms: the same bits. --retune times them again."""
+        runs the very same GEMM algorithms: the same bits (--retune times them again); and on
+        a resume the checkpoint's CUDA settings (its attention path and ANDREA_* switches), so
+        that it computes as the run did where the command line and environment say nothing."""
         if backend != "cuda":
             return {}
         plan = None
@@ -386,7 +388,11 @@ class TrainingRun:
                                 if resume else ""))
         elif resume is not None:
             self.out.log(f"resume: no {path.name}; timing the GEMMs")
-        return {"attention": self.args.attention, "gemm_plan": plan}
+        settings = rec.cuda_settings_of(resume.state) if resume is not None else {}
+        if settings:
+            self.out.log("resume: the run's CUDA settings from the checkpoint: " + ", ".join(
+                f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in settings.items()))
+        return {"attention": self.args.attention, "gemm_plan": plan, "settings": settings}
 
     def _report_backend(self, be: Any) -> str:
         """Log what the CUDA backend runs (attention, GEMMs, fusions) and keep its GEMM plan in
@@ -684,6 +690,9 @@ class TrainingRun:
             "backend": tr.backend.name,
             "world_size": self.world.size,
             "versions": {"python": platform.python_version(), "numpy": np.__version__},
+            # the CUDA backend's bit-deciding settings, which a resume takes up
+            **({rec.STATE_CUDA_SETTINGS: dict(s)} if (s := getattr(tr.backend, "settings", None))
+               else {}),
             # train/precision "fp8": the GEMMs that ran in FP8 (only then: the key says so)
             **({rec.STATE_FP8_GEMMS: fp8} if (fp8 := list(getattr(tr.backend, "fp8_gemms", [])))
                else {}),

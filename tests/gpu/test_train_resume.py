@@ -6,11 +6,19 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import loss_records, micro_config_dict, run_engine, start_engine, wait_for_step
+from tests.conftest import (
+    engine_cmd,
+    loss_records,
+    micro_config_dict,
+    run_engine,
+    start_engine,
+    wait_for_step,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -92,3 +100,52 @@ def test_checkpoint_moves_between_gpu_and_cpu(first: str, then: str, tmp_path: P
     got = {x.step: x.loss for x in loss_records(run2)}
     assert sorted(got) == list(range(1, N + 1))
     assert max(abs(got[s] - ref[s]) for s in range(k + 1, N + 1)) < 1e-3
+
+
+def test_resume_takes_up_the_runs_recorded_switches(tmp_path: Path, prepared_data: Path) -> None:
+    """A run started with a switch off its default (ANDREA_RESID_GEMM=1) records it in its
+    checkpoints' state.json (`cuda_settings`); resumed with nothing in the environment, it runs
+    on with it: bit for bit the run straight with the switch set. A resume told otherwise by the
+    environment says so in engine.log (and then computes other bits)."""
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps(micro_config_dict(max_steps=N, precision="bf16")))
+    base = {k: v for k, v in os.environ.items() if not k.startswith("ANDREA_RESID_GEMM")}
+    base["ANDREA_GEMM_TUNE"] = "1"
+    on = {**base, "ANDREA_RESID_GEMM": "1"}
+    run = tmp_path / "stopped"
+    proc = start_engine(cfg, run, *CUDA, env=on)
+    wait_for_step(run, K, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    states = sorted((run / "checkpoints").glob("step_*/state.json"))
+    assert states, "no checkpoint"
+    settings = json.loads(states[-1].read_text())["cuda_settings"]
+    assert settings["ANDREA_RESID_GEMM"] is True and settings["attention"] in ("cudnn", "classic")
+    plan = (run / "gemm_plan.json").read_text()
+    r = subprocess.run(engine_cmd(cfg, run, "--resume", *CUDA), capture_output=True, text=True,
+                       timeout=300, env=base)
+    assert r.returncode == 0, r.stdout + r.stderr
+    log = (run / "engine.log").read_text()
+    assert "the run's CUDA settings from the checkpoint" in log, log[-2000:]
+    starts = [line for line in log.splitlines() if "cuda: attention" in line]
+    assert len(starts) == 2, log[-3000:]  # the start and the resume: both with the switch on
+    assert all("residual adds in the GEMM epilogues (ANDREA_RESID_GEMM)" in s for s in starts)
+
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    (straight / "gemm_plan.json").write_text(plan)
+    r = subprocess.run(engine_cmd(cfg, straight, *CUDA), capture_output=True, text=True,
+                       timeout=300, env=on)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert trajectory(run) == trajectory(straight)
+    ckpt = f"checkpoints/step_{N:08d}/model.ckpt"
+    assert (run / ckpt).read_bytes() == (straight / ckpt).read_bytes()
+
+    # told otherwise: the environment wins, and the log says the bits now differ
+    r = subprocess.run(engine_cmd(cfg, run, "--resume", "--max-steps", str(N + 3), *CUDA),
+                       capture_output=True, text=True, timeout=300,
+                       env={**base, "ANDREA_RESID_GEMM": "0"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    log = (run / "engine.log").read_text()
+    assert "ANDREA_RESID_GEMM=0 from the environment, where the run recorded 1" in log, log[-2000:]

@@ -16,8 +16,8 @@ Two choices, both made at start and said in `attention_info` / `describe()`:
 - fusions (default on): every GEMM through gemm.LtGemm with algorithms chosen by timing at start
   (or taken from a recorded plan: `gemm_plan`), weight-gradient GEMMs on a second stream, the
   fused kernels (residual + LayerNorm, LayerNorm backward with its parameter sums, loss forward
-  and backward in one pass; the forward's residual adds in the epilogues of the GEMMs before
-  them, ANDREA_RESID_GEMM), and `train_step`: zero, forward, backward, gradient norm, clip,
+  and backward in one pass; opt-in, the forward's residual adds in the epilogues of the GEMMs
+  before them, ANDREA_RESID_GEMM=1), and `train_step`: zero, forward, backward, gradient norm, clip,
   non-finite skip and AdamW in one graph with one host read (the AdamW left to the next step's
   graph, beside its forward, unless ANDREA_DEFER_ADAMW=0: see `_apply_update`). Off: the path
   before all this (plain cuBLAS, separate kernels, the optimizer launched from the host), kept
@@ -33,7 +33,7 @@ from __future__ import annotations
 import collections
 import os
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -70,20 +70,13 @@ def default_attention() -> str:
     return a
 
 
-def default_fusions() -> bool:
-    return os.environ.get("ANDREA_FUSIONS", "1") != "0"
-
-
-def _flag(name: str, default: bool = True) -> bool:
-    """A fusion's own switch, for bisecting one away: ANDREA_SIDE_STREAM (the weight-gradient
-    stream), ANDREA_FUSED_LN (the one-kernel LayerNorm backward: off by default, it measured
-    slower than the three kernels on the H200, NOTES.md), ANDREA_WRITE_GRADS (the step writes
-    its gradients instead of zeroing and adding), ANDREA_DWTE_PAD (dwte's GEMM over the aligned
-    rows), ANDREA_DEFER_ADAMW (a step's AdamW in the next step's graph, beside its forward),
-    ANDREA_QKV_ROWS (Q, K, V's input gradient as one GEMM over K = 3d, see __init__),
-    ANDREA_RESID_GEMM (the forward's residual adds in the GEMM epilogues, see `_forward`).
-    ops.py reads ANDREA_SIDE_LN (the LayerNorm parameter sums on the weight-gradient stream)."""
-    return os.environ.get(name, "1" if default else "0") != "0"
+def switch_value(raw: str | None, recorded: Any, default: bool) -> bool:
+    """A switch's value: the environment's when it is set (raw; "0" is off, anything else on),
+    else the one the run being resumed recorded (a bool, from its checkpoint's state.json:
+    engine.records.cuda_settings_of), else the default."""
+    if raw is not None:
+        return raw != "0"
+    return recorded if isinstance(recorded, bool) else default
 
 
 class CudaBackend:
@@ -94,13 +87,18 @@ class CudaBackend:
     def __init__(self, shapes: ModelShapes, micro_batch: int, precision: str = "bf16",
                  dtype: type = np.float32, *, attention: str | None = None,
                  fusions: bool | None = None, gemm_plan: dict[str, Any] | None = None,
-                 tune: bool | None = None, separate_micro: bool = False) -> None:
+                 tune: bool | None = None, separate_micro: bool = False,
+                 settings: Mapping[str, Any] | None = None) -> None:
         """attention: "auto" | "cudnn" | "classic" (default ANDREA_ATTENTION or auto);
         fusions: see the module doc (default ANDREA_FUSIONS or on); gemm_plan: a recorded
         GEMM plan (engine.records.GemmPlan.to_json()) to use instead of timing; tune: time the
         GEMM candidates at start when no plan covers them (else cuBLASLt's first choice;
         default ANDREA_GEMM_TUNE or on); separate_micro: the buffer that
-        forward_backward(separate=True) needs (gradient accumulation, see the interface)."""
+        forward_backward(separate=True) needs (gradient accumulation, see the interface);
+        settings: what the run being resumed recorded (`self.settings` then, in its state.json:
+        engine.records.cuda_settings_of): its attention path, where `attention` is auto, and its
+        switches, where the environment does not set them, so that the resume computes the
+        same bits even where a default changed since."""
         if precision not in (*ACT_BYTES, "fp8"):
             raise UserError(f"train/precision: expected fp32, bf16, fp16 or fp8, got "
                             f"{precision!r}")
@@ -111,10 +109,19 @@ class CudaBackend:
             raise UserError("the CUDA backend computes in float32 masters; dtype must be float32")
         if micro_batch < 1:
             raise UserError(f"train/batch_size: expected a positive integer, got {micro_batch}")
+        self.notes: list[str] = []  # what the start-up decided, for the run's log
+        self._recorded = dict(settings or {})
+        # the settings that decide the bits, as resolved here (the run records them)
+        self.settings: dict[str, bool | str] = {}
         attention = attention or default_attention()
         if attention not in ATTENTIONS:
             raise UserError(f"attention: expected auto, cudnn or classic, got {attention!r}")
-        self.fusions = default_fusions() if fusions is None else bool(fusions)
+        if attention == "auto" and self._recorded.get("attention") in ("cudnn", "classic"):
+            attention = str(self._recorded["attention"])  # the path the run ran
+        if fusions is None:
+            self.fusions = self._flag("ANDREA_FUSIONS", raw=os.environ.get("ANDREA_FUSIONS"))
+        else:
+            self.fusions = self.settings["ANDREA_FUSIONS"] = bool(fusions)
         if self.fp8 and not self.fusions:
             raise UserError("train/precision fp8: the FP8 GEMMs are the fused path's "
                             "(cuBLASLt); ANDREA_FUSIONS=0 turns it off")
@@ -139,7 +146,6 @@ class CudaBackend:
         self.use_graphs = (os.environ.get("ANDREA_CUDA_GRAPHS", "1") != "0"
                            and os.environ.get("ANDREA_CUDA_SYNC", "0") != "1")
         self.S = shapes.seq_len
-        self.notes: list[str] = []  # what the start-up decided, for the run's log
 
         self.cudnn: Any = None
         # Q, K, V's input gradient as one GEMM over K = 3d (cuDNN's dQ, dK, dV written side by
@@ -147,8 +153,13 @@ class CudaBackend:
         # instead of three that add up: cuDNN attention and fusions only (ANDREA_QKV_ROWS=0:
         # the three). It changes the bits (one rounding of the sum instead of three), so a run
         # resumes with the setting it started with.
-        self._want_qkv_rows = self.fusions and _flag("ANDREA_QKV_ROWS")
+        self._want_qkv_rows = self.fusions and self._flag("ANDREA_QKV_ROWS")
         self.attention, self.attention_info = self._pick_attention(attention)
+        self.settings["attention"] = self.attention
+        if self._recorded.get("attention") not in (None, self.attention):
+            self.notes.append(f"attention {self.attention}, where the run recorded "
+                              f"{self._recorded['attention']}: the bits differ from an "
+                              f"uninterrupted run")
         # the layout cuDNN was built for decides (one place): the GEMMs follow it
         self.qkv_rows = self.attention == "cudnn" and self.cudnn.grad_rows
         if (self._want_qkv_rows and self.attention != "cudnn"
@@ -192,7 +203,7 @@ class CudaBackend:
             if plan_refused:
                 self.notes.append(plan_refused)
             # the weight-gradient stream (non-blocking)
-            self.side = drv.Stream(flags=1) if _flag("ANDREA_SIDE_STREAM") else None
+            self.side = drv.Stream(flags=1) if self._flag("ANDREA_SIDE_STREAM") else None
             self.ops = Ops(gpu.kernels(precision), None, self.stream, precision,
                            gemm=self.gemm, ws=plan["cublas_ws"], side=self.side,
                            ws2=plan["cublas_ws2"], cudnn=self.cudnn, cudnn_ws=cws,
@@ -207,28 +218,29 @@ class CudaBackend:
             self.blas = Cublas(self.stream.handle, plan["cublas_ws"], WORKSPACE_BYTES)
             # GELU in the MLP GEMMs' epilogues (ANDREA_GELU_FUSION=0: separate GELU kernels)
             self.lt = (CublasLt(self.stream.handle, plan["cublas_ws"], WORKSPACE_BYTES)
-                       if os.environ.get("ANDREA_GELU_FUSION", "1") != "0" else None)
+                       if self._flag("ANDREA_GELU_FUSION",
+                                     raw=os.environ.get("ANDREA_GELU_FUSION")) else None)
             self.ops = Ops(gpu.kernels(precision), self.blas, self.stream, precision, self.lt,
                            cudnn=self.cudnn, cudnn_ws=cws)
         self.fp8_mlp = (Fp8Mlp(self.ops, plan, shapes.n_layer, shapes.d_model, shapes.d_ff,
                                self.ops.act, self.train.R) if self.fp8 else None)
         self.fused_step = self.fusions
-        self.fused_ln = self.fusions and _flag("ANDREA_FUSED_LN", default=False)
+        self.fused_ln = self.fusions and self._flag("ANDREA_FUSED_LN", default=False)
         # the forward's residual adds in the epilogues of the attention-output and MLP-output
         # GEMMs (beta 1, C = the residual stream), then the plain LayerNorm: cuBLASLt's GEMMs
         # only (a C apart from D). It changes the bits (the sum rounded once instead of the
         # projection and then the sum), so a run resumes with the setting it started with.
         self.resid_gemm = (self.fusions and self.gemm is not None
-                           and _flag("ANDREA_RESID_GEMM"))
-        self.write_grads = _flag("ANDREA_WRITE_GRADS")
-        self.dwte_pad = self.S if _flag("ANDREA_DWTE_PAD") else 0
+                           and self._flag("ANDREA_RESID_GEMM", default=False))
+        self.write_grads = self._flag("ANDREA_WRITE_GRADS")
+        self.dwte_pad = self.S if self._flag("ANDREA_DWTE_PAD") else 0
         # A fused step may leave its AdamW update pending (k_step_clip recorded it): the next
         # step's graph applies it layer by layer on the weight-gradient stream while its
         # forward runs, each layer's forward waiting for its own range; anything else that
         # touches the state applies it first (_settle_update). Not with FP8 (its weight copies
         # are made at the start of the pass) nor data-parallel steps.
         self.defer_update = (self.fused_step and self.side is not None and not self.fp8
-                             and _flag("ANDREA_DEFER_ADAMW"))
+                             and self._flag("ANDREA_DEFER_ADAMW"))
         self._update_pending = False
         self.p, self.g = plan["params"], plan["grads"]
         self.plp = plan["params_lp"] if precision != "fp32" else self.p
@@ -397,6 +409,29 @@ class CudaBackend:
         """The GEMM algorithms in use (engine.records.GemmPlan.to_json()), None without
         fusions: the run directory keeps it so that --resume runs the same ones."""
         return self.gemm.export_plan() if self.gemm is not None else None
+
+    def _flag(self, name: str, default: bool = True, raw: str | None = None) -> bool:
+        """A switch, resolved once at start (switch_value: the environment, else the resumed
+        run's record, else the default) and recorded in `settings`; one set in the environment
+        against the run's record is noted (the bits then differ). Besides ANDREA_FUSIONS and
+        ANDREA_GELU_FUSION (each with its README row), a fusion's own switch, for bisecting
+        one away: ANDREA_SIDE_STREAM (the weight-gradient stream), ANDREA_FUSED_LN (the
+        one-pass LayerNorm backward: off by default, no faster in the step on the H200,
+        NOTES.md), ANDREA_WRITE_GRADS (the step writes its gradients instead of zeroing and
+        adding), ANDREA_DWTE_PAD (dwte's GEMM over the aligned rows), ANDREA_DEFER_ADAMW (a
+        step's AdamW in the next step's graph, beside its forward), ANDREA_QKV_ROWS (Q, K, V's
+        input gradient as one GEMM over K = 3d, see __init__), ANDREA_RESID_GEMM (the forward's
+        residual adds in the GEMM epilogues, see `_forward`; off by default: no faster on the
+        H200). ops.py reads ANDREA_SIDE_LN (where the LayerNorm parameter sums run; the same
+        bits either way)."""
+        raw = os.environ.get(name) if raw is None else raw
+        recorded = self._recorded.get(name)
+        value = switch_value(raw, recorded, default)
+        self.settings[name] = value
+        if raw is not None and isinstance(recorded, bool) and recorded != value:
+            self.notes.append(f"{name}={raw} from the environment, where the run recorded "
+                              f"{int(recorded)}: the bits differ from an uninterrupted run")
+        return value
 
     def describe(self) -> str:
         """One line: attention, GEMMs and fusions as they run."""

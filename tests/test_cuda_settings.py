@@ -1,0 +1,51 @@
+"""The CUDA backend's recorded settings (state.json `cuda_settings`), on the CPU: how a switch is
+resolved (the environment, else the resumed run's record, else the default) and what a
+checkpoint's record may hold. The resume itself runs on the GPU (tests/gpu/test_train_resume.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.backends.cuda.backend import switch_value
+from engine.records import STATE_CUDA_SETTINGS, cuda_settings_of
+
+
+@pytest.mark.parametrize(("raw", "recorded", "default", "want"), [
+    (None, None, True, True),  # nothing said: the default
+    (None, None, False, False),
+    (None, True, False, True),  # the run's record over the default
+    (None, False, True, False),
+    ("0", True, True, False),  # the environment over the record
+    ("1", False, False, True),
+    ("yes", False, False, True),  # anything but "0" is on, as for every ANDREA_* switch
+    (None, "1", False, False),  # a record that is not a bool is not one
+    (None, 1, True, True),
+])
+def test_a_switch_is_the_environment_then_the_record_then_the_default(raw, recorded, default,
+                                                                       want) -> None:
+    assert switch_value(raw, recorded, default) is want
+
+
+def test_the_record_keeps_switches_and_the_attention_path() -> None:
+    state = {STATE_CUDA_SETTINGS: {"ANDREA_QKV_ROWS": True, "ANDREA_RESID_GEMM": False,
+                                   "attention": "cudnn"}}
+    assert cuda_settings_of(state) == {"ANDREA_QKV_ROWS": True, "ANDREA_RESID_GEMM": False,
+                                       "attention": "cudnn"}
+
+
+@pytest.mark.parametrize("state", [
+    None, [], {}, {"step": 3}, {STATE_CUDA_SETTINGS: None}, {STATE_CUDA_SETTINGS: []},
+    {STATE_CUDA_SETTINGS: "ANDREA_QKV_ROWS"},
+])
+def test_no_record_is_no_settings(state) -> None:
+    assert cuda_settings_of(state) == {}
+
+
+def test_a_hostile_record_leaves_only_what_it_may_hold() -> None:
+    """A hand-edited or corrupt state.json: values that are not booleans, names that are not
+    ANDREA_* switches, an attention path that does not exist, and a flood of keys."""
+    junk = {"ANDREA_QKV_ROWS": "1", "ANDREA_FUSIONS": 0, "PATH": True, "attention": "flash",
+            "ANDREA_" + "X" * 100: True, 7: True, "ANDREA_RESID_GEMM": True}
+    assert cuda_settings_of({STATE_CUDA_SETTINGS: junk}) == {"ANDREA_RESID_GEMM": True}
+    flood = {f"ANDREA_S{i}": True for i in range(1000)}
+    assert len(cuda_settings_of({STATE_CUDA_SETTINGS: flood})) == 64
