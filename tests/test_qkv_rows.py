@@ -5,8 +5,10 @@ carries out `LtGemm.matmul`'s row-major contract (gemm.py: out[M,N] = alpha·op(
 beta·out, ld* row strides and s* batch strides in elements) in numpy over a fake device memory,
 and the results of `Ops.attn_qkv_bwd_rows` and of the slab path's `Ops.attn_qkv_bwd` are
 compared with numpy's `attn_qkv_bwd` in float64. cuDNN's strides for dQ, dK, dV (`sdpa_strides`) are checked to address
-the very elements the GEMMs read. The kernel that puts W_Q, W_K, W_V side by side and the GEMMs
-themselves run in tests/gpu (test_ops, test_cudnn, test_fusions, test_train_resume); here a
+the very elements the GEMMs read. The index math by which the optimizer kernels may keep W_Q, W_K, W_V
+side by side in the GEMM copy (kernels/optim.cu, compiled for the host) is checked against
+buffers.lp_positions and np.concatenate. The kernel that puts W_Q, W_K, W_V side by side and
+the GEMMs themselves run in tests/gpu (test_ops, test_cudnn, test_fusions, test_train_resume); here a
 stand-in for the cuDNN frontend records the strides CudnnAttention.build gives each tensor."""
 
 from __future__ import annotations
@@ -17,11 +19,18 @@ import numpy as np
 import pytest
 from numpy.lib.stride_tricks import as_strided
 
-from engine.backends.cuda.buffers import plan_memory, qkv_layer_stride
+from engine.backends.cuda import KERNEL_DIR
+from engine.backends.cuda.buffers import (
+    lp_positions,
+    plan_memory,
+    qkv_layer_stride,
+    qkv_seg_table,
+)
 from engine.backends.cuda.cudnn_attn import sdpa_strides
 from engine.backends.cuda.ops import Ops
+from engine.backends.cuda.runtime import nvcc_path
 from engine.backends.numpy import ops as npo
-from engine.model.layout import ModelShapes
+from engine.model.layout import ModelShapes, n_params, tensor_table, views
 from tests.emugemm import emulated_ops
 
 
@@ -215,3 +224,176 @@ def test_cudnn_graphs_give_the_rows_strides_to_dq_dk_dv_only(monkeypatch, grad_r
     for name in ("dq", "dk", "dv"):
         assert bwd[name].dim == [B, H, T, hd]
         assert bwd[name].stride == (rows if grad_rows else slab), name
+
+
+# --- the GEMM copy in rows --------------------------------------------------------------------
+
+SHAPES = {
+    "aligned": ModelShapes(n_layer=3, d_model=48, n_head=4, d_ff=80, vocab_size=97, seq_len=16),
+    "one layer": ModelShapes(n_layer=1, d_model=32, n_head=2, d_ff=64, vocab_size=64,
+                             seq_len=8),
+    # d odd: every tensor boundary after wte falls inside a float4 group of adamw_body
+    "odd": ModelShapes(n_layer=2, d_model=37, n_head=1, d_ff=50, vocab_size=97, seq_len=13),
+}
+
+
+def _table(s: ModelShapes) -> tuple[np.ndarray, np.ndarray]:
+    """(seg_start [nseg + 1], seg_qkv [nseg]) as the backend uploads them."""
+    seg_start = np.array([t.offset for t in tensor_table(s)] + [n_params(s)], np.int64)
+    return seg_start, qkv_seg_table(s)
+
+
+@pytest.mark.parametrize("key", SHAPES)
+def test_qkv_seg_table_marks_each_layers_w_q_w_k_w_v(key):
+    s = SHAPES[key]
+    names = {t.name: k for k, t in enumerate(tensor_table(s))}
+    seg_qkv = qkv_seg_table(s)
+    want = np.zeros(len(names), np.int32)
+    for layer in range(s.n_layer):
+        for j, w in enumerate(("W_Q", "W_K", "W_V")):
+            want[names[f"h.{layer}.attn.{w}"]] = j + 1
+    assert seg_qkv.dtype == np.int32 and np.array_equal(seg_qkv, want)
+
+
+@pytest.mark.parametrize("key", SHAPES)
+def test_lp_positions_is_np_concatenate_of_each_layers_blocks(key):
+    """The GEMM copy laid out by lp_positions against an independent construction: the flat
+    layout, with each layer's 3d² range replaced by np.concatenate([W_Q, W_K, W_V], axis=1)
+    ([d,3d], row-major); and the map is a permutation of the flat indices."""
+    s = SHAPES[key]
+    d, n = s.d_model, n_params(s)
+    flat = np.random.default_rng(3).normal(size=n)
+    pos = lp_positions(*_table(s), d)
+    assert pos.dtype == np.int64 and np.array_equal(np.sort(pos), np.arange(n))
+    lp = np.empty(n)
+    lp[pos] = flat
+    want = flat.copy()
+    w = views(flat, s)
+    for layer in range(s.n_layer):
+        h = f"h.{layer}.attn."
+        base = next(t.offset for t in tensor_table(s) if t.name == h + "W_Q")
+        want[base : base + 3 * d * d] = np.concatenate([w[h + "W_Q"], w[h + "W_K"],
+                                                        w[h + "W_V"]], axis=1).ravel()
+    assert np.array_equal(lp, want)
+
+
+def test_lp_positions_leave_everything_in_place_without_qkv():
+    seg_start = np.array([0, 5, 41, 77, 113, 120], np.int64)
+    assert np.array_equal(lp_positions(seg_start, np.zeros(5, np.int32), 6), np.arange(120))
+
+
+# kernels/optim.cu's index functions, compiled for the host: stdin gives nseg, d, seg_start,
+# seg_qkv and ranges [begin, end); it prints where k_params_to_lp puts each element (one a line),
+# then, per range, "i at" for each element as adamw_body walks it (its float4 groups in order,
+# the tail one by one), with the very calls and loop control of the kernels.
+HOST_MAIN = r"""
+#include "optim.cu"
+#include <cstdio>
+#include <vector>
+
+int main() {
+    int nseg, d, nr;
+    if (scanf("%d %d", &nseg, &d) != 2) return 1;
+    std::vector<long> starts(nseg + 1);
+    std::vector<int> qkv(nseg), flags(nseg);
+    for (auto& s : starts) if (scanf("%ld", &s) != 1) return 1;
+    for (auto& q : qkv) if (scanf("%d", &q) != 1) return 1;
+    for (int s = 0; s < nseg; s++) flags[s] = seg_flag(nullptr, qkv.data(), s);
+    for (long i = 0; i < starts[nseg]; i++) {  // k_params_to_lp
+        const int s = seg_of(starts.data(), nseg, i);
+        int col;
+        printf("%ld\n", lp_index(i, starts[s], qkv[s], d, &col));
+    }
+    if (scanf("%d", &nr) != 1) return 1;
+    for (int r = 0; r < nr; r++) {  // adamw_body
+        long begin, end;
+        if (scanf("%ld %ld", &begin, &end) != 2) return 1;
+        const long n = end - begin, nq = n / 4;
+        for (long q = 0; q < nq + (n & 3); q++) {
+            const bool vec = q < nq;
+            const long i0 = begin + (vec ? q * 4 : nq * 4 + (q - nq));
+            int lo = seg_of(starts.data(), nseg, i0);
+            long at = 0;
+            int seg = -1, col = 0;
+            for (int k = 0; k < 4; k++) {
+                if (k > 0 && !vec) break;
+                while (i0 + k >= starts[lo + 1]) lo++;
+                at = lp_walk(i0 + k, lo, starts.data(), flags.data(), d, at, &seg, &col);
+                printf("%ld %ld\n", i0 + k, at);
+            }
+        }
+    }
+    return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def lp_host(tmp_path_factory: pytest.TempPathFactory):
+    """The host build of HOST_MAIN (skipped where nvcc is absent, as test_cuda_sources is)."""
+    import subprocess
+
+    nvcc = nvcc_path()
+    if nvcc is None:
+        pytest.skip("nvcc not installed")
+    tmp = tmp_path_factory.mktemp("lp_host")
+    (tmp / "main.cu").write_text(HOST_MAIN)
+    exe = tmp / "lp_host"
+    r = subprocess.run([nvcc, "-std=c++17", "-O2", "-DANDREA_ACT=1", f"-I{KERNEL_DIR}", "-o",
+                        str(exe), str(tmp / "main.cu")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+    def run(seg_start: np.ndarray, seg_qkv: np.ndarray, d: int,
+            ranges: list[tuple[int, int]]) -> tuple[np.ndarray, list[np.ndarray]]:
+        words = [len(seg_qkv), d, *seg_start.tolist(), *seg_qkv.tolist(), len(ranges)]
+        words += [x for r in ranges for x in r]
+        out = subprocess.run([str(exe)], input=" ".join(map(str, words)), capture_output=True,
+                             text=True, check=True).stdout.split("\n")
+        n = int(seg_start[-1])
+        whole = np.array(out[:n], np.int64)
+        pairs = np.array([line.split() for line in out[n:] if line], np.int64).reshape(-1, 2)
+        walks, at = [], 0
+        for begin, end in ranges:
+            walks.append(pairs[at : at + end - begin])
+            at += end - begin
+        assert at == len(pairs)
+        return whole, walks
+
+    return run
+
+
+def _cuts(s: ModelShapes) -> list[tuple[int, int]]:
+    """Three ranges as k_adamw_step may get them (begins multiples of 4): cut inside layer 0's
+    W_Q and inside the last layer's W_K, not at a row's start."""
+    off = {t.name: t.offset for t in tensor_table(s)}
+    d, last = s.d_model, s.n_layer - 1
+    a = (off["h.0.attn.W_Q"] + 5 * d + 3) // 4 * 4
+    b = (off[f"h.{last}.attn.W_K"] + 2 * d + 11) // 4 * 4
+    return [(0, a), (a, b), (b, n_params(s))]
+
+
+SYNTHETIC = (np.array([0, 5, 41, 77, 113, 120], np.int64), np.array([0, 1, 2, 3, 0], np.int32), 6)
+
+
+@pytest.mark.parametrize("key", [*SHAPES, "synthetic"])
+def test_the_kernels_index_functions_are_lp_positions(lp_host, key):
+    """k_params_to_lp's and adamw_body's index math (seg_of, lp_index, lp_walk from
+    kernels/optim.cu, built for the host) put every element where lp_positions says: element by
+    element, and walking float4 groups over the whole buffer or over ranges that start and end
+    inside a layer's W_Q, W_K, W_V (where groups straddle tensors: d odd, the synthetic table
+    with a 5-element tensor before the three and d = 6)."""
+    if key == "synthetic":
+        seg_start, seg_qkv, d = SYNTHETIC
+        n = int(seg_start[-1])
+        splits = [[(0, n)], [(0, 8), (8, 44), (44, 80), (80, n)]]
+    else:
+        s = SHAPES[key]
+        (seg_start, seg_qkv), d, n = _table(s), s.d_model, n_params(s)
+        splits = [[(0, n)], _cuts(s)]
+    want = lp_positions(seg_start, seg_qkv, d)
+    for ranges in splits:
+        whole, walks = lp_host(seg_start, seg_qkv, d, ranges)
+        assert np.array_equal(whole, want), "k_params_to_lp"
+        for (begin, end), walk in zip(ranges, walks, strict=True):
+            assert np.array_equal(np.sort(walk[:, 0]), np.arange(begin, end)), (begin, end)
+            assert np.array_equal(walk[:, 1], want[walk[:, 0]]), f"adamw_body [{begin}, {end})"

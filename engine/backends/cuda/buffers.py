@@ -184,6 +184,44 @@ class BatchBuffers:
 
 
 
+QKV_TENSORS = ("attn.W_Q", "attn.W_K", "attn.W_V")  # j = 0, 1, 2 of the rows layout
+
+
+def qkv_seg_table(shapes: ModelShapes) -> np.ndarray:
+    """The kernels' seg_qkv (kernels/optim.cu, lp_index), int32 per tensor of the layout's table:
+    j + 1 for each layer's W_Q, W_K, W_V (j = 0, 1, 2), 0 for every other tensor. Asserted: what
+    the rows layout assumes of DESIGN §2 (each layer's three [d,d] one after the other, W_Q
+    first), and d² < 2³¹ (the kernels' 32-bit division)."""
+    d = shapes.d_model
+    assert d * d < 2**31, f"d_model {d}: d² must stay below 2^31"
+    table = tensor_table(shapes)
+    off = {t.name: t.offset for t in table}
+    out = np.zeros(len(table), np.int32)
+    for k, t in enumerate(table):
+        layer, _, name = t.name.rpartition(".attn.")
+        if layer and "attn." + name in QKV_TENSORS:
+            j = QKV_TENSORS.index("attn." + name)
+            assert t.shape == (d, d) and t.offset == off[layer + ".attn.W_Q"] + j * d * d, \
+                f"{t.name}: not the {j}th [d,d] after its layer's W_Q"
+            out[k] = j + 1
+    return out
+
+
+def lp_positions(seg_start: np.ndarray, seg_qkv: np.ndarray, d: int) -> np.ndarray:
+    """The host's copy of kernels/optim.cu's lp_index: int64 [n], where the GEMM copy (p_lp)
+    keeps each flat element (n = seg_start[-1]). Tensors with seg_qkv 0 stay in place; element
+    (r, c) of W_j (seg_qkv j + 1; its layer's W_Q at base) is kept at base + r·3d + j·d + c, so
+    that each layer's 3d² range holds W_QKV [d,3d] = [W_Q | W_K | W_V]. A permutation of
+    range(n) that keeps every element in its own layer's range."""
+    seg_start = np.asarray(seg_start, np.int64)
+    pos = np.arange(seg_start[-1], dtype=np.int64)
+    r, c = np.divmod(np.arange(d * d, dtype=np.int64), d)  # W_j[r, c] is its element r·d + c
+    for s in np.flatnonzero(np.asarray(seg_qkv)):
+        j, start = int(seg_qkv[s]) - 1, int(seg_start[s])
+        pos[start : start + d * d] = start - j * d * d + r * 3 * d + j * d + c
+    return pos
+
+
 def qkv_layer_stride(shapes: ModelShapes) -> int:
     """Elements between one layer's W_Q and the next's in the flat buffer, where Ops.qkv_rows
     reads W_Q, W_K, W_V as three [d,d] one after the other (DESIGN §2, engine/model/layout.py;

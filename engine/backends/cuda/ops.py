@@ -597,14 +597,23 @@ class Ops:
         """grads += other (a micro-batch's own gradient into the sum)."""
         self._go("k_grad_add", _blocks(n), grads, other, n)
 
+    @staticmethod
+    def _check_lp_rows(seg_qkv: int, d: int) -> None:
+        if seg_qkv and not 0 < d * d < 2**31:
+            raise ValueError(f"seg_qkv needs the model width d (0 < d² < 2^31), got d={d}")
+
     def adamw(self, params: int, params_lp: int, grads: int, m: int, v: int, seg_start: int,
               seg_decay: int, nseg: int, n: int, lr: float, beta1: float, beta2: float,
-              eps: float, weight_decay: float, t: int, gs: float = 1.0) -> None:
-        """gs: a pending gradient scale (the clip), folded into the update."""
+              eps: float, weight_decay: float, t: int, gs: float = 1.0, *, seg_qkv: int = 0,
+              d: int = 0) -> None:
+        """gs: a pending gradient scale (the clip), folded into the update. seg_qkv: the device
+        table (int32 per tensor, buffers.qkv_seg_table) of the tensors that params_lp keeps in
+        rows, with d the model width (0: params_lp in the flat layout, as params)."""
+        self._check_lp_rows(seg_qkv, d)
         bc1, bc2 = 1.0 - beta1**t, 1.0 - beta2**t
         self._go("k_adamw", _blocks(-(-n // 4), cap=2048), params, params_lp, grads, m, v,
-                 seg_start, seg_decay, nseg, n, lr, beta1, beta2, eps, weight_decay, bc1, bc2,
-                 gs)
+                 seg_start, seg_decay, seg_qkv, nseg, d, n, lr, beta1, beta2, eps,
+                 weight_decay, bc1, bc2, gs)
 
     def step_clip(self, upd: int, hp: int, norm: int, clip: int, skipped: int) -> None:
         """The step's clip factor (clip[0]) and non-finite skip (skipped[0]) from the norm of
@@ -615,17 +624,25 @@ class Ops:
 
     def adamw_step(self, params: int, params_lp: int, grads: int, m: int, v: int,
                    seg_start: int, seg_decay: int, nseg: int, begin: int, end: int, upd: int,
-                   stream: Any = None) -> None:
+                   stream: Any = None, *, seg_qkv: int = 0, d: int = 0) -> None:
         """adamw over elements [begin, end) (begin a multiple of 4) as step_clip decided it
         (nothing when the step is skipped); the same bits whichever ranges a step is split
-        into."""
+        into. seg_qkv, d: as in adamw."""
         assert begin % 4 == 0, f"adamw_step: begin {begin} is not a multiple of 4 (float4 groups)"
+        self._check_lp_rows(seg_qkv, d)
         self._go("k_adamw_step", _blocks(-(-(end - begin) // 4), cap=2048), params, params_lp,
-                 grads, m, v, seg_start, seg_decay, nseg, begin, end, upd, stream=stream)
+                 grads, m, v, seg_start, seg_decay, seg_qkv, nseg, d, begin, end, upd,
+                 stream=stream)
 
     def step_hp(self, hp: int, skipped: int) -> None:
         """The bias corrections of hp as Adam's step count stands (k_step_hp)."""
         self._go("k_step_hp", 1, hp, skipped)
 
-    def params_to_lp(self, params_lp: int, params: int, n: int) -> None:
-        self._go("k_params_to_lp", _blocks(n), params_lp, params, n)
+    def params_to_lp(self, params_lp: int, params: int, n: int, *, seg_start: int = 0,
+                     seg_qkv: int = 0, nseg: int = 0, d: int = 0) -> None:
+        """params_lp = params rounded to the compute precision; with seg_qkv (and the tensor
+        table seg_start, nseg, and d, as in adamw) the tensors it names in rows."""
+        self._check_lp_rows(seg_qkv, d)
+        if seg_qkv and not (seg_start and nseg):
+            raise ValueError("params_to_lp: seg_qkv needs the tensor table (seg_start, nseg)")
+        self._go("k_params_to_lp", _blocks(n), params_lp, params, n, seg_start, seg_qkv, nseg, d)
