@@ -1,15 +1,19 @@
-"""Q, K, V's input gradient as one GEMM (ANDREA_QKV_ROWS), checked on the CPU: no GPU, no pycuda.
+"""Q, K, V in rows (ANDREA_QKV_ROWS), checked on the CPU: no GPU, no pycuda.
 
-What the CUDA ops hand to cuBLASLt is checked by running it: `EmuGemm` (tests/emugemm.py)
-carries out `LtGemm.matmul`'s row-major contract (gemm.py: out[M,N] = alpha·op(a)@op(b) +
-beta·out, ld* row strides and s* batch strides in elements) in numpy over a fake device memory,
-and the results of `Ops.attn_qkv_bwd_rows` and of the slab path's `Ops.attn_qkv_bwd` are
-compared with numpy's `attn_qkv_bwd` in float64. cuDNN's strides for dQ, dK, dV (`sdpa_strides`) are checked to address
-the very elements the GEMMs read. The index math by which the optimizer kernels may keep W_Q, W_K, W_V
-side by side in the GEMM copy (kernels/optim.cu, compiled for the host) is checked against
-buffers.lp_positions and np.concatenate. The kernel that puts W_Q, W_K, W_V side by side and
-the GEMMs themselves run in tests/gpu (test_ops, test_cudnn, test_fusions, test_train_resume); here a
-stand-in for the cuDNN frontend records the strides CudnnAttention.build gives each tensor."""
+With cuDNN the backend keeps Q, K, V side by side in each row of `qkv` ([R,3d]) and keeps each
+layer's W_Q, W_K, W_V side by side in the GEMM copy of the weights (W_QKV [d,3d] in that
+layer's 3d² range), so the forward is one GEMM with N = 3d and the input gradient one over
+K = 3d. What the CUDA ops hand to cuBLASLt is checked by running it: `EmuGemm`
+(tests/emugemm.py) carries out `LtGemm.matmul`'s row-major contract in numpy over a fake
+device memory, and `Ops.attn_qkv_fwd_rows` / `attn_qkv_bwd_rows`, reading W_QKV where the
+permuted GEMM copy holds it, are compared with numpy's `attn_qkv_fwd` / `attn_qkv_bwd` in
+float64. The permutation itself: `buffers.lp_positions` against np.concatenate, and the very
+index functions of kernels/optim.cu (compiled for the host with nvcc, where it is installed)
+against `lp_positions`, as k_params_to_lp and adamw_body walk the elements. cuDNN's strides
+(`sdpa_strides`) are checked to address the elements the GEMMs read and write, and a
+stand-in for the cuDNN frontend records the strides CudnnAttention.build gives each tensor.
+The kernels and cuDNN themselves run in tests/gpu (test_ops, test_fusions, test_cudnn,
+test_train_resume)."""
 
 from __future__ import annotations
 
@@ -20,18 +24,13 @@ import pytest
 from numpy.lib.stride_tricks import as_strided
 
 from engine.backends.cuda import KERNEL_DIR
-from engine.backends.cuda.buffers import (
-    lp_positions,
-    plan_memory,
-    qkv_layer_stride,
-    qkv_seg_table,
-)
+from engine.backends.cuda.buffers import lp_positions, plan_memory, qkv_seg_table
 from engine.backends.cuda.cudnn_attn import sdpa_strides
 from engine.backends.cuda.ops import Ops
 from engine.backends.cuda.runtime import nvcc_path
 from engine.backends.numpy import ops as npo
 from engine.model.layout import ModelShapes, n_params, tensor_table, views
-from tests.emugemm import emulated_ops
+from tests.emugemm import ES, emulated_ops
 
 
 @pytest.fixture(autouse=True)
@@ -88,11 +87,28 @@ def test_the_slabs_take_three_gemms_for_the_same_answer(case):
     assert len(emu.calls) == 4  # dW batched, dx in three
 
 
+def test_one_gemm_computes_q_k_v_side_by_side(case):
+    """attn_qkv_fwd_rows: [R,3d] = x @ [W_Q | W_K | W_V], one GEMM with N = 3d; row r holds
+    numpy's Q[r], K[r], V[r] one after the other."""
+    c = case
+    o, emu = emulated_ops()
+    want = np.empty((3, c.R, c.d))
+    npo.attn_qkv_fwd(c.x, c.w, want)
+    out = emu.alloc(c.R * 3 * c.d)
+    o.attn_qkv_fwd_rows(emu.put(c.x), emu.put(np.concatenate(list(c.w), axis=1)), out, c.R, c.d)
+    got = emu.get(out, (c.R, 3 * c.d))
+    for j in range(3):
+        np.testing.assert_allclose(got[:, j * c.d : (j + 1) * c.d], want[j], rtol=1e-12,
+                                   atol=1e-12)
+    assert emu.calls == [(c.R, 3 * c.d, c.d, 1)]
+
+
 @pytest.mark.parametrize(("B", "T", "H", "hd"), [(3, 37, 4, 12), (8, 16, 12, 64)])
 def test_cudnn_strides_address_the_rows_the_gemm_reads(B, T, H, hd):
-    """cuDNN's dims [B,H,T,hd] with sdpa_strides(row = 3d), based at dQ, dK, dV = d·j elements
-    into the buffer, land on element (t·B + b, j·d + h·hd + e) of the [R,3d] matrix that
-    attn_qkv_bwd_rows reads; with row = d, on the slabs' (t·B + b, h·hd + e)."""
+    """cuDNN's dims [B,H,T,hd] with sdpa_strides(row = 3d), based at Q, K, V (dQ, dK, dV) = d·j
+    elements into the buffer, land on element (t·B + b, j·d + h·hd + e) of the [R,3d] matrix
+    that attn_qkv_fwd_rows writes and attn_qkv_bwd_rows reads; with row = d, on the slabs'
+    (t·B + b, h·hd + e)."""
     d, R = H * hd, B * T
     cells = np.arange(R * 3 * d)
     for j in range(3):
@@ -104,126 +120,6 @@ def test_cudnn_strides_address_the_rows_the_gemm_reads(B, T, H, hd):
     slab = as_strided(cells, (B, H, T, hd),
                       tuple(s * cells.itemsize for s in sdpa_strides(B, hd, d)))
     assert np.array_equal(slab, cells[: R * d].reshape(T, B, H, hd).transpose(1, 2, 0, 3))
-
-
-@pytest.mark.parametrize("n_layer", [1, 2, 12])
-def test_the_layout_keeps_each_layers_qkv_weights_together(n_layer):
-    """What k_qkv_rows reads: W_Q, W_K, W_V one after the other, every layer's the same distance
-    after the one before (the layer's parameter count: 4d² + 2dF + 4d)."""
-    s = ModelShapes(n_layer=n_layer, d_model=48, n_head=4, d_ff=80, vocab_size=97, seq_len=16)
-    want = 4 * 48 * 48 + 2 * 48 * 80 + 4 * 48 if n_layer > 1 else 0
-    assert qkv_layer_stride(s) == want
-
-
-def test_the_memory_plan_adds_one_copy_of_the_attention_weights():
-    """qkv_rows adds [L,d,3d] in the GEMM precision to the weights (ANDREA-120M bf16: 42.5 MB)
-    and changes nothing else."""
-    s = ModelShapes(n_layer=12, d_model=768, n_head=12, d_ff=3072, vocab_size=8449, seq_len=1024)
-    base = plan_memory(s, 8, "bf16", "cudnn", True, 1 << 20)[0].totals()
-    rows = plan_memory(s, 8, "bf16", "cudnn", True, 1 << 20, qkv_rows=True)[0].totals()
-    extra = 12 * 3 * 768 * 768 * 2
-    assert rows["weights"] - base["weights"] == extra
-    assert {k: v for k, v in rows.items() if k not in ("weights", "total")} == \
-        {k: v for k, v in base.items() if k not in ("weights", "total")}
-    assert rows["total"] - base["total"] == extra
-
-
-@pytest.mark.parametrize("grad_rows", [False, True])
-def test_cudnn_backward_gets_the_pointers_of_its_layout(grad_rows):
-    """Ops.attn_bwd_cudnn hands cuDNN dK and dV d elements after dQ where its graphs were built
-    for rows, a slab apart otherwise; Q, K, V are slabs either way."""
-    calls = []
-    fake = SimpleNamespace(grad_rows=grad_rows, bwd=lambda *a: calls.append(a))
-    o = Ops({}, None, SimpleNamespace(handle=0), "bf16", cudnn=fake, cudnn_ws=4096)
-    d, slab, qkv, dqkv = 64, 1000 * 64, 1 << 20, 1 << 24
-    o.attn_bwd_cudnn(7, qkv, 8, 9, dqkv, 2, 16, d, slab)
-    (q, k, v, out, dout, stats, dq, dk, dv, B, T, ws), = calls
-    assert (q, k, v) == (qkv, qkv + 2 * slab, qkv + 4 * slab)
-    apart = 2 * (d if grad_rows else slab)
-    assert (dq, dk, dv) == (dqkv, dqkv + apart, dqkv + 2 * apart)
-    assert (out, dout, stats, B, T, ws) == (8, 7, 9, 2, 16, 4096)
-
-
-class _FakeTensor:
-    def __init__(self, name: str, dim=None, stride=None) -> None:
-        self.name, self.dim, self.stride = name, dim, stride
-
-    def set_output(self, _on: bool) -> _FakeTensor:
-        return self
-
-    def set_dim(self, dim: list[int]) -> _FakeTensor:
-        self.dim = dim
-        return self
-
-    def set_stride(self, stride: list[int]) -> _FakeTensor:
-        self.stride = stride
-        return self
-
-    def set_data_type(self, _t: object) -> _FakeTensor:
-        return self
-
-
-class _FakeGraph:
-    """What CudnnAttention.build asks of a cuDNN frontend graph, recording every tensor."""
-
-    def __init__(self, made: list[dict[str, _FakeTensor]]) -> None:
-        self.tensors: dict[str, _FakeTensor] = {}
-        made.append(self.tensors)
-
-    def tensor(self, name: str, dim: list[int], stride: list[int], data_type: object):
-        self.tensors[name] = _FakeTensor(name, dim, stride)
-        return self.tensors[name]
-
-    def _out(self, *names: str) -> tuple[_FakeTensor, ...]:
-        for n in names:
-            self.tensors[n] = _FakeTensor(n)
-        return tuple(self.tensors[n] for n in names)
-
-    def sdpa(self, **_kw: object) -> tuple[_FakeTensor, ...]:
-        return self._out("o", "stats_out")
-
-    def sdpa_backward(self, **_kw: object) -> tuple[_FakeTensor, ...]:
-        return self._out("dq", "dk", "dv")
-
-    def validate(self) -> None: ...
-    def build_operation_graph(self) -> None: ...
-    def create_execution_plans(self, _modes: object) -> None: ...
-    def check_support(self) -> None: ...
-    def build_plans(self) -> None: ...
-
-    def get_workspace_size(self) -> int:
-        return 0
-
-
-@pytest.mark.parametrize("grad_rows", [False, True])
-def test_cudnn_graphs_give_the_rows_strides_to_dq_dk_dv_only(monkeypatch, grad_rows):
-    """CudnnAttention.build on a stand-in for the cuDNN frontend: with grad_rows, dQ, dK, dV are
-    described with rows 3d apart; Q, K, V, O, dO and the forward's O stay slabs (rows d apart)."""
-    import sys
-
-    from engine.backends.cuda.cudnn_attn import CudnnAttention
-
-    made: list[dict[str, _FakeTensor]] = []
-    names = SimpleNamespace(BFLOAT16="bf16", HALF="f16", FLOAT="f32")
-    fake = SimpleNamespace(
-        data_type=names, diagonal_alignment=SimpleNamespace(TOP_LEFT=0),
-        heur_mode=SimpleNamespace(A=0, FALLBACK=1), create_handle=lambda: object(),
-        set_stream=lambda h, s: None, destroy_handle=lambda h: None, backend_version=lambda: 0,
-        __version__="fake", pygraph=lambda **kw: _FakeGraph(made))
-    monkeypatch.setitem(sys.modules, "cudnn", fake)
-    B, T, H, hd = 3, 37, 4, 16
-    d = H * hd
-    att = CudnnAttention("bf16", H, hd, 0, grad_rows=grad_rows)
-    att.build(B, T, backward=True)
-    fwd, bwd = made
-    slab, rows = [d, hd, B * d, 1], [3 * d, hd, B * 3 * d, 1]
-    for name in ("q", "k", "v", "o"):
-        assert fwd[name].stride == slab, name
-    for name in ("q", "k", "v", "o", "do"):
-        assert bwd[name].stride == slab, name
-    for name in ("dq", "dk", "dv"):
-        assert bwd[name].dim == [B, H, T, hd]
-        assert bwd[name].stride == (rows if grad_rows else slab), name
 
 
 # --- the GEMM copy in rows --------------------------------------------------------------------
@@ -280,6 +176,40 @@ def test_lp_positions_is_np_concatenate_of_each_layers_blocks(key):
 def test_lp_positions_leave_everything_in_place_without_qkv():
     seg_start = np.array([0, 5, 41, 77, 113, 120], np.int64)
     assert np.array_equal(lp_positions(seg_start, np.zeros(5, np.int32), 6), np.arange(120))
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_the_rows_ops_read_w_qkv_from_the_permuted_gemm_copy(layer):
+    """The backend's pointer for layer l's W_QKV is the GEMM copy at W_Q's offset
+    (CudaBackend._w("h.l.attn.W_Q")): with the whole copy laid out by lp_positions in the
+    emulated memory, attn_qkv_fwd_rows and attn_qkv_bwd_rows from there are numpy's
+    attn_qkv_fwd / attn_qkv_bwd on the flat masters' W_Q, W_K, W_V."""
+    s = SHAPES["aligned"]
+    d, n, R = s.d_model, n_params(s), 2 * 29
+    rng = np.random.default_rng(11)
+    flat = rng.normal(0, 0.1, n)
+    lp = np.empty(n)
+    lp[lp_positions(*_table(s), d)] = flat
+    o, emu = emulated_ops()
+    plp = emu.put(lp)
+    h = f"h.{layer}.attn."
+    w_ptr = plp + next(t.offset for t in tensor_table(s) if t.name == h + "W_Q") * ES
+    v = views(flat, s)
+    w = np.stack([v[h + "W_Q"], v[h + "W_K"], v[h + "W_V"]])
+    x = rng.normal(0, 1, (R, d))
+    want = np.empty((3, R, d))
+    npo.attn_qkv_fwd(x, w, want)
+    xp, out = emu.put(x), emu.alloc(R * 3 * d)
+    o.attn_qkv_fwd_rows(xp, w_ptr, out, R, d)
+    got = emu.get(out, (R, 3 * d))
+    np.testing.assert_allclose(got, np.concatenate(list(want), axis=1), rtol=1e-12, atol=1e-12)
+    dqkv = rng.normal(0, 1, (3, R, d))
+    want_dx, want_dw = np.empty((R, d)), np.zeros((3, d, d))
+    npo.attn_qkv_bwd(dqkv, x, w, want_dx, want_dw, np.empty((R, d)), np.empty(3 * d * d))
+    dx, dw = emu.alloc(R * d), emu.put(np.zeros((3, d, d)))
+    o.attn_qkv_bwd_rows(emu.put(np.concatenate(list(dqkv), axis=1)), xp, w_ptr, dx, dw, R, d)
+    np.testing.assert_allclose(emu.get(dx, (R, d)), want_dx, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(emu.get(dw, (3, d, d)), want_dw, rtol=1e-12, atol=1e-12)
 
 
 # kernels/optim.cu's index functions, compiled for the host: stdin gives nseg, d, seg_start,
@@ -397,3 +327,122 @@ def test_the_kernels_index_functions_are_lp_positions(lp_host, key):
         for (begin, end), walk in zip(ranges, walks, strict=True):
             assert np.array_equal(np.sort(walk[:, 0]), np.arange(begin, end)), (begin, end)
             assert np.array_equal(walk[:, 1], want[walk[:, 0]]), f"adamw_body [{begin}, {end})"
+
+
+def test_the_memory_plan_adds_only_the_kernels_table():
+    """qkv_rows keeps every buffer's size (qkv and dqkv hold [R,3d] where they held [3,R,d]; the
+    GEMM copy is permuted in place) and adds the int32 seg_qkv table to the scratch."""
+    s = ModelShapes(n_layer=12, d_model=768, n_head=12, d_ff=3072, vocab_size=8449, seq_len=1024)
+    base = plan_memory(s, 8, "bf16", "cudnn", True, 1 << 20)[0].totals()
+    rows = plan_memory(s, 8, "bf16", "cudnn", True, 1 << 20, qkv_rows=True)[0].totals()
+    table = -(-len(tensor_table(s)) * 4 // 256) * 256
+    assert rows["scratch"] - base["scratch"] == table
+    assert {k: v for k, v in rows.items() if k not in ("scratch", "total")} == \
+        {k: v for k, v in base.items() if k not in ("scratch", "total")}
+    assert rows["total"] - base["total"] == table
+
+
+@pytest.mark.parametrize("rows", [False, True])
+def test_cudnn_gets_the_pointers_of_its_layout(rows):
+    """Ops.attn_fwd_cudnn and attn_bwd_cudnn hand cuDNN Q, K, V (and dQ, dK, dV) d elements
+    apart where its graphs were built for rows, a slab apart otherwise."""
+    calls = {"fwd": [], "bwd": []}
+    fake = SimpleNamespace(rows=rows, fwd=lambda *a: calls["fwd"].append(a),
+                           bwd=lambda *a: calls["bwd"].append(a))
+    o = Ops({}, None, SimpleNamespace(handle=0), "bf16", cudnn=fake, cudnn_ws=4096)
+    d, slab, qkv, dqkv = 64, 1000 * 64, 1 << 20, 1 << 24
+    apart = 2 * (d if rows else slab)  # bytes: bf16
+    o.attn_fwd_cudnn(qkv, 8, 9, 2, 16, d, slab)
+    (q, k, v, out, stats, B, T, ws), = calls["fwd"]
+    assert (q, k, v) == (qkv, qkv + apart, qkv + 2 * apart)
+    assert (out, stats, B, T, ws) == (8, 9, 2, 16, 4096)
+    o.attn_bwd_cudnn(7, qkv, 8, 9, dqkv, 2, 16, d, slab)
+    (q, k, v, out, dout, stats, dq, dk, dv, B, T, ws), = calls["bwd"]
+    assert (q, k, v) == (qkv, qkv + apart, qkv + 2 * apart)
+    assert (dq, dk, dv) == (dqkv, dqkv + apart, dqkv + 2 * apart)
+    assert (out, dout, stats, B, T, ws) == (8, 7, 9, 2, 16, 4096)
+
+
+class _FakeTensor:
+    def __init__(self, name: str, dim=None, stride=None) -> None:
+        self.name, self.dim, self.stride = name, dim, stride
+
+    def set_output(self, _on: bool) -> _FakeTensor:
+        return self
+
+    def set_dim(self, dim: list[int]) -> _FakeTensor:
+        self.dim = dim
+        return self
+
+    def set_stride(self, stride: list[int]) -> _FakeTensor:
+        self.stride = stride
+        return self
+
+    def set_data_type(self, _t: object) -> _FakeTensor:
+        return self
+
+
+class _FakeGraph:
+    """What CudnnAttention.build asks of a cuDNN frontend graph, recording every tensor."""
+
+    def __init__(self, made: list[dict[str, _FakeTensor]]) -> None:
+        self.tensors: dict[str, _FakeTensor] = {}
+        made.append(self.tensors)
+
+    def tensor(self, name: str, dim: list[int], stride: list[int], data_type: object):
+        self.tensors[name] = _FakeTensor(name, dim, stride)
+        return self.tensors[name]
+
+    def _out(self, *names: str) -> tuple[_FakeTensor, ...]:
+        for n in names:
+            self.tensors[n] = _FakeTensor(n)
+        return tuple(self.tensors[n] for n in names)
+
+    def sdpa(self, **_kw: object) -> tuple[_FakeTensor, ...]:
+        return self._out("o", "stats_out")
+
+    def sdpa_backward(self, **_kw: object) -> tuple[_FakeTensor, ...]:
+        return self._out("dq", "dk", "dv")
+
+    def validate(self) -> None: ...
+    def build_operation_graph(self) -> None: ...
+    def create_execution_plans(self, _modes: object) -> None: ...
+    def check_support(self) -> None: ...
+    def build_plans(self) -> None: ...
+
+    def get_workspace_size(self) -> int:
+        return 0
+
+
+@pytest.mark.parametrize("rows", [False, True])
+def test_cudnn_graphs_give_the_rows_strides_to_q_k_v_and_their_gradients(monkeypatch, rows):
+    """CudnnAttention.build on a stand-in for the cuDNN frontend: with rows, Q, K, V (forward
+    and backward) and dQ, dK, dV are described with rows 3d apart; O and dO stay slabs (rows d
+    apart); without, everything is a slab."""
+    import sys
+
+    from engine.backends.cuda.cudnn_attn import CudnnAttention
+
+    made: list[dict[str, _FakeTensor]] = []
+    names = SimpleNamespace(BFLOAT16="bf16", HALF="f16", FLOAT="f32")
+    fake = SimpleNamespace(
+        data_type=names, diagonal_alignment=SimpleNamespace(TOP_LEFT=0),
+        heur_mode=SimpleNamespace(A=0, FALLBACK=1), create_handle=lambda: object(),
+        set_stream=lambda h, s: None, destroy_handle=lambda h: None, backend_version=lambda: 0,
+        __version__="fake", pygraph=lambda **kw: _FakeGraph(made))
+    monkeypatch.setitem(sys.modules, "cudnn", fake)
+    B, T, H, hd = 3, 37, 4, 16
+    d = H * hd
+    att = CudnnAttention("bf16", H, hd, 0, rows=rows)
+    att.build(B, T, backward=True)
+    fwd, bwd = made
+    slab, in_rows = [d, hd, B * d, 1], [3 * d, hd, B * 3 * d, 1]
+    for name in ("q", "k", "v"):
+        assert fwd[name].stride == (in_rows if rows else slab), name
+        assert bwd[name].stride == (in_rows if rows else slab), name
+    assert fwd["o"].stride == slab
+    for name in ("o", "do"):
+        assert bwd[name].stride == slab, name
+    for name in ("dq", "dk", "dv"):
+        assert bwd[name].dim == [B, H, T, hd]
+        assert bwd[name].stride == (in_rows if rows else slab), name

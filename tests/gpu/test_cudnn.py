@@ -42,7 +42,9 @@ def tm(a: np.ndarray) -> np.ndarray:
 def test_cudnn_attention_matches_numpy(att, rng, B, T, H, hd):
     """Forward (out) and deterministic backward (dQ, dK, dV) against ops.attn_fwd / attn_bwd in
     float64 on the same bf16 inputs; time-major slabs read through strides, as in the backend
-    (the Q, K, V slabs `slab` elements apart, more than R·d: the backend's R_max·d)."""
+    (the Q, K, V slabs `slab` elements apart, more than R·d: the backend's R_max·d); then the
+    graphs built for rows (CudnnAttention(rows=True): Q, K, V read from, and dQ, dK, dV written
+    to, one [R,3d] matrix, d apart in each row) against the same numpy answers, bound 1e-2."""
     gpu = att
     precision, d = "bf16", H * hd
     R = B * T
@@ -83,14 +85,24 @@ def test_cudnn_attention_matches_numpy(att, rng, B, T, H, hd):
             got = tm(grads[0][j, : R * d].reshape(T, B, d))
             check_close(got, w_dqkv[j], 1e-2, f"cudnn attn_bwd d{name}", precision)
 
-        # grad_rows: dQ, dK, dV side by side in each row, [R, 3d] (ANDREA_QKV_ROWS)
-        rows_att = ar = CudnnAttention(precision, H, hd, gpu.stream.handle, grad_rows=True)
+        # rows: Q, K, V and dQ, dK, dV side by side in each row, [R, 3d] (ANDREA_QKV_ROWS); O
+        # and dO stay [R, d]
+        rows_att = ar = CudnnAttention(precision, H, hd, gpu.stream.handle, rows=True)
         ar.build(B, T, backward=True)
         ws2 = dev.empty((max(1, ar.workspace_bytes(B, T)) // 4 + 1,), "f32")
-        g = dev.empty((R, 3 * d))
-        ar.bwd(q, k, v, out, dev.put(tm(dout)), stats, *(g + j * d * es for j in range(3)), B,
-               T, ws2)
-        rows = dev.get(g).reshape(T, B, 3 * d)
+        qkv_rows = dev.put(np.concatenate([tm(qkv[j]) for j in range(3)], axis=2))  # [T,B,3d]
+        qr, kr, vr = (qkv_rows + j * d * es for j in range(3))
+        out_r, stats_r = dev.empty((T, B, d)), dev.empty((B, H, T), "f32")
+        ar.fwd(qr, kr, vr, out_r, stats_r, B, T, ws2)
+        check_close(tm(dev.get(out_r)), want, 1e-2, "cudnn attn_fwd out (rows)", precision)
+        grads = []
+        for _ in range(2):
+            g = dev.empty((R, 3 * d))
+            ar.bwd(qr, kr, vr, out_r, dev.put(tm(dout)), stats_r,
+                   *(g + j * d * es for j in range(3)), B, T, ws2)
+            grads.append(dev.get(g))
+        assert np.array_equal(grads[0], grads[1]), "cuDNN's backward in rows is not repeatable"
+        rows = grads[0].reshape(T, B, 3 * d)
         for j, name in enumerate("QKV"):
             check_close(tm(rows[:, :, j * d : (j + 1) * d]), w_dqkv[j], 1e-2,
                         f"cudnn attn_bwd d{name} (rows)", precision)
@@ -133,17 +145,19 @@ def test_short_sequences_through_the_full_length_graph(att):
                 "bf16")
 
 
-def test_a_refused_rows_graph_falls_back_to_the_slabs(att, monkeypatch):
-    """Where cuDNN refuses to write dQ, dK, dV side by side in rows, the backend keeps cuDNN's
-    attention with the slabs and three GEMMs (not the classic attention), says so in its notes,
-    and trains."""
+@pytest.mark.parametrize("refused", ["training", "sampling"])
+def test_a_refused_rows_graph_falls_back_to_the_slabs(att, monkeypatch, refused):
+    """Where cuDNN refuses Q, K, V side by side in rows (for the training graphs, or only the
+    sampling forward, B = 1, built after them), the backend keeps cuDNN's attention with the
+    slabs and three GEMMs (not the classic attention), says so in its notes, keeps the GEMM copy
+    in the flat layout (it is decided before the copy is first written), and trains."""
     from engine.backends.cuda import CudaBackend, cudnn_attn
     from engine.errors import RunError
 
     build = cudnn_attn.CudnnAttention.build
 
     def refuse_rows(self, B, T, backward):
-        if self.grad_rows and backward:
+        if self.rows and (backward if refused == "training" else B == 1):
             raise RunError("cuDNN refuses attention (this test refuses the rows layout)")
         return build(self, B, T, backward)
 
@@ -151,11 +165,15 @@ def test_a_refused_rows_graph_falls_back_to_the_slabs(att, monkeypatch):
     monkeypatch.setenv("ANDREA_QKV_ROWS", "1")
     bk = CudaBackend(TINY, 4, "bf16", attention="cudnn")
     try:
-        assert bk.attention == "cudnn" and not bk.qkv_rows and not bk.cudnn.grad_rows
-        assert any("cuDNN refuses dQ, dK, dV in rows" in n for n in bk.notes), bk.notes
+        assert bk.attention == "cudnn" and not bk.qkv_rows and not bk.cudnn.rows
+        assert any("cuDNN refuses Q, K, V in rows" in n for n in bk.notes), bk.notes
         assert "ANDREA_QKV_ROWS" not in bk.describe()
+        params = init_params(TINY, seed=3)
+        bk.load_params(params)
+        assert np.array_equal(bk.read_params_lp(), rounded(params, "bf16")), "GEMM copy"
         tok = np.random.default_rng(1).integers(0, 8449, (4, 129)).astype(np.int32)
         assert np.all(np.isfinite(bk.forward_backward(tok[:, :-1], tok[:, 1:])))
+        assert np.all(np.isfinite(bk.logits_last(tok[:1, :50])))
     finally:
         bk.close()
 

@@ -137,7 +137,8 @@ class BatchBuffers:
 
     def qkv_slab(self) -> int:
         """Elements between the Q, K and V slabs of `qkv` and `dqkv`: R_max·d whatever the
-        sequence length, so the slabs never overlap (cuDNN writes whole slabs)."""
+        sequence length, so the slabs never overlap (cuDNN writes whole slabs). In rows
+        (CudaBackend.qkv_rows) the same buffers hold [R_max, 3d] instead: Q, K, V d apart."""
         return self.R * self.d
 
     def io(self) -> dict[str, int]:
@@ -222,20 +223,6 @@ def lp_positions(seg_start: np.ndarray, seg_qkv: np.ndarray, d: int) -> np.ndarr
     return pos
 
 
-def qkv_layer_stride(shapes: ModelShapes) -> int:
-    """Elements between one layer's W_Q and the next's in the flat buffer, where Ops.qkv_rows
-    reads W_Q, W_K, W_V as three [d,d] one after the other (DESIGN §2, engine/model/layout.py;
-    asserted: a layout that broke it would make that copy read the wrong weights)."""
-    d, L = shapes.d_model, shapes.n_layer
-    off = {t.name: t.offset for t in tensor_table(shapes)}
-    q = [off[f"h.{l}.attn.W_Q"] for l in range(L)]
-    stride = q[1] - q[0] if L > 1 else 0
-    for l in range(L):
-        assert off[f"h.{l}.attn.W_K"] == q[l] + d * d and off[f"h.{l}.attn.W_V"] == \
-            q[l] + 2 * d * d and q[l] == q[0] + l * stride, f"layer {l}: W_Q, W_K, W_V apart"
-    return stride
-
-
 def plan_memory(shapes: ModelShapes, micro_batch: int, precision: str,
                 attention: str = "classic", fused: bool = False, cudnn_workspace: int = 0,
                 separate_micro: bool = False, qkv_rows: bool = False
@@ -243,15 +230,14 @@ def plan_memory(shapes: ModelShapes, micro_batch: int, precision: str,
     """The whole memory plan (DESIGN §5), not yet allocated: weights, grads, Adam m and v, the
     training and sampling buffers, and the step's own scratch. Returns (plan, train, sample).
     attention/fused: see the module doc; cudnn_workspace: the bytes cuDNN's graphs need;
-    qkv_rows: every layer's W_Q, W_K, W_V side by side ([L,d,3d] in the GEMM precision, made
-    by Ops.qkv_rows) for the one-GEMM input gradient of Q, K, V (dqkv then holds [R,3d] rows)."""
+    qkv_rows: Q, K, V side by side in rows (qkv and dqkv then hold [R,3d], same size), and the
+    GEMM copy's W_Q, W_K, W_V too, which adds only the kernels' table of them (seg_qkv,
+    `qkv_seg_table`)."""
     n, es, ldv = n_params(shapes), ACT_BYTES[precision], logits_ld(shapes.vocab_size)
     plan = Plan()
     plan.add("weights", "params", n * 4)
     if precision != "fp32":
         plan.add("weights", "params_lp", n * es)
-    if qkv_rows:
-        plan.add("weights", "params_qkv", shapes.n_layer * 3 * shapes.d_model ** 2 * es)
     plan.add("grads", "grads", n * 4)
     if separate_micro:  # the sum so far, while a micro-batch forms its own gradient
         plan.add("grads", "grads_save", n * 4)
@@ -265,6 +251,8 @@ def plan_memory(shapes: ModelShapes, micro_batch: int, precision: str,
     for name, nbytes in (("cublas_ws", WORKSPACE_BYTES), ("norm_partials", NORM_BLOCKS * 4),
                          ("norm", 4), ("seg_start", (nseg + 1) * 8), ("seg_decay", nseg * 4)):
         plan.add("scratch", name, nbytes)
+    if qkv_rows:
+        plan.add("scratch", "seg_qkv", nseg * 4)
     if attention == "cudnn":
         plan.add("scratch", "cudnn_ws", cudnn_workspace)
     if fused:  # the weight-gradient stream's cuBLAS workspace; k_*_fused's int counters; clip;

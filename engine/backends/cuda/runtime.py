@@ -35,7 +35,6 @@ SIGNATURES: dict[str, str] = {
     "k_colsum_chunks": "PPiii",
     "k_attn_fwd": "PPiii",
     "k_attn_bwd": "PPPiii",
-    "k_qkv_rows": "PPqii",
     "k_mlp_gelu_fwd": "PPqP",
     "k_mlp_gelu_bwd": "PPPqP",
     "k_residual_add": "PPPq",
