@@ -114,6 +114,81 @@ def test_cudnn_attention_matches_numpy(att, rng, B, T, H, hd):
         dev.free()
 
 
+@pytest.mark.parametrize(("B", "T", "H", "hd"), [(3, 37, 2, 64), (1, 64, 12, 64)])
+def test_q_k_v_in_rows_through_the_ops_match_numpy(att, rng, B, T, H, hd):
+    """The backend's rows path op by op, on the GPU: attn_qkv_fwd_rows (one GEMM, [R,3d] =
+    ln1 @ W_QKV, W_QKV read as layer 1's 3d² range of a GEMM copy laid out by lp_positions,
+    as CudaBackend._w("h.1.attn.W_Q") points), attn_fwd_cudnn on CudnnAttention(rows=True),
+    attn_bwd_cudnn, then attn_qkv_bwd_rows from the same W_QKV, against numpy's attn_qkv_fwd,
+    attn_fwd, attn_bwd and attn_qkv_bwd in float64 on the same bf16 inputs (B = 1: the
+    sampling forward's batch). Bounds: Q, K, V and out 1e-2 (test_ops' bf16 bound); dQ, dK, dV,
+    dx and dW 2e-2 (cuDNN's backward on top of the forward's roundings)."""
+    from engine.backends.cuda.buffers import lp_positions, qkv_seg_table
+    from engine.backends.cuda.cublas import WORKSPACE_BYTES
+    from engine.backends.cuda.cudnn_attn import CudnnAttention
+    from engine.backends.cuda.gemm import LtGemm
+    from engine.backends.cuda.ops import Ops
+    from engine.model.layout import n_params, tensor_table, views
+
+    gpu, precision, d, R = att, "bf16", H * hd, B * T
+    s = ModelShapes(n_layer=2, d_model=d, n_head=H, d_ff=64, vocab_size=64, seq_len=T)
+    table = tensor_table(s)
+    seg = np.array([t.offset for t in table] + [n_params(s)], np.int64)
+    flat = rounded(rng.normal(0, 0.1, n_params(s)), precision)
+    lp = np.empty_like(flat)
+    lp[lp_positions(seg, qkv_seg_table(s), d)] = flat
+    w = np.stack([views(flat, s)[f"h.1.attn.{n}"] for n in ("W_Q", "W_K", "W_V")])
+    x = rounded(rng.normal(0, 1, (B, T, d)), precision)
+    dout = rounded(rng.normal(0, 1, (B, T, d)), precision)
+    # numpy, batch-major
+    qkv = np.empty((3, R, d))
+    npo.attn_qkv_fwd(x.reshape(R, d), w, qkv)
+    qkv = qkv.reshape(3, B, T, d)
+    probs, want = np.empty((B, H, T, T)), np.empty((B, T, d))
+    npo.attn_fwd(qkv, H, probs, want)
+    w_dqkv = np.empty((3, B, T, d))
+    npo.attn_bwd(dout, qkv, probs, H, w_dqkv, np.empty((B, H, T, T)))
+    w_dx, w_dw = np.empty((R, d)), np.zeros((3, d, d))
+    npo.attn_qkv_bwd(w_dqkv.reshape(3, R, d), x.reshape(R, d), w, w_dx, w_dw, np.empty((R, d)),
+                     np.empty(3 * d * d))
+
+    ar = CudnnAttention(precision, H, hd, gpu.stream.handle, rows=True)
+    ar.build(B, T, backward=True)
+    dev = DevArrays(gpu.drv, precision)
+    g = LtGemm(WORKSPACE_BYTES, "test")
+    try:
+        ws = dev.empty((WORKSPACE_BYTES // 4,), "f32")
+        cws = dev.empty((max(1, ar.workspace_bytes(B, T)) // 4 + 1,), "f32")
+        o = Ops(gpu.kernels(precision), None, gpu.stream, precision, gemm=g, ws=ws, cudnn=ar,
+                cudnn_ws=cws)
+        w_qkv = dev.put(lp) + next(t.offset for t in table if t.name == "h.1.attn.W_Q") * 2
+        xp, qkvp = dev.put(tm(x)), dev.empty((T, B, 3 * d))
+        o.attn_qkv_fwd_rows(xp, w_qkv, qkvp, R, d)
+        got = dev.get(qkvp)
+        for j, name in enumerate("QKV"):
+            check_close(tm(got[:, :, j * d : (j + 1) * d]), qkv[j], 1e-2,
+                        f"attn_qkv_fwd_rows {name}", precision)
+        out, stats = dev.empty((T, B, d)), dev.empty((B, H, T), "f32")
+        o.attn_fwd_cudnn(qkvp, out, stats, B, T, d, R * d)
+        check_close(tm(dev.get(out)), want, 1e-2, "cudnn attn_fwd out (rows, ops)", precision)
+        dqkvp = dev.empty((T, B, 3 * d))
+        o.attn_bwd_cudnn(dev.put(tm(dout)), qkvp, out, stats, dqkvp, B, T, d, R * d)
+        got = dev.get(dqkvp)
+        for j, name in enumerate("QKV"):
+            check_close(tm(got[:, :, j * d : (j + 1) * d]), w_dqkv[j], 2e-2,
+                        f"cudnn attn_bwd d{name} (rows, ops)", precision)
+        dxp, dwp = dev.empty((T, B, d)), dev.put(np.zeros((3, d, d)), "f32")
+        o.attn_qkv_bwd_rows(dqkvp, xp, w_qkv, dxp, dwp, R, d)
+        check_close(tm(dev.get(dxp)).reshape(R, d), w_dx, 2e-2, "attn_qkv_bwd_rows dx (ops)",
+                    precision)
+        check_close(dev.get(dwp), w_dw, 2e-2, "attn_qkv_bwd_rows dW (ops)", precision)
+    finally:
+        gpu.stream.synchronize()
+        g.close()
+        ar.close()
+        dev.free()
+
+
 TINY = ModelShapes(n_layer=2, d_model=128, n_head=2, d_ff=512, vocab_size=8449, seq_len=128)
 
 

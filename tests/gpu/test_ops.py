@@ -147,6 +147,20 @@ def test_attn_qkv(env, rng):
     check(precision, dev.get(ddw) - g0, w_dw - g0, "attn_qkv_bwd dW")
 
 
+def test_attn_qkv_fwd_rows(env, rng):
+    """Q, K, V in one GEMM with N = 3d: [R,3d] = x @ [W_Q | W_K | W_V] ([d,3d], as the GEMM
+    copy keeps them in rows), row r holding numpy's attn_qkv_fwd Q[r], K[r], V[r] side by
+    side."""
+    precision, o, dev = env
+    x = rounded(rng.normal(0, 1, (R, D)), precision)
+    w = rounded(rng.normal(0, 0.1, (3, D, D)), precision)
+    want = np.empty((3, R, D))
+    npo.attn_qkv_fwd(x, w, want)
+    out = dev.empty((R, 3 * D))
+    o.attn_qkv_fwd_rows(dev.put(x), dev.put(np.concatenate(list(w), axis=1)), out, R, D)
+    check(precision, dev.get(out), np.concatenate(list(want), axis=1), "attn_qkv_fwd_rows")
+
+
 def test_attn_qkv_bwd_rows(env, rng):
     """The one-GEMM input gradient: dQ, dK, dV side by side in rows ([R,3d]) and W_Q, W_K, W_V
     side by side ([d,3d]) against numpy's attn_qkv_bwd on the slabs; dW accumulates into the
