@@ -12,7 +12,9 @@ The tables list buffers in the CUDA memory plan's order, which fixes the device 
 Two things differ between the backends and stay different (layout, never math):
 - rows: numpy's row r = b·T + t (batch-major), CUDA's r = t·B + b (time-major, see cuda/ops.py);
 - dtype: numpy holds everything in its one dtype; on the GPU buffers marked `f32` are float32
-  and the others are in the compute precision (fp32, bf16 or fp16).
+  and the others are in the compute precision (fp32, bf16 or fp16);
+- qkv, dqkv: the CUDA backend with cuDNN keeps Q, K, V (and their gradients) side by side in
+  each row, [R, 3d] in the same slot (cuda/backend.py `qkv_rows`), where numpy has [3, R, d].
 """
 
 from __future__ import annotations

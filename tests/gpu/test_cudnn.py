@@ -42,7 +42,9 @@ def tm(a: np.ndarray) -> np.ndarray:
 def test_cudnn_attention_matches_numpy(att, rng, B, T, H, hd):
     """Forward (out) and deterministic backward (dQ, dK, dV) against ops.attn_fwd / attn_bwd in
     float64 on the same bf16 inputs; time-major slabs read through strides, as in the backend
-    (the Q, K, V slabs `slab` elements apart, more than R·d: the backend's R_max·d)."""
+    (the Q, K, V slabs `slab` elements apart, more than R·d: the backend's R_max·d); then the
+    graphs built for rows (CudnnAttention(rows=True): Q, K, V read from, and dQ, dK, dV written
+    to, one [R,3d] matrix, d apart in each row) against the same numpy answers, bound 1e-2."""
     gpu = att
     precision, d = "bf16", H * hd
     R = B * T
@@ -83,14 +85,24 @@ def test_cudnn_attention_matches_numpy(att, rng, B, T, H, hd):
             got = tm(grads[0][j, : R * d].reshape(T, B, d))
             check_close(got, w_dqkv[j], 1e-2, f"cudnn attn_bwd d{name}", precision)
 
-        # grad_rows: dQ, dK, dV side by side in each row, [R, 3d] (ANDREA_QKV_ROWS)
-        rows_att = ar = CudnnAttention(precision, H, hd, gpu.stream.handle, grad_rows=True)
+        # rows: Q, K, V and dQ, dK, dV side by side in each row, [R, 3d] (ANDREA_QKV_ROWS); O
+        # and dO stay [R, d]
+        rows_att = ar = CudnnAttention(precision, H, hd, gpu.stream.handle, rows=True)
         ar.build(B, T, backward=True)
         ws2 = dev.empty((max(1, ar.workspace_bytes(B, T)) // 4 + 1,), "f32")
-        g = dev.empty((R, 3 * d))
-        ar.bwd(q, k, v, out, dev.put(tm(dout)), stats, *(g + j * d * es for j in range(3)), B,
-               T, ws2)
-        rows = dev.get(g).reshape(T, B, 3 * d)
+        qkv_rows = dev.put(np.concatenate([tm(qkv[j]) for j in range(3)], axis=2))  # [T,B,3d]
+        qr, kr, vr = (qkv_rows + j * d * es for j in range(3))
+        out_r, stats_r = dev.empty((T, B, d)), dev.empty((B, H, T), "f32")
+        ar.fwd(qr, kr, vr, out_r, stats_r, B, T, ws2)
+        check_close(tm(dev.get(out_r)), want, 1e-2, "cudnn attn_fwd out (rows)", precision)
+        grads = []
+        for _ in range(2):
+            g = dev.empty((R, 3 * d))
+            ar.bwd(qr, kr, vr, out_r, dev.put(tm(dout)), stats_r,
+                   *(g + j * d * es for j in range(3)), B, T, ws2)
+            grads.append(dev.get(g))
+        assert np.array_equal(grads[0], grads[1]), "cuDNN's backward in rows is not repeatable"
+        rows = grads[0].reshape(T, B, 3 * d)
         for j, name in enumerate("QKV"):
             check_close(tm(rows[:, :, j * d : (j + 1) * d]), w_dqkv[j], 1e-2,
                         f"cudnn attn_bwd d{name} (rows)", precision)
@@ -99,6 +111,81 @@ def test_cudnn_attention_matches_numpy(att, rng, B, T, H, hd):
         a.close()
         if rows_att is not None:
             rows_att.close()
+        dev.free()
+
+
+@pytest.mark.parametrize(("B", "T", "H", "hd"), [(3, 37, 2, 64), (1, 64, 12, 64)])
+def test_q_k_v_in_rows_through_the_ops_match_numpy(att, rng, B, T, H, hd):
+    """The backend's rows path op by op, on the GPU: attn_qkv_fwd_rows (one GEMM, [R,3d] =
+    ln1 @ W_QKV, W_QKV read as layer 1's 3d² range of a GEMM copy laid out by lp_positions,
+    as CudaBackend._w("h.1.attn.W_Q") points), attn_fwd_cudnn on CudnnAttention(rows=True),
+    attn_bwd_cudnn, then attn_qkv_bwd_rows from the same W_QKV, against numpy's attn_qkv_fwd,
+    attn_fwd, attn_bwd and attn_qkv_bwd in float64 on the same bf16 inputs (B = 1: the
+    sampling forward's batch). Bounds: Q, K, V and out 1e-2 (test_ops' bf16 bound); dQ, dK, dV,
+    dx and dW 2e-2 (cuDNN's backward on top of the forward's roundings)."""
+    from engine.backends.cuda.buffers import lp_positions, qkv_seg_table
+    from engine.backends.cuda.cublas import WORKSPACE_BYTES
+    from engine.backends.cuda.cudnn_attn import CudnnAttention
+    from engine.backends.cuda.gemm import LtGemm
+    from engine.backends.cuda.ops import Ops
+    from engine.model.layout import n_params, tensor_table, views
+
+    gpu, precision, d, R = att, "bf16", H * hd, B * T
+    s = ModelShapes(n_layer=2, d_model=d, n_head=H, d_ff=64, vocab_size=64, seq_len=T)
+    table = tensor_table(s)
+    seg = np.array([t.offset for t in table] + [n_params(s)], np.int64)
+    flat = rounded(rng.normal(0, 0.1, n_params(s)), precision)
+    lp = np.empty_like(flat)
+    lp[lp_positions(seg, qkv_seg_table(s), d)] = flat
+    w = np.stack([views(flat, s)[f"h.1.attn.{n}"] for n in ("W_Q", "W_K", "W_V")])
+    x = rounded(rng.normal(0, 1, (B, T, d)), precision)
+    dout = rounded(rng.normal(0, 1, (B, T, d)), precision)
+    # numpy, batch-major
+    qkv = np.empty((3, R, d))
+    npo.attn_qkv_fwd(x.reshape(R, d), w, qkv)
+    qkv = qkv.reshape(3, B, T, d)
+    probs, want = np.empty((B, H, T, T)), np.empty((B, T, d))
+    npo.attn_fwd(qkv, H, probs, want)
+    w_dqkv = np.empty((3, B, T, d))
+    npo.attn_bwd(dout, qkv, probs, H, w_dqkv, np.empty((B, H, T, T)))
+    w_dx, w_dw = np.empty((R, d)), np.zeros((3, d, d))
+    npo.attn_qkv_bwd(w_dqkv.reshape(3, R, d), x.reshape(R, d), w, w_dx, w_dw, np.empty((R, d)),
+                     np.empty(3 * d * d))
+
+    ar = CudnnAttention(precision, H, hd, gpu.stream.handle, rows=True)
+    ar.build(B, T, backward=True)
+    dev = DevArrays(gpu.drv, precision)
+    g = LtGemm(WORKSPACE_BYTES, "test")
+    try:
+        ws = dev.empty((WORKSPACE_BYTES // 4,), "f32")
+        cws = dev.empty((max(1, ar.workspace_bytes(B, T)) // 4 + 1,), "f32")
+        o = Ops(gpu.kernels(precision), None, gpu.stream, precision, gemm=g, ws=ws, cudnn=ar,
+                cudnn_ws=cws)
+        w_qkv = dev.put(lp) + next(t.offset for t in table if t.name == "h.1.attn.W_Q") * 2
+        xp, qkvp = dev.put(tm(x)), dev.empty((T, B, 3 * d))
+        o.attn_qkv_fwd_rows(xp, w_qkv, qkvp, R, d)
+        got = dev.get(qkvp)
+        for j, name in enumerate("QKV"):
+            check_close(tm(got[:, :, j * d : (j + 1) * d]), qkv[j], 1e-2,
+                        f"attn_qkv_fwd_rows {name}", precision)
+        out, stats = dev.empty((T, B, d)), dev.empty((B, H, T), "f32")
+        o.attn_fwd_cudnn(qkvp, out, stats, B, T, d, R * d)
+        check_close(tm(dev.get(out)), want, 1e-2, "cudnn attn_fwd out (rows, ops)", precision)
+        dqkvp = dev.empty((T, B, 3 * d))
+        o.attn_bwd_cudnn(dev.put(tm(dout)), qkvp, out, stats, dqkvp, B, T, d, R * d)
+        got = dev.get(dqkvp)
+        for j, name in enumerate("QKV"):
+            check_close(tm(got[:, :, j * d : (j + 1) * d]), w_dqkv[j], 2e-2,
+                        f"cudnn attn_bwd d{name} (rows, ops)", precision)
+        dxp, dwp = dev.empty((T, B, d)), dev.put(np.zeros((3, d, d)), "f32")
+        o.attn_qkv_bwd_rows(dqkvp, xp, w_qkv, dxp, dwp, R, d)
+        check_close(tm(dev.get(dxp)).reshape(R, d), w_dx, 2e-2, "attn_qkv_bwd_rows dx (ops)",
+                    precision)
+        check_close(dev.get(dwp), w_dw, 2e-2, "attn_qkv_bwd_rows dW (ops)", precision)
+    finally:
+        gpu.stream.synchronize()
+        g.close()
+        ar.close()
         dev.free()
 
 
@@ -133,17 +220,19 @@ def test_short_sequences_through_the_full_length_graph(att):
                 "bf16")
 
 
-def test_a_refused_rows_graph_falls_back_to_the_slabs(att, monkeypatch):
-    """Where cuDNN refuses to write dQ, dK, dV side by side in rows, the backend keeps cuDNN's
-    attention with the slabs and three GEMMs (not the classic attention), says so in its notes,
-    and trains."""
+@pytest.mark.parametrize("refused", ["training", "sampling"])
+def test_a_refused_rows_graph_falls_back_to_the_slabs(att, monkeypatch, refused):
+    """Where cuDNN refuses Q, K, V side by side in rows (for the training graphs, or only the
+    sampling forward, B = 1, built after them), the backend keeps cuDNN's attention with the
+    slabs and three GEMMs (not the classic attention), says so in its notes, keeps the GEMM copy
+    in the flat layout (it is decided before the copy is first written), and trains."""
     from engine.backends.cuda import CudaBackend, cudnn_attn
     from engine.errors import RunError
 
     build = cudnn_attn.CudnnAttention.build
 
     def refuse_rows(self, B, T, backward):
-        if self.grad_rows and backward:
+        if self.rows and (backward if refused == "training" else B == 1):
             raise RunError("cuDNN refuses attention (this test refuses the rows layout)")
         return build(self, B, T, backward)
 
@@ -151,11 +240,15 @@ def test_a_refused_rows_graph_falls_back_to_the_slabs(att, monkeypatch):
     monkeypatch.setenv("ANDREA_QKV_ROWS", "1")
     bk = CudaBackend(TINY, 4, "bf16", attention="cudnn")
     try:
-        assert bk.attention == "cudnn" and not bk.qkv_rows and not bk.cudnn.grad_rows
-        assert any("cuDNN refuses dQ, dK, dV in rows" in n for n in bk.notes), bk.notes
+        assert bk.attention == "cudnn" and not bk.qkv_rows and not bk.cudnn.rows
+        assert any("cuDNN refuses Q, K, V in rows" in n for n in bk.notes), bk.notes
         assert "ANDREA_QKV_ROWS" not in bk.describe()
+        params = init_params(TINY, seed=3)
+        bk.load_params(params)
+        assert np.array_equal(bk.read_params_lp(), rounded(params, "bf16")), "GEMM copy"
         tok = np.random.default_rng(1).integers(0, 8449, (4, 129)).astype(np.int32)
         assert np.all(np.isfinite(bk.forward_backward(tok[:, :-1], tok[:, 1:])))
+        assert np.all(np.isfinite(bk.logits_last(tok[:1, :50])))
     finally:
         bk.close()
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from devarrays import DevArrays, check_close, rel_err, rounded
 
-from engine.model.layout import ModelShapes, init_params, tensor_table
+from engine.model.layout import ModelShapes, init_params, n_params, tensor_table
 
 pytestmark = pytest.mark.gpu
 
@@ -235,6 +235,72 @@ def test_adamw_step_is_the_host_driven_step(env, rng, case):
         assert np.array_equal(outs[0][0], p.astype(np.float32).astype(np.float64))
 
 
+def _lp_table(s: ModelShapes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(seg_start, seg_decay, seg_qkv) as CudaBackend uploads them."""
+    from engine.backends.cuda.buffers import qkv_seg_table
+
+    table = tensor_table(s)
+    seg = np.array([t.offset for t in table] + [n_params(s)], np.int64)
+    return seg, np.array([len(t.shape) == 2 for t in table], np.int32), qkv_seg_table(s)
+
+
+@pytest.mark.parametrize("d", [37, 64])
+def test_the_gemm_copy_keeps_w_q_w_k_w_v_in_rows(env, rng, d):
+    """The optimizer kernels with the seg_qkv table (CudaBackend with Q, K, V in rows):
+    k_params_to_lp, then k_adamw, then k_step_clip + k_adamw_step in three ranges cut inside
+    layer 0's W_Q and layer 1's W_K (not at a row's start). After each, the GEMM copy (NaN
+    before, so every element must be written) is the masters rounded to the precision (numpy's
+    round to nearest even, devarrays.rounded), bit for bit, each layer's W_Q, W_K, W_V at
+    buffers.lp_positions (= np.concatenate of the three along axis 1, test_qkv_rows) and every
+    other element in place; the masters, m and v are those of the same launches without the
+    table, bit for bit (the table changes where the copy goes, nothing else: decay included).
+    d = 37: tensor boundaries and W_j's rows inside float4 groups; 64: aligned."""
+    from engine.backends.cuda.backend import CudaBackend
+    from engine.backends.cuda.buffers import HP_FIELDS, UPD_WORDS, lp_positions
+
+    precision, o, dev = env
+    s = ModelShapes(n_layer=2, d_model=d, n_head=1, d_ff=40, vocab_size=53, seq_len=7)
+    n, (seg, decay, seg_qkv) = n_params(s), _lp_table(s)
+    nseg = len(decay)
+    pos = lp_positions(seg, seg_qkv, d)
+    dseg, ddec = dev.put(seg.view(np.int32), "i32"), dev.put(decay, "i32")
+    dqkv = dev.put(seg_qkv, "i32")
+    off = {t.name: t.offset for t in tensor_table(s)}
+    cut1 = (off["h.0.attn.W_Q"] + 5 * d + 3) // 4 * 4
+    cut2 = (off["h.1.attn.W_K"] + 2 * d + 11) // 4 * 4
+    p, g = rng.normal(0, 1, n), rng.normal(0, 1, n)
+    m, v = rng.normal(0, 0.1, n), rng.uniform(0, 0.1, n)
+    hp = CudaBackend._hp(0.5, 1e-2, 0.9, 0.95, 1e-8, 0.1, 3, 1.0)
+    outs = []
+    for table in (True, False):
+        rows = {"seg_qkv": dqkv, "d": d} if table else {}
+        dp, dg, dm, dv = (dev.put(a, "f32") for a in (p, g, m, v))
+        stages = []  # (kernel, the GEMM copy it wrote, the masters then)
+        plp = dev.empty((n,))
+        o.params_to_lp(plp, dp, n, seg_start=dseg, nseg=nseg, **rows)
+        stages.append(("k_params_to_lp", dev.get(plp), dev.get(dp)))
+        plp = dev.empty((n,))
+        o.adamw(dp, plp, dg, dm, dv, dseg, ddec, nseg, n, 1e-2, 0.9, 0.95, 1e-8, 0.1, 2, 0.7,
+                **rows)
+        stages.append(("k_adamw", dev.get(plp), dev.get(dp)))
+        upd = dev.put(np.zeros(UPD_WORDS), "f32")
+        o.step_clip(upd, dev.put(np.array([hp[k] for k in HP_FIELDS]), "f32"),
+                    dev.put(np.array([3.7]), "f32"), dev.put(np.array([1.0]), "f32"),
+                    dev.put(np.array([0]), "i32"))
+        plp = dev.empty((n,))
+        for begin, end in ((0, cut1), (cut1, cut2), (cut2, n)):
+            o.adamw_step(dp, plp, dg, dm, dv, dseg, ddec, nseg, begin, end, upd, **rows)
+        stages.append(("k_adamw_step", dev.get(plp), dev.get(dp)))
+        for name, lp, master in stages:
+            want = np.empty(n)  # flat element i at pos[i] (each layer's W_Q, W_K, W_V side by
+            want[pos if table else np.arange(n)] = rounded(master, precision)  # side), or at i
+            assert np.array_equal(lp, want), \
+                f"{name}: the GEMM copy ({precision}, {'rows' if table else 'flat'})"
+        outs.append([dev.get(a) for a in (dp, dm, dv)])
+    for name, a, b in zip(("params", "m", "v"), *outs, strict=True):
+        same(a, b, f"optimizer with and without seg_qkv: {name}")
+
+
 # --- the backend: fused step against the unfused one ------------------------------------------
 
 SHAPES = ModelShapes(n_layer=2, d_model=384, n_head=6, d_ff=1536, vocab_size=8449, seq_len=256)
@@ -406,26 +472,37 @@ def test_adamw_decays_exactly_the_2d_tensors(fusions):
 
 
 def test_qkv_rows_track_the_slabs(monkeypatch):
-    """cuDNN's dQ, dK, dV side by side in rows and one input-gradient GEMM over K = 3d (the
-    default) against the slabs and their three GEMMs (ANDREA_QKV_ROWS=0), from the same weights:
+    """Q, K, V in rows (the default: one GEMM with N = 3d forward, cuDNN reading Q, K, V and
+    writing dQ, dK, dV in rows, one input-gradient GEMM over K = 3d, the GEMM copy's W_Q, W_K,
+    W_V side by side) against the slabs and their three GEMMs each way (ANDREA_QKV_ROWS=0),
+    from the same weights: the sampling forward's logits (B = 1, T = 1, 77, 256) agree to 1e-2;
     losses, norms and the updates of three one-graph steps (deferred AdamW included) agree to
     bf16 rounding (the one GEMM rounds the sum once, the three after each addend); then, from
     the same weights again (Adam's moments carried on), one step of a short sequence (T = 131)
-    through the full-length graph. Two backends with rows give the same bits."""
+    through the full-length graph. Each backend's GEMM copy is its masters rounded (bits). Two
+    backends with rows give the same bits."""
     from engine.backends.cuda import CudaBackend
     from engine.backends.cuda.cudnn_attn import cudnn_available
 
     if not cudnn_available()[0]:
         pytest.skip(cudnn_available()[1])
     params = init_params(SHAPES, seed=9)
-    res = {}
+    prompt = np.random.default_rng(6).integers(0, 8449, 256)
+    res, logits = {}, {}
     for rows in ("0", "1", "1 again"):
         monkeypatch.setenv("ANDREA_QKV_ROWS", rows.split()[0])
         bk = CudaBackend(SHAPES, 4, "bf16", attention="cudnn", fusions=True)
         assert bk.qkv_rows == (rows != "0")
         assert ("ANDREA_QKV_ROWS" in bk.describe()) == bk.qkv_rows
+        bk.load_params(params)
+        logits[rows] = [bk.logits_last(prompt[:t]) for t in (1, 77, 256)]
         res[rows] = (_steps(bk, params, 3, 256, True, 1.0), _steps(bk, params, 1, 131, True, 1.0))
+        assert np.array_equal(bk.read_params_lp(), rounded(bk.read_params(), "bf16")), rows
         bk.close()
+    for t, la, lb, lc in zip((1, 77, 256), logits["0"], logits["1"], logits["1 again"],
+                             strict=True):
+        check_close(lb, la, 1e-2, f"qkv rows vs slabs: logits_last (T = {t})", "bf16")
+        assert np.array_equal(lb, lc), f"logits_last (T = {t}): rows twice"
     ((a, pa), (sa, psa)), ((b, pb), (sb, psb)) = res["0"], res["1"]
     for (ra, na, _), (rb, nb, _) in zip(a + sa, b + sb, strict=True):
         check_close(rb, ra, 1e-2, "qkv rows vs slabs: losses", "bf16")
@@ -436,6 +513,49 @@ def test_qkv_rows_track_the_slabs(monkeypatch):
     for (rb, nb, cb), (rc, nc, cc) in zip(b + sb, c + sc, strict=True):
         assert np.array_equal(rb, rc) and nb == nc and cb == cc
     assert np.array_equal(pb, pc) and np.array_equal(psb, psc)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("rows", ["1", "0"])
+def test_the_backends_gemm_copy_is_its_masters_rounded(monkeypatch, precision, rows):
+    """CudaBackend.read_params_lp (the GEMM copy, taken back to the flat layout through
+    buffers.lp_positions where Q, K, V run in rows) equals read_params() rounded to the
+    precision, bit for bit: after load_params, after two one-graph steps (the first's AdamW
+    deferred into the second's graph, applied layer by layer beside its forward; the second's
+    left pending, applied by the read), after a shorter sequence's step and after the
+    host-driven adamw; and a backend given the stepped masters (a resume) rebuilds the same
+    copy. With the rows (the copy permuted by k_params_to_lp and the AdamW kernels) and
+    without (ANDREA_QKV_ROWS=0, in place)."""
+    from engine.backends.cuda import CudaBackend
+
+    monkeypatch.setenv("ANDREA_QKV_ROWS", rows)
+    params = init_params(SHAPES, seed=12)
+    bk = CudaBackend(SHAPES, 4, precision, fusions=True)
+    other = None
+    try:
+        if bk.attention == "cudnn":
+            assert bk.qkv_rows == (rows == "1")
+
+        def check(when: str) -> np.ndarray:
+            lp, p = bk.read_params_lp(), bk.read_params()
+            assert np.array_equal(lp, rounded(p, precision)), f"GEMM copy {when} ({precision})"
+            return lp
+
+        bk.load_params(params)
+        check("after load_params")
+        _steps(bk, params, 2, 256, True, 1.0)
+        check("after deferred one-graph steps")
+        _steps(bk, params, 1, 131, True, 1.0)
+        check("after a short sequence's step")
+        _steps(bk, params, 1, 256, False, 1.0)
+        lp = check("after the host-driven adamw")
+        other = CudaBackend(SHAPES, 4, precision, fusions=True)
+        other.load_params(bk.read_params())
+        assert np.array_equal(other.read_params_lp(), lp), "the GEMM copy rebuilt on a resume"
+    finally:
+        bk.close()
+        if other is not None:
+            other.close()
 
 
 # fused backend with the residual adds in the GEMM epilogues (=1, the default) against the

@@ -147,21 +147,18 @@ def test_attn_qkv(env, rng):
     check(precision, dev.get(ddw) - g0, w_dw - g0, "attn_qkv_bwd dW")
 
 
-@pytest.mark.parametrize(("d", "L", "pad"), [(64, 3, 512), (36, 2, 288), (64, 2, 3)])
-def test_qkv_rows_puts_each_layers_weights_side_by_side(env, rng, d, L, pad):
-    """k_qkv_rows against np.concatenate: layer l's W_Q, W_K, W_V ([d,d] each, one after the
-    other, layers 3d² + pad elements apart) as one [d,3d] matrix, bits copied. d = 64 with a
-    padding of whole 16-byte vectors takes the vector path; in bf16, d = 36 or a stride of odd
-    length the scalar one."""
+def test_attn_qkv_fwd_rows(env, rng):
+    """Q, K, V in one GEMM with N = 3d: [R,3d] = x @ [W_Q | W_K | W_V] ([d,3d], as the GEMM
+    copy keeps them in rows), row r holding numpy's attn_qkv_fwd Q[r], K[r], V[r] side by
+    side."""
     precision, o, dev = env
-    stride = 3 * d * d + pad
-    flat = rounded(rng.normal(0, 1, L * stride), precision)
-    w = [flat[l * stride : l * stride + 3 * d * d].reshape(3, d, d) for l in range(L)]
-    want = np.stack([np.concatenate(list(wl), axis=1) for wl in w])  # [L, d, 3d]
-    out = dev.empty((L, d, 3 * d))
-    o.qkv_rows(out, dev.put(flat), stride, d, L)
-    got = dev.get(out)
-    assert np.array_equal(got, want), f"max |diff| {np.nanmax(np.abs(got - want)):.3g}"
+    x = rounded(rng.normal(0, 1, (R, D)), precision)
+    w = rounded(rng.normal(0, 0.1, (3, D, D)), precision)
+    want = np.empty((3, R, D))
+    npo.attn_qkv_fwd(x, w, want)
+    out = dev.empty((R, 3 * D))
+    o.attn_qkv_fwd_rows(dev.put(x), dev.put(np.concatenate(list(w), axis=1)), out, R, D)
+    check(precision, dev.get(out), np.concatenate(list(want), axis=1), "attn_qkv_fwd_rows")
 
 
 def test_attn_qkv_bwd_rows(env, rng):

@@ -10,9 +10,11 @@ Two choices, both made at start and said in `attention_info` / `describe()`:
 - attention: "cudnn" (cuDNN's fused flash attention, cudnn_attn.py: no [B,H,T,T] buffers) or
   "classic" (ops.attn_fwd / attn_bwd: chunked GEMMs and a softmax kernel). "auto" takes cuDNN
   when the frontend is installed, the precision is bf16/fp16 and cuDNN accepts the shapes; else
-  classic, with the reason. With cuDNN, Q, K, V's input gradient is one GEMM over K = 3d:
-  cuDNN writes dQ, dK, dV side by side in rows (the slabs and three GEMMs where it refuses
-  that, or with ANDREA_QKV_ROWS=0).
+  classic, with the reason. With cuDNN, Q, K, V stand side by side in rows ([R,3d]): one GEMM
+  with N = 3d computes them, cuDNN reads them and writes dQ, dK, dV so, and their input
+  gradient is one GEMM over K = 3d; the GEMM copy of the weights keeps each layer's W_Q, W_K,
+  W_V side by side for that ([d,3d], see `qkv_rows`). The slabs and three GEMMs where cuDNN
+  refuses the rows, or with ANDREA_QKV_ROWS=0.
 - fusions (default on): every GEMM through gemm.LtGemm with algorithms chosen by timing at start
   (or taken from a recorded plan: `gemm_plan`), weight-gradient GEMMs on a second stream, the
   fused kernels (residual + LayerNorm, LayerNorm backward with its parameter sums, loss forward
@@ -43,8 +45,9 @@ from engine.backends.cuda.buffers import (
     HP_FIELDS,
     BatchBuffers,
     logits_ld,
+    lp_positions,
     plan_memory,
-    qkv_layer_stride,
+    qkv_seg_table,
 )
 from engine.backends.cuda.cublas import WORKSPACE_BYTES, Cublas
 from engine.backends.cuda.cublaslt import CublasLt
@@ -148,11 +151,15 @@ class CudaBackend:
         self.S = shapes.seq_len
 
         self.cudnn: Any = None
-        # Q, K, V's input gradient as one GEMM over K = 3d (cuDNN's dQ, dK, dV written side by
-        # side in rows, every layer's W_Q, W_K, W_V copied side by side before the backward)
-        # instead of three that add up: cuDNN attention and fusions only (ANDREA_QKV_ROWS=0:
-        # the three). It changes the bits (one rounding of the sum instead of three), so a run
-        # resumes with the setting it started with.
+        # Q, K, V side by side in rows ([R,3d]): computed by one GEMM with N = 3d, read by
+        # cuDNN, which writes dQ, dK, dV so, and their input gradient one GEMM over K = 3d,
+        # instead of slabs and three GEMMs each way: cuDNN attention and fusions only
+        # (ANDREA_QKV_ROWS=0: the slabs). The GEMM copy of the weights (plp) then keeps each
+        # layer's W_Q, W_K, W_V as one [d,3d] W_QKV in their 3d² range (kernels/optim.cu
+        # lp_index, buffers.lp_positions); the float32 masters, gradients, m and v, and so the
+        # checkpoint, keep the flat layout of DESIGN §2. It changes the bits (the input
+        # gradient's sum rounded once instead of three times); a resume takes up the run's
+        # recorded setting (`settings`).
         self._want_qkv_rows = self.fusions and self._flag("ANDREA_QKV_ROWS")
         self.attention, self.attention_info = self._pick_attention(attention)
         self.settings["attention"] = self.attention
@@ -160,8 +167,9 @@ class CudaBackend:
             self.notes.append(f"attention {self.attention}, where the run recorded "
                               f"{self._recorded['attention']}: the bits differ from an "
                               f"uninterrupted run")
-        # the layout cuDNN was built for decides (one place): the GEMMs follow it
-        self.qkv_rows = self.attention == "cudnn" and self.cudnn.grad_rows
+        # the layout cuDNN's graphs were built for decides (one place, before the GEMM copy is
+        # first written): the GEMMs and the GEMM copy follow it
+        self.qkv_rows = self.attention == "cudnn" and self.cudnn.rows
         if (self._want_qkv_rows and self.attention != "cudnn"
                 and os.environ.get("ANDREA_QKV_ROWS") is not None):  # asked for, not the default
             self.notes.append("ANDREA_QKV_ROWS: needs cuDNN's attention; the classic one runs "
@@ -244,8 +252,11 @@ class CudaBackend:
         self._update_pending = False
         self.p, self.g = plan["params"], plan["grads"]
         self.plp = plan["params_lp"] if precision != "fp32" else self.p
-        self.pqkv = plan["params_qkv"] if self.qkv_rows else 0  # [L,d,3d]: Ops.qkv_rows
-        self._qkv_stride = qkv_layer_stride(shapes) if self.qkv_rows else 0
+        # the kernels' table of the tensors the GEMM copy keeps in rows (0: none; cuDNN, and so
+        # the rows, never run in fp32, where the GEMMs read the masters)
+        assert not (self.qkv_rows and precision == "fp32")
+        self.seg_qkv = qkv_seg_table(shapes) if self.qkv_rows else None
+        self._seg_qkv_dev = plan["seg_qkv"] if self.qkv_rows else 0
         self.m, self.v = plan["m"], plan["v"]
         self.nseg = nseg
         # page-locked host staging for the per-call inputs and outputs
@@ -283,6 +294,8 @@ class CudaBackend:
         self.seg_decay = np.array([len(t.shape) == 2 for t in self.table], dtype=np.int32)
         drv.memcpy_htod(plan["seg_start"], self.seg_start)
         drv.memcpy_htod(plan["seg_decay"], self.seg_decay)
+        if self.seg_qkv is not None:
+            drv.memcpy_htod(plan["seg_qkv"], self.seg_qkv)
         drv.Context.synchronize()  # pageable copies may still be in flight for our stream
         self._zero_state()
         if tune is None:
@@ -296,8 +309,8 @@ class CudaBackend:
     # --- start-up ---------------------------------------------------------------------------------
     def _pick_attention(self, want: str) -> tuple[str, str]:
         """("cudnn" | "classic", what runs and why), building cuDNN's graphs when it is used:
-        with dQ, dK, dV side by side in rows when ANDREA_QKV_ROWS wants it, else (or where cuDNN
-        refuses that graph, with a note) as slabs."""
+        with Q, K, V and dQ, dK, dV side by side in rows when ANDREA_QKV_ROWS wants it, else
+        (or where cuDNN refuses any of those graphs, with a note) as slabs."""
         if want == "classic":
             return "classic", "classic (requested)"
         why = ""
@@ -307,7 +320,8 @@ class CudaBackend:
             from engine.backends.cuda.cudnn_attn import CudnnAttention, cudnn_available
 
             ok, why = cudnn_available()
-            # dQ, dK, dV in rows first when wanted; where cuDNN refuses that graph, the slabs
+            # Q, K, V in rows first when wanted; where cuDNN refuses one of those graphs (the
+            # training forward, its backward, the sampling forward), the slabs
             layouts = (True, False) if self._want_qkv_rows else (False,)
             for rows in layouts if ok else ():
                 s = self.shapes
@@ -317,12 +331,12 @@ class CudaBackend:
                     # (seen on the H200: wrong values, then an illegal address), so graphs are
                     # never shared
                     att = CudnnAttention(self.precision, s.n_head, s.d_model // s.n_head,
-                                         self.stream.handle, grad_rows=rows)
+                                         self.stream.handle, rows=rows)
                     self.cudnn = att
                     att.build(self.B, self.S, backward=True)
                     att.build(1, self.S, backward=False)  # sampling (logits_last)
                     if self._want_qkv_rows and not rows:
-                        self.notes.append(f"ANDREA_QKV_ROWS: cuDNN refuses dQ, dK, dV in rows "
+                        self.notes.append(f"ANDREA_QKV_ROWS: cuDNN refuses Q, K, V in rows "
                                           f"({why}); the slabs and three GEMMs run instead")
                     return "cudnn", f"cudnn ({att.version}; deterministic backward)"
                 except RunError as e:
@@ -352,8 +366,20 @@ class CudaBackend:
         drv, n = self.drv, self.n
         for ptr in (self.p, self.g, self.m, self.v):
             drv.memset_d32_async(ptr, 0, n, self.stream)
+        self._params_to_lp()
+
+    def _params_to_lp(self) -> None:
+        """The GEMM copy from the masters (rounded; each layer's W_Q, W_K, W_V in rows where
+        `qkv_rows`); nothing in fp32, where the GEMMs read the masters."""
         if self.precision != "fp32":
-            self.ops.params_to_lp(self.plp, self.p, n)
+            self.ops.params_to_lp(self.plp, self.p, self.n, seg_start=self._plan["seg_start"],
+                                  nseg=self.nseg, **self._lp_rows())
+
+    def _lp_rows(self) -> dict[str, int]:
+        """The arguments that tell the optimizer kernels which tensors the GEMM copy keeps in
+        rows (Ops.adamw's seg_qkv, d): none, unless `qkv_rows`."""
+        d = self.shapes.d_model if self._seg_qkv_dev else 0
+        return {"seg_qkv": self._seg_qkv_dev, "d": d}
 
     def _warm_up(self, tune: bool) -> None:
         """One eager forward + backward at full length (and a sampling forward): cuDNN's first
@@ -364,8 +390,7 @@ class CudaBackend:
             w = init_params(self.shapes, seed=12345)
             self.drv.memcpy_htod(self.p, w)
             self.drv.Context.synchronize()
-            if self.precision != "fp32":
-                self.ops.params_to_lp(self.plp, self.p, self.n)
+            self._params_to_lp()
         rng = np.random.default_rng(0)
         tok = rng.integers(0, self.shapes.vocab_size, (self.B, self.S + 1)).astype(np.int32)
         b = self.train
@@ -445,7 +470,8 @@ class CudaBackend:
                    f"{', '.join(on) if on else 'none'}"
                    + (f" (bf16: {', '.join(g for g in FP8_GEMMS if g not in on)})"
                       if len(on) < len(FP8_GEMMS) else ""))
-        rows = "; Q, K, V input gradient in one GEMM (ANDREA_QKV_ROWS)" if self.qkv_rows else ""
+        rows = ("; Q, K, V in rows, one GEMM forward and one for their input gradient "
+                "(ANDREA_QKV_ROWS)" if self.qkv_rows else "")
         resid = ("; residual adds in the GEMM epilogues (ANDREA_RESID_GEMM)" if self.resid_gemm
                  else "")
         return (f"attention {self.attention_info}; GEMMs {gemm}; fusions "
@@ -458,19 +484,10 @@ class CudaBackend:
 
     # --- pointers ---------------------------------------------------------------------------------
     def _w(self, name: str) -> int:
-        """The GEMM copy (low precision, or the fp32 master in fp32 mode) of a tensor."""
+        """The GEMM copy (low precision, or the fp32 master in fp32 mode) of a tensor. With
+        `qkv_rows`, "h.{l}.attn.W_Q" is where layer l's W_QKV [d,3d] begins (its W_K and W_V
+        have no address of their own there)."""
         return self.plp + self.off[name] * self.es
-
-    def _w_qkv_rows(self, layer: int) -> int:
-        """Layer `layer`'s W_Q, W_K, W_V side by side ([d,3d], made by `_qkv_rows`)."""
-        return self.pqkv + layer * 3 * self.shapes.d_model ** 2 * self.es
-
-    def _qkv_rows(self) -> None:
-        """Copy every layer's W_Q, W_K, W_V from the GEMM copy side by side (Ops.qkv_rows):
-        before each backward, when every layer's update (deferred or not) has been applied."""
-        s = self.shapes
-        self.ops.qkv_rows(self.pqkv, self._w("h.0.attn.W_Q"), self._qkv_stride, s.d_model,
-                          s.n_layer)
 
     def _p32(self, name: str) -> int:
         return self.p + self.off[name] * 4
@@ -519,7 +536,11 @@ class CudaBackend:
             h = f"h.{l}."
             a = b.layer(l)  # layer l's saved activations, by name
             st2 = a["ln2_stats"]  # mean [R] floats, then rstd [R]
-            o.attn_qkv_fwd(a["ln1"], self._w(h + "attn.W_Q"), a["qkv"], R, d, b.qkv_slab())
+            if self.qkv_rows:  # [R,3d] = ln1 @ W_QKV: the GEMM copy holds W_QKV [d,3d]
+                o.attn_qkv_fwd_rows(a["ln1"], self._w(h + "attn.W_Q"), a["qkv"], R, d)
+            else:
+                o.attn_qkv_fwd(a["ln1"], self._w(h + "attn.W_Q"), a["qkv"], R, d,
+                               b.qkv_slab())
             self._attention_fwd(b, a, T)
             # xmid = x[l] + att @ W_O; ln2 = LayerNorm(xmid)
             g2, b2 = self._p32(h + "ln2.gamma"), self._p32(h + "ln2.beta")
@@ -592,8 +613,6 @@ class CudaBackend:
         dpre = [b.at("dpre"), b.at("dpre2") if fused else b.at("dpre")]
         dqkv = [b.at("dqkv"), b.at("dqkv2") if fused else b.at("dqkv")]
         slab = b.qkv_slab()
-        if self.qkv_rows:  # the forward of every layer waited for its update: current weights
-            self._qkv_rows()
         if fused:  # dlogits came with the forward (loss_fwd_bwd)
             o.loss_bwd_gemms(b.at("lnf"), self._w("wte"), dln, self._g32("wte"),
                              b.at("dlogits"), B, T, s.vocab_size, self.ldv, d, self.wte_rows,
@@ -634,7 +653,7 @@ class CudaBackend:
             else:
                 o.attn_bwd(datt, a["qkv"], a["probs"], H, dq, b.at("scores"), B, T, d, slab)
             if self.qkv_rows:
-                o.attn_qkv_bwd_rows(dq, a["ln1"], self._w_qkv_rows(l), dln,
+                o.attn_qkv_bwd_rows(dq, a["ln1"], self._w(h + "attn.W_Q"), dln,
                                     self._g32(h + "attn.W_Q"), R, d)
             else:
                 o.attn_qkv_bwd(dq, a["ln1"], self._w(h + "attn.W_Q"), dln,
@@ -941,7 +960,7 @@ class CudaBackend:
         lp = self.plp if self.precision != "fp32" else 0
         self.ops.adamw_step(self.p, lp, self.g, self.m, self.v, self._plan["seg_start"],
                             self._plan["seg_decay"], self.nseg, begin, end,
-                            self._plan["update"], stream=stream)
+                            self._plan["update"], stream=stream, **self._lp_rows())
 
     def _ranges_by_layer(self) -> list[tuple[int, int]]:
         """The flat parameters cut where each layer's begin (rounded up to a 16-byte float
@@ -1033,8 +1052,7 @@ class CudaBackend:
     def load_params(self, params: np.ndarray) -> None:
         self._settle_update()
         self._put(self.p, params, "params")
-        if self.precision != "fp32":
-            self.ops.params_to_lp(self.plp, self.p, self.n)
+        self._params_to_lp()
         self.stream.synchronize()
 
     def load_optimizer(self, m: np.ndarray, v: np.ndarray) -> None:
@@ -1045,6 +1063,23 @@ class CudaBackend:
     def read_params(self) -> np.ndarray:
         self._settle_update()
         return self._get(self.p)
+
+    def read_params_lp(self) -> np.ndarray:
+        """The GEMM copy of the weights as float32 values in the flat layout of DESIGN §2 (each
+        layer's W_Q, W_K, W_V taken back from rows where `qkv_rows`, buffers.lp_positions):
+        equal to read_params() rounded to the compute precision (the masters in fp32). For
+        checking the copy; nothing in a run reads it."""
+        self._settle_update()
+        if self.precision == "fp32":
+            return self._get(self.p)
+        raw = np.empty(self.n, dtype=np.uint16)
+        self.stream.synchronize()
+        self.drv.memcpy_dtoh(raw, self.plp)
+        vals = ((raw.astype(np.uint32) << 16).view(np.float32) if self.precision == "bf16"
+                else raw.view(np.float16).astype(np.float32))
+        if self.seg_qkv is None:
+            return vals
+        return vals[lp_positions(self.seg_start, self.seg_qkv, self.shapes.d_model)]
 
     def read_grads(self) -> np.ndarray:
         self._settle_update()
@@ -1105,7 +1140,7 @@ class CudaBackend:
         self.ops.adamw(self.p, lp, self.g, self.m, self.v, self._plan["seg_start"],
                        self._plan["seg_decay"], self.nseg, self.n, float(lr), float(beta1),
                        float(beta2), float(eps), float(weight_decay), int(t),
-                       self._pending_scale)
+                       self._pending_scale, **self._lp_rows())
 
     def memory_plan(self) -> dict[str, int]:
         return self._plan.totals()

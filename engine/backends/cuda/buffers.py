@@ -137,7 +137,8 @@ class BatchBuffers:
 
     def qkv_slab(self) -> int:
         """Elements between the Q, K and V slabs of `qkv` and `dqkv`: R_max·d whatever the
-        sequence length, so the slabs never overlap (cuDNN writes whole slabs)."""
+        sequence length, so the slabs never overlap (cuDNN writes whole slabs). In rows
+        (CudaBackend.qkv_rows) the same buffers hold [R_max, 3d] instead: Q, K, V d apart."""
         return self.R * self.d
 
     def io(self) -> dict[str, int]:
@@ -184,18 +185,42 @@ class BatchBuffers:
 
 
 
-def qkv_layer_stride(shapes: ModelShapes) -> int:
-    """Elements between one layer's W_Q and the next's in the flat buffer, where Ops.qkv_rows
-    reads W_Q, W_K, W_V as three [d,d] one after the other (DESIGN §2, engine/model/layout.py;
-    asserted: a layout that broke it would make that copy read the wrong weights)."""
-    d, L = shapes.d_model, shapes.n_layer
-    off = {t.name: t.offset for t in tensor_table(shapes)}
-    q = [off[f"h.{l}.attn.W_Q"] for l in range(L)]
-    stride = q[1] - q[0] if L > 1 else 0
-    for l in range(L):
-        assert off[f"h.{l}.attn.W_K"] == q[l] + d * d and off[f"h.{l}.attn.W_V"] == \
-            q[l] + 2 * d * d and q[l] == q[0] + l * stride, f"layer {l}: W_Q, W_K, W_V apart"
-    return stride
+QKV_TENSORS = ("attn.W_Q", "attn.W_K", "attn.W_V")  # j = 0, 1, 2 of the rows layout
+
+
+def qkv_seg_table(shapes: ModelShapes) -> np.ndarray:
+    """The kernels' seg_qkv (kernels/optim.cu, lp_index), int32 per tensor of the layout's table:
+    j + 1 for each layer's W_Q, W_K, W_V (j = 0, 1, 2), 0 for every other tensor. Asserted: what
+    the rows layout assumes of DESIGN §2 (each layer's three [d,d] one after the other, W_Q
+    first), and d² < 2³¹ (the kernels' 32-bit division)."""
+    d = shapes.d_model
+    assert d * d < 2**31, f"d_model {d}: d² must stay below 2^31"
+    table = tensor_table(shapes)
+    off = {t.name: t.offset for t in table}
+    out = np.zeros(len(table), np.int32)
+    for k, t in enumerate(table):
+        layer, _, name = t.name.rpartition(".attn.")
+        if layer and "attn." + name in QKV_TENSORS:
+            j = QKV_TENSORS.index("attn." + name)
+            assert t.shape == (d, d) and t.offset == off[layer + ".attn.W_Q"] + j * d * d, \
+                f"{t.name}: not the {j}th [d,d] after its layer's W_Q"
+            out[k] = j + 1
+    return out
+
+
+def lp_positions(seg_start: np.ndarray, seg_qkv: np.ndarray, d: int) -> np.ndarray:
+    """The host's copy of kernels/optim.cu's lp_index: int64 [n], where the GEMM copy (p_lp)
+    keeps each flat element (n = seg_start[-1]). Tensors with seg_qkv 0 stay in place; element
+    (r, c) of W_j (seg_qkv j + 1; its layer's W_Q at base) is kept at base + r·3d + j·d + c, so
+    that each layer's 3d² range holds W_QKV [d,3d] = [W_Q | W_K | W_V]. A permutation of
+    range(n) that keeps every element in its own layer's range."""
+    seg_start = np.asarray(seg_start, np.int64)
+    pos = np.arange(seg_start[-1], dtype=np.int64)
+    r, c = np.divmod(np.arange(d * d, dtype=np.int64), d)  # W_j[r, c] is its element r·d + c
+    for s in np.flatnonzero(np.asarray(seg_qkv)):
+        j, start = int(seg_qkv[s]) - 1, int(seg_start[s])
+        pos[start : start + d * d] = start - j * d * d + r * 3 * d + j * d + c
+    return pos
 
 
 def plan_memory(shapes: ModelShapes, micro_batch: int, precision: str,
@@ -205,15 +230,14 @@ def plan_memory(shapes: ModelShapes, micro_batch: int, precision: str,
     """The whole memory plan (DESIGN §5), not yet allocated: weights, grads, Adam m and v, the
     training and sampling buffers, and the step's own scratch. Returns (plan, train, sample).
     attention/fused: see the module doc; cudnn_workspace: the bytes cuDNN's graphs need;
-    qkv_rows: every layer's W_Q, W_K, W_V side by side ([L,d,3d] in the GEMM precision, made
-    by Ops.qkv_rows) for the one-GEMM input gradient of Q, K, V (dqkv then holds [R,3d] rows)."""
+    qkv_rows: Q, K, V side by side in rows (qkv and dqkv then hold [R,3d], same size), and the
+    GEMM copy's W_Q, W_K, W_V too, which adds only the kernels' table of them (seg_qkv,
+    `qkv_seg_table`)."""
     n, es, ldv = n_params(shapes), ACT_BYTES[precision], logits_ld(shapes.vocab_size)
     plan = Plan()
     plan.add("weights", "params", n * 4)
     if precision != "fp32":
         plan.add("weights", "params_lp", n * es)
-    if qkv_rows:
-        plan.add("weights", "params_qkv", shapes.n_layer * 3 * shapes.d_model ** 2 * es)
     plan.add("grads", "grads", n * 4)
     if separate_micro:  # the sum so far, while a micro-batch forms its own gradient
         plan.add("grads", "grads_save", n * 4)
@@ -227,6 +251,8 @@ def plan_memory(shapes: ModelShapes, micro_batch: int, precision: str,
     for name, nbytes in (("cublas_ws", WORKSPACE_BYTES), ("norm_partials", NORM_BLOCKS * 4),
                          ("norm", 4), ("seg_start", (nseg + 1) * 8), ("seg_decay", nseg * 4)):
         plan.add("scratch", name, nbytes)
+    if qkv_rows:
+        plan.add("scratch", "seg_qkv", nseg * 4)
     if attention == "cudnn":
         plan.add("scratch", "cudnn_ws", cudnn_workspace)
     if fused:  # the weight-gradient stream's cuBLAS workspace; k_*_fused's int counters; clip;

@@ -11,10 +11,11 @@ the default is not bitwise repeatable), so the same inputs give the same bits.
 
 Layout, as everywhere on the GPU: time-major rows (r = t·B + b), heads side by side; Q, K and V
 are slabs of [R_max, d] (`slab` elements apart). cuDNN reads them in place through strides:
-dims [B, H, T, hd], strides [d, hd, B·d, 1]. No permutes. With `grad_rows` the backward writes
-dQ, dK and dV side by side in each row instead, as one [R_max, 3d] matrix (strides [3d, hd,
-B·3d, 1], dK and dV d and 2d elements after dQ): the layout in which their input-gradient GEMM
-is one GEMM over K = 3d (ops.attn_qkv_bwd_rows).
+dims [B, H, T, hd], strides [d, hd, B·d, 1]. No permutes. With `rows` Q, K and V stand side by
+side in each row instead, as one [R_max, 3d] matrix (strides [3d, hd, B·3d, 1], K and V d and
+2d elements after Q), and so do dQ, dK and dV in the backward: the layout in which Q, K, V are
+one GEMM with N = 3d (ops.attn_qkv_fwd_rows) and their input gradient one over K = 3d
+(ops.attn_qkv_bwd_rows). O and dO are [R_max, d] either way.
 
 Graphs are built once per (B, T, direction) at start (build() runs cuDNN's heuristics and its
 run-time compilation), run once eagerly before a CUDA graph captures them (their first run does
@@ -48,7 +49,7 @@ def cudnn_available() -> tuple[bool, str]:
 def sdpa_strides(B: int, head_dim: int, row: int) -> list[int]:
     """cuDNN's strides (elements) for the dims [B, H, T, hd] of a time-major tensor whose rows
     (r = t·B + b) are `row` elements apart, heads side by side in a row: d for a slab, 3d for
-    dQ, dK, dV side by side."""
+    Q, K, V (or dQ, dK, dV) side by side."""
     return [row, head_dim, B * row, 1]
 
 
@@ -64,7 +65,7 @@ class CudnnAttention:
     stream. `fwd` and `bwd` take raw device pointers (ints)."""
 
     def __init__(self, precision: str, n_head: int, head_dim: int, stream_handle: int,
-                 grad_rows: bool = False) -> None:
+                 rows: bool = False) -> None:
         try:  # cuDNN's run-time compiled engines load libnvrtc by soname: have one loaded
             from cuda.pathfinder import load_nvidia_dynamic_lib
 
@@ -78,7 +79,7 @@ class CudnnAttention:
         self.cudnn = cudnn
         self.io = cudnn.data_type.BFLOAT16 if precision == "bf16" else cudnn.data_type.HALF
         self.H, self.hd = n_head, head_dim
-        self.grad_rows = grad_rows  # the backward's dQ, dK, dV side by side in rows (module doc)
+        self.rows = rows  # Q, K, V and dQ, dK, dV side by side in rows (module doc)
         self.scale = 1.0 / math.sqrt(head_dim)
         self.handle = cudnn.create_handle()
         cudnn.set_stream(self.handle, stream_handle)
@@ -86,9 +87,14 @@ class CudnnAttention:
         self._graphs: dict[tuple[str, int, int], _Graph] = {}
 
     # --- building --------------------------------------------------------------------------------
-    def _dims(self, B: int, T: int) -> tuple[list[int], list[int], list[int], list[int]]:
+    def _dims(self, B: int, T: int
+              ) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+        """dims [B,H,T,hd]; the strides of O and dO (a slab); of Q, K, V and their gradients
+        (rows 3d apart with `rows`, else a slab); the stats' dims and strides."""
         H, hd = self.H, self.hd
-        return [B, H, T, hd], sdpa_strides(B, hd, H * hd), [B, H, T, 1], [H * T, T, 1, 1]
+        slab = sdpa_strides(B, hd, H * hd)
+        qkv = sdpa_strides(B, hd, 3 * H * hd) if self.rows else slab
+        return [B, H, T, hd], slab, qkv, [B, H, T, 1], [H * T, T, 1, 1]
 
     def _new(self) -> Any:
         c = self.cudnn
@@ -113,11 +119,11 @@ class CudnnAttention:
         """Build the forward (and backward) graphs for B sequences of T; returns the largest
         workspace in bytes. Raises RunError with cuDNN's reason when it refuses the shape."""
         F32 = self.cudnn.data_type.FLOAT
-        dims, strides, sdims, sstrides = self._dims(B, T)
+        dims, strides, qstrides, sdims, sstrides = self._dims(B, T)
         try:
             if ("fwd", B, T) not in self._graphs:
                 g = self._new()
-                q, k, v = (g.tensor(name=n, dim=dims, stride=strides, data_type=self.io)
+                q, k, v = (g.tensor(name=n, dim=dims, stride=qstrides, data_type=self.io)
                            for n in ("q", "k", "v"))
                 o, st = g.sdpa(name="sdpa", q=q, k=k, v=v, generate_stats=True,
                                attn_scale=self.scale, **self._mask())
@@ -127,25 +133,26 @@ class CudnnAttention:
                     g, {"q": q, "k": k, "v": v, "o": o, "stats": st})
             if backward and ("bwd", B, T) not in self._graphs:
                 g = self._new()
-                q, k, v, o, do = (g.tensor(name=n, dim=dims, stride=strides, data_type=self.io)
-                                  for n in ("q", "k", "v", "o", "do"))
+                q, k, v = (g.tensor(name=n, dim=dims, stride=qstrides, data_type=self.io)
+                           for n in ("q", "k", "v"))
+                o, do = (g.tensor(name=n, dim=dims, stride=strides, data_type=self.io)
+                         for n in ("o", "do"))
                 st = g.tensor(name="stats", dim=sdims, stride=sstrides, data_type=F32)
                 dq, dk, dv = g.sdpa_backward(name="sdpa_bwd", q=q, k=k, v=v, o=o, dO=do,
                                              stats=st, attn_scale=self.scale,
                                              use_deterministic_algorithm=True, **self._mask())
-                gstrides = sdpa_strides(B, self.hd, 3 * self.H * self.hd) if self.grad_rows \
-                    else strides
                 for t in (dq, dk, dv):
-                    t.set_output(True).set_dim(dims).set_stride(gstrides).set_data_type(self.io)
+                    t.set_output(True).set_dim(dims).set_stride(qstrides).set_data_type(self.io)
                 self._graphs[("bwd", B, T)] = self._finish(
                     g, {"q": q, "k": k, "v": v, "o": o, "do": do, "stats": st, "dq": dq,
                         "dk": dk, "dv": dv})
         except RunError:
             raise
         except Exception as e:  # cuDNN's own exceptions: not supported, no engine, ...
-            raise RunError(f"cuDNN refuses attention B={B} T={T} H={self.H} hd={self.hd}: "
-                           f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                           ) from None
+            layout = " with Q, K, V in rows" if self.rows else ""
+            why = str(e).splitlines()[0] if str(e) else ""
+            raise RunError(f"cuDNN refuses attention B={B} T={T} H={self.H} hd={self.hd}"
+                           f"{layout}: {type(e).__name__}: {why}") from None
         return self.workspace_bytes()
 
     def workspace_bytes(self, B: int | None = None, T: int | None = None) -> int:

@@ -5,6 +5,11 @@ Differences from the numpy twins, all of layout, fusion or rounding, never of ma
 - Activations are time-major: row r = t*B + b (numpy: b*T + t). Then the Q, K, V of head h of
   sequence b are one strided view (offset (b*H + h)*hd, row stride B*d), so attention is a
   single strided-batched GEMM over B*H with no permute kernels (and cuDNN reads them in place).
+- Q, K, V in rows (CudaBackend.qkv_rows, with cuDNN): `attn_qkv_fwd_rows` writes them side by
+  side in each row of qkv ([R,3d], numpy: [3,R,d]) with one GEMM over W_QKV = [W_Q | W_K | W_V]
+  [d,3d], which the GEMM copy of the weights holds in that layout (kernels/optim.cu lp_index:
+  numpy has no low-precision copy, and its flat masters keep the three [d,d] one after the
+  other); cuDNN reads Q, K, V and writes dQ, dK, dV in rows; `attn_qkv_bwd_rows` takes them.
 - `layernorm_bwd` can accumulate into dx (the skip path's `residual_add_bwd` fused in).
 - `attn_bwd` writes dS over the saved probabilities (they are not needed after the backward).
 - `loss_fwd` keeps float logits and the log-sum-exp; `loss_bwd` writes dlogits separately.
@@ -295,6 +300,13 @@ class Ops:
         between out's Q, K, V slabs (default R·d)."""
         self._mm(out, x, w_qkv, R, d, d, batch=3, sa=0, sb=d * d, sc=slab or R * d)
 
+    def attn_qkv_fwd_rows(self, x: int, w_rows: int, out: int, R: int, d: int) -> None:
+        """attn_qkv_fwd with Q, K, V side by side in each row of out ([R,3d]: what cuDNN reads
+        when built with rows) and W_Q, W_K, W_V side by side in w_rows ([d,3d], the GEMM copy's
+        rows layout): out = x @ w_rows, one GEMM with N = 3d where the slabs take three d×d
+        problems batched."""
+        self._mm(out, x, w_rows, R, 3 * d, d)
+
     def attn_qkv_bwd(self, dqkv: int, x: int, w_qkv: int, dx: int, dw_qkv: int, R: int,
                      d: int, slab: int = 0) -> None:
         """dW_j += xᵀ @ dqkv[j] (batched);  dx = Σ_j dqkv[j] @ W_jᵀ (overwritten)."""
@@ -307,21 +319,14 @@ class Ops:
             self._mm(dx, dqkv + j * slab * es, w_qkv + j * d * d * es, R, d, d, tb=True,
                      beta=0.0 if j == 0 else 1.0)
 
-    def qkv_rows(self, w_rows: int, w_q: int, layer_stride: int, d: int, L: int) -> None:
-        """w_rows [L,d,3d] = every layer's W_Q, W_K, W_V side by side (k_qkv_rows), from the
-        GEMM copy whose layer 0 W_Q is at w_q and whose layers are layer_stride elements apart:
-        the weights of attn_qkv_bwd_rows."""
-        # a thread per 16-byte vector; the kernel's loop covers the rest where it copies scalars
-        self._go("k_qkv_rows", _blocks(L * 3 * d * d * self.esize // VEC_BYTES), w_rows, w_q,
-                 layer_stride, d, L)
-
     def attn_qkv_bwd_rows(self, dqkv: int, x: int, w_rows: int, dx: int, dw_qkv: int, R: int,
                           d: int) -> None:
         """attn_qkv_bwd with dQ, dK, dV side by side in each row of dqkv ([R,3d]: cuDNN's
-        backward writes them so when built with grad_rows) and W_Q, W_K, W_V side by side in
-        w_rows ([d,3d], qkv_rows): dW_j += xᵀ @ dqkv[:, j·d:(j+1)·d] (batched over the three
-        column blocks, into the flat gradient as it lies); dx = dqkv @ w_rowsᵀ, one GEMM over
-        K = 3d (overwritten), where the slabs take three that add up."""
+        backward writes them so when built with rows) and W_Q, W_K, W_V side by side in
+        w_rows ([d,3d], the GEMM copy's rows layout): dW_j += xᵀ @ dqkv[:, j·d:(j+1)·d]
+        (batched over the three column blocks, into the flat gradient as it lies: the float32
+        gradients keep the layout of §2); dx = dqkv @ w_rowsᵀ, one GEMM over K = 3d
+        (overwritten), where the slabs take three that add up."""
         self._wgrad(dw_qkv, x, dqkv, d, d, R, (dqkv,), ta=True, ldb=3 * d, batch=3, sa=0, sb=d,
                     sc=d * d)
         self._writes(dx)
@@ -375,12 +380,18 @@ class Ops:
         C = self.attn_chunk
         return [(q0, min(C, T - q0), min(T, q0 + C)) for q0 in range(0, T, C)]
 
+    def _qkv_apart(self, d: int, slab: int) -> int:
+        """Elements between Q, K and V (and between dQ, dK, dV) in cuDNN's layout: d where its
+        graphs were built for rows (CudnnAttention.rows: [R,3d]), else a slab."""
+        return d if self.cudnn.rows else slab
+
     def attn_fwd_cudnn(self, qkv: int, out: int, stats: int, B: int, T: int, d: int,
                        slab: int) -> None:
         """attn_fwd through cuDNN's fused attention (cudnn_attn.py): out = P V, with each row's
-        log-sum-exp saved in `stats` instead of P. T: the length its graph was built for."""
-        es = self.esize
-        q, k, v = (qkv + j * slab * es for j in range(3))
+        log-sum-exp saved in `stats` instead of P. T: the length its graph was built for. qkv:
+        slabs `slab` elements apart, or rows (see _qkv_apart)."""
+        es, apart = self.esize, self._qkv_apart(d, slab)
+        q, k, v = (qkv + j * apart * es for j in range(3))
         self.cudnn.fwd(q, k, v, out, stats, B, T, self.cudnn_ws)
         if self.debug:
             self._sync("cuDNN attention forward")
@@ -388,11 +399,10 @@ class Ops:
     def attn_bwd_cudnn(self, dout: int, qkv: int, out: int, stats: int, dqkv: int, B: int,
                        T: int, d: int, slab: int) -> None:
         """attn_bwd through cuDNN (deterministic): dqkv overwritten, from dY = dout and the
-        forward's out and stats; as slabs like qkv, or with dQ, dK, dV side by side in each row
-        ([R,3d]) where the graphs were built so (CudnnAttention.grad_rows)."""
-        es = self.esize
-        q, k, v = (qkv + j * slab * es for j in range(3))
-        apart = d if self.cudnn.grad_rows else slab
+        forward's out and stats; dqkv laid out as qkv: slabs, or Q, K, V (dQ, dK, dV) side by
+        side in each row ([R,3d]) where the graphs were built so (CudnnAttention.rows)."""
+        es, apart = self.esize, self._qkv_apart(d, slab)
+        q, k, v = (qkv + j * apart * es for j in range(3))
         dq, dk, dv = (dqkv + j * apart * es for j in range(3))
         self._writes(dqkv)
         self.cudnn.bwd(q, k, v, out, dout, stats, dq, dk, dv, B, T, self.cudnn_ws)
@@ -597,14 +607,23 @@ class Ops:
         """grads += other (a micro-batch's own gradient into the sum)."""
         self._go("k_grad_add", _blocks(n), grads, other, n)
 
+    @staticmethod
+    def _check_lp_rows(seg_qkv: int, d: int) -> None:
+        if seg_qkv and not 0 < d * d < 2**31:
+            raise ValueError(f"seg_qkv needs the model width d (0 < d² < 2^31), got d={d}")
+
     def adamw(self, params: int, params_lp: int, grads: int, m: int, v: int, seg_start: int,
               seg_decay: int, nseg: int, n: int, lr: float, beta1: float, beta2: float,
-              eps: float, weight_decay: float, t: int, gs: float = 1.0) -> None:
-        """gs: a pending gradient scale (the clip), folded into the update."""
+              eps: float, weight_decay: float, t: int, gs: float = 1.0, *, seg_qkv: int = 0,
+              d: int = 0) -> None:
+        """gs: a pending gradient scale (the clip), folded into the update. seg_qkv: the device
+        table (int32 per tensor, buffers.qkv_seg_table) of the tensors that params_lp keeps in
+        rows, with d the model width (0: params_lp in the flat layout, as params)."""
+        self._check_lp_rows(seg_qkv, d)
         bc1, bc2 = 1.0 - beta1**t, 1.0 - beta2**t
         self._go("k_adamw", _blocks(-(-n // 4), cap=2048), params, params_lp, grads, m, v,
-                 seg_start, seg_decay, nseg, n, lr, beta1, beta2, eps, weight_decay, bc1, bc2,
-                 gs)
+                 seg_start, seg_decay, seg_qkv, nseg, d, n, lr, beta1, beta2, eps,
+                 weight_decay, bc1, bc2, gs)
 
     def step_clip(self, upd: int, hp: int, norm: int, clip: int, skipped: int) -> None:
         """The step's clip factor (clip[0]) and non-finite skip (skipped[0]) from the norm of
@@ -615,17 +634,25 @@ class Ops:
 
     def adamw_step(self, params: int, params_lp: int, grads: int, m: int, v: int,
                    seg_start: int, seg_decay: int, nseg: int, begin: int, end: int, upd: int,
-                   stream: Any = None) -> None:
+                   stream: Any = None, *, seg_qkv: int = 0, d: int = 0) -> None:
         """adamw over elements [begin, end) (begin a multiple of 4) as step_clip decided it
         (nothing when the step is skipped); the same bits whichever ranges a step is split
-        into."""
+        into. seg_qkv, d: as in adamw."""
         assert begin % 4 == 0, f"adamw_step: begin {begin} is not a multiple of 4 (float4 groups)"
+        self._check_lp_rows(seg_qkv, d)
         self._go("k_adamw_step", _blocks(-(-(end - begin) // 4), cap=2048), params, params_lp,
-                 grads, m, v, seg_start, seg_decay, nseg, begin, end, upd, stream=stream)
+                 grads, m, v, seg_start, seg_decay, seg_qkv, nseg, d, begin, end, upd,
+                 stream=stream)
 
     def step_hp(self, hp: int, skipped: int) -> None:
         """The bias corrections of hp as Adam's step count stands (k_step_hp)."""
         self._go("k_step_hp", 1, hp, skipped)
 
-    def params_to_lp(self, params_lp: int, params: int, n: int) -> None:
-        self._go("k_params_to_lp", _blocks(n), params_lp, params, n)
+    def params_to_lp(self, params_lp: int, params: int, n: int, *, seg_start: int = 0,
+                     seg_qkv: int = 0, nseg: int = 0, d: int = 0) -> None:
+        """params_lp = params rounded to the compute precision; with seg_qkv (and the tensor
+        table seg_start, nseg, and d, as in adamw) the tensors it names in rows."""
+        self._check_lp_rows(seg_qkv, d)
+        if seg_qkv and not (seg_start and nseg):
+            raise ValueError("params_to_lp: seg_qkv needs the tensor table (seg_start, nseg)")
+        self._go("k_params_to_lp", _blocks(n), params_lp, params, n, seg_start, seg_qkv, nseg, d)

@@ -35,7 +35,6 @@ SIGNATURES: dict[str, str] = {
     "k_colsum_chunks": "PPiii",
     "k_attn_fwd": "PPiii",
     "k_attn_bwd": "PPPiii",
-    "k_qkv_rows": "PPqii",
     "k_mlp_gelu_fwd": "PPqP",
     "k_mlp_gelu_bwd": "PPPqP",
     "k_residual_add": "PPPq",
@@ -48,8 +47,8 @@ SIGNATURES: dict[str, str] = {
     "k_grad_norm": "PPPPqfP",
     "k_grad_scale": "Pqf",
     "k_grad_add": "PPq",
-    "k_adamw": "PPPPPPPiqffffffff",
-    "k_adamw_step": "PPPPPPPiqqP",
+    "k_adamw": "PPPPPPPPiiqffffffff",
+    "k_adamw_step": "PPPPPPPPiiqqP",
     "k_step_clip": "PPPPP",
     "k_step_hp": "PP",
     "k_fp8_amax": "PPq",
@@ -58,7 +57,7 @@ SIGNATURES: dict[str, str] = {
     "k_fp8_cast_t64": "PPPPPiii",
     "k_fp8_cast_t64_f32": "PPPPPiii",
     "k_fp8_cast_t_f32": "PPPPPiii",
-    "k_params_to_lp": "PPq",
+    "k_params_to_lp": "PPqPPii",
 }
 
 

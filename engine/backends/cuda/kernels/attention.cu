@@ -117,29 +117,3 @@ extern "C" __global__ void k_attn_bwd(act_t* dS, const act_t* P, const act_t* dP
     for (int j = lane; j < kend; j += 32)
         ds[j] = to_act(j <= tq ? to_f(p[j]) * (to_f(dp[j]) - dot) : 0.0f);
 }
-
-// numpy twin: none — a layout copy. W_Q, W_K and W_V of each layer lie in the flat buffer as
-// three [d,d] matrices, one after the other (DESIGN §2); the input gradient of Q, K and V is one
-// GEMM over K = 3d (Ops.attn_qkv_bwd_rows: dx = dQKV·W_QKVᵀ, dQKV as [R,3d] rows) only if they
-// stand side by side, as W_QKV [d,3d] with W_QKV[i, j·d + o] = W_j[i, o] (nanoGPT's c_attn). This
-// copies the act_t weights of all L layers into that layout (`w_rows` [L,d,3d]); layer l's W_Q
-// starts at w + l·layer_stride. Bits are copied, not rounded. 16-byte vectors when d, the layer
-// stride and both pointers allow it, else one element per thread.
-extern "C" __global__ void k_qkv_rows(act_t* w_rows, const act_t* w, long layer_stride, int d,
-                                      int L) {
-    const bool vec = d % VEC == 0 && layer_stride % VEC == 0 && aligned16(w_rows) && aligned16(w);
-    const int u = vec ? VEC : 1;                 // elements per unit of work
-    const long du = d / u, per_layer = 3L * d * du;  // units in a row of one W_j, in a layer
-    for (long q = blockIdx.x * (long)blockDim.x + threadIdx.x; q < L * per_layer;
-         q += (long)gridDim.x * blockDim.x) {
-        const long l = q / per_layer, r = q % per_layer;
-        const long i = r / (3 * du), c = r % (3 * du);  // row i of W_QKV, unit c of its 3d
-        const long j = c / du, o = (c % du) * u;        // ... = W_j[i, o .. o+u)
-        const act_t* src = w + l * layer_stride + (j * d + i) * d + o;
-        act_t* dst = w_rows + (l * d + i) * 3L * d + j * d + o;
-        if (vec)
-            store_vec(dst, load_vec(src));
-        else
-            *dst = *src;
-    }
-}

@@ -96,20 +96,79 @@ extern "C" __global__ void k_grad_add(float* g, const float* other, long n) {
 #define HP_MAX_NORM 8  // buffers.HP_FIELDS.index("max_norm")
 #define UPD_GC 12      // k_step_clip's upd: HP_FIELDS (12 floats), then the clip factor,
 #define UPD_SKIP 13    // then 1.0 when the step is skipped (buffers.UPD_WORDS = 14)
+#define SEG_DECAY 1    // adamw_body's flags per tensor (seg_flag): bit 0 decay, then seg_qkv
+
+// Where the GEMM copy p_lp keeps the flat elements. A layer's W_Q, W_K, W_V are three [d,d]
+// tensors one after the other from `base` (DESIGN §2); where the backend runs Q, K, V in rows
+// (CudaBackend.qkv_rows), p_lp holds that 3d² range as one [d,3d] matrix W_QKV instead:
+// W_j[r,c] at base + r·3d + j·d + c (j = 0, 1, 2: Q, K, V), so that one GEMM reads it
+// (Ops.attn_qkv_fwd_rows, attn_qkv_bwd_rows). seg_qkv[s] (per tensor, like seg_decay) is j + 1
+// for those tensors, 0 for every other (kept in place). buffers.lp_positions is the host's copy
+// of this map; tests/test_qkv_rows.py compiles these functions for the host and compares.
+
+// The segment s with starts[s] <= i < starts[s + 1] (starts[0] <= i < starts[nseg]).
+__host__ __device__ __forceinline__ int seg_of(const long* starts, int nseg, long i) {
+    int lo = 0, hi = nseg - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (starts[mid] <= i) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
+// p_lp's index of flat element i of a tensor that starts at `start` (qkv: its seg_qkv), and in
+// col its column in W_j (the one division of a run: 32-bit, as d² < 2³¹, checked by the host).
+__host__ __device__ __forceinline__ long lp_index(long i, long start, int qkv, int d, int* col) {
+    *col = 0;
+    if (qkv == 0) return i;
+    const unsigned e = (unsigned)(i - start), r = e / (unsigned)d;
+    const long j = qkv - 1;
+    *col = (int)(e - r * (unsigned)d);
+    return start + (long)r * 3 * d + j * (d - (long)d * d) + *col;
+}
+
+// p_lp's index of the flat element after the one at `at` (column col) of the same tensor: the
+// next column, or the first of W_j's next row, 3d - (d - 1) elements on.
+__host__ __device__ __forceinline__ long lp_next(long at, int qkv, int d, int* col) {
+    if (qkv == 0 || ++*col < d) return at + 1;
+    *col = 0;
+    return at + 2L * d + 1;
+}
+
+// p_lp's index of flat element i of tensor s (flags: seg_flag's, per tensor), walking a run of
+// consecutive elements: `at`, *seg and *col are the previous element's index, tensor and
+// column (*seg = -1 at the start of a run). One lp_index per run (adamw_body's float4 group)
+// and per tensor boundary inside it, then steps: the writes stay runs of d contiguous elements.
+__host__ __device__ __forceinline__ long lp_walk(long i, int s, const long* starts,
+                                                 const int* flags, int d, long at, int* seg,
+                                                 int* col) {
+    const int qkv = flags[s] >> 1;
+    const bool fresh = *seg != s;
+    *seg = s;
+    return fresh ? lp_index(i, starts[s], qkv, d, col) : lp_next(at, qkv, d, col);
+}
+
+// Tensor s's flags for adamw_body: SEG_DECAY when it decays, seg_qkv << 1 (seg_qkv may be null:
+// nothing permuted).
+__host__ __device__ __forceinline__ int seg_flag(const int* seg_decay, const int* seg_qkv,
+                                                 int s) {
+    return (seg_decay && seg_decay[s] ? SEG_DECAY : 0) | (seg_qkv ? seg_qkv[s] << 1 : 0);
+}
 
 // AdamW over elements [begin, end) of the flat buffers (begin a multiple of 4) with g·gm·gc
 // as the gradient (each product rounded to float, as separate k_grad_scale passes would have
 // stored it); the body of k_adamw and k_adamw_step. Each element's arithmetic is the same
-// whichever range it falls in: a step split into ranges gives the bits of one launch.
+// whichever range it falls in: a step split into ranges gives the bits of one launch. p_lp
+// receives each new value where lp_walk says (seg_qkv, d: see lp_index).
 __device__ __forceinline__ void adamw_body(float* p, act_t* p_lp, const float* g, float* m,
                                            float* v, const long* seg_start, const int* seg_decay,
-                                           int nseg, long begin, long end, float lr, float b1,
-                                           float b2, float eps, float wd, float bc1, float bc2,
-                                           float gm, float gc) {
+                                           const int* seg_qkv, int nseg, int d, long begin,
+                                           long end, float lr, float b1, float b2, float eps,
+                                           float wd, float bc1, float bc2, float gm, float gc) {
     __shared__ long starts[ADAMW_MAX_SEGS + 1];
-    __shared__ int decay[ADAMW_MAX_SEGS];
+    __shared__ int flags[ADAMW_MAX_SEGS];
     for (int i = threadIdx.x; i <= nseg; i += blockDim.x) starts[i] = seg_start[i];
-    for (int i = threadIdx.x; i < nseg; i += blockDim.x) decay[i] = seg_decay[i];
+    for (int i = threadIdx.x; i < nseg; i += blockDim.x) flags[i] = seg_flag(seg_decay, seg_qkv, i);
     __syncthreads();
     const long n = end - begin;
     const long nq = n / 4;  // float4 groups; the tail (n % 4) goes element by element
@@ -117,11 +176,9 @@ __device__ __forceinline__ void adamw_body(float* p, act_t* p_lp, const float* g
          q += (long)gridDim.x * blockDim.x) {
         const bool vec = q < nq;
         const long i0 = begin + (vec ? q * 4 : nq * 4 + (q - nq));
-        int lo = 0, hi = nseg - 1;  // the segment with starts[k] <= i0 < starts[k+1]
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) >> 1;
-            if (starts[mid] <= i0) lo = mid; else hi = mid - 1;
-        }
+        int lo = seg_of(starts, nseg, i0);
+        long at = 0;  // where the group's elements go in p_lp (lp_walk)
+        int seg = -1, col = 0;
         float4 g4, p4, m4, v4;
         if (vec) {
             g4 = *reinterpret_cast<const float4*>(g + i0);
@@ -145,8 +202,12 @@ __device__ __forceinline__ void adamw_body(float* p, act_t* p_lp, const float* g
             const float pi = pa[k];
             ma[k] = mi;
             va[k] = vi;
-            pa[k] = pi - lr * ((mi / bc1) / (sqrtf(vi / bc2) + eps) + (decay[lo] ? wd * pi : 0.0f));
-            if (p_lp) p_lp[i0 + k] = to_act(pa[k]);
+            pa[k] = pi - lr * ((mi / bc1) / (sqrtf(vi / bc2) + eps) +
+                               (flags[lo] & SEG_DECAY ? wd * pi : 0.0f));
+            if (p_lp) {
+                at = lp_walk(i0 + k, lo, starts, flags, d, at, &seg, &col);
+                p_lp[at] = to_act(pa[k]);
+            }
         }
         if (vec) {
             *reinterpret_cast<float4*>(p + i0) = p4;
@@ -168,14 +229,16 @@ __device__ __forceinline__ void adamw_body(float* p, act_t* p_lp, const float* g
 // - gs: a gradient scale (1/n_micro or the clip) that CudaBackend.grad_scale deferred; g*gs is
 //   rounded to float exactly as a k_grad_scale pass (numpy: `grads *= s`) would have stored it,
 //   and the pass over the gradients is saved (llm.c's way).
-// - p_lp (may be null) receives the rounded low-precision copy of p that the GEMMs read.
+// - p_lp (may be null) receives the rounded low-precision copy of p that the GEMMs read, each
+//   layer's W_Q, W_K, W_V side by side in rows where seg_qkv says so (lp_index; seg_qkv null:
+//   every element in place, d unused): a layout of the GEMM copy, which numpy does not have.
 // Four elements per thread (16-byte float loads).
 extern "C" __global__ void k_adamw(float* p, act_t* p_lp, const float* g, float* m, float* v,
-                                   const long* seg_start, const int* seg_decay, int nseg, long n,
-                                   float lr, float b1, float b2, float eps, float wd, float bc1,
-                                   float bc2, float gs) {
-    adamw_body(p, p_lp, g, m, v, seg_start, seg_decay, nseg, 0, n, lr, b1, b2, eps, wd, bc1, bc2,
-               gs, 1.0f);
+                                   const long* seg_start, const int* seg_decay,
+                                   const int* seg_qkv, int nseg, int d, long n, float lr, float b1,
+                                   float b2, float eps, float wd, float bc1, float bc2, float gs) {
+    adamw_body(p, p_lp, g, m, v, seg_start, seg_decay, seg_qkv, nseg, d, 0, n, lr, b1, b2, eps,
+               wd, bc1, bc2, gs, 1.0f);
 }
 
 // numpy twin: none — the trainer's clip and non-finite skip (engine/model/optim.py clip_scale,
@@ -206,12 +269,15 @@ extern "C" __global__ void k_step_clip(float* upd, const float* hp, const float*
 // skip; gm = 1/(n_micro·loss_scale)). A skipped step writes nothing (the trainer counts and
 // records the skip); else g·gm·gc is the gradient, rounded as the separate passes would round
 // it. Split into ranges (one per layer), it runs in the next step's graph beside the forward.
+// p_lp, seg_qkv, d: as in k_adamw (the permutation stays inside each layer's 3d² range, so a
+// range that cuts a layer's W_Q, W_K, W_V writes its own elements' places, wherever they are).
 extern "C" __global__ void k_adamw_step(float* p, act_t* p_lp, const float* g, float* m, float* v,
-                                        const long* seg_start, const int* seg_decay, int nseg,
-                                        long begin, long end, const float* upd) {
+                                        const long* seg_start, const int* seg_decay,
+                                        const int* seg_qkv, int nseg, int d, long begin, long end,
+                                        const float* upd) {
     if (upd[UPD_SKIP] != 0.0f) return;
-    adamw_body(p, p_lp, g, m, v, seg_start, seg_decay, nseg, begin, end, upd[0], upd[1], upd[2],
-               upd[3], upd[4], upd[5], upd[6], upd[7], upd[UPD_GC]);
+    adamw_body(p, p_lp, g, m, v, seg_start, seg_decay, seg_qkv, nseg, d, begin, end, upd[0],
+               upd[1], upd[2], upd[3], upd[4], upd[5], upd[6], upd[7], upd[UPD_GC]);
 }
 
 // numpy twin: none — the host's Adam step count, kept right on the device when a step is
@@ -228,9 +294,28 @@ extern "C" __global__ void k_step_hp(float* hp, const int* skipped) {
 
 // numpy twin: none — numpy computes in its one dtype and keeps no low-precision weights. This
 // rounds (to nearest even) the float32 masters into the act_t copy the GEMMs read, at start and
-// after load_params; k_adamw keeps the copy current after each update.
-extern "C" __global__ void k_params_to_lp(act_t* p_lp, const float* p, long n) {
+// after load_params; k_adamw keeps the copy current after each update. seg_qkv (may be null:
+// every element in place; seg_start, nseg and d are then not read): the tensors whose elements
+// go where lp_index says (each layer's W_Q, W_K, W_V side by side in rows), the layout k_adamw
+// writes. A thread per element: consecutive threads write runs of d consecutive elements.
+extern "C" __global__ void k_params_to_lp(act_t* p_lp, const float* p, long n,
+                                          const long* seg_start, const int* seg_qkv, int nseg,
+                                          int d) {
+    __shared__ long starts[ADAMW_MAX_SEGS + 1];
+    __shared__ int qkv[ADAMW_MAX_SEGS];
+    if (seg_qkv) {
+        for (int i = threadIdx.x; i <= nseg; i += blockDim.x) starts[i] = seg_start[i];
+        for (int i = threadIdx.x; i < nseg; i += blockDim.x) qkv[i] = seg_qkv[i];
+    }
+    __syncthreads();
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n;
-         i += (long)gridDim.x * blockDim.x)
-        p_lp[i] = to_act(p[i]);
+         i += (long)gridDim.x * blockDim.x) {
+        long at = i;
+        if (seg_qkv) {
+            const int s = seg_of(starts, nseg, i);
+            int col;
+            at = lp_index(i, starts[s], qkv[s], d, &col);
+        }
+        p_lp[at] = to_act(p[i]);
+    }
 }
