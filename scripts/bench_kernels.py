@@ -49,7 +49,7 @@ def main() -> int:
               f"{args.shapes!r} / {args.rows!r}", file=sys.stderr)
         return 2
 
-    from engine.backends.cuda.ops import LN_PARAMS_ROWS, Ops
+    from engine.backends.cuda.ops import LN_PARAMS_ROWS, ROWS_PER_BLOCK, Ops
     from engine.backends.cuda.runtime import Gpu
 
     gpu = Gpu.get()
@@ -74,7 +74,7 @@ def main() -> int:
                  res: int = int(res)) -> None:
             dout_, x_, gamma_, mean_, rstd_, dx_, dgb_, part_ = ptrs
             if dx_only:
-                o._go("k_layernorm_bwd", -(-R // 8), dx_, res, dout_, x_, mean_, rstd_, gamma_,
+                o._go("k_layernorm_bwd", -(-R // ROWS_PER_BLOCK), dx_, res, dout_, x_, mean_, rstd_, gamma_,
                       R, d, 1)
                 return
             if rows:

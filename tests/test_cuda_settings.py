@@ -49,3 +49,30 @@ def test_a_hostile_record_leaves_only_what_it_may_hold() -> None:
     assert cuda_settings_of({STATE_CUDA_SETTINGS: junk}) == {"ANDREA_RESID_GEMM": True}
     flood = {f"ANDREA_S{i}": True for i in range(1000)}
     assert len(cuda_settings_of({STATE_CUDA_SETTINGS: flood})) == 64
+
+
+def _bare_backend(recorded: dict) -> object:
+    """A CudaBackend with only what `_flag` reads: no GPU needed."""
+    from engine.backends.cuda.backend import CudaBackend
+
+    bk = object.__new__(CudaBackend)
+    bk.notes, bk._recorded, bk.settings = [], dict(recorded), dict(recorded)
+    return bk
+
+
+def test_flag_takes_up_the_record_and_notes_an_environment_against_it(monkeypatch) -> None:
+    for name in ("ANDREA_RESID_GEMM", "ANDREA_QKV_ROWS", "ANDREA_SIDE_STREAM"):
+        monkeypatch.delenv(name, raising=False)
+    bk = _bare_backend({"ANDREA_RESID_GEMM": True, "ANDREA_QKV_ROWS": True, "attention": "cudnn"})
+    assert bk._flag("ANDREA_RESID_GEMM", default=False) is True  # the record over the default
+    assert bk.notes == []
+    monkeypatch.setenv("ANDREA_QKV_ROWS", "0")
+    assert bk._flag("ANDREA_QKV_ROWS") is False  # the environment over the record, said
+    assert bk.notes == ["ANDREA_QKV_ROWS=0 from the environment, where the run recorded 1: the "
+                        "bits may differ from an uninterrupted run"]
+    monkeypatch.setenv("ANDREA_SIDE_STREAM", "0")
+    assert bk._flag("ANDREA_SIDE_STREAM") is False  # nothing recorded: nothing to note
+    assert len(bk.notes) == 1
+    # what the next checkpoint records: every switch as resolved, the attention path carried on
+    assert bk.settings == {"ANDREA_RESID_GEMM": True, "ANDREA_QKV_ROWS": False,
+                           "ANDREA_SIDE_STREAM": False, "attention": "cudnn"}

@@ -33,9 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override train.precision (on --resume too: the checkpoint holds fp32 "
                         "masters, so a run may go on in another precision); fp8: bf16 with the "
                         "MLP's GEMMs in FP8 (CUDA, compute capability 8.9+)")
-    p.add_argument("--attention", default="auto", choices=("auto", "cudnn", "classic"),
+    p.add_argument("--attention", choices=("auto", "cudnn", "classic"),
                    help="CUDA backend: cuDNN's fused attention (auto: when installed and it "
-                        "accepts the model) or the engine's own (classic)")
+                        "accepts the model) or the engine's own (classic); default "
+                        "ANDREA_ATTENTION or auto, and on --resume the run's recorded path")
     p.add_argument("--retune", action="store_true",
                    help="CUDA backend: time the GEMM algorithms again instead of using the run "
                         "directory's gemm_plan.json on --resume (the bits may then differ)")
@@ -119,7 +120,8 @@ def _launch(args: argparse.Namespace, run_dir: Path) -> int:
         rank_argv += ["--max-steps", str(args.max_steps)]
     if args.precision is not None:
         rank_argv += ["--precision", args.precision]
-    rank_argv += ["--attention", args.attention] + (["--retune"] if args.retune else [])
+    rank_argv += (["--attention", args.attention] if args.attention else []) + \
+        (["--retune"] if args.retune else [])
     try:
         return run_ranks(args.gpus, rank_argv, run_dir, cuda=backend == "cuda")
     finally:

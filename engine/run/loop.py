@@ -57,7 +57,8 @@ class RunOptions:
     resume: bool = False
     max_steps: int | None = None  # overrides train.max_steps (and so the lr schedule)
     backend: str = "auto"
-    attention: str = "auto"  # CUDA backend: auto | cudnn | classic
+    # CUDA backend: auto | cudnn | classic; None: ANDREA_ATTENTION or auto (a resume: the run's)
+    attention: str | None = None
     retune: bool = False  # CUDA backend: time the GEMMs again instead of the recorded plan
     precision: str | None = None  # overrides train.precision (a resumed run's too)
 
@@ -292,15 +293,19 @@ class TrainingRun:
         options = self._backend_options(backend, resume)
         if self.channel is not None and backend == "cuda":
             # One set of GEMM algorithms for the whole job: rank 0 times them (or reads the
-            # run's plan) and the others take its choice, so every rank computes the same bits.
+            # run's plan) and the others take its choice, so every rank computes the same bits;
+            # so with its settings (attention path, switches), which the others take up as a
+            # resume takes up a record (their own environment still wins, with a note)
             if self.world.main:
                 self.trainer = Trainer(cfg, backend, backend_options=options)
-                plan = self.trainer.backend.gemm_plan
-                self.channel.broadcast(json.dumps(plan).encode())
+                be = self.trainer.backend
+                self.channel.broadcast(json.dumps({"plan": be.gemm_plan,
+                                                   "settings": be.settings}).encode())
             else:
-                plan = json.loads(self.channel.broadcast(b""))
-                self.trainer = Trainer(cfg, backend,
-                                       backend_options={**options, "gemm_plan": plan})
+                got = json.loads(self.channel.broadcast(b""))
+                self.trainer = Trainer(cfg, backend, backend_options={
+                    **options, "gemm_plan": got["plan"],
+                    "settings": rec.cuda_settings_of({rec.STATE_CUDA_SETTINGS: got["settings"]})})
         else:
             self.trainer = Trainer(cfg, backend, backend_options=options)
         topology: dict[str, Any] = {}

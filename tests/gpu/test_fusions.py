@@ -558,7 +558,7 @@ def test_the_backends_gemm_copy_is_its_masters_rounded(monkeypatch, precision, r
             other.close()
 
 
-# fused backend with the residual adds in the GEMM epilogues (=1, the default) against the
+# fused backend with the residual adds in the GEMM epilogues (=1; the default is 0) against the
 # residual + LayerNorm kernel (=0): losses, the gradient of one forward_backward, and (bf16) the
 # losses, norms and updates of three one-graph steps. fp32: test_backend's full-step bounds
 # against numpy (rounding and summation order only). bf16: the epilogue rounds each residual
@@ -608,6 +608,8 @@ def test_resid_gemm_tracks_the_residual_kernel(monkeypatch, precision):
             check_close(rb, ra, 1e-2, f"{what}: step losses", precision)
             check_close(np.array([nb]), np.array([na]), 2e-2, f"{what}: step norm", precision)
         check_close(pb - params, pa - params, 5e-2, f"{what}: updates", precision)
+    if precision == "bf16":  # the sum rounded once, not twice: the switch really changed the path
+        assert not np.array_equal(g1, g0), "ANDREA_RESID_GEMM=1 computed the =0 path's bits"
     r2, g2, s2 = res["1 again"]
     assert np.array_equal(r1, r2) and np.array_equal(g1, g2)
     if s1 is not None:

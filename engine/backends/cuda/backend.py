@@ -114,15 +114,23 @@ class CudaBackend:
             raise UserError(f"train/batch_size: expected a positive integer, got {micro_batch}")
         self.notes: list[str] = []  # what the start-up decided, for the run's log
         self._recorded = dict(settings or {})
-        # the settings that decide the bits, as resolved here (the run records them)
-        self.settings: dict[str, bool | str] = {}
+        # the settings that decide the bits, as resolved here, over the record they resume
+        # (a switch this start does not read is carried on): the run records them
+        self.settings: dict[str, bool | str] = dict(self._recorded)
         attention = attention or default_attention()
         if attention not in ATTENTIONS:
             raise UserError(f"attention: expected auto, cudnn or classic, got {attention!r}")
-        if attention == "auto" and self._recorded.get("attention") in ("cudnn", "classic"):
-            attention = str(self._recorded["attention"])  # the path the run ran
-        if fusions is None:
+        # auto prefers cuDNN, so a recorded cudnn needs nothing (and where cuDNN cannot run
+        # now, auto falls back and a note says so); a recorded classic stays classic
+        recorded_classic = attention == "auto" and self._recorded.get("attention") == "classic"
+        if recorded_classic:
+            attention = "classic"
+        if fusions is None:  # (raw= names the variable for the README's table of them)
             self.fusions = self._flag("ANDREA_FUSIONS", raw=os.environ.get("ANDREA_FUSIONS"))
+            if self.fp8 and not self.fusions and os.environ.get("ANDREA_FUSIONS") is None:
+                self.fusions = self.settings["ANDREA_FUSIONS"] = True
+                self.notes.append("ANDREA_FUSIONS: the run recorded 0, and fp8 runs on the fused "
+                                  "path only: on (the bits differ from the run's)")
         else:
             self.fusions = self.settings["ANDREA_FUSIONS"] = bool(fusions)
         if self.fp8 and not self.fusions:
@@ -162,6 +170,8 @@ class CudaBackend:
         # recorded setting (`settings`).
         self._want_qkv_rows = self.fusions and self._flag("ANDREA_QKV_ROWS")
         self.attention, self.attention_info = self._pick_attention(attention)
+        if recorded_classic:
+            self.attention_info = "classic (the run's recorded path)"
         self.settings["attention"] = self.attention
         if self._recorded.get("attention") not in (None, self.attention):
             self.notes.append(f"attention {self.attention}, where the run recorded "
@@ -226,7 +236,7 @@ class CudaBackend:
             self.blas = Cublas(self.stream.handle, plan["cublas_ws"], WORKSPACE_BYTES)
             # GELU in the MLP GEMMs' epilogues (ANDREA_GELU_FUSION=0: separate GELU kernels)
             self.lt = (CublasLt(self.stream.handle, plan["cublas_ws"], WORKSPACE_BYTES)
-                       if self._flag("ANDREA_GELU_FUSION",
+                       if self._flag("ANDREA_GELU_FUSION",  # (raw=: the README's table)
                                      raw=os.environ.get("ANDREA_GELU_FUSION")) else None)
             self.ops = Ops(gpu.kernels(precision), self.blas, self.stream, precision, self.lt,
                            cudnn=self.cudnn, cudnn_ws=cws)
@@ -455,7 +465,7 @@ class CudaBackend:
         self.settings[name] = value
         if raw is not None and isinstance(recorded, bool) and recorded != value:
             self.notes.append(f"{name}={raw} from the environment, where the run recorded "
-                              f"{int(recorded)}: the bits differ from an uninterrupted run")
+                              f"{int(recorded)}: the bits may differ from an uninterrupted run")
         return value
 
     def describe(self) -> str:

@@ -255,9 +255,10 @@ def plan_memory(shapes: ModelShapes, micro_batch: int, precision: str,
         plan.add("scratch", "seg_qkv", nseg * 4)
     if attention == "cudnn":
         plan.add("scratch", "cudnn_ws", cudnn_workspace)
-    if fused:  # the weight-gradient stream's cuBLAS workspace; k_*_fused's int counters; clip;
-        # whether the last fused step was skipped (k_step_clip writes it, k_step_hp reads it);
-        # the last step's update as k_step_clip decided it (k_adamw_step reads it)
+    if fused:  # the weight-gradient stream's cuBLAS workspace; k_grad_norm's int counter
+        # (word 1; word 0 unused since the fused LayerNorm backward lost its own); clip; whether
+        # the last fused step was skipped (k_step_clip writes it, k_step_hp reads it); the last
+        # step's update as k_step_clip decided it (k_adamw_step reads it)
         plan.add("scratch", "cublas_ws2", WORKSPACE_BYTES)
         plan.add("scratch", "counters", 2 * 4)
         plan.add("scratch", "clip", 4)

@@ -83,8 +83,10 @@ class Ops:
         self.esize = 4 if precision == "fp32" else 2  # bytes per activation element
         self.attn_chunk = int(os.environ.get("ANDREA_ATTN_CHUNK", "256"))
         self.ln_rows = LN_ROWS_PER_CHUNK  # chunk rows of the unfused LayerNorm backward
-        self.ln_fused_rows = LN_FUSED_ROWS  # ... and of the fused one (the partial's size)
-        self.counter = 0  # device int, 0, for the fused kernels' last-block election
+        # ... and of the fused one: the partial is sized for LN_FUSED_ROWS (buffers.py), so
+        # fewer rows (more chunks) only where the caller's partial holds them (bench_kernels)
+        self.ln_fused_rows = LN_FUSED_ROWS
+        self.counter = 0  # device ints, 0: k_grad_norm's last-block election reads word 1
         # the fused step's single micro-batch WRITES the parameter gradients (GEMMs with beta 0,
         # the LayerNorm and position sums stored) instead of zeroing them and adding
         self.overwrite_grads = False
