@@ -74,8 +74,8 @@ def main() -> int:
                  res: int = int(res)) -> None:
             dout_, x_, gamma_, mean_, rstd_, dx_, dgb_, part_ = ptrs
             if dx_only:
-                o._go("k_layernorm_bwd", -(-R // ROWS_PER_BLOCK), dx_, res, dout_, x_, mean_, rstd_, gamma_,
-                      R, d, 1)
+                o._go("k_layernorm_bwd", -(-R // ROWS_PER_BLOCK), dx_, res, dout_, x_, mean_,
+                      rstd_, gamma_, R, d, 1)
                 return
             if rows:
                 o.ln_fused_rows = rows

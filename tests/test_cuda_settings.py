@@ -76,3 +76,30 @@ def test_flag_takes_up_the_record_and_notes_an_environment_against_it(monkeypatc
     # what the next checkpoint records: every switch as resolved, the attention path carried on
     assert bk.settings == {"ANDREA_RESID_GEMM": True, "ANDREA_QKV_ROWS": False,
                            "ANDREA_SIDE_STREAM": False, "attention": "cudnn"}
+
+
+def test_data_parallel_ranks_that_compute_otherwise_are_refused() -> None:
+    """Only rank 0 writes a log, so a rank whose attention path or switch resolved otherwise
+    (its own environment, a cuDNN that does not start there) is refused, naming both values."""
+    from engine.errors import UserError
+    from engine.run.ddp import check_same_collectives, collective_settings
+
+    class Reducer:
+        in_step = True
+
+    class Backend:
+        fused_step = use_graphs = True
+
+        def __init__(self) -> None:
+            self.settings = {"attention": "cudnn", "ANDREA_QKV_ROWS": True}
+
+    mine = collective_settings(Reducer(), Backend())
+    assert mine["attention"] == "cudnn" and mine["ANDREA_QKV_ROWS"] is True
+    check_same_collectives([mine, dict(mine)])
+    for other, said in (({**mine, "attention": "classic"}, "attention on rank 0 cudnn, on rank 1 "
+                         "classic"),
+                        ({**mine, "ANDREA_QKV_ROWS": False}, "ANDREA_QKV_ROWS on rank 0 on, on "
+                         "rank 1 off")):
+        with pytest.raises(UserError) as e:
+            check_same_collectives([mine, other])
+        assert said in str(e.value)

@@ -67,27 +67,36 @@ class NcclReducer:
         self.nccl.close()
 
 
-def collective_settings(reducer: Any, backend: Any) -> dict[str, bool]:
+def collective_settings(reducer: Any, backend: Any) -> dict[str, bool | str]:
     """What decides which NCCL calls a rank makes in a step, and in which order: the all-reduce
-    inside the one-graph step or after it, the fused step, CUDA graphs (the eager warm-up)."""
-    return {"ANDREA_DDP_OVERLAP": bool(getattr(reducer, "in_step", False)),
+    inside the one-graph step or after it, the fused step, CUDA graphs (the eager warm-up); and
+    what decides its bits (the backend's resolved `settings`: attention path, switches), so
+    that no rank computes otherwise unseen (only rank 0 writes a log)."""
+    return {**{k: v for k, v in (getattr(backend, "settings", None) or {}).items()
+               if isinstance(v, (bool, str))},
+            "ANDREA_DDP_OVERLAP": bool(getattr(reducer, "in_step", False)),
             "ANDREA_FUSIONS": bool(getattr(backend, "fused_step", False)),
             "ANDREA_CUDA_GRAPHS": bool(getattr(backend, "use_graphs", False))}
 
 
-def check_same_collectives(per_rank: list[dict[str, bool]]) -> None:
+def _said(v: bool | str | None) -> str:
+    return v if isinstance(v, str) else "unset" if v is None else "on" if v else "off"
+
+
+def check_same_collectives(per_rank: list[dict[str, bool | str]]) -> None:
     """Every rank must make the same collective calls, or they pair an all-reduce of one size
-    with another's and hang: refuse a job whose ranks were started with other settings."""
+    with another's and hang, and compute with the same settings: refuse a job whose ranks
+    were started with other settings."""
     first = per_rank[0]
     for rank, mine in enumerate(per_rank[1:], 1):
         differ = sorted(k for k in first.keys() | mine.keys() if first.get(k) != mine.get(k))
         if differ:
-            said = ", ".join(f"{k} on rank 0 {'on' if first.get(k) else 'off'}, on rank {rank} "
-                             f"{'on' if mine.get(k) else 'off'}" for k in differ)
+            said = ", ".join(f"{k} on rank 0 {_said(first.get(k))}, on rank {rank} "
+                             f"{_said(mine.get(k))}" for k in differ)
             raise UserError(f"data parallel: the ranks were started with other CUDA settings "
                             f"({said}); give every rank the same environment "
                             f"(ANDREA_DDP_OVERLAP, ANDREA_FUSIONS, ANDREA_CUDA_GRAPHS, "
-                            f"ANDREA_CUDA_SYNC)")
+                            f"ANDREA_CUDA_SYNC, the fusion switches) and the same cuDNN")
 
 
 def make_reducer(channel: Channel, backend_name: str) -> HostReducer | NcclReducer:

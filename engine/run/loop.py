@@ -295,7 +295,8 @@ class TrainingRun:
             # One set of GEMM algorithms for the whole job: rank 0 times them (or reads the
             # run's plan) and the others take its choice, so every rank computes the same bits;
             # so with its settings (attention path, switches), which the others take up as a
-            # resume takes up a record (their own environment still wins, with a note)
+            # resume takes up a record (a rank that resolves otherwise, from its environment
+            # or a cuDNN that does not start, is refused below: check_same_collectives)
             if self.world.main:
                 self.trainer = Trainer(cfg, backend, backend_options=options)
                 be = self.trainer.backend
@@ -394,6 +395,14 @@ class TrainingRun:
         elif resume is not None:
             self.out.log(f"resume: no {path.name}; timing the GEMMs")
         settings = rec.cuda_settings_of(resume.state) if resume is not None else {}
+        was = resume.state.get("config", {}) if resume is not None else {}
+        was = (was.get("train") or {}).get("precision") if isinstance(was, dict) else None
+        if settings.get("attention") == "classic" and was != self.cfg.train.precision:
+            # (classic may have been fp32's only path: a run going on in another precision
+            # picks its attention afresh)
+            del settings["attention"]
+            self.out.log(f"resume: precision {was} -> {self.cfg.train.precision}: the attention "
+                         f"path is picked afresh (the run recorded classic)")
         if settings:
             self.out.log("resume: the run's CUDA settings from the checkpoint: " + ", ".join(
                 f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in settings.items()))

@@ -114,9 +114,9 @@ class CudaBackend:
             raise UserError(f"train/batch_size: expected a positive integer, got {micro_batch}")
         self.notes: list[str] = []  # what the start-up decided, for the run's log
         self._recorded = dict(settings or {})
-        # the settings that decide the bits, as resolved here, over the record they resume
-        # (a switch this start does not read is carried on): the run records them
-        self.settings: dict[str, bool | str] = dict(self._recorded)
+        # the settings that decide the bits, as resolved here (then the record's others, carried
+        # on: a switch this start does not read): the run records them
+        self.settings: dict[str, bool | str] = {}
         attention = attention or default_attention()
         if attention not in ATTENTIONS:
             raise UserError(f"attention: expected auto, cudnn or classic, got {attention!r}")
@@ -259,6 +259,8 @@ class CudaBackend:
         # are made at the start of the pass) nor data-parallel steps.
         self.defer_update = (self.fused_step and self.side is not None and not self.fp8
                              and self._flag("ANDREA_DEFER_ADAMW"))
+        for name, value in self._recorded.items():  # after the resolved ones: never crowded out
+            self.settings.setdefault(name, value)
         self._update_pending = False
         self.p, self.g = plan["params"], plan["grads"]
         self.plp = plan["params_lp"] if precision != "fp32" else self.p
