@@ -75,6 +75,7 @@ class TrainingRun:
         self.ckpt_root = run_dir / "checkpoints"
         self.world = world = world_from_env()
         self.channel: Channel | None = None  # the other ranks, when there are any
+        self._saved_precision: str | None = None  # a resumed run's train.precision
         # Rank 0 owns the run directory; `andrea-train --gpus` holds its lock for the job.
         self.lock = (EngineLock().acquire(run_dir)  # refuses when another engine holds the run
                      if world.main and world.launcher_pid is None else None)
@@ -216,6 +217,7 @@ class TrainingRun:
         if ignored:
             self._warn_ignored(ignored)
         self.cfg = saved
+        self._saved_precision = saved.train.precision  # the run's, before any --precision
         if self.args.max_steps is not None and self.args.max_steps < ck.step:
             raise UserError(f"--max-steps {self.args.max_steps}: the run is already at step "
                             f"{ck.step} ({path.name}); give a larger number")
@@ -395,8 +397,7 @@ class TrainingRun:
         elif resume is not None:
             self.out.log(f"resume: no {path.name}; timing the GEMMs")
         settings = rec.cuda_settings_of(resume.state) if resume is not None else {}
-        was = resume.state.get("config", {}) if resume is not None else {}
-        was = (was.get("train") or {}).get("precision") if isinstance(was, dict) else None
+        was = self._saved_precision
         if settings.get("attention") == "classic" and was != self.cfg.train.precision:
             # (classic may have been fp32's only path: a run going on in another precision
             # picks its attention afresh)
