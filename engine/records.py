@@ -883,9 +883,15 @@ STATE_CUDA_SETTINGS = "cuda_settings"
 
 
 def cuda_settings_of(state: Any) -> dict[str, bool | str]:
-    """The CUDA settings a checkpoint's state.json records ({} when none): switch names with
+    """The CUDA settings a checkpoint's state.json records ({} when none): see
+    parse_cuda_settings."""
+    return parse_cuda_settings(state.get(STATE_CUDA_SETTINGS) if isinstance(state, Mapping)
+                               else None)
+
+
+def parse_cuda_settings(got: Any) -> dict[str, bool | str]:
+    """CUDA settings as recorded (state.json, or rank 0's for the other ranks): switch names with
     booleans, and "attention" with "cudnn" or "classic"; anything else is left out."""
-    got = state.get(STATE_CUDA_SETTINGS) if isinstance(state, Mapping) else None
     if not isinstance(got, Mapping):
         return {}
     out: dict[str, bool | str] = {}

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.backends.cuda.backend import switch_value
+from engine.backends.cuda.backend import CudaBackend, switch_value
+from engine.backends.cuda.runtime import Gpu
+from engine.errors import UserError
+from engine.model.layout import ModelShapes
 from engine.records import STATE_CUDA_SETTINGS, cuda_settings_of
 
 
@@ -51,12 +54,10 @@ def test_a_hostile_record_leaves_only_what_it_may_hold() -> None:
     assert len(cuda_settings_of({STATE_CUDA_SETTINGS: flood})) == 64
 
 
-def _bare_backend(recorded: dict) -> object:
+def _bare_backend(recorded: dict) -> CudaBackend:
     """A CudaBackend with only what `_flag` reads: no GPU needed."""
-    from engine.backends.cuda.backend import CudaBackend
-
     bk = object.__new__(CudaBackend)
-    bk.notes, bk._recorded, bk.settings = [], dict(recorded), dict(recorded)
+    bk.notes, bk._recorded, bk.settings = [], dict(recorded), {}
     return bk
 
 
@@ -73,15 +74,52 @@ def test_flag_takes_up_the_record_and_notes_an_environment_against_it(monkeypatc
     monkeypatch.setenv("ANDREA_SIDE_STREAM", "0")
     assert bk._flag("ANDREA_SIDE_STREAM") is False  # nothing recorded: nothing to note
     assert len(bk.notes) == 1
-    # what the next checkpoint records: every switch as resolved, the attention path carried on
+    # what the next checkpoint records: every switch as resolved
     assert bk.settings == {"ANDREA_RESID_GEMM": True, "ANDREA_QKV_ROWS": False,
-                           "ANDREA_SIDE_STREAM": False, "attention": "cudnn"}
+                           "ANDREA_SIDE_STREAM": False}
+
+
+class _NoGpu(Exception):
+    """Raised where CudaBackend.__init__ first asks for the GPU: what it decided before is
+    checked on the CPU."""
+
+
+SHAPES = ModelShapes(n_layer=1, d_model=64, n_head=2, d_ff=128, vocab_size=64, seq_len=16)
+
+
+def _start_until_the_gpu(monkeypatch, **kw) -> CudaBackend:
+    def no_gpu() -> None:
+        raise _NoGpu
+
+    monkeypatch.setattr(Gpu, "get", staticmethod(no_gpu))
+    bk = object.__new__(CudaBackend)
+    with pytest.raises(_NoGpu):
+        bk.__init__(SHAPES, 2, **kw)
+    return bk
+
+
+def test_fp8_over_a_recorded_fusions_off_turns_them_on_and_says_so(monkeypatch) -> None:
+    monkeypatch.delenv("ANDREA_FUSIONS", raising=False)
+    bk = _start_until_the_gpu(monkeypatch, precision="fp8",
+                              settings={"ANDREA_FUSIONS": False})
+    assert bk.fusions is True and bk.settings["ANDREA_FUSIONS"] is True
+    assert any("the run recorded 0, and fp8 runs on the fused path" in n for n in bk.notes)
+    # the record alone: bf16 keeps it
+    bk = _start_until_the_gpu(monkeypatch, precision="bf16", settings={"ANDREA_FUSIONS": False})
+    assert bk.fusions is False and bk.notes == []
+
+
+def test_fp8_with_fusions_off_in_the_environment_is_refused(monkeypatch) -> None:
+    """The environment's word over the record: fp8 without the fused path is a user error."""
+    monkeypatch.setenv("ANDREA_FUSIONS", "0")
+    with pytest.raises(UserError, match="ANDREA_FUSIONS=0 turns it off"):
+        object.__new__(CudaBackend).__init__(SHAPES, 2, precision="fp8",
+                                             settings={"ANDREA_FUSIONS": True})
 
 
 def test_data_parallel_ranks_that_compute_otherwise_are_refused() -> None:
     """Only rank 0 writes a log, so a rank whose attention path or switch resolved otherwise
     (its own environment, a cuDNN that does not start there) is refused, naming both values."""
-    from engine.errors import UserError
     from engine.run.ddp import check_same_collectives, collective_settings
 
     class Reducer:

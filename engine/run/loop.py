@@ -308,7 +308,7 @@ class TrainingRun:
                 got = json.loads(self.channel.broadcast(b""))
                 self.trainer = Trainer(cfg, backend, backend_options={
                     **options, "gemm_plan": got["plan"],
-                    "settings": rec.cuda_settings_of({rec.STATE_CUDA_SETTINGS: got["settings"]})})
+                    "settings": rec.parse_cuda_settings(got["settings"])})
         else:
             self.trainer = Trainer(cfg, backend, backend_options=options)
         topology: dict[str, Any] = {}

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.records import cuda_settings_of
 from tests.conftest import (
     engine_cmd,
     loss_records,
@@ -32,6 +33,41 @@ def trajectory(run: Path) -> list[tuple]:
     return [tuple(json.dumps(getattr(r, k), sort_keys=True) for k in KEYS) for r in loss_records(run)]
 
 
+def stop_at_k(cfg: Path, run: Path, args: tuple[str, ...], env: dict[str, str]) -> None:
+    """andrea-train in `run` with exactly the environment `env`, SIGTERM once step K is
+    recorded: it writes its stop checkpoint and exits 0, before step N."""
+    proc = start_engine(cfg, run, *args, env=env)
+    wait_for_step(run, K, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert json.loads((run / "state.json").read_text())["status"] == "stopped"
+    assert max(r.step for r in loss_records(run)) < N
+
+
+def train(cfg: Path, run: Path, args: tuple[str, ...], env: dict[str, str]) -> None:
+    """andrea-train to its end with exactly the environment `env`."""
+    r = subprocess.run(engine_cmd(cfg, run, *args), capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def assert_same_as_straight(tmp_path: Path, cfg: Path, run: Path, plan: str,
+                            args: tuple[str, ...], env: dict[str, str]) -> None:
+    """N steps straight on the GPU, given the stopped run's GEMM plan (timing twice may pick
+    other algorithms: the plan is what makes runs repeatable), give the very records and final
+    model.ckpt bytes of the stopped and resumed `run`."""
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    (straight / "gemm_plan.json").write_text(plan)
+    train(cfg, straight, args, env)
+    state = json.loads((straight / "state.json").read_text())
+    assert "sm_" in state.get("device", ""), state  # it really ran on the GPU
+    assert trajectory(run) == trajectory(straight)
+    ckpt = f"checkpoints/step_{N:08d}/model.ckpt"
+    assert (run / ckpt).read_bytes() == (straight / ckpt).read_bytes()
+
+
 @pytest.mark.parametrize(("attention", "rows"), [("auto", "1"), ("classic", "1"), ("auto", "0")],
                          ids=["auto", "classic", "auto-qkv-slabs"])
 def test_sigterm_resume_on_gpu_is_bit_exact(attention: str, rows: str, tmp_path: Path,
@@ -45,38 +81,19 @@ def test_sigterm_resume_on_gpu_is_bit_exact(attention: str, rows: str, tmp_path:
     cfg = tmp_path / "cfg.json"
     cfg.write_text(json.dumps(micro_config_dict(max_steps=N, precision="bf16")))
     args = (*CUDA, "--attention", attention)
-    tuned = {"ANDREA_GEMM_TUNE": "1", "ANDREA_QKV_ROWS": rows}
-    popen_env = {**os.environ, **tuned}
+    env = {**os.environ, "ANDREA_GEMM_TUNE": "1", "ANDREA_QKV_ROWS": rows}
     run = tmp_path / "stopped"
-    proc = start_engine(cfg, run, *args, env=popen_env)
-    wait_for_step(run, K, proc)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, out
-    assert json.loads((run / "state.json").read_text())["status"] == "stopped"
-    stopped_at = max(r.step for r in loss_records(run))
-    assert stopped_at < N
+    stop_at_k(cfg, run, args, env)
     plan = (run / "gemm_plan.json").read_text()
     assert json.loads(plan)["gemms"], "no GEMM was timed"
-    r = run_engine(cfg, run, "--resume", *args, env=tuned)
-    assert r.returncode == 0, r.stdout + r.stderr
+    train(cfg, run, ("--resume", *args), env)
     log = (run / "engine.log").read_text()
     assert "GEMM algorithms from gemm_plan.json" in log, log[-2000:]
     if "attention cudnn" in log and "cuDNN refuses Q, K, V in rows" not in log:
         # where cuDNN runs (and takes the rows), the Q, K, V layout is the one asked for
         assert ("(ANDREA_QKV_ROWS)" in log) == (rows == "1"), log[-2000:]
     assert (run / "gemm_plan.json").read_text() == plan  # the resume kept it
-
-    straight = tmp_path / "straight"
-    straight.mkdir()
-    (straight / "gemm_plan.json").write_text(plan)
-    r = run_engine(cfg, straight, *args, env=tuned)
-    assert r.returncode == 0, r.stdout + r.stderr
-    state = json.loads((straight / "state.json").read_text())
-    assert "sm_" in state.get("device", ""), state  # it really ran on the GPU
-    assert trajectory(run) == trajectory(straight)
-    ckpt = f"checkpoints/step_{N:08d}/model.ckpt"
-    assert (run / ckpt).read_bytes() == (straight / ckpt).read_bytes()
+    assert_same_as_straight(tmp_path, cfg, run, plan, args, env)
 
 
 @pytest.mark.parametrize("first, then", [("cuda", "numpy"), ("numpy", "cuda")])
@@ -119,39 +136,22 @@ def test_resume_takes_up_the_runs_recorded_switches(tmp_path: Path, prepared_dat
     base["ANDREA_GEMM_TUNE"] = "1"
     on = {**base, "ANDREA_RESID_GEMM": "1"}
     run = tmp_path / "stopped"
-    proc = start_engine(cfg, run, *CUDA, env=on)
-    wait_for_step(run, K, proc)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, out
+    stop_at_k(cfg, run, CUDA, on)
     states = sorted((run / "checkpoints").glob("step_*/state.json"))
     assert states, "no checkpoint"
-    settings = json.loads(states[-1].read_text())["cuda_settings"]
+    settings = cuda_settings_of(json.loads(states[-1].read_text()))
     assert settings["ANDREA_RESID_GEMM"] is True and settings["attention"] in ("cudnn", "classic")
     plan = (run / "gemm_plan.json").read_text()
-    r = subprocess.run(engine_cmd(cfg, run, "--resume", *CUDA), capture_output=True, text=True,
-                       timeout=300, env=base)
-    assert r.returncode == 0, r.stdout + r.stderr
+    train(cfg, run, ("--resume", *CUDA), base)  # nothing said: the record's switch
     log = (run / "engine.log").read_text()
     assert "the run's CUDA settings from the checkpoint" in log, log[-2000:]
     starts = [line for line in log.splitlines() if re.search(r"cuda: attention .*; GEMMs", line)]
     assert len(starts) == 2, log[-3000:]  # the start and the resume: both with the switch on
     assert all("residual adds in the GEMM epilogues (ANDREA_RESID_GEMM)" in s for s in starts)
-
-    straight = tmp_path / "straight"
-    straight.mkdir()
-    (straight / "gemm_plan.json").write_text(plan)
-    r = subprocess.run(engine_cmd(cfg, straight, *CUDA), capture_output=True, text=True,
-                       timeout=300, env=on)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert trajectory(run) == trajectory(straight)
-    ckpt = f"checkpoints/step_{N:08d}/model.ckpt"
-    assert (run / ckpt).read_bytes() == (straight / ckpt).read_bytes()
+    assert_same_as_straight(tmp_path, cfg, run, plan, CUDA, on)
 
     # told otherwise: the environment wins, and the log says the bits now differ
-    r = subprocess.run(engine_cmd(cfg, run, "--resume", "--max-steps", str(N + 3), *CUDA),
-                       capture_output=True, text=True, timeout=300,
-                       env={**base, "ANDREA_RESID_GEMM": "0"})
-    assert r.returncode == 0, r.stdout + r.stderr
+    train(cfg, run, ("--resume", "--max-steps", str(N + 3), *CUDA),
+          {**base, "ANDREA_RESID_GEMM": "0"})
     log = (run / "engine.log").read_text()
     assert "ANDREA_RESID_GEMM=0 from the environment, where the run recorded 1" in log, log[-2000:]

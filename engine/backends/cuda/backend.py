@@ -125,8 +125,8 @@ class CudaBackend:
         recorded_classic = attention == "auto" and self._recorded.get("attention") == "classic"
         if recorded_classic:
             attention = "classic"
-        if fusions is None:  # (raw= names the variable for the README's table of them)
-            self.fusions = self._flag("ANDREA_FUSIONS", raw=os.environ.get("ANDREA_FUSIONS"))
+        if fusions is None:
+            self.fusions = self._flag("ANDREA_FUSIONS")
             if self.fp8 and not self.fusions and os.environ.get("ANDREA_FUSIONS") is None:
                 self.fusions = self.settings["ANDREA_FUSIONS"] = True
                 self.notes.append("ANDREA_FUSIONS: the run recorded 0, and fp8 runs on the fused "
@@ -168,7 +168,9 @@ class CudaBackend:
         # checkpoint, keep the flat layout of DESIGN §2. It changes the bits (the input
         # gradient's sum rounded once instead of three times); a resume takes up the run's
         # recorded setting (`settings`).
-        self._want_qkv_rows = self.fusions and self._flag("ANDREA_QKV_ROWS")
+        # (d² < 2³¹: the optimizer kernels' 32-bit division, buffers.qkv_seg_table)
+        self._want_qkv_rows = (self.fusions and shapes.d_model ** 2 < 2**31
+                               and self._flag("ANDREA_QKV_ROWS"))
         self.attention, self.attention_info = self._pick_attention(attention)
         if recorded_classic:
             self.attention_info = "classic (the run's recorded path)"
@@ -236,8 +238,7 @@ class CudaBackend:
             self.blas = Cublas(self.stream.handle, plan["cublas_ws"], WORKSPACE_BYTES)
             # GELU in the MLP GEMMs' epilogues (ANDREA_GELU_FUSION=0: separate GELU kernels)
             self.lt = (CublasLt(self.stream.handle, plan["cublas_ws"], WORKSPACE_BYTES)
-                       if self._flag("ANDREA_GELU_FUSION",  # (raw=: the README's table)
-                                     raw=os.environ.get("ANDREA_GELU_FUSION")) else None)
+                       if self._flag("ANDREA_GELU_FUSION") else None)
             self.ops = Ops(gpu.kernels(precision), self.blas, self.stream, precision, self.lt,
                            cudnn=self.cudnn, cudnn_ws=cws)
         self.fp8_mlp = (Fp8Mlp(self.ops, plan, shapes.n_layer, shapes.d_model, shapes.d_ff,
@@ -447,7 +448,7 @@ class CudaBackend:
         fusions: the run directory keeps it so that --resume runs the same ones."""
         return self.gemm.export_plan() if self.gemm is not None else None
 
-    def _flag(self, name: str, default: bool = True, raw: str | None = None) -> bool:
+    def _flag(self, name: str, default: bool = True) -> bool:
         """A switch, resolved once at start (switch_value: the environment, else the resumed
         run's record, else the default) and recorded in `settings`; one set in the environment
         against the run's record is noted (the bits then differ). Besides ANDREA_FUSIONS and
@@ -461,7 +462,7 @@ class CudaBackend:
         residual adds in the GEMM epilogues, see `_forward`; off by default: no faster on the
         H200). ops.py reads ANDREA_SIDE_LN (where the LayerNorm parameter sums run; the same
         bits either way)."""
-        raw = os.environ.get(name) if raw is None else raw
+        raw = os.environ.get(name)
         recorded = self._recorded.get(name)
         value = switch_value(raw, recorded, default)
         self.settings[name] = value
