@@ -520,6 +520,12 @@ def main() -> int:
         print(f"bench_gpu.py: --variants: unknown {', '.join(map(repr, unknown))}; known: "
               f"{', '.join(VARIANTS)}", file=sys.stderr)
         return 2
+    from engine.backends import cuda_status
+
+    usable, why = cuda_status()
+    if not usable:
+        print(f"bench_gpu.py: needs a CUDA GPU with pycuda: {why}", file=sys.stderr)
+        return 2
     out: dict[str, Any] = {"rows": [], "notes": {}, "profile": {}, "loss_check": {}}
     for key in [m for m in args.profile.split(",") if m]:
         for name, opts in (("before", BEFORE), ("after", AFTER), ("fp8", FP8)):

@@ -49,6 +49,12 @@ def main() -> int:
               f"{args.shapes!r} / {args.rows!r}", file=sys.stderr)
         return 2
 
+    from engine.backends import cuda_status
+
+    usable, why = cuda_status()
+    if not usable:
+        print(f"bench_kernels: needs a CUDA GPU with pycuda: {why}", file=sys.stderr)
+        return 2
     from engine.backends.cuda.ops import LN_PARAMS_ROWS, ROWS_PER_BLOCK, Ops
     from engine.backends.cuda.runtime import Gpu
 
