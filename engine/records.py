@@ -882,23 +882,26 @@ def fp8_gemms_of(state: Any) -> list[str]:
 STATE_CUDA_SETTINGS = "cuda_settings"
 
 
-def cuda_settings_of(state: Any) -> dict[str, bool | str]:
+def cuda_settings_of(state: Any) -> dict[str, bool | int | str]:
     """The CUDA settings a checkpoint's state.json records ({} when none): see
     parse_cuda_settings."""
     return parse_cuda_settings(state.get(STATE_CUDA_SETTINGS) if isinstance(state, Mapping)
                                else None)
 
 
-def parse_cuda_settings(got: Any) -> dict[str, bool | str]:
+def parse_cuda_settings(got: Any) -> dict[str, bool | int | str]:
     """CUDA settings as recorded (state.json, or rank 0's for the other ranks): switch names with
-    booleans, and "attention" with "cudnn" or "classic"; anything else is left out."""
+    booleans, counts (ANDREA_ATTN_CHUNK) with integers from 1 to 2³¹ - 1, and "attention" with
+    "cudnn" or "classic"; anything else is left out."""
     if not isinstance(got, Mapping):
         return {}
-    out: dict[str, bool | str] = {}
+    out: dict[str, bool | int | str] = {}
     for k, v in list(got.items())[:64]:
-        if isinstance(k, str) and k.startswith("ANDREA_") and len(k) <= 64 and isinstance(v, bool):
-            out[k] = v
-        elif k == "attention" and v in ("cudnn", "classic"):
+        if not (isinstance(k, str) and k.startswith("ANDREA_") and len(k) <= 64):
+            if k == "attention" and v in ("cudnn", "classic"):
+                out[k] = v
+            continue
+        if isinstance(v, bool) or (isinstance(v, int) and 1 <= v < 2**31):
             out[k] = v
     return out
 

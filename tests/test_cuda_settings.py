@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.backends.cuda.backend import CudaBackend, switch_value
+from engine.backends.cuda.backend import CudaBackend, count_value, switch_value
 from engine.backends.cuda.runtime import Gpu
 from engine.errors import UserError
 from engine.model.layout import ModelShapes
@@ -29,11 +29,31 @@ def test_a_switch_is_the_environment_then_the_record_then_the_default(raw, recor
     assert switch_value(raw, recorded, default) is want
 
 
-def test_the_record_keeps_switches_and_the_attention_path() -> None:
+def test_the_record_keeps_switches_counts_and_the_attention_path() -> None:
     state = {STATE_CUDA_SETTINGS: {"ANDREA_QKV_ROWS": True, "ANDREA_RESID_GEMM": False,
-                                   "attention": "cudnn"}}
+                                   "ANDREA_ATTN_CHUNK": 128, "attention": "classic"}}
     assert cuda_settings_of(state) == {"ANDREA_QKV_ROWS": True, "ANDREA_RESID_GEMM": False,
-                                       "attention": "cudnn"}
+                                       "ANDREA_ATTN_CHUNK": 128, "attention": "classic"}
+
+
+@pytest.mark.parametrize(("raw", "recorded", "want"), [
+    (None, None, 256),  # nothing said: the default
+    (None, 128, 128),  # the run's record over the default
+    ("64", 128, 64),  # the environment over the record
+    (" 512 ", None, 512),
+    (None, True, 256),  # a bool is no count, nor a string, nor zero
+    (None, "64", 256),
+    (None, 0, 256),
+])
+def test_a_count_is_the_environment_then_the_record_then_the_default(raw, recorded,
+                                                                     want) -> None:
+    assert count_value("ANDREA_ATTN_CHUNK", raw, recorded, 256) == want
+
+
+@pytest.mark.parametrize("raw", ["", "abc", "0", "-4", "1.5", "1e3", str(2**31), "٣"])
+def test_a_bad_count_in_the_environment_is_a_user_error(raw) -> None:
+    with pytest.raises(UserError, match=r"ANDREA_ATTN_CHUNK: expected an integer from 1 to "):
+        count_value("ANDREA_ATTN_CHUNK", raw, None, 256)
 
 
 @pytest.mark.parametrize("state", [
@@ -48,7 +68,9 @@ def test_a_hostile_record_leaves_only_what_it_may_hold() -> None:
     """A hand-edited or corrupt state.json: values that are not booleans, names that are not
     ANDREA_* switches, an attention path that does not exist, and a flood of keys."""
     junk = {"ANDREA_QKV_ROWS": "1", "ANDREA_FUSIONS": 0, "PATH": True, "attention": "flash",
-            "ANDREA_" + "X" * 100: True, 7: True, "ANDREA_RESID_GEMM": True}
+            "ANDREA_" + "X" * 100: True, 7: True, "ANDREA_RESID_GEMM": True,
+            "ANDREA_ATTN_CHUNK": -5, "ANDREA_SIDE_STREAM": 2**40, "ANDREA_DWTE_PAD": 1.0,
+            "CHUNK": 8}
     assert cuda_settings_of({STATE_CUDA_SETTINGS: junk}) == {"ANDREA_RESID_GEMM": True}
     flood = {f"ANDREA_S{i}": True for i in range(1000)}
     assert len(cuda_settings_of({STATE_CUDA_SETTINGS: flood})) == 64
@@ -77,6 +99,26 @@ def test_flag_takes_up_the_record_and_notes_an_environment_against_it(monkeypatc
     # what the next checkpoint records: every switch as resolved
     assert bk.settings == {"ANDREA_RESID_GEMM": True, "ANDREA_QKV_ROWS": False,
                            "ANDREA_SIDE_STREAM": False}
+
+
+def test_count_takes_up_the_record_and_records_only_where_it_decides(monkeypatch) -> None:
+    monkeypatch.delenv("ANDREA_ATTN_CHUNK", raising=False)
+    bk = _bare_backend({"ANDREA_ATTN_CHUNK": 128})
+    assert bk._count("ANDREA_ATTN_CHUNK", 256) == 128 and bk.notes == []
+    assert bk.settings == {"ANDREA_ATTN_CHUNK": 128}
+    monkeypatch.setenv("ANDREA_ATTN_CHUNK", "128")  # the same as recorded: nothing to say
+    assert bk._count("ANDREA_ATTN_CHUNK", 256) == 128 and bk.notes == []
+    monkeypatch.setenv("ANDREA_ATTN_CHUNK", "64")
+    assert bk._count("ANDREA_ATTN_CHUNK", 256) == 64
+    assert bk.notes == ["ANDREA_ATTN_CHUNK=64 from the environment, where the run recorded 128: "
+                        "the bits may differ from an uninterrupted run"]
+    # cuDNN's attention has no chunks: checked, not recorded, nothing noted
+    bk = _bare_backend({"ANDREA_ATTN_CHUNK": 128})
+    assert bk._count("ANDREA_ATTN_CHUNK", 256, record=False) == 64
+    assert bk.settings == {} and bk.notes == []
+    monkeypatch.setenv("ANDREA_ATTN_CHUNK", "many")
+    with pytest.raises(UserError, match="ANDREA_ATTN_CHUNK"):
+        bk._count("ANDREA_ATTN_CHUNK", 256, record=False)
 
 
 class _NoGpu(Exception):
@@ -137,7 +179,45 @@ def test_data_parallel_ranks_that_compute_otherwise_are_refused() -> None:
     for other, said in (({**mine, "attention": "classic"}, "attention on rank 0 cudnn, on rank 1 "
                          "classic"),
                         ({**mine, "ANDREA_QKV_ROWS": False}, "ANDREA_QKV_ROWS on rank 0 on, on "
-                         "rank 1 off")):
+                         "rank 1 off"),
+                        ({**mine, "ANDREA_ATTN_CHUNK": 64}, "ANDREA_ATTN_CHUNK on rank 0 unset, "
+                         "on rank 1 64")):
         with pytest.raises(UserError) as e:
             check_same_collectives([mine, other])
         assert said in str(e.value)
+
+
+def _options_of(state: dict, tmp_path) -> tuple[dict, list[str]]:
+    """TrainingRun._backend_options for a CUDA resume from a checkpoint with this state.json,
+    on the CPU (nothing it reads needs a GPU): (the backend's options, what it logged)."""
+    from types import SimpleNamespace
+
+    from engine.run.loop import RunOptions, TrainingRun
+
+    logged: list[str] = []
+    run = object.__new__(TrainingRun)
+    run.args = RunOptions(resume=True)
+    run.out = SimpleNamespace(paths=SimpleNamespace(gemm_plan=tmp_path / "gemm_plan.json"),
+                              log=logged.append)
+    run.cfg = SimpleNamespace(train=SimpleNamespace(precision="bf16"))
+    run._saved_precision = "bf16"
+    return run._backend_options("cuda", SimpleNamespace(state=state)), logged
+
+
+def test_a_resume_takes_up_the_record_and_says_so(tmp_path) -> None:
+    opts, logged = _options_of({"backend": "cuda", STATE_CUDA_SETTINGS: {
+        "attention": "classic", "ANDREA_ATTN_CHUNK": 64, "ANDREA_QKV_ROWS": True}}, tmp_path)
+    assert opts["settings"] == {"attention": "classic", "ANDREA_ATTN_CHUNK": 64,
+                                "ANDREA_QKV_ROWS": True}
+    assert ("resume: the run's CUDA settings from the checkpoint: attention=classic, "
+            "ANDREA_ATTN_CHUNK=64, ANDREA_QKV_ROWS=1") in logged
+
+
+def test_a_checkpoint_from_before_the_record_is_said(tmp_path) -> None:
+    """A CUDA checkpoint written before runs recorded their settings: today's defaults run,
+    and the log says that the bits may then differ; a CPU checkpoint has nothing to record."""
+    opts, logged = _options_of({"backend": "cuda", "step": 40}, tmp_path)
+    assert opts["settings"] == {}
+    assert any("the checkpoint records no CUDA settings" in line for line in logged), logged
+    _, logged = _options_of({"backend": "numpy", "step": 40}, tmp_path)
+    assert not any("records no CUDA settings" in line for line in logged), logged

@@ -67,23 +67,27 @@ class NcclReducer:
         self.nccl.close()
 
 
-def collective_settings(reducer: Any, backend: Any) -> dict[str, bool | str]:
+def collective_settings(reducer: Any, backend: Any) -> dict[str, bool | int | str]:
     """What decides which NCCL calls a rank makes in a step, and in which order: the all-reduce
     inside the one-graph step or after it, the fused step, CUDA graphs (the eager warm-up); and
     what decides its bits (the backend's resolved `settings`: attention path, switches), so
     that no rank computes otherwise unseen (only rank 0 writes a log)."""
     return {**{k: v for k, v in (getattr(backend, "settings", None) or {}).items()
-               if isinstance(v, (bool, str))},
+               if isinstance(v, (bool, int, str))},
             "ANDREA_DDP_OVERLAP": bool(getattr(reducer, "in_step", False)),
             "ANDREA_FUSIONS": bool(getattr(backend, "fused_step", False)),
             "ANDREA_CUDA_GRAPHS": bool(getattr(backend, "use_graphs", False))}
 
 
-def _said(v: bool | str | None) -> str:
-    return v if isinstance(v, str) else "unset" if v is None else "on" if v else "off"
+def _said(v: bool | int | str | None) -> str:
+    if v is None:
+        return "unset"
+    if isinstance(v, bool):
+        return "on" if v else "off"
+    return str(v)
 
 
-def check_same_collectives(per_rank: list[dict[str, bool | str]]) -> None:
+def check_same_collectives(per_rank: list[dict[str, bool | int | str]]) -> None:
     """Every rank must make the same collective calls, or they pair an all-reduce of one size
     with another's and hang, and compute with the same settings: refuse a job whose ranks
     were started with other settings."""

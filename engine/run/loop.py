@@ -397,6 +397,12 @@ class TrainingRun:
         elif resume is not None:
             self.out.log(f"resume: no {path.name}; timing the GEMMs")
         settings = rec.cuda_settings_of(resume.state) if resume is not None else {}
+        if (resume is not None and isinstance(resume.state, dict)
+                and resume.state.get("backend") == "cuda"
+                and rec.STATE_CUDA_SETTINGS not in resume.state):
+            self.out.log("resume: the checkpoint records no CUDA settings (written before runs "
+                         "recorded them): today's defaults run, and where one changed since, the "
+                         "bits differ from an uninterrupted run")
         was = self._saved_precision
         if settings.get("attention") == "classic" and was != self.cfg.train.precision:
             # (classic may have been fp32's only path: a run going on in another precision

@@ -155,3 +155,25 @@ def test_resume_takes_up_the_runs_recorded_switches(tmp_path: Path, prepared_dat
           {**base, "ANDREA_RESID_GEMM": "0"})
     log = (run / "engine.log").read_text()
     assert "ANDREA_RESID_GEMM=0 from the environment, where the run recorded 1" in log, log[-2000:]
+
+
+def test_resume_takes_up_the_recorded_attention_chunk(tmp_path: Path,
+                                                       prepared_data: Path) -> None:
+    """The classic attention's chunk (ANDREA_ATTN_CHUNK, the shapes of its GEMMs) is recorded
+    with the run as the switches are: started with 16, resumed with nothing said, the run goes
+    on with 16, bit for bit the run straight with it."""
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps(micro_config_dict(max_steps=N, precision="bf16")))
+    keep = ("ANDREA_CUBIN_CACHE", "ANDREA_CUDA_DEVICE")
+    base = {k: v for k, v in os.environ.items() if not k.startswith("ANDREA_") or k in keep}
+    base["ANDREA_GEMM_TUNE"] = "1"
+    chunked = {**base, "ANDREA_ATTN_CHUNK": "16"}
+    args = (*CUDA, "--attention", "classic")
+    run = tmp_path / "stopped"
+    stop_at_k(cfg, run, args, chunked)
+    states = sorted((run / "checkpoints").glob("step_*/state.json"))
+    settings = cuda_settings_of(json.loads(states[-1].read_text()))
+    assert settings["attention"] == "classic" and settings["ANDREA_ATTN_CHUNK"] == 16, settings
+    plan = (run / "gemm_plan.json").read_text()
+    train(cfg, run, ("--resume", *CUDA), base)
+    assert_same_as_straight(tmp_path, cfg, run, plan, args, chunked)

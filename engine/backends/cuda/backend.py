@@ -54,7 +54,7 @@ from engine.backends.cuda.cublaslt import CublasLt
 from engine.backends.cuda.fp8 import GEMMS as FP8_GEMMS
 from engine.backends.cuda.fp8 import Fp8Mlp, plan_fp8
 from engine.backends.cuda.memory import format_plan
-from engine.backends.cuda.ops import Ops
+from engine.backends.cuda.ops import ATTN_CHUNK, Ops
 from engine.backends.cuda.runtime import ACT_BYTES, Gpu
 from engine.errors import RunError, UserError
 from engine.model.layout import ModelShapes, init_params, n_params, tensor_table
@@ -71,6 +71,20 @@ def default_attention() -> str:
     if a not in ATTENTIONS:
         raise UserError(f"ANDREA_ATTENTION: expected auto, cudnn or classic, got {a!r}")
     return a
+
+
+def count_value(name: str, raw: str | None, recorded: Any, default: int) -> int:
+    """A count setting's value (ANDREA_ATTN_CHUNK), as switch_value: the environment's (an
+    integer from 1 to 2³¹ - 1, else a UserError naming it), else the resumed run's record (an
+    int), else the default."""
+    if raw is not None:
+        text = raw.strip()
+        if not (text.isascii() and text.isdigit() and 1 <= int(text) < 2**31):
+            raise UserError(f"{name}: expected an integer from 1 to {2**31 - 1}, got {raw!r}")
+        return int(text)
+    if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded >= 1:
+        return recorded
+    return default
 
 
 def switch_value(raw: str | None, recorded: Any, default: bool) -> bool:
@@ -116,7 +130,7 @@ class CudaBackend:
         self._recorded = dict(settings or {})
         # the settings that decide the bits, as resolved here (then the record's others, carried
         # on: a switch this start does not read): the run records them
-        self.settings: dict[str, bool | str] = {}
+        self.settings: dict[str, bool | int | str] = {}
         attention = attention or default_attention()
         if attention not in ATTENTIONS:
             raise UserError(f"attention: expected auto, cudnn or classic, got {attention!r}")
@@ -182,6 +196,9 @@ class CudaBackend:
         # the layout cuDNN's graphs were built for decides (one place, before the GEMM copy is
         # first written): the GEMMs and the GEMM copy follow it
         self.qkv_rows = self.attention == "cudnn" and self.cudnn.rows
+        # classic attention's causal chunks: its GEMMs' shapes, so its bits (recorded there;
+        # checked whichever path runs)
+        chunk = self._count("ANDREA_ATTN_CHUNK", ATTN_CHUNK, record=self.attention == "classic")
         if (self._want_qkv_rows and self.attention != "cudnn"
                 and os.environ.get("ANDREA_QKV_ROWS") is not None):  # asked for, not the default
             self.notes.append("ANDREA_QKV_ROWS: needs cuDNN's attention; the classic one runs "
@@ -227,7 +244,8 @@ class CudaBackend:
             self.ops = Ops(gpu.kernels(precision), None, self.stream, precision,
                            gemm=self.gemm, ws=plan["cublas_ws"], side=self.side,
                            ws2=plan["cublas_ws2"], cudnn=self.cudnn, cudnn_ws=cws,
-                           event=lambda: drv.Event(drv.event_flags.DISABLE_TIMING))
+                           event=lambda: drv.Event(drv.event_flags.DISABLE_TIMING),
+                           attn_chunk=chunk)
             self.ops.counter = plan["counters"]
             if self.side is not None:
                 # two per weight-gradient GEMM (fork, done; 4 a layer, dwte) and per LayerNorm
@@ -240,7 +258,7 @@ class CudaBackend:
             self.lt = (CublasLt(self.stream.handle, plan["cublas_ws"], WORKSPACE_BYTES)
                        if self._flag("ANDREA_GELU_FUSION") else None)
             self.ops = Ops(gpu.kernels(precision), self.blas, self.stream, precision, self.lt,
-                           cudnn=self.cudnn, cudnn_ws=cws)
+                           cudnn=self.cudnn, cudnn_ws=cws, attn_chunk=chunk)
         self.fp8_mlp = (Fp8Mlp(self.ops, plan, shapes.n_layer, shapes.d_model, shapes.d_ff,
                                self.ops.act, self.train.R) if self.fp8 else None)
         self.fused_step = self.fusions
@@ -469,6 +487,20 @@ class CudaBackend:
         if raw is not None and isinstance(recorded, bool) and recorded != value:
             self.notes.append(f"{name}={raw} from the environment, where the run recorded "
                               f"{int(recorded)}: the bits may differ from an uninterrupted run")
+        return value
+
+    def _count(self, name: str, default: int, record: bool = True) -> int:
+        """A count setting, as `_flag` (count_value: the environment, checked, else the resumed
+        run's record, else the default); recorded in `settings` where it decides the bits
+        (`record`), and one set in the environment against the record is noted."""
+        raw = os.environ.get(name)
+        recorded = self._recorded.get(name)
+        value = count_value(name, raw, recorded, default)
+        if record:
+            self.settings[name] = value
+            if raw is not None and count_value(name, None, recorded, value) != value:
+                self.notes.append(f"{name}={raw} from the environment, where the run recorded "
+                                  f"{recorded}: the bits may differ from an uninterrupted run")
         return value
 
     def describe(self) -> str:

@@ -49,6 +49,9 @@ LN_ROWS_PER_CHUNK = 64  # rows per column-sum chunk of the unfused LayerNorm bac
 LN_PARAMS_ROWS = 64  # the most k_layernorm_bwd_params takes per chunk (8 per warp, 8 warps)
 LN_FUSED_ROWS = 32  # rows per block (chunk) of k_layernorm_bwd_fused: 4 per warp
 LN_FUSED_SHARED = 48 << 10  # its shared column sums must fit the default limit
+# classic attention's queries per causal chunk (ANDREA_ATTN_CHUNK, resolved and recorded by the
+# backend: the chunks are its GEMMs' shapes, so its bits)
+ATTN_CHUNK = 256
 NORM_BLOCKS = 1024
 MAX_GRID = 8192
 VEC_BYTES = 16
@@ -71,7 +74,7 @@ class Ops:
     def __init__(self, kernels: dict[str, Any], blas: Cublas | None, stream: Any, precision: str,
                  lt: CublasLt | None = None, *, gemm: LtGemm | None = None, ws: int = 0,
                  side: Any = None, ws2: int = 0, cudnn: Any = None, cudnn_ws: int = 0,
-                 event: Callable[[], Any] | None = None) -> None:
+                 event: Callable[[], Any] | None = None, attn_chunk: int = ATTN_CHUNK) -> None:
         self.k, self.blas, self.stream, self.lt = kernels, blas, stream, lt
         self.gemm, self.ws, self.side, self.ws2, self.cudnn = gemm, ws, side, ws2, cudnn
         self.cudnn_ws = cudnn_ws
@@ -81,7 +84,7 @@ class Ops:
         self.fused_gelu_calls = 0  # how often the epilogue path ran (tests check it is used)
         self.act = DTYPE_OF_PRECISION[precision]
         self.esize = 4 if precision == "fp32" else 2  # bytes per activation element
-        self.attn_chunk = int(os.environ.get("ANDREA_ATTN_CHUNK", "256"))
+        self.attn_chunk = attn_chunk  # classic attention's causal chunk (queries)
         self.ln_rows = LN_ROWS_PER_CHUNK  # chunk rows of the unfused LayerNorm backward
         # ... and of the fused one: the partial is sized for LN_FUSED_ROWS (buffers.py), so
         # fewer rows (more chunks) only where the caller's partial holds them (bench_kernels)
