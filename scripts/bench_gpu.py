@@ -57,7 +57,7 @@ BEFORE = {"attention": "classic", "fusions": False}
 STEP_HP = {"loss_scale": 1.0, "grad_mult": 1.0, "lr": 3e-4, "beta1": 0.9, "beta2": 0.95,
            "eps": 1e-8, "weight_decay": 0.1, "max_norm": 1.0}
 FP8 = {**AFTER, "precision": "fp8"}  # train/precision "fp8": the MLP's GEMMs in FP8 (--fp8)
-# the default with one fusion switched (CudaBackend._flag), timed beside it: --variants
+# the default with one fusion switched (engine/backends/cuda/settings.py), timed beside it: --variants
 VARIANTS = {"andrea no QKV rows": {"ANDREA_QKV_ROWS": "0"},
             "andrea no side stream": {"ANDREA_SIDE_STREAM": "0"},
             "andrea with fused LN": {"ANDREA_FUSED_LN": "1"},

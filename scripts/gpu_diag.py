@@ -4,7 +4,7 @@ Each case runs in its own process (a crash there cannot poison the others): two 
 same model, one after the other in that process, each from the same weights through the same
 steps (the fused one-graph step at full length, forward_backward at a shorter one); their
 losses and weights must agree bit for bit. A case names a model, an attention and a set of
-switches that turn one fusion off (engine/backends/cuda/backend.py `CudaBackend._flag`), so a failure can be
+switches that turn one fusion off (engine/backends/cuda/settings.py `CudaSettings.flag`), so a failure can be
 pinned on one of them. Prints one line per case, then the failing case's error text.
 
     python3 scripts/gpu_diag.py [--jobs 4] [--sync]   (--sync: wait after every launch)

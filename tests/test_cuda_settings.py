@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.backends.cuda.backend import CudaBackend, count_value, switch_value
+from engine.backends.cuda.backend import CudaBackend
 from engine.backends.cuda.runtime import Gpu
+from engine.backends.cuda.settings import CudaSettings, count_value, switch_value
 from engine.errors import UserError
 from engine.model.layout import ModelShapes
 from engine.records import STATE_CUDA_SETTINGS, cuda_settings_of
@@ -76,49 +77,46 @@ def test_a_hostile_record_leaves_only_what_it_may_hold() -> None:
     assert len(cuda_settings_of({STATE_CUDA_SETTINGS: flood})) == 64
 
 
-def _bare_backend(recorded: dict) -> CudaBackend:
-    """A CudaBackend with only what `_flag` reads: no GPU needed."""
-    bk = object.__new__(CudaBackend)
-    bk.notes, bk._recorded, bk.settings = [], dict(recorded), {}
-    return bk
+def _settings(recorded: dict) -> CudaSettings:
+    return CudaSettings(recorded, [])
 
 
 def test_flag_takes_up_the_record_and_notes_an_environment_against_it(monkeypatch) -> None:
     for name in ("ANDREA_RESID_GEMM", "ANDREA_QKV_ROWS", "ANDREA_SIDE_STREAM"):
         monkeypatch.delenv(name, raising=False)
-    bk = _bare_backend({"ANDREA_RESID_GEMM": True, "ANDREA_QKV_ROWS": True, "attention": "cudnn"})
-    assert bk._flag("ANDREA_RESID_GEMM", default=False) is True  # the record over the default
-    assert bk.notes == []
+    st = _settings({"ANDREA_RESID_GEMM": True, "ANDREA_QKV_ROWS": True, "attention": "cudnn"})
+    assert st.flag("ANDREA_RESID_GEMM", default=False) is True  # the record over the default
+    assert st.notes == []
     monkeypatch.setenv("ANDREA_QKV_ROWS", "0")
-    assert bk._flag("ANDREA_QKV_ROWS") is False  # the environment over the record, said
-    assert bk.notes == ["ANDREA_QKV_ROWS=0 from the environment, where the run recorded 1: the "
+    assert st.flag("ANDREA_QKV_ROWS") is False  # the environment over the record, said
+    assert st.notes == ["ANDREA_QKV_ROWS=0 from the environment, where the run recorded 1: the "
                         "bits may differ from an uninterrupted run"]
     monkeypatch.setenv("ANDREA_SIDE_STREAM", "0")
-    assert bk._flag("ANDREA_SIDE_STREAM") is False  # nothing recorded: nothing to note
-    assert len(bk.notes) == 1
+    assert st.flag("ANDREA_SIDE_STREAM") is False  # nothing recorded: nothing to note
+    assert len(st.notes) == 1
     # what the next checkpoint records: every switch as resolved
-    assert bk.settings == {"ANDREA_RESID_GEMM": True, "ANDREA_QKV_ROWS": False,
+    assert st.values == {"ANDREA_RESID_GEMM": True, "ANDREA_QKV_ROWS": False,
                            "ANDREA_SIDE_STREAM": False}
 
 
 def test_count_takes_up_the_record_and_records_only_where_it_decides(monkeypatch) -> None:
     monkeypatch.delenv("ANDREA_ATTN_CHUNK", raising=False)
-    bk = _bare_backend({"ANDREA_ATTN_CHUNK": 128})
-    assert bk._count("ANDREA_ATTN_CHUNK", 256) == 128 and bk.notes == []
-    assert bk.settings == {"ANDREA_ATTN_CHUNK": 128}
+    st = _settings({"ANDREA_ATTN_CHUNK": 128})
+    assert st.count("ANDREA_ATTN_CHUNK", 256) == 128 and st.notes == []
+    assert st.values == {"ANDREA_ATTN_CHUNK": 128}
     monkeypatch.setenv("ANDREA_ATTN_CHUNK", "128")  # the same as recorded: nothing to say
-    assert bk._count("ANDREA_ATTN_CHUNK", 256) == 128 and bk.notes == []
+    assert st.count("ANDREA_ATTN_CHUNK", 256) == 128 and st.notes == []
     monkeypatch.setenv("ANDREA_ATTN_CHUNK", "64")
-    assert bk._count("ANDREA_ATTN_CHUNK", 256) == 64
-    assert bk.notes == ["ANDREA_ATTN_CHUNK=64 from the environment, where the run recorded 128: "
+    assert st.count("ANDREA_ATTN_CHUNK", 256) == 64
+    assert st.notes == ["ANDREA_ATTN_CHUNK=64 from the environment, where the run recorded 128: "
                         "the bits may differ from an uninterrupted run"]
     # cuDNN's attention has no chunks: checked, not recorded, nothing noted
-    bk = _bare_backend({"ANDREA_ATTN_CHUNK": 128})
-    assert bk._count("ANDREA_ATTN_CHUNK", 256, record=False) == 64
-    assert bk.settings == {} and bk.notes == []
+    st = _settings({"ANDREA_ATTN_CHUNK": 128})
+    assert st.count("ANDREA_ATTN_CHUNK", 256, record=False) == 64
+    assert st.values == {} and st.notes == []
     monkeypatch.setenv("ANDREA_ATTN_CHUNK", "many")
     with pytest.raises(UserError, match="ANDREA_ATTN_CHUNK"):
-        bk._count("ANDREA_ATTN_CHUNK", 256, record=False)
+        st.count("ANDREA_ATTN_CHUNK", 256, record=False)
 
 
 class _NoGpu(Exception):

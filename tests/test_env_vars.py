@@ -9,9 +9,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # os.environ.get("ANDREA_X" ...), os.environ["ANDREA_X"], os.getenv("ANDREA_X"), a module
 # constant naming one (`TOKEN = "ANDREA_X"`, read through it), or the CUDA backend's readers of
-# switches and counts (`self._flag("ANDREA_X"`, `self._count("ANDREA_X"`)
+# switches and counts (`.flag("ANDREA_X"`, `.count("ANDREA_X"`: engine/backends/cuda/settings.py)
 READ = re.compile(
-    r"""(?:environ\.get\(|environ\[|getenv\(|_flag\(|_count\(|^[A-Z_]+ = )\s*["'](ANDREA_\w+)["']""",
+    r"""(?:environ\.get\(|environ\[|getenv\(|\.flag\(|\.count\(|^[A-Z_]+ = )\s*["'](ANDREA_\w+)["']""",
     re.M)
 ROW = re.compile(r"^\| `(ANDREA_\w+)` \|", re.M)
 # a variable named in a row of the table (the fusion switches share ANDREA_FUSIONS's row)

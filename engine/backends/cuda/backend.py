@@ -56,44 +56,14 @@ from engine.backends.cuda.fp8 import Fp8Mlp, plan_fp8
 from engine.backends.cuda.memory import format_plan
 from engine.backends.cuda.ops import ATTN_CHUNK, Ops
 from engine.backends.cuda.runtime import ACT_BYTES, Gpu
+from engine.backends.cuda.settings import ATTENTIONS, CudaSettings, default_attention
 from engine.errors import RunError, UserError
 from engine.model.layout import ModelShapes, init_params, n_params, tensor_table
 
 ADAMW_MAX_SEGS = 1024  # the same cap as kernels/optim.cu
 STEP_SLOTS = 2  # fused steps that can be queued at once (launch_step before step_result)
 SAFETY_BYTES = 256 << 20  # left free for the driver, cuBLAS's own state and graph instantiation
-ATTENTIONS = ("auto", "cudnn", "classic")
 TIMING_REPS = 5
-
-
-def default_attention() -> str:
-    a = os.environ.get("ANDREA_ATTENTION", "auto")
-    if a not in ATTENTIONS:
-        raise UserError(f"ANDREA_ATTENTION: expected auto, cudnn or classic, got {a!r}")
-    return a
-
-
-def count_value(name: str, raw: str | None, recorded: Any, default: int) -> int:
-    """A count setting's value (ANDREA_ATTN_CHUNK), as switch_value: the environment's (an
-    integer from 1 to 2³¹ - 1, else a UserError naming it), else the resumed run's record (an
-    int), else the default."""
-    if raw is not None:
-        text = raw.strip()
-        if not (text.isascii() and text.isdigit() and 1 <= int(text) < 2**31):
-            raise UserError(f"{name}: expected an integer from 1 to {2**31 - 1}, got {raw!r}")
-        return int(text)
-    if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded >= 1:
-        return recorded
-    return default
-
-
-def switch_value(raw: str | None, recorded: Any, default: bool) -> bool:
-    """A switch's value: the environment's when it is set (raw; "0" is off, anything else on),
-    else the one the run being resumed recorded (a bool, from its checkpoint's state.json:
-    engine.records.cuda_settings_of), else the default."""
-    if raw is not None:
-        return raw != "0"
-    return recorded if isinstance(recorded, bool) else default
 
 
 class CudaBackend:
@@ -127,20 +97,20 @@ class CudaBackend:
         if micro_batch < 1:
             raise UserError(f"train/batch_size: expected a positive integer, got {micro_batch}")
         self.notes: list[str] = []  # what the start-up decided, for the run's log
-        self._recorded = dict(settings or {})
-        # the settings that decide the bits, as resolved here (then the record's others, carried
-        # on: a switch this start does not read): the run records them
-        self.settings: dict[str, bool | int | str] = {}
+        # the settings that decide the bits, as resolved here (settings.py; then the record's
+        # others, carried on: one this start does not read): the run records them
+        self._cuda = CudaSettings(settings, self.notes)
+        self.settings = self._cuda.values
         attention = attention or default_attention()
         if attention not in ATTENTIONS:
             raise UserError(f"attention: expected auto, cudnn or classic, got {attention!r}")
         # auto prefers cuDNN, so a recorded cudnn needs nothing (and where cuDNN cannot run
         # now, auto falls back and a note says so); a recorded classic stays classic
-        recorded_classic = attention == "auto" and self._recorded.get("attention") == "classic"
+        recorded_classic = attention == "auto" and self._cuda.recorded.get("attention") == "classic"
         if recorded_classic:
             attention = "classic"
         if fusions is None:
-            self.fusions = self._flag("ANDREA_FUSIONS")
+            self.fusions = self._cuda.flag("ANDREA_FUSIONS")
             if self.fp8 and not self.fusions and os.environ.get("ANDREA_FUSIONS") is None:
                 self.fusions = self.settings["ANDREA_FUSIONS"] = True
                 self.notes.append("ANDREA_FUSIONS: the run recorded 0, and fp8 runs on the fused "
@@ -184,21 +154,21 @@ class CudaBackend:
         # recorded setting (`settings`).
         # (d² < 2³¹: the optimizer kernels' 32-bit division, buffers.qkv_seg_table)
         self._want_qkv_rows = (self.fusions and shapes.d_model ** 2 < 2**31
-                               and self._flag("ANDREA_QKV_ROWS"))
+                               and self._cuda.flag("ANDREA_QKV_ROWS"))
         self.attention, self.attention_info = self._pick_attention(attention)
         if recorded_classic:
             self.attention_info = "classic (the run's recorded path)"
         self.settings["attention"] = self.attention
-        if self._recorded.get("attention") not in (None, self.attention):
+        if self._cuda.recorded.get("attention") not in (None, self.attention):
             self.notes.append(f"attention {self.attention}, where the run recorded "
-                              f"{self._recorded['attention']}: the bits differ from an "
+                              f"{self._cuda.recorded['attention']}: the bits differ from an "
                               f"uninterrupted run")
         # the layout cuDNN's graphs were built for decides (one place, before the GEMM copy is
         # first written): the GEMMs and the GEMM copy follow it
         self.qkv_rows = self.attention == "cudnn" and self.cudnn.rows
         # classic attention's causal chunks: its GEMMs' shapes, so its bits (recorded there;
         # checked whichever path runs)
-        chunk = self._count("ANDREA_ATTN_CHUNK", ATTN_CHUNK, record=self.attention == "classic")
+        chunk = self._cuda.count("ANDREA_ATTN_CHUNK", ATTN_CHUNK, record=self.attention == "classic")
         if (self._want_qkv_rows and self.attention != "cudnn"
                 and os.environ.get("ANDREA_QKV_ROWS") is not None):  # asked for, not the default
             self.notes.append("ANDREA_QKV_ROWS: needs cuDNN's attention; the classic one runs "
@@ -240,7 +210,7 @@ class CudaBackend:
             if plan_refused:
                 self.notes.append(plan_refused)
             # the weight-gradient stream (non-blocking)
-            self.side = drv.Stream(flags=1) if self._flag("ANDREA_SIDE_STREAM") else None
+            self.side = drv.Stream(flags=1) if self._cuda.flag("ANDREA_SIDE_STREAM") else None
             self.ops = Ops(gpu.kernels(precision), None, self.stream, precision,
                            gemm=self.gemm, ws=plan["cublas_ws"], side=self.side,
                            ws2=plan["cublas_ws2"], cudnn=self.cudnn, cudnn_ws=cws,
@@ -256,30 +226,29 @@ class CudaBackend:
             self.blas = Cublas(self.stream.handle, plan["cublas_ws"], WORKSPACE_BYTES)
             # GELU in the MLP GEMMs' epilogues (ANDREA_GELU_FUSION=0: separate GELU kernels)
             self.lt = (CublasLt(self.stream.handle, plan["cublas_ws"], WORKSPACE_BYTES)
-                       if self._flag("ANDREA_GELU_FUSION") else None)
+                       if self._cuda.flag("ANDREA_GELU_FUSION") else None)
             self.ops = Ops(gpu.kernels(precision), self.blas, self.stream, precision, self.lt,
                            cudnn=self.cudnn, cudnn_ws=cws, attn_chunk=chunk)
         self.fp8_mlp = (Fp8Mlp(self.ops, plan, shapes.n_layer, shapes.d_model, shapes.d_ff,
                                self.ops.act, self.train.R) if self.fp8 else None)
         self.fused_step = self.fusions
-        self.fused_ln = self.fusions and self._flag("ANDREA_FUSED_LN", default=False)
+        self.fused_ln = self.fusions and self._cuda.flag("ANDREA_FUSED_LN", default=False)
         # the forward's residual adds in the epilogues of the attention-output and MLP-output
         # GEMMs (beta 1, C = the residual stream), then the plain LayerNorm: cuBLASLt's GEMMs
         # only (a C apart from D). It changes the bits (the sum rounded once instead of the
         # projection and then the sum), so a run resumes with the setting it started with.
         self.resid_gemm = (self.fusions and self.gemm is not None
-                           and self._flag("ANDREA_RESID_GEMM", default=False))
-        self.write_grads = self._flag("ANDREA_WRITE_GRADS")
-        self.dwte_pad = self.S if self._flag("ANDREA_DWTE_PAD") else 0
+                           and self._cuda.flag("ANDREA_RESID_GEMM", default=False))
+        self.write_grads = self._cuda.flag("ANDREA_WRITE_GRADS")
+        self.dwte_pad = self.S if self._cuda.flag("ANDREA_DWTE_PAD") else 0
         # A fused step may leave its AdamW update pending (k_step_clip recorded it): the next
         # step's graph applies it layer by layer on the weight-gradient stream while its
         # forward runs, each layer's forward waiting for its own range; anything else that
         # touches the state applies it first (_settle_update). Not with FP8 (its weight copies
         # are made at the start of the pass) nor data-parallel steps.
         self.defer_update = (self.fused_step and self.side is not None and not self.fp8
-                             and self._flag("ANDREA_DEFER_ADAMW"))
-        for name, value in self._recorded.items():  # after the resolved ones: never crowded out
-            self.settings.setdefault(name, value)
+                             and self._cuda.flag("ANDREA_DEFER_ADAMW"))
+        self._cuda.carry_recorded()
         self._update_pending = False
         self.p, self.g = plan["params"], plan["grads"]
         self.plp = plan["params_lp"] if precision != "fp32" else self.p
@@ -465,43 +434,6 @@ class CudaBackend:
         """The GEMM algorithms in use (engine.records.GemmPlan.to_json()), None without
         fusions: the run directory keeps it so that --resume runs the same ones."""
         return self.gemm.export_plan() if self.gemm is not None else None
-
-    def _flag(self, name: str, default: bool = True) -> bool:
-        """A switch, resolved once at start (switch_value: the environment, else the resumed
-        run's record, else the default) and recorded in `settings`; one set in the environment
-        against the run's record is noted (the bits then differ). Besides ANDREA_FUSIONS and
-        ANDREA_GELU_FUSION (each with its README row), a fusion's own switch, for bisecting
-        one away: ANDREA_SIDE_STREAM (the weight-gradient stream), ANDREA_FUSED_LN (the
-        one-pass LayerNorm backward: off by default, no faster in the step on the H200,
-        NOTES.md), ANDREA_WRITE_GRADS (the step writes its gradients instead of zeroing and
-        adding), ANDREA_DWTE_PAD (dwte's GEMM over the aligned rows), ANDREA_DEFER_ADAMW (a
-        step's AdamW in the next step's graph, beside its forward), ANDREA_QKV_ROWS (Q, K, V's
-        input gradient as one GEMM over K = 3d, see __init__), ANDREA_RESID_GEMM (the forward's
-        residual adds in the GEMM epilogues, see `_forward`; off by default: no faster on the
-        H200). ops.py reads ANDREA_SIDE_LN (where the LayerNorm parameter sums run; the same
-        bits either way)."""
-        raw = os.environ.get(name)
-        recorded = self._recorded.get(name)
-        value = switch_value(raw, recorded, default)
-        self.settings[name] = value
-        if raw is not None and isinstance(recorded, bool) and recorded != value:
-            self.notes.append(f"{name}={raw} from the environment, where the run recorded "
-                              f"{int(recorded)}: the bits may differ from an uninterrupted run")
-        return value
-
-    def _count(self, name: str, default: int, record: bool = True) -> int:
-        """A count setting, as `_flag` (count_value: the environment, checked, else the resumed
-        run's record, else the default); recorded in `settings` where it decides the bits
-        (`record`), and one set in the environment against the record is noted."""
-        raw = os.environ.get(name)
-        recorded = self._recorded.get(name)
-        value = count_value(name, raw, recorded, default)
-        if record:
-            self.settings[name] = value
-            if raw is not None and count_value(name, None, recorded, value) != value:
-                self.notes.append(f"{name}={raw} from the environment, where the run recorded "
-                                  f"{recorded}: the bits may differ from an uninterrupted run")
-        return value
 
     def describe(self) -> str:
         """One line: attention, GEMMs and fusions as they run."""
