@@ -880,6 +880,10 @@ def fp8_gemms_of(state: Any) -> list[str]:
 # path, then every ANDREA_* switch it read, as resolved: CudaBackend.settings), so that a resume
 # runs with them where the environment says nothing (a default that changed since included)
 STATE_CUDA_SETTINGS = "cuda_settings"
+# the recorded CUDA settings that are counts (integers from 1 to COUNT_MAX); every other ANDREA_*
+# one is a switch (a bool): engine/backends/cuda/settings.py resolves both
+CUDA_COUNTS = ("ANDREA_ATTN_CHUNK",)
+COUNT_MAX = 2**31 - 1
 
 
 def cuda_settings_of(state: Any) -> dict[str, bool | int | str]:
@@ -891,8 +895,8 @@ def cuda_settings_of(state: Any) -> dict[str, bool | int | str]:
 
 def parse_cuda_settings(got: Any) -> dict[str, bool | int | str]:
     """CUDA settings as recorded (state.json, or rank 0's for the other ranks): switch names with
-    booleans, counts (ANDREA_ATTN_CHUNK) with integers from 1 to 2³¹ - 1, and "attention" with
-    "cudnn" or "classic"; anything else is left out."""
+    booleans, the counts (CUDA_COUNTS) with integers from 1 to COUNT_MAX, and "attention" with
+    "cudnn" or "classic"; anything else is left out (a count as a bool, a switch as a number)."""
     if not isinstance(got, Mapping):
         return {}
     out: dict[str, bool | int | str] = {}
@@ -901,7 +905,10 @@ def parse_cuda_settings(got: Any) -> dict[str, bool | int | str]:
             if k == "attention" and v in ("cudnn", "classic"):
                 out[k] = v
             continue
-        if isinstance(v, bool) or (isinstance(v, int) and 1 <= v < 2**31):
+        if k in CUDA_COUNTS:
+            if isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= COUNT_MAX:
+                out[k] = v
+        elif isinstance(v, bool):
             out[k] = v
     return out
 

@@ -51,7 +51,8 @@ def test_a_count_is_the_environment_then_the_record_then_the_default(raw, record
     assert count_value("ANDREA_ATTN_CHUNK", raw, recorded, 256) == want
 
 
-@pytest.mark.parametrize("raw", ["", "abc", "0", "-4", "1.5", "1e3", str(2**31), "٣"])
+@pytest.mark.parametrize("raw", ["", "abc", "0", "-4", "1.5", "1e3", str(2**31), "٣",
+                                 "1" * 5000])
 def test_a_bad_count_in_the_environment_is_a_user_error(raw) -> None:
     with pytest.raises(UserError, match=r"ANDREA_ATTN_CHUNK: expected an integer from 1 to "):
         count_value("ANDREA_ATTN_CHUNK", raw, None, 256)
@@ -66,13 +67,15 @@ def test_no_record_is_no_settings(state) -> None:
 
 
 def test_a_hostile_record_leaves_only_what_it_may_hold() -> None:
-    """A hand-edited or corrupt state.json: values that are not booleans, names that are not
-    ANDREA_* switches, an attention path that does not exist, and a flood of keys."""
+    """A hand-edited or corrupt state.json: switches that are not booleans, counts that are not
+    whole numbers from 1 (a bool is none), names that are not ANDREA_* settings, an attention
+    path that does not exist, and a flood of keys."""
     junk = {"ANDREA_QKV_ROWS": "1", "ANDREA_FUSIONS": 0, "PATH": True, "attention": "flash",
             "ANDREA_" + "X" * 100: True, 7: True, "ANDREA_RESID_GEMM": True,
             "ANDREA_ATTN_CHUNK": -5, "ANDREA_SIDE_STREAM": 2**40, "ANDREA_DWTE_PAD": 1.0,
-            "CHUNK": 8}
+            "CHUNK": 8, "ANDREA_WRITE_GRADS": 1}
     assert cuda_settings_of({STATE_CUDA_SETTINGS: junk}) == {"ANDREA_RESID_GEMM": True}
+    assert cuda_settings_of({STATE_CUDA_SETTINGS: {"ANDREA_ATTN_CHUNK": True}}) == {}
     flood = {f"ANDREA_S{i}": True for i in range(1000)}
     assert len(cuda_settings_of({STATE_CUDA_SETTINGS: flood})) == 64
 
@@ -119,6 +122,19 @@ def test_count_takes_up_the_record_and_records_only_where_it_decides(monkeypatch
         st.count("ANDREA_ATTN_CHUNK", 256, record=False)
 
 
+def test_a_record_without_the_count_says_the_default_runs(monkeypatch) -> None:
+    """A checkpoint recorded before the chunk was (when the README said to keep it by hand):
+    the default runs and the log says so; a start with no record at all says nothing."""
+    monkeypatch.delenv("ANDREA_ATTN_CHUNK", raising=False)
+    st = _settings({"attention": "classic", "ANDREA_FUSIONS": True})
+    assert st.count("ANDREA_ATTN_CHUNK", 256) == 256
+    assert st.notes == ["ANDREA_ATTN_CHUNK: the run's record has none (written before it was "
+                        "recorded): 256 runs; if the run ran with another, set ANDREA_ATTN_CHUNK "
+                        "to it"]
+    fresh = _settings({})
+    assert fresh.count("ANDREA_ATTN_CHUNK", 256) == 256 and fresh.notes == []
+
+
 class _NoGpu(Exception):
     """Raised where CudaBackend.__init__ first asks for the GPU: what it decided before is
     checked on the CPU."""
@@ -135,6 +151,8 @@ def _start_until_the_gpu(monkeypatch, **kw) -> CudaBackend:
     bk = object.__new__(CudaBackend)
     with pytest.raises(_NoGpu):
         bk.__init__(SHAPES, 2, **kw)
+    # what the run records and logs is the settings object's own (filled in place)
+    assert bk.settings is bk._cuda.values and bk._cuda.notes is bk.notes
     return bk
 
 
@@ -147,6 +165,12 @@ def test_fp8_over_a_recorded_fusions_off_turns_them_on_and_says_so(monkeypatch) 
     # the record alone: bf16 keeps it
     bk = _start_until_the_gpu(monkeypatch, precision="bf16", settings={"ANDREA_FUSIONS": False})
     assert bk.fusions is False and bk.notes == []
+    # the environment against the record: it wins, and the backend's notes say so
+    monkeypatch.setenv("ANDREA_FUSIONS", "1")
+    bk = _start_until_the_gpu(monkeypatch, precision="bf16", settings={"ANDREA_FUSIONS": False})
+    assert bk.fusions is True and bk.settings["ANDREA_FUSIONS"] is True
+    assert bk.notes == ["ANDREA_FUSIONS=1 from the environment, where the run recorded 0: the "
+                        "bits may differ from an uninterrupted run"]
 
 
 def test_fp8_with_fusions_off_in_the_environment_is_refused(monkeypatch) -> None:

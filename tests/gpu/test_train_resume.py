@@ -176,4 +176,10 @@ def test_resume_takes_up_the_recorded_attention_chunk(tmp_path: Path,
     assert settings["attention"] == "classic" and settings["ANDREA_ATTN_CHUNK"] == 16, settings
     plan = (run / "gemm_plan.json").read_text()
     train(cfg, run, ("--resume", *CUDA), base)
+    log = (run / "engine.log").read_text()
+    taken = [x for x in log.splitlines() if "the run's CUDA settings from the checkpoint" in x]
+    assert taken and "ANDREA_ATTN_CHUNK=16" in taken[-1], log[-2000:]
+    last = json.loads((run / "checkpoints" / f"step_{N:08d}" / "state.json").read_text())
+    final = cuda_settings_of(last)  # what the resumed run's own checkpoint records
+    assert final["attention"] == "classic" and final["ANDREA_ATTN_CHUNK"] == 16, final
     assert_same_as_straight(tmp_path, cfg, run, plan, args, chunked)

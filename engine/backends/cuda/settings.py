@@ -29,9 +29,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from engine.errors import UserError
+from engine.records import COUNT_MAX
 
 ATTENTIONS = ("auto", "cudnn", "classic")
-COUNT_MAX = 2**31 - 1
 
 
 def default_attention() -> str:
@@ -55,7 +55,9 @@ def count_value(name: str, raw: str | None, recorded: Any, default: int) -> int:
     ASCII digits, else a UserError naming it), else the record's (an int), else the default."""
     if raw is not None:
         text = raw.strip()
-        if not (text.isascii() and text.isdigit() and 1 <= int(text) <= COUNT_MAX):
+        # (at most 10 digits before int(): Python refuses to convert over 4300)
+        if not (text.isascii() and text.isdigit() and len(text) <= 10
+                and 1 <= int(text) <= COUNT_MAX):
             raise UserError(f"{name}: expected an integer from 1 to {COUNT_MAX}, got {raw!r}")
         return int(text)
     if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded >= 1:
@@ -85,7 +87,9 @@ class CudaSettings:
 
     def count(self, name: str, default: int, record: bool = True) -> int:
         """A count (module doc), resolved and checked; recorded where it decides the bits
-        (`record`: the classic attention's chunk only where the classic attention runs)."""
+        (`record`: the classic attention's chunk only where the classic attention runs). A
+        resume whose record lacks it (written before it was recorded, when the README said to
+        keep it by hand) is noted: the default then runs."""
         raw = os.environ.get(name)
         recorded = self.recorded.get(name)
         value = count_value(name, raw, recorded, default)
@@ -93,6 +97,10 @@ class CudaSettings:
             self.values[name] = value
             if raw is not None and count_value(name, None, recorded, value) != value:
                 self._differs(name, raw, recorded)
+            elif raw is None and self.recorded and name not in self.recorded:
+                self.notes.append(f"{name}: the run's record has none (written before it was "
+                                  f"recorded): {value} runs; if the run ran with another, set "
+                                  f"{name} to it")
         return value
 
     def carry_recorded(self) -> None:
