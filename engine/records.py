@@ -877,8 +877,9 @@ def fp8_gemms_of(state: Any) -> list[str]:
 
 
 # A checkpoint's state.json: the CUDA backend's settings that decide the bits (the attention
-# path, then every ANDREA_* switch it read, as resolved: CudaBackend.settings), so that a resume
-# runs with them where the environment says nothing (a default that changed since included)
+# path, then every ANDREA_* switch and count it read, as resolved: CudaBackend.settings), so that
+# a resume runs with them where the environment says nothing (a default that changed since
+# included)
 STATE_CUDA_SETTINGS = "cuda_settings"
 # the recorded CUDA settings that are counts (integers from 1 to COUNT_MAX); every other ANDREA_*
 # one is a switch (a bool): engine/backends/cuda/settings.py resolves both

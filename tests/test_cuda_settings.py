@@ -42,6 +42,7 @@ def test_the_record_keeps_switches_counts_and_the_attention_path() -> None:
     (None, 128, 128),  # the run's record over the default
     ("64", 128, 64),  # the environment over the record
     (" 512 ", None, 512),
+    ("00000000064", None, 64),  # leading zeros are no digits too many
     (None, True, 256),  # a bool is no count, nor a string, nor zero
     (None, "64", 256),
     (None, 0, 256),
@@ -52,7 +53,7 @@ def test_a_count_is_the_environment_then_the_record_then_the_default(raw, record
 
 
 @pytest.mark.parametrize("raw", ["", "abc", "0", "-4", "1.5", "1e3", str(2**31), "٣",
-                                 "1" * 5000])
+                                 "1" * 5000, "0" * 20])
 def test_a_bad_count_in_the_environment_is_a_user_error(raw) -> None:
     with pytest.raises(UserError, match=r"ANDREA_ATTN_CHUNK: expected an integer from 1 to "):
         count_value("ANDREA_ATTN_CHUNK", raw, None, 256)
@@ -127,12 +128,16 @@ def test_a_record_without_the_count_says_the_default_runs(monkeypatch) -> None:
     the default runs and the log says so; a start with no record at all says nothing."""
     monkeypatch.delenv("ANDREA_ATTN_CHUNK", raising=False)
     st = _settings({"attention": "classic", "ANDREA_FUSIONS": True})
-    assert st.count("ANDREA_ATTN_CHUNK", 256) == 256
+    assert st.count("ANDREA_ATTN_CHUNK", 256, expected=True) == 256
     assert st.notes == ["ANDREA_ATTN_CHUNK: the run's record has none (written before it was "
                         "recorded): 256 runs; if the run ran with another, set ANDREA_ATTN_CHUNK "
                         "to it"]
     fresh = _settings({})
     assert fresh.count("ANDREA_ATTN_CHUNK", 256) == 256 and fresh.notes == []
+    # a cuDNN run's record has no chunk to hold (the classic attention runs now: nothing to say
+    # of the chunk; the attention path's own note says the bits differ)
+    cudnn = _settings({"attention": "cudnn", "ANDREA_FUSIONS": True})
+    assert cudnn.count("ANDREA_ATTN_CHUNK", 256, expected=False) == 256 and cudnn.notes == []
 
 
 class _NoGpu(Exception):

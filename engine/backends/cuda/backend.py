@@ -168,7 +168,9 @@ class CudaBackend:
         self.qkv_rows = self.attention == "cudnn" and self.cudnn.rows
         # classic attention's causal chunks: its GEMMs' shapes, so its bits (recorded there;
         # checked whichever path runs)
-        chunk = self._cuda.count("ANDREA_ATTN_CHUNK", ATTN_CHUNK, record=self.attention == "classic")
+        chunk = self._cuda.count("ANDREA_ATTN_CHUNK", ATTN_CHUNK,
+                                 record=self.attention == "classic",
+                                 expected=self._cuda.recorded.get("attention") == "classic")
         if (self._want_qkv_rows and self.attention != "cudnn"
                 and os.environ.get("ANDREA_QKV_ROWS") is not None):  # asked for, not the default
             self.notes.append("ANDREA_QKV_ROWS: needs cuDNN's attention; the classic one runs "

@@ -55,8 +55,8 @@ def count_value(name: str, raw: str | None, recorded: Any, default: int) -> int:
     ASCII digits, else a UserError naming it), else the record's (an int), else the default."""
     if raw is not None:
         text = raw.strip()
-        # (at most 10 digits before int(): Python refuses to convert over 4300)
-        if not (text.isascii() and text.isdigit() and len(text) <= 10
+        # (at most 10 digits before int(), leading zeros aside: Python refuses over 4300)
+        if not (text.isascii() and text.isdigit() and len(text.lstrip("0")) <= 10
                 and 1 <= int(text) <= COUNT_MAX):
             raise UserError(f"{name}: expected an integer from 1 to {COUNT_MAX}, got {raw!r}")
         return int(text)
@@ -68,7 +68,7 @@ def count_value(name: str, raw: str | None, recorded: Any, default: int) -> int:
 class CudaSettings:
     """One start's resolution of the settings: `values` (what the run records) and, appended to
     `notes` (the backend's list, for the run's log), every setting the environment gives against
-    the record."""
+    the record, and a count a resumed record should hold and does not."""
 
     def __init__(self, recorded: Mapping[str, Any] | None, notes: list[str]) -> None:
         self.recorded = dict(recorded or {})
@@ -85,11 +85,13 @@ class CudaSettings:
             self._differs(name, raw, int(recorded))
         return value
 
-    def count(self, name: str, default: int, record: bool = True) -> int:
+    def count(self, name: str, default: int, record: bool = True,
+              expected: bool = False) -> int:
         """A count (module doc), resolved and checked; recorded where it decides the bits
-        (`record`: the classic attention's chunk only where the classic attention runs). A
-        resume whose record lacks it (written before it was recorded, when the README said to
-        keep it by hand) is noted: the default then runs."""
+        (`record`: the classic attention's chunk only where the classic attention runs).
+        `expected`: the record comes from a run where it decided the bits too (a classic run's,
+        for the chunk); one that lacks it then (written before counts were recorded, when the
+        README said to keep the chunk by hand) is noted: the default runs."""
         raw = os.environ.get(name)
         recorded = self.recorded.get(name)
         value = count_value(name, raw, recorded, default)
@@ -97,7 +99,7 @@ class CudaSettings:
             self.values[name] = value
             if raw is not None and count_value(name, None, recorded, value) != value:
                 self._differs(name, raw, recorded)
-            elif raw is None and self.recorded and name not in self.recorded:
+            elif raw is None and expected and name not in self.recorded:
                 self.notes.append(f"{name}: the run's record has none (written before it was "
                                   f"recorded): {value} runs; if the run ran with another, set "
                                   f"{name} to it")
