@@ -123,20 +123,21 @@ def test_cuda_backend_without_a_gpu_is_a_clear_error(tmp_path: Path, write_confi
 
 
 @pytest.mark.slow
-def test_tiny_learns_in_150_steps(tmp_path: Path, write_config) -> None:
-    """ANDREA-tiny, 150 steps on built-in data (its learning-rate schedule over those 150).
-    Measured: 9.06 at step 1, 6.45 as the mean of steps 131–150 (their highest 6.71); 300 steps
-    gave 6.02 and 6.08 for steps 281–300 (lr 1e-3 and 3e-3) in twice the time. We test a safe
-    margin: below 7.0, two nats under ln(8449) ≈ 9.04."""
+def test_tiny_learns_in_300_steps(tmp_path: Path, write_config) -> None:
+    """ANDREA-tiny, 300 steps on built-in data, learns more than how often each token comes: the
+    mean loss of steps 281–300 below 6.4, under the unigram entropy of every built-in source
+    (6.44, 6.54, 6.67 nats: the best a model that ignores the context can do). Measured: 9.06 at
+    step 1, 6.00 as that mean (their highest 6.32); at 150 steps it was 6.45, about the unigram
+    level, which is why the run stays 300 steps long."""
     cfg = write_config(tiny_config_dict())
     run = tmp_path / "tiny"
-    r = run_engine(cfg, run, "--max-steps", "150", timeout=600)
+    r = run_engine(cfg, run, "--max-steps", "300", timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     recs = loss_records(run)
-    assert len(recs) == 150
+    assert len(recs) == 300
     assert recs[0].loss == pytest.approx(math.log(8449), abs=0.3)
     last = sum(x.loss for x in recs[-20:]) / 20
-    assert last < 7.0, last
+    assert last < 6.4, last
 
 
 def test_resume_refuses_max_steps_below_the_run(tmp_path: Path, write_config) -> None:
