@@ -33,6 +33,15 @@ def trajectory(run: Path) -> list[tuple]:
     return [tuple(json.dumps(getattr(r, k), sort_keys=True) for k in KEYS) for r in loss_records(run)]
 
 
+def settings_free_env() -> dict[str, str]:
+    """The test's environment without its ANDREA_* settings (one bisecting ANDREA_FUSIONS=0
+    away would take the setting under test with it), the cubin cache and device kept, and the
+    GEMMs timed (their plan is what a straight run is given)."""
+    keep = ("ANDREA_CUBIN_CACHE", "ANDREA_CUDA_DEVICE")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ANDREA_") or k in keep}
+    return {**env, "ANDREA_GEMM_TUNE": "1"}
+
+
 def stop_at_k(cfg: Path, run: Path, args: tuple[str, ...], env: dict[str, str]) -> None:
     """andrea-train in `run` with exactly the environment `env`, SIGTERM once step K is
     recorded: it writes its stop checkpoint and exits 0, before step N."""
@@ -129,11 +138,7 @@ def test_resume_takes_up_the_runs_recorded_switches(tmp_path: Path, prepared_dat
     environment says so in engine.log (and then computes other bits)."""
     cfg = tmp_path / "cfg.json"
     cfg.write_text(json.dumps(micro_config_dict(max_steps=N, precision="bf16")))
-    # no CUDA switch from the test's own environment (one bisecting ANDREA_FUSIONS=0 away would
-    # take the switch under test with it)
-    keep = ("ANDREA_CUBIN_CACHE", "ANDREA_CUDA_DEVICE")
-    base = {k: v for k, v in os.environ.items() if not k.startswith("ANDREA_") or k in keep}
-    base["ANDREA_GEMM_TUNE"] = "1"
+    base = settings_free_env()
     on = {**base, "ANDREA_RESID_GEMM": "1"}
     run = tmp_path / "stopped"
     stop_at_k(cfg, run, CUDA, on)
@@ -164,9 +169,7 @@ def test_resume_takes_up_the_recorded_attention_chunk(tmp_path: Path,
     on with 16, bit for bit the run straight with it."""
     cfg = tmp_path / "cfg.json"
     cfg.write_text(json.dumps(micro_config_dict(max_steps=N, precision="bf16")))
-    keep = ("ANDREA_CUBIN_CACHE", "ANDREA_CUDA_DEVICE")
-    base = {k: v for k, v in os.environ.items() if not k.startswith("ANDREA_") or k in keep}
-    base["ANDREA_GEMM_TUNE"] = "1"
+    base = settings_free_env()
     chunked = {**base, "ANDREA_ATTN_CHUNK": "16"}
     args = (*CUDA, "--attention", "classic")
     run = tmp_path / "stopped"
