@@ -894,6 +894,13 @@ def cuda_settings_of(state: Any) -> dict[str, bool | int | str]:
                                else None)
 
 
+def lacks_cuda_settings(state: Any) -> bool:
+    """A CUDA run's checkpoint state.json without the record (written before runs kept one):
+    a resume then runs today's defaults. A CPU run's has none to keep."""
+    return (isinstance(state, Mapping) and state.get("backend") == "cuda"
+            and STATE_CUDA_SETTINGS not in state)
+
+
 def parse_cuda_settings(got: Any) -> dict[str, bool | int | str]:
     """CUDA settings as recorded (state.json, or rank 0's for the other ranks): switch names with
     booleans, the counts (CUDA_COUNTS) with integers from 1 to COUNT_MAX, and "attention" with

@@ -43,6 +43,7 @@ def test_the_record_keeps_switches_counts_and_the_attention_path() -> None:
     ("64", 128, 64),  # the environment over the record
     (" 512 ", None, 512),
     ("00000000064", None, 64),  # leading zeros are no digits too many
+    ("0" * 4999 + "7", None, 7),
     (None, True, 256),  # a bool is no count, nor a string, nor zero
     (None, "64", 256),
     (None, 0, 256),
@@ -53,7 +54,7 @@ def test_a_count_is_the_environment_then_the_record_then_the_default(raw, record
 
 
 @pytest.mark.parametrize("raw", ["", "abc", "0", "-4", "1.5", "1e3", str(2**31), "٣",
-                                 "1" * 5000, "0" * 20])
+                                 "1" * 5000, "0" * 20, "0" * 5000])
 def test_a_bad_count_in_the_environment_is_a_user_error(raw) -> None:
     with pytest.raises(UserError, match=r"ANDREA_ATTN_CHUNK: expected an integer from 1 to "):
         count_value("ANDREA_ATTN_CHUNK", raw, None, 256)

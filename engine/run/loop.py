@@ -397,9 +397,7 @@ class TrainingRun:
         elif resume is not None:
             self.out.log(f"resume: no {path.name}; timing the GEMMs")
         settings = rec.cuda_settings_of(resume.state) if resume is not None else {}
-        if (resume is not None and isinstance(resume.state, dict)
-                and resume.state.get("backend") == "cuda"
-                and rec.STATE_CUDA_SETTINGS not in resume.state):
+        if resume is not None and rec.lacks_cuda_settings(resume.state):
             self.out.log("resume: the checkpoint records no CUDA settings (written before runs "
                          "recorded them): today's defaults run, and where one changed since, the "
                          "bits differ from an uninterrupted run")

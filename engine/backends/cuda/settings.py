@@ -55,11 +55,12 @@ def count_value(name: str, raw: str | None, recorded: Any, default: int) -> int:
     ASCII digits, else a UserError naming it), else the record's (an int), else the default."""
     if raw is not None:
         text = raw.strip()
-        # (at most 10 digits before int(), leading zeros aside: Python refuses over 4300)
-        if not (text.isascii() and text.isdigit() and len(text.lstrip("0")) <= 10
-                and 1 <= int(text) <= COUNT_MAX):
+        # the leading zeros off first: int() refuses strings of over 4300 digits, zeros or not
+        digits = text.lstrip("0") or "0"
+        if not (text.isascii() and text.isdigit() and len(digits) <= 10
+                and 1 <= int(digits) <= COUNT_MAX):
             raise UserError(f"{name}: expected an integer from 1 to {COUNT_MAX}, got {raw!r}")
-        return int(text)
+        return int(digits)
     if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded >= 1:
         return recorded
     return default
