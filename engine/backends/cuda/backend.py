@@ -140,6 +140,11 @@ class CudaBackend:
         self.wte_rows = n // shapes.d_model  # rows readable from wte on (see ops.loss_fwd)
         self.use_graphs = (os.environ.get("ANDREA_CUDA_GRAPHS", "1") != "0"
                            and os.environ.get("ANDREA_CUDA_SYNC", "0") != "1")
+        # the captured graphs' memset nodes (cuDNN's, cuBLASLt's) as k_fill kernel nodes
+        # (graphs.py); the same bytes, so not a recorded setting
+        self._fill: graphs.FillKernel | None = None
+        if os.environ.get("ANDREA_MEMSET_KERNELS", "1") != "0":
+            self._fill = graphs.FillKernel.of(str(gpu.cubin(precision, "fill")))
         self.S = shapes.seq_len
 
         self.cudnn: Any = None
@@ -710,7 +715,7 @@ class CudaBackend:
             return
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._graphs[key] = graphs.capture(self.stream.handle, issue)
+            graph = self._graphs[key] = graphs.capture(self.stream.handle, issue, self._fill)
         graph.launch()
 
     def _row_means(self, b: BatchBuffers, T: int) -> np.ndarray:

@@ -25,6 +25,7 @@ ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Argument formats for PyCUDA's prepared launches: P pointer, i int32, q int64, f float32.
 SIGNATURES: dict[str, str] = {
     "k_embed_fwd": "PPPPiii",
+    "k_fill": "Pqiiqq",
     "k_embed_bwd": "PPPPPPPiiii",
     "k_layernorm_fwd": "PPPPPPii",
     "k_residual_layernorm_fwd": "PPPPPPPPii",
@@ -119,6 +120,7 @@ class Gpu:
         self.arch = f"sm_{major}{minor}"
         self.total_mem = self.dev.total_memory()
         self._kernels: dict[str, dict[str, Any]] = {}
+        self._cubins: dict[str, list[Path]] = {}
         self._modules: list[Any] = []
 
     @classmethod
@@ -145,7 +147,8 @@ class Gpu:
         """name -> prepared PyCUDA function, for one activation precision."""
         if precision not in self._kernels:
             funcs: dict[str, Any] = {}
-            for cubin in compile_kernels(precision, self.arch):
+            self._cubins[precision] = compile_kernels(precision, self.arch)
+            for cubin in self._cubins[precision]:
                 module = self.drv.module_from_file(str(cubin))
                 self._modules.append(module)
                 for name, sig in SIGNATURES.items():
@@ -160,3 +163,9 @@ class Gpu:
                 raise RunError(f"kernels missing from the modules: {sorted(missing)}")
             self._kernels[precision] = funcs
         return self._kernels[precision]
+
+    def cubin(self, precision: str, source: str) -> Path:
+        """The compiled cubin of kernels/<source>.cu for a precision (for the driver API's own
+        module loads: graphs.py's fill kernel)."""
+        self.kernels(precision)
+        return next(p for p in self._cubins[precision] if p.name.startswith(f"{source}-"))
