@@ -114,3 +114,22 @@ __device__ __forceinline__ void store_vec(act_t* p, const Vec& v) {
 __device__ __forceinline__ bool aligned16(const void* p) {
     return (reinterpret_cast<unsigned long long>(p) & 15) == 0;
 }
+
+// VEC consecutive float32 values (a parameter's, e.g. LayerNorm's γ beside a Vec of activations),
+// as 16-byte loads where p is 16-byte aligned: a quarter of the load instructions of scalars,
+// which the LayerNorm kernels were bound by (NOTES.md).
+__device__ __forceinline__ void load_floats(float (&out)[VEC], const float* p) {
+    if (aligned16(p)) {
+#pragma unroll
+        for (int j = 0; j < VEC; j += 4) {
+            const float4 q = *reinterpret_cast<const float4*>(p + j);
+            out[j] = q.x;
+            out[j + 1] = q.y;
+            out[j + 2] = q.z;
+            out[j + 3] = q.w;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < VEC; i++) out[i] = p[i];
+    }
+}

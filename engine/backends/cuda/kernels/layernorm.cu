@@ -43,9 +43,12 @@ __device__ __forceinline__ void ln_fwd_row(const Vec (&xv)[LN_MAXV], act_t* o, f
     for (int k = 0; k < LN_MAXV; k++) {
         const int c = (k * 32 + lane) * VEC;
         if (c < d) {
+            float gk[VEC], bk[VEC];
+            load_floats(gk, gamma + c);
+            load_floats(bk, beta + c);
 #pragma unroll
             for (int i = 0; i < VEC; i++)
-                y[k][i] = to_act((to_f(xv[k][i]) - mu) * rs * gamma[c + i] + beta[c + i]);
+                y[k][i] = to_act((to_f(xv[k][i]) - mu) * rs * gk[i] + bk[i]);
         }
     }
 #pragma unroll
@@ -198,11 +201,13 @@ __device__ __forceinline__ void ln_bwd_finish(LnBwdRow& in, act_t* o, float mu, 
     for (int k = 0; k < LN_MAXV; k++) {
         const int c = (k * 32 + lane) * VEC;
         if (c < d) {
+            float gk[VEC];
+            load_floats(gk, gamma + c);
 #pragma unroll
             for (int i = 0; i < VEC; i++) {
                 const float gi = to_f(in.g[k][i]);
                 const float xc = __fsub_rn(to_f(in.x[k][i]), mu);
-                const float dn = __fmul_rn(gi, gamma[c + i]);
+                const float dn = __fmul_rn(gi, gk[i]);
                 s1 = __fadd_rn(s1, dn);
                 s2 = __fadd_rn(s2, __fmul_rn(__fmul_rn(dn, xc), rs));
                 if (SUMS) {
@@ -218,9 +223,11 @@ __device__ __forceinline__ void ln_bwd_finish(LnBwdRow& in, act_t* o, float mu, 
     for (int k = 0; k < LN_MAXV; k++) {
         const int c = (k * 32 + lane) * VEC;
         if (c < d) {
+            float gk[VEC];
+            load_floats(gk, gamma + c);
 #pragma unroll
             for (int i = 0; i < VEC; i++) {
-                const float dn = __fmul_rn(to_f(in.g[k][i]), gamma[c + i]);
+                const float dn = __fmul_rn(to_f(in.g[k][i]), gk[i]);
                 const float xh = __fmul_rn(__fsub_rn(to_f(in.x[k][i]), mu), rs);
                 const float v = __fmul_rn(rs, __fsub_rn(__fsub_rn(dn, m1), __fmul_rn(xh, m2)));
                 in.o[k][i] = to_act(accumulate ? __fadd_rn(to_f(in.o[k][i]), v) : v);
