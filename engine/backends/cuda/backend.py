@@ -142,9 +142,7 @@ class CudaBackend:
                            and os.environ.get("ANDREA_CUDA_SYNC", "0") != "1")
         # the captured graphs' memset nodes (cuDNN's, cuBLASLt's) as k_fill kernel nodes
         # (graphs.py); the same bytes, so not a recorded setting
-        self._fill: graphs.FillKernel | None = None
-        if os.environ.get("ANDREA_MEMSET_KERNELS", "1") != "0":
-            self._fill = graphs.FillKernel.of(str(gpu.cubin(precision, "fill")))
+        self._memset_kernels = os.environ.get("ANDREA_MEMSET_KERNELS", "1") != "0"
         self.S = shapes.seq_len
 
         self.cudnn: Any = None
@@ -715,7 +713,11 @@ class CudaBackend:
             return
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._graphs[key] = graphs.capture(self.stream.handle, issue, self._fill)
+            fill = (graphs.FillKernel.of(str(self.gpu.cubin(self.precision, "fill")))
+                    if self._memset_kernels else None)
+            graph = self._graphs[key] = graphs.capture(self.stream.handle, issue, fill)
+            if graph.fill_note and graph.fill_note not in self.notes:
+                self.notes.append(graph.fill_note)
         graph.launch()
 
     def _row_means(self, b: BatchBuffers, T: int) -> np.ndarray:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes as C
 import gc
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from engine.errors import RunError
@@ -78,6 +79,7 @@ def _driver() -> C.CDLL:
         lib.cuGraphAddDependencies_v2.argtypes = [vp, C.POINTER(vp), C.POINTER(vp),
                                                   C.POINTER(_EdgeData), C.c_size_t]
         lib.cuGraphDestroyNode.argtypes = [vp]
+        lib.cuGraphClone.argtypes = [C.POINTER(vp), vp]
         lib.cuModuleLoad.argtypes = [C.POINTER(vp), C.c_char_p]
         lib.cuModuleGetFunction.argtypes = [C.POINTER(vp), vp, C.c_char_p]
         for f in ("cuStreamBeginCapture_v2", "cuStreamEndCapture", "cuGraphInstantiateWithFlags",
@@ -85,7 +87,7 @@ def _driver() -> C.CDLL:
                   "cuGraphGetNodes", "cuGraphNodeGetType", "cuGraphMemsetNodeGetParams",
                   "cuGraphNodeGetDependencies_v2", "cuGraphNodeGetDependentNodes_v2",
                   "cuGraphAddKernelNode_v2", "cuGraphAddDependencies_v2", "cuGraphDestroyNode",
-                  "cuModuleLoad", "cuModuleGetFunction"):
+                  "cuModuleLoad", "cuModuleGetFunction", "cuGraphClone"):
             getattr(lib, f).restype = C.c_int
         _lib = lib
     return _lib
@@ -151,13 +153,33 @@ class FillKernel:
         return (max(1, min(FILL_MAX_BLOCKS, -(-vectors // FILL_BLOCK))), max(1, min(height, 65535)))
 
 
-def memsets_as_kernels(graph: C.c_void_p, fill: FillKernel) -> int:
-    """Replace every memset node of a captured (not yet instantiated) graph by a k_fill kernel
-    node with the same parameters and the same edges in and out. A memset whose incoming edges
-    carry data (none from a stream capture) stays. Returns how many were replaced."""
+@dataclass(frozen=True)
+class Fill:
+    """One memset node's parameters, as memsets_as_kernels gave them to k_fill."""
+
+    dst: int
+    pitch: int
+    value: int
+    elem: int
+    width: int
+    height: int
+
+
+# nodes whose graphs cuGraphDestroyNode refuses to edit (stream-ordered allocations), or that
+# hold graphs of their own, whose memsets this pass does not visit
+_NOT_EDITED = ("mem_alloc", "mem_free", "graph", "conditional")
+
+
+def memsets_as_kernels(graph: C.c_void_p, fill: FillKernel) -> list[Fill]:
+    """Replace each memset node of a captured (not yet instantiated) graph's top level by a
+    k_fill kernel node with the same parameters and the same edges in and out. Returns what
+    was replaced. A graph with nodes of _NOT_EDITED is left as it is (an empty list)."""
     lib = _driver()
-    done = 0
-    for node, kind in _nodes(graph):
+    nodes = _nodes(graph)
+    if any(kind in _NOT_EDITED for _, kind in nodes):
+        return []
+    done = []
+    for node, kind in nodes:
         if kind != "memset":
             continue
         m = _MemsetParams()
@@ -166,14 +188,17 @@ def memsets_as_kernels(graph: C.c_void_p, fill: FillKernel) -> int:
         if es not in (1, 2, 4) or m.dst % es or (m.height > 1 and m.pitch % es):
             continue
         deps, dep_data, n_in = _edges(lib.cuGraphNodeGetDependencies_v2, node)
+        # (only kernel nodes have edges with data, programmatic ones, and only to kernel nodes;
+        # a memset reached by one would stay)
         if not all(dep_data[i].is_default() for i in range(n_in)):
             continue
         outs, out_data, n_out = _edges(lib.cuGraphNodeGetDependentNodes_v2, node)
-        args = (C.c_uint64(m.dst), C.c_int64(m.pitch if m.height > 1 else 0),
-                C.c_int32(m.value), C.c_int32(es), C.c_int64(m.width),
-                C.c_int64(m.height))
+        f = Fill(int(m.dst), int(m.pitch) if m.height > 1 else 0, int(m.value), es,
+                 int(m.width), int(m.height))
+        args = (C.c_uint64(f.dst), C.c_int64(f.pitch), C.c_int32(f.value), C.c_int32(es),
+                C.c_int64(f.width), C.c_int64(f.height))
         ptrs = (C.c_void_p * len(args))(*(C.cast(C.pointer(a), C.c_void_p) for a in args))
-        gx, gy = fill.grid(int(m.width), es, int(m.height))
+        gx, gy = fill.grid(f.width, es, f.height)
         kp = _KernelParams(func=fill.func, gridDimX=gx, gridDimY=gy, gridDimZ=1,
                            blockDimX=FILL_BLOCK, blockDimY=1, blockDimZ=1, sharedMemBytes=0,
                            kernelParams=ptrs, extra=None, kern=None, ctx=None)
@@ -185,15 +210,36 @@ def memsets_as_kernels(graph: C.c_void_p, fill: FillKernel) -> int:
                                                  outs, out_data, n_out),
                    "cuGraphAddDependencies")
         _check(lib.cuGraphDestroyNode(node), "cuGraphDestroyNode")
-        done += 1
+        done.append(f)
     return done
+
+
+def _with_fills(graph: C.c_void_p, fill: FillKernel) -> tuple[C.c_void_p, list[Fill], str]:
+    """memsets_as_kernels on a clone of the graph: (the edited clone, what it replaced, "") with
+    the original destroyed, or, where the driver refuses an edit, (the original, [], why)."""
+    lib = _driver()
+    clone = C.c_void_p()
+    _check(lib.cuGraphClone(C.byref(clone), graph), "cuGraphClone")
+    try:
+        fills = memsets_as_kernels(clone, fill)
+    except RunError as e:
+        lib.cuGraphDestroy(clone)
+        return graph, [], f"the graph's memset nodes stay memsets: {e}"
+    except BaseException:
+        lib.cuGraphDestroy(clone)
+        raise
+    lib.cuGraphDestroy(graph)
+    return clone, fills, ""
 
 
 class CudaGraph:
     """An instantiated graph: `launch()` replays everything captured, on the same stream."""
 
-    def __init__(self, graph: C.c_void_p, exec_: C.c_void_p, stream_handle: int) -> None:
+    def __init__(self, graph: C.c_void_p, exec_: C.c_void_p, stream_handle: int,
+                 fills: list[Fill] | None = None, fill_note: str = "") -> None:
         self._graph, self._exec, self._stream = graph, exec_, stream_handle
+        self.fills = fills or []  # the memset nodes that became k_fill nodes
+        self.fill_note = fill_note  # why they did not, where the driver refused
 
     def launch(self) -> None:
         _check(_driver().cuGraphLaunch(self._exec, C.c_void_p(self._stream)), "cuGraphLaunch")
@@ -240,12 +286,17 @@ def capture(stream_handle: int, issue: Callable[[], None],
     finally:
         if was_enabled:
             gc.enable()
+    fills: list[Fill] = []
+    note = ""
     if fill is not None:
         try:
-            memsets_as_kernels(graph, fill)
+            graph, fills, note = _with_fills(graph, fill)
         except BaseException:
             lib.cuGraphDestroy(graph)
             raise
     exec_ = C.c_void_p()
-    _check(lib.cuGraphInstantiateWithFlags(C.byref(exec_), graph, 0), "cuGraphInstantiate")
-    return CudaGraph(graph, exec_, stream_handle)
+    status = lib.cuGraphInstantiateWithFlags(C.byref(exec_), graph, 0)
+    if status != 0:
+        lib.cuGraphDestroy(graph)
+        _check(status, "cuGraphInstantiate")
+    return CudaGraph(graph, exec_, stream_handle, fills, note)

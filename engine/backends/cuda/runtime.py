@@ -168,4 +168,7 @@ class Gpu:
         """The compiled cubin of kernels/<source>.cu for a precision (for the driver API's own
         module loads: graphs.py's fill kernel)."""
         self.kernels(precision)
-        return next(p for p in self._cubins[precision] if p.name.startswith(f"{source}-"))
+        for path in self._cubins[precision]:
+            if path.name.startswith(f"{source}-"):
+                return path
+        raise RunError(f"no kernels/{source}.cu among the compiled kernels")

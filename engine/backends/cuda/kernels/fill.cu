@@ -1,14 +1,15 @@
 // A captured graph's memset nodes as kernel nodes (graphs.py `memsets_as_kernels`).
-// Inside the H200's step graph the GPU sat idle for a median 3-4 µs (up to 7) before each memset
-// node, 1.6 µs before a kernel node (NOTES.md); cuDNN and cuBLASLt zero their 4-byte counters
-// with memsets, which a stream capture records as such nodes. k_fill writes exactly what the memset node would have: `height` rows of `width`
-// elements of `elem` bytes (1, 2 or 4), each the low `elem` bytes of `value`, rows `pitch` bytes
-// apart. dst and pitch are multiples of elem (the caller checks), so byte b of the element
-// pattern lands on addresses ≡ b (mod elem), and a 4-byte word of the repeated pattern fits
-// every 4-aligned address.
+// Inside the H200's step graph the GPU sat idle for a median 3-4 µs (up to 7) before each
+// memset node, 1.6 µs before a kernel node (NOTES.md); cuDNN and cuBLASLt zero their 4-byte
+// counters with memsets, which a stream capture records as such nodes.
+// k_fill writes exactly what the memset node would have: `height` rows of `width` elements of
+// `elem` bytes (1, 2 or 4), each the low `elem` bytes of `value`, rows `pitch` bytes apart.
+// dst and pitch are multiples of elem (the caller checks), so byte b of the element pattern
+// lands on addresses ≡ b (mod elem), and a 4-byte word of the repeated pattern fits every
+// 4-aligned address.
 #include "common.cuh"
 
-// numpy twin: none — graph plumbing: a memset node's work as a kernel (cuMemsetD2D8/16/32 semantics).
+// numpy twin: none — graph plumbing: a memset node's work as a kernel (cuMemsetD2D8/16/32's).
 extern "C" __global__ void k_fill(unsigned char* dst, long pitch, int value, int elem, long width,
                                   long height) {
     const unsigned int v = (unsigned int)value;
