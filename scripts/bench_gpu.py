@@ -163,10 +163,12 @@ def gemm_rates(plan: dict[str, Any]) -> list[dict[str, Any]]:
 
 def kernels_per_step(bk: Any) -> int:
     """Kernels one step launches: the step graph's kernel nodes (the fused step), or the
-    forward/backward graph's plus the optimizer's three launches."""
+    forward/backward graph's plus the optimizer's three launches; without the k_fill nodes
+    that stand for cuDNN's and cuBLASLt's memsets (graph_fills), so that the count compares
+    with the ones measured before them."""
     if bk.fused_step:
-        return bk.graph_nodes("step").get("kernel", 0)
-    return bk.graph_nodes("fb").get("kernel", 0) + 3
+        return bk.graph_nodes("step").get("kernel", 0) - bk.graph_fills("step")
+    return bk.graph_nodes("fb").get("kernel", 0) - bk.graph_fills("fb") + 3
 
 
 def profile_andrea(s: ModelShapes, opts: dict[str, Any], steps: int = 3) -> dict[str, Any]:
@@ -447,6 +449,7 @@ def bench_model(key: str, torch_variants: list[str], steps: int, rounds: int,
                 "attention": bk.attention_info}
             if bk.fused_step:
                 notes[key][name]["graph_nodes"] = bk.graph_nodes("step")
+                notes[key][name]["graph_fills"] = bk.graph_fills("step")
                 t_counter[name] += 20
                 notes[key][name]["gpu_ms"] = gpu_step_ms(bk, toks, t_counter[name] - 19)
             if bk.gemm is not None:
@@ -586,7 +589,8 @@ def main() -> int:
                 print(f"    fp8: {f8['describe']}; memory {f8['memory_plan']['total'] / 2**30:.2f}"
                       f" GiB (FP8 copies {f8['memory_plan'].get('fp8', 0) / 2**20:.0f} MiB)")
             if "graph_nodes" in a:
-                print(f"    the step's graph nodes: {a['graph_nodes']}")
+                print(f"    the step's graph nodes: {a['graph_nodes']}, of which "
+                      f"{a.get('graph_fills', 0)} k_fill kernel nodes (memset nodes before)")
             if "gpu_ms" in a:
                 print(f"    device time of the step (CUDA events around the queued step): "
                       f"{a['gpu_ms']:.2f} ms")

@@ -1133,9 +1133,15 @@ class CudaBackend:
 
     def graph_nodes(self, kind: str = "step") -> dict[str, int]:
         """Node counts by type of the captured graph of `kind` ("step", "fb", "f") at the
-        longest sequence length captured so far; {} when there is none."""
+        longest sequence length captured so far; {} when there is none. Its memset nodes that
+        became k_fill nodes count as kernel nodes (graph_fills says how many)."""
         keys = sorted(k for k in self._graphs if k[0] == kind)
         return self._graphs[keys[-1]].node_counts() if keys else {}
+
+    def graph_fills(self, kind: str = "step") -> int:
+        """How many of graph_nodes(kind)'s kernel nodes are k_fill nodes (memsets before)."""
+        keys = sorted(k for k in self._graphs if k[0] == kind)
+        return len(self._graphs[keys[-1]].fills) if keys else 0
 
     def synchronize(self) -> None:
         """Wait for all queued GPU work (for timing; the interface calls sync where needed)."""
