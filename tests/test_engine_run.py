@@ -168,3 +168,27 @@ def test_a_closed_pipe_is_not_a_traceback(tmp_path: Path, write_config) -> None:
     p.stdout.close()  # like `| head -1`
     _, err = p.communicate(timeout=60)
     assert b"Traceback" not in err and b"BrokenPipe" not in err
+
+
+def test_backend_notes_added_after_start_up_reach_the_log() -> None:
+    """The CUDA backend notes some things only when a graph is first captured (a graph whose
+    memsets stay memsets: CudaGraph.fill_note), after the start-up lines: each note is logged
+    once, in order, whenever it appears."""
+    from types import SimpleNamespace
+
+    from engine.run.loop import TrainingRun
+
+    logged: list[str] = []
+    backend = SimpleNamespace(notes=["GEMMs: 22 problems timed"])
+    run = SimpleNamespace(trainer=SimpleNamespace(backend=backend),
+                          out=SimpleNamespace(log=logged.append), _notes_logged=0)
+    TrainingRun._log_backend_notes(run)  # start-up
+    TrainingRun._log_backend_notes(run)  # a step: nothing new
+    backend.notes.append("the graph's memset nodes stay memsets: ...")
+    TrainingRun._log_backend_notes(run)
+    TrainingRun._log_backend_notes(run)
+    assert logged == ["cuda: GEMMs: 22 problems timed",
+                      "cuda: the graph's memset nodes stay memsets: ..."]
+    TrainingRun._log_backend_notes(SimpleNamespace(  # a backend without notes (numpy)
+        trainer=SimpleNamespace(backend=object()), out=run.out, _notes_logged=0))
+    assert len(logged) == 2

@@ -97,6 +97,7 @@ class TrainingRun:
         # a completed step's (record, bandit change), written while the next step runs
         self._pending: tuple[rec.StepRecord, Any] | None = None
         self._last_print = 0.0  # when the last progress line went to the log
+        self._notes_logged = 0  # the backend's notes written to the log so far
         self._drawn: list[np.ndarray] | None = None  # sources of a batch drawn ahead (_draw)
         self._sampler_state: dict[str, Any] = {}  # the sampler's state before that draw
         self.world_size_was: int | None = None
@@ -419,8 +420,7 @@ class TrainingRun:
         if be.name != "cuda":
             return ""
         self.out.log(f"cuda: {be.describe()}")
-        for note in be.notes:
-            self.out.log(f"cuda: {note}")
+        self._log_backend_notes()
         plan = be.gemm_plan
         if plan is not None:
             record = rec.GemmPlan.from_json(plan)
@@ -612,6 +612,14 @@ class TrainingRun:
             return True
         return step % cfg.checkpoint.every == 0
 
+    def _log_backend_notes(self) -> None:
+        """The CUDA backend's notes not logged yet: its start-up's, then any it adds later (a
+        graph captured at the first step of its kind, e.g. CudaGraph.fill_note)."""
+        notes = getattr(self.trainer.backend, "notes", None) or []
+        for note in notes[self._notes_logged:]:
+            self.out.log(f"cuda: {note}")
+        self._notes_logged = len(notes)
+
     def _after_step(self, record: rec.StepRecord, change: Any) -> None:
         """A step's records: loss.jsonl, its events and alerts, the log line, the status; and
         the checkpoints the writer finished meanwhile."""
@@ -637,6 +645,7 @@ class TrainingRun:
                          f"lr {record.lr:.2e} tok/s {record.tok_s:,.0f} "
                          f"phase {record.phase} ({record.phase_step}/{record.phase_len})")
         self.out.set_status(durable=False, status=Status.RUNNING, step=step)
+        self._log_backend_notes()
         self._collect_writes()
 
     def _exchange(self, rows: np.ndarray, step_s: float) -> tuple[np.ndarray, list[float]]:
