@@ -713,8 +713,13 @@ class CudaBackend:
             return
         graph = self._graphs.get(key)
         if graph is None:
-            fill = (graphs.FillKernel.of(str(self.gpu.cubin(self.precision, "fill")))
-                    if self._memset_kernels else None)
+            fill = None
+            if self._memset_kernels:
+                try:
+                    fill = graphs.FillKernel.of(str(self.gpu.cubin(self.precision, "fill")))
+                except RunError as e:  # the graphs keep their memset nodes
+                    self._memset_kernels = False
+                    self.notes.append(f"the graphs' memset nodes stay memsets: {e}")
             graph = self._graphs[key] = graphs.capture(self.stream.handle, issue, fill)
             if graph.fill_note and graph.fill_note not in self.notes:
                 self.notes.append(graph.fill_note)

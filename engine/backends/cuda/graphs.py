@@ -16,6 +16,7 @@ each memset node, 1.6 µs before a kernel node (NOTES.md). The bytes written are
 from __future__ import annotations
 
 import ctypes as C
+import dataclasses
 import gc
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -82,12 +83,13 @@ def _driver() -> C.CDLL:
         lib.cuGraphClone.argtypes = [C.POINTER(vp), vp]
         lib.cuModuleLoad.argtypes = [C.POINTER(vp), C.c_char_p]
         lib.cuModuleGetFunction.argtypes = [C.POINTER(vp), vp, C.c_char_p]
+        lib.cuModuleUnload.argtypes = [vp]
         for f in ("cuStreamBeginCapture_v2", "cuStreamEndCapture", "cuGraphInstantiateWithFlags",
                   "cuGraphLaunch", "cuGraphExecDestroy", "cuGraphDestroy", "cuGetErrorString",
                   "cuGraphGetNodes", "cuGraphNodeGetType", "cuGraphMemsetNodeGetParams",
                   "cuGraphNodeGetDependencies_v2", "cuGraphNodeGetDependentNodes_v2",
                   "cuGraphAddKernelNode_v2", "cuGraphAddDependencies_v2", "cuGraphDestroyNode",
-                  "cuModuleLoad", "cuModuleGetFunction", "cuGraphClone"):
+                  "cuModuleLoad", "cuModuleGetFunction", "cuGraphClone", "cuModuleUnload"):
             getattr(lib, f).restype = C.c_int
         _lib = lib
     return _lib
@@ -143,8 +145,10 @@ class FillKernel:
         lib = _driver()
         self._module, self.func = C.c_void_p(), C.c_void_p()
         _check(lib.cuModuleLoad(C.byref(self._module), cubin.encode()), "cuModuleLoad")
-        _check(lib.cuModuleGetFunction(C.byref(self.func), self._module, b"k_fill"),
-               "cuModuleGetFunction k_fill")
+        status = lib.cuModuleGetFunction(C.byref(self.func), self._module, b"k_fill")
+        if status != 0:
+            lib.cuModuleUnload(self._module)
+            _check(status, "cuModuleGetFunction k_fill")
 
     @staticmethod
     def grid(width: int, elem: int, height: int) -> tuple[int, int]:
@@ -163,21 +167,21 @@ class Fill:
     elem: int
     width: int
     height: int
+    node: int = 0  # the k_fill node's handle in the graph that holds it
 
 
-# nodes whose graphs cuGraphDestroyNode refuses to edit (stream-ordered allocations), or that
-# hold graphs of their own, whose memsets this pass does not visit
-_NOT_EDITED = ("mem_alloc", "mem_free", "graph", "conditional")
+# nodes that keep a graph as it is: cuGraphClone refuses graphs with stream-ordered allocations
+# or conditional nodes (and cuGraphDestroyNode edits of the former); a child graph's memsets
+# are not visited
+NOT_EDITED = ("mem_alloc", "mem_free", "graph", "conditional")
 
 
 def memsets_as_kernels(graph: C.c_void_p, fill: FillKernel) -> list[Fill]:
     """Replace each memset node of a captured (not yet instantiated) graph's top level by a
     k_fill kernel node with the same parameters and the same edges in and out. Returns what
-    was replaced. A graph with nodes of _NOT_EDITED is left as it is (an empty list)."""
+    was replaced. The caller checks NOT_EDITED first (_with_fills)."""
     lib = _driver()
     nodes = _nodes(graph)
-    if any(kind in _NOT_EDITED for _, kind in nodes):
-        return []
     done = []
     for node, kind in nodes:
         if kind != "memset":
@@ -205,6 +209,7 @@ def memsets_as_kernels(graph: C.c_void_p, fill: FillKernel) -> list[Fill]:
         new = C.c_void_p()
         _check(lib.cuGraphAddKernelNode_v2(C.byref(new), graph, deps, n_in, C.byref(kp)),
                "cuGraphAddKernelNode")
+        f = dataclasses.replace(f, node=int(new.value or 0))
         if n_out:
             _check(lib.cuGraphAddDependencies_v2(graph, (C.c_void_p * n_out)(*[new] * n_out),
                                                  outs, out_data, n_out),
@@ -214,22 +219,31 @@ def memsets_as_kernels(graph: C.c_void_p, fill: FillKernel) -> list[Fill]:
     return done
 
 
-def _with_fills(graph: C.c_void_p, fill: FillKernel) -> tuple[C.c_void_p, list[Fill], str]:
-    """memsets_as_kernels on a clone of the graph: (the edited clone, what it replaced, "") with
-    the original destroyed, or, where the driver refuses an edit, (the original, [], why)."""
+def _with_fills(graph: C.c_void_p, fill: FillKernel) -> tuple[C.c_void_p | None, list[Fill], str]:
+    """memsets_as_kernels on a clone of the graph: (the edited clone, what it replaced, ""), or
+    (None, [], why) where the graph is not to be edited or the driver refuses (the original
+    then runs as captured). The original is left to the caller either way."""
+    kinds = sorted({kind for _, kind in _nodes(graph)} & set(NOT_EDITED))
+    if kinds:
+        return None, [], f"the graph's memset nodes stay memsets: it holds {', '.join(kinds)} nodes"
     lib = _driver()
     clone = C.c_void_p()
-    _check(lib.cuGraphClone(C.byref(clone), graph), "cuGraphClone")
     try:
-        fills = memsets_as_kernels(clone, fill)
+        _check(lib.cuGraphClone(C.byref(clone), graph), "cuGraphClone")
+        return clone, memsets_as_kernels(clone, fill), ""
     except RunError as e:
-        lib.cuGraphDestroy(clone)
-        return graph, [], f"the graph's memset nodes stay memsets: {e}"
+        if clone:
+            lib.cuGraphDestroy(clone)
+        return None, [], f"the graph's memset nodes stay memsets: {e}"
     except BaseException:
-        lib.cuGraphDestroy(clone)
+        if clone:
+            lib.cuGraphDestroy(clone)
         raise
-    lib.cuGraphDestroy(graph)
-    return clone, fills, ""
+
+
+def _instantiate(graph: C.c_void_p) -> tuple[C.c_void_p, int]:
+    exec_ = C.c_void_p()
+    return exec_, _driver().cuGraphInstantiateWithFlags(C.byref(exec_), graph, 0)
 
 
 class CudaGraph:
@@ -286,16 +300,20 @@ def capture(stream_handle: int, issue: Callable[[], None],
     finally:
         if was_enabled:
             gc.enable()
-    fills: list[Fill] = []
-    note = ""
-    if fill is not None:
-        try:
-            graph, fills, note = _with_fills(graph, fill)
-        except BaseException:
+    try:
+        edited, fills, note = _with_fills(graph, fill) if fill is not None else (None, [], "")
+    except BaseException:
+        lib.cuGraphDestroy(graph)
+        raise
+    if edited is not None:
+        exec_, status = _instantiate(edited)
+        if status == 0:
             lib.cuGraphDestroy(graph)
-            raise
-    exec_ = C.c_void_p()
-    status = lib.cuGraphInstantiateWithFlags(C.byref(exec_), graph, 0)
+            return CudaGraph(edited, exec_, stream_handle, fills)
+        lib.cuGraphDestroy(edited)  # the memsets' graph, as captured, instead
+        fills, note = [], f"the graph's memset nodes stay memsets: cuGraphInstantiate of the " \
+                          f"edited graph failed (CUDA error {status})"
+    exec_, status = _instantiate(graph)
     if status != 0:
         lib.cuGraphDestroy(graph)
         _check(status, "cuGraphInstantiate")
