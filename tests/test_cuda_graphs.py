@@ -259,6 +259,13 @@ def test_without_fill_nothing_is_edited(fake: FakeDriver) -> None:
     assert g.node_counts() == {"memset": 4, "kernel": 3} and fake.clones == 0
 
 
+def test_a_graph_without_memsets_is_not_cloned(fake: FakeDriver, fill: FillKernel) -> None:
+    fake.graph({"a": ("kernel", {"func": 1}), "b": ("kernel", {"func": 2})}, [("a", "b")])
+    g = graphs.capture(1, lambda: None, fill)
+    assert g.fills == [] and g.fill_note == "" and fake.clones == 0
+    assert h(g._graph) == fake.captured and fake.alive() == {fake.captured}
+
+
 def test_a_small_memset_takes_one_block() -> None:
     assert FillKernel.grid(1, 4, 1) == (1, 1)
     assert FillKernel.grid(0, 1, 0) == (1, 1)

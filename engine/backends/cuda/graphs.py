@@ -223,7 +223,10 @@ def _with_fills(graph: C.c_void_p, fill: FillKernel) -> tuple[C.c_void_p | None,
     """memsets_as_kernels on a clone of the graph: (the edited clone, what it replaced, ""), or
     (None, [], why) where the graph is not to be edited or the driver refuses (the original
     then runs as captured). The original is left to the caller either way."""
-    kinds = sorted({kind for _, kind in _nodes(graph)} & set(NOT_EDITED))
+    present = {kind for _, kind in _nodes(graph)}
+    if "memset" not in present:
+        return None, [], ""  # nothing to replace: the graph as captured
+    kinds = sorted(present & set(NOT_EDITED))
     if kinds:
         return None, [], f"the graph's memset nodes stay memsets: it holds {', '.join(kinds)} nodes"
     lib = _driver()
