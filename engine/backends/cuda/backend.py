@@ -1140,13 +1140,17 @@ class CudaBackend:
         """Node counts by type of the captured graph of `kind` ("step", "fb", "f") at the
         longest sequence length captured so far; {} when there is none. Its memset nodes that
         became k_fill nodes count as kernel nodes (graph_fills says how many)."""
-        keys = sorted(k for k in self._graphs if k[0] == kind)
-        return self._graphs[keys[-1]].node_counts() if keys else {}
+        graph = self._latest_graph(kind)
+        return graph.node_counts() if graph is not None else {}
 
     def graph_fills(self, kind: str = "step") -> int:
         """How many of graph_nodes(kind)'s kernel nodes are k_fill nodes (memsets before)."""
+        graph = self._latest_graph(kind)
+        return len(graph.fills) if graph is not None else 0
+
+    def _latest_graph(self, kind: str) -> graphs.CudaGraph | None:
         keys = sorted(k for k in self._graphs if k[0] == kind)
-        return len(self._graphs[keys[-1]].fills) if keys else 0
+        return self._graphs[keys[-1]] if keys else None
 
     def synchronize(self) -> None:
         """Wait for all queued GPU work (for timing; the interface calls sync where needed)."""

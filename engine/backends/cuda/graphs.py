@@ -16,7 +16,6 @@ each memset node, 1.6 µs before a kernel node (NOTES.md). The bytes written are
 from __future__ import annotations
 
 import ctypes as C
-import dataclasses
 import gc
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -167,7 +166,7 @@ class Fill:
     elem: int
     width: int
     height: int
-    node: int = 0  # the k_fill node's handle in the graph that holds it
+    node: int  # the k_fill node's handle in the graph that holds it
 
 
 # nodes that keep a graph as it is: cuGraphClone refuses graphs with stream-ordered allocations
@@ -197,25 +196,24 @@ def memsets_as_kernels(graph: C.c_void_p, fill: FillKernel) -> list[Fill]:
         if not all(dep_data[i].is_default() for i in range(n_in)):
             continue
         outs, out_data, n_out = _edges(lib.cuGraphNodeGetDependentNodes_v2, node)
-        f = Fill(int(m.dst), int(m.pitch) if m.height > 1 else 0, int(m.value), es,
-                 int(m.width), int(m.height))
-        args = (C.c_uint64(f.dst), C.c_int64(f.pitch), C.c_int32(f.value), C.c_int32(es),
-                C.c_int64(f.width), C.c_int64(f.height))
+        pitch = int(m.pitch) if m.height > 1 else 0
+        args = (C.c_uint64(m.dst), C.c_int64(pitch), C.c_int32(m.value), C.c_int32(es),
+                C.c_int64(m.width), C.c_int64(m.height))
         ptrs = (C.c_void_p * len(args))(*(C.cast(C.pointer(a), C.c_void_p) for a in args))
-        gx, gy = fill.grid(f.width, es, f.height)
+        gx, gy = fill.grid(int(m.width), es, int(m.height))
         kp = _KernelParams(func=fill.func, gridDimX=gx, gridDimY=gy, gridDimZ=1,
                            blockDimX=FILL_BLOCK, blockDimY=1, blockDimZ=1, sharedMemBytes=0,
                            kernelParams=ptrs, extra=None, kern=None, ctx=None)
         new = C.c_void_p()
         _check(lib.cuGraphAddKernelNode_v2(C.byref(new), graph, deps, n_in, C.byref(kp)),
                "cuGraphAddKernelNode")
-        f = dataclasses.replace(f, node=int(new.value or 0))
         if n_out:
             _check(lib.cuGraphAddDependencies_v2(graph, (C.c_void_p * n_out)(*[new] * n_out),
                                                  outs, out_data, n_out),
                    "cuGraphAddDependencies")
         _check(lib.cuGraphDestroyNode(node), "cuGraphDestroyNode")
-        done.append(f)
+        done.append(Fill(int(m.dst), pitch, int(m.value), es, int(m.width), int(m.height),
+                         int(new.value or 0)))
     return done
 
 
