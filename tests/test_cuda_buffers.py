@@ -288,7 +288,7 @@ def test_fused_plan_adds_the_second_copies_and_the_step_block():
         assert name not in sample.slabs
     assert "hp" in train.io_fields and "hp" not in sample.io_fields
     plan.allocate(_FakeDrv())
-    for name in ("cudnn_ws", "cublas_ws2", "counters", "clip", "skipped"):
+    for name in ("cudnn_ws", "cublas_ws2", "norm_cuts", "clip", "skipped"):
         assert plan[name]
     h = np.zeros(train.io_words, np.int32)
     x = np.arange(8 * 16, dtype=np.int32).reshape(8, 16) % 7

@@ -32,7 +32,6 @@ def env(request, gpu):
     ws = dev.empty((WORKSPACE_BYTES // 4,), "f32")
     blas = Cublas(gpu.stream.handle, ws, WORKSPACE_BYTES)
     o = Ops(gpu.kernels(precision), blas, gpu.stream, precision)
-    o.counter = dev.put(np.zeros(4), "i32")
     yield precision, o, dev
     gpu.stream.synchronize()
     blas.close()
@@ -170,22 +169,38 @@ def test_loss_fwd_bwd_is_loss_fwd_then_loss_bwd(env, rng, V):
         same(f, u, f"loss_fwd_bwd {name}")
 
 
-def test_grad_norm_is_partial_then_final(env, rng):
-    from engine.backends.cuda.ops import NORM_BLOCKS
+def test_grad_norm_ranges_launched_apart_are_the_ranges_launched_together(env, rng):
+    """k_grad_norm_ranges: each range's partials are the same bits whether its range is launched
+    alone (as the one-graph step's backward completes it) or with every other (the host-driven
+    grad_norm), with the scale given or read from the device; the norm within float rounding
+    of numpy's float64 one; a one-group range, and a tail past the last float4 group, counted."""
+    from engine.backends.cuda.ops import NORM_RANGE_BLOCKS
 
     _precision, o, dev = env
-    for n in (100_003, 7):
-        g = dev.put(rng.normal(0, 1, n).astype(np.float32), "f32")
-        got = []
-        for fused in (True, False):
-            parts, norm = dev.empty((NORM_BLOCKS,), "f32"), dev.empty((1,), "f32")
-            if fused:
-                o.grad_norm(g, n, parts, norm, 0.37)
-            else:
-                o.grad_norm_partial(g, n, parts, 0.37)
-                o.grad_norm_final(parts, norm)
-            got.append(dev.get(norm))
-        same(got[0], got[1], f"grad_norm n={n}")
+    cuts = np.array([0, 4, 100_004, 612_345], dtype=np.int64)  # begins: multiples of 4
+    n, nr = int(cuts[-1]), len(cuts) - 1
+    g_host = rng.normal(0, 1, n).astype(np.float32)
+    g = dev.put(g_host, "f32")
+    table = dev.put(cuts.view(np.int32), "i32")
+    gs = dev.put(np.array([0.37]), "f32")
+    got = []
+    for apart, on_device in ((False, False), (True, False), (True, True)):
+        parts, norm = dev.empty((NORM_RANGE_BLOCKS * nr,), "f32"), dev.empty((1,), "f32")
+        kw = {"gs_dev": gs} if on_device else {"gs": 0.37}
+        for first, count in ([(r, 1) for r in reversed(range(nr))] if apart else [(0, nr)]):
+            o.grad_norm_ranges(g, table, first, count, parts, **kw)
+        o.grad_norm_final(parts, norm, NORM_RANGE_BLOCKS * nr)
+        got.append((dev.get(parts), dev.get(norm)))
+    for parts, norm in got[1:]:
+        same(parts, got[0][0], "grad_norm_ranges partials, apart against together")
+        same(norm, got[0][1], "grad_norm_ranges norm, apart against together")
+    scaled = g_host.astype(np.float64) * np.float32(0.37)
+    want = float(np.sqrt(np.dot(scaled, scaled)))
+    assert abs(float(got[0][1][0]) - want) <= 1e-5 * want
+    per_range = got[0][0].reshape(nr, NORM_RANGE_BLOCKS).astype(np.float64).sum(axis=1)
+    for r in range(nr):
+        x = scaled[cuts[r]:cuts[r + 1]]
+        assert abs(per_range[r] - np.dot(x, x)) <= 1e-5 * max(np.dot(x, x), 1e-30), f"range {r}"
 
 
 @pytest.mark.parametrize("case", ["clip", "no clip", "non-finite"])

@@ -54,7 +54,7 @@ from engine.backends.cuda.cublaslt import CublasLt
 from engine.backends.cuda.fp8 import GEMMS as FP8_GEMMS
 from engine.backends.cuda.fp8 import Fp8Mlp, plan_fp8
 from engine.backends.cuda.memory import format_plan
-from engine.backends.cuda.ops import ATTN_CHUNK, Ops
+from engine.backends.cuda.ops import ATTN_CHUNK, NORM_RANGE_BLOCKS, Ops
 from engine.backends.cuda.runtime import ACT_BYTES, Gpu
 from engine.backends.cuda.settings import ATTENTIONS, CudaSettings, default_attention
 from engine.errors import RunError, UserError
@@ -221,12 +221,11 @@ class CudaBackend:
                            ws2=plan["cublas_ws2"], cudnn=self.cudnn, cudnn_ws=cws,
                            event=lambda: drv.Event(drv.event_flags.DISABLE_TIMING),
                            attn_chunk=chunk)
-            self.ops.counter = plan["counters"]
             if self.side is not None:
                 # two per weight-gradient GEMM (fork, done; 4 a layer, dwte) and per LayerNorm
-                # parameter sum (2 a layer, the final one), one per layer's deferred update,
-                # the joins
-                self.ops.reserve_events(13 * shapes.n_layer + 24)
+                # parameter sum (2 a layer, the final one), one per layer's deferred update and
+                # per range of the gradient norm (a layer's, the embeddings'), the joins
+                self.ops.reserve_events(14 * shapes.n_layer + 26)
         else:
             self.blas = Cublas(self.stream.handle, plan["cublas_ws"], WORKSPACE_BYTES)
             # GELU in the MLP GEMMs' epilogues (ANDREA_GELU_FUSION=0: separate GELU kernels)
@@ -298,6 +297,9 @@ class CudaBackend:
         self.seg_start = np.array([t.offset for t in self.table] + [n], dtype=np.int64)
         self.seg_decay = np.array([len(t.shape) == 2 for t in self.table], dtype=np.int32)
         drv.memcpy_htod(plan["seg_start"], self.seg_start)
+        if self.fusions:  # the gradient norm's ranges: the update's (embeddings, each layer)
+            cuts = [begin for begin, _ in self._update_ranges] + [n]
+            drv.memcpy_htod(plan["norm_cuts"], np.array(cuts, dtype=np.int64))
         drv.memcpy_htod(plan["seg_decay"], self.seg_decay)
         if self.seg_qkv is not None:
             drv.memcpy_htod(plan["seg_qkv"], self.seg_qkv)
@@ -847,6 +849,10 @@ class CudaBackend:
             self.ops.fork_to(self.comm)
             reducer.all_reduce_sum(self.g + 4 * first, count, self.comm)
 
+        def norm_range(i: int) -> None:  # bucket i complete: its range's share of the norm
+            L = self.shapes.n_layer  # (beside the backward, after the side's gradient work)
+            self._norm_ranges(L - i if i < L else 0, 1, side=True)
+
         def issue() -> None:
             o = self.ops
             o.step_hp(b.io()["hp"], self._plan["skipped"])
@@ -861,13 +867,15 @@ class CudaBackend:
             o.overwrite_grads = write
             try:
                 self._forward(b, T, loss=True, train=True, ready=ready)
-                self._backward(b, T, reduce_bucket if reducer is not None else None)
+                # the gradient norm's partials as the backward completes each range, beside it;
+                # data parallel: after the all-reduce, at the end
+                self._backward(b, T, reduce_bucket if reducer is not None else norm_range)
             finally:
                 o.overwrite_grads = False
             o.join()
             if reducer is not None:
                 o.wait_for(self.comm)
-            self._optimizer_tail(b, apply=not defer)
+            self._optimizer_tail(b, apply=not defer, partials=reducer is not None)
 
         self._run(key, issue)
         self._update_pending = defer
@@ -934,14 +942,29 @@ class CudaBackend:
                 "grad_mult": grad_mult, "max_norm": max_norm, "bc1_alt": 1.0 - beta1**alt,
                 "bc2_alt": 1.0 - beta2**alt, "alt_if_skipped": 1.0 if behind else 0.0}
 
-    def _optimizer_tail(self, b: BatchBuffers, apply: bool = True) -> None:
+    def _norm_ranges(self, first: int, count: int, side: bool = False, gs: float = 1.0,
+                     staged: bool = True) -> None:
+        """The gradient norm's partials of ranges first .. first + count - 1 (the update's:
+        embeddings, then each layer), scaled by the training buffers' staged grad_mult
+        (staged) or by gs."""
+        gm = self.train.io()["hp"] + 4 * HP_FIELDS.index("grad_mult") if staged else 0
+        self.ops.grad_norm_ranges(self.g, self._plan["norm_cuts"], first, count,
+                                  self._plan["norm_partials"], gs=gs, gs_dev=gm, side=side)
+
+    def _norm_final(self) -> None:
+        self.ops.grad_norm_final(self._plan["norm_partials"], self._plan["norm"],
+                                 NORM_RANGE_BLOCKS * len(self._update_ranges))
+
+    def _optimizer_tail(self, b: BatchBuffers, apply: bool = True, partials: bool = True) -> None:
         """grads·grad_mult → norm → clip (or skip) → AdamW, reading the hyper-parameters staged
         in b's io block; the norm and the clip factor stay in the plan's `norm` and `clip`, and
-        the update's values in `update`. apply False: the update is left pending."""
+        the update's values in `update`. apply False: the update is left pending. partials
+        False: the norm's partials are already there (the backward queued them)."""
         o, io = self.ops, b.io()
         norm = self._plan["norm"]
-        gm = io["hp"] + 4 * HP_FIELDS.index("grad_mult")
-        o.grad_norm(self.g, self.n, self._plan["norm_partials"], norm, gs_dev=gm)
+        if partials:
+            self._norm_ranges(0, len(self._update_ranges))
+        self._norm_final()
         o.step_clip(self._plan["update"], io["hp"], norm, self._plan["clip"],
                     self._plan["skipped"])
         if apply:
@@ -1116,7 +1139,8 @@ class CudaBackend:
         self._settle_update()
         partials, norm = self._plan["norm_partials"], self._plan["norm"]
         if self.fusions:
-            self.ops.grad_norm(self.g, self.n, partials, norm, self._pending_scale)
+            self._norm_ranges(0, len(self._update_ranges), gs=self._pending_scale, staged=False)
+            self._norm_final()
         else:
             self.ops.grad_norm_partial(self.g, self.n, partials, self._pending_scale)
             self.ops.grad_norm_final(partials, norm)

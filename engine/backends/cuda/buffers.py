@@ -24,7 +24,12 @@ import numpy as np
 from engine.backends.activations import BY_NAME, LAYER, Dims, saved
 from engine.backends.cuda.cublas import WORKSPACE_BYTES
 from engine.backends.cuda.memory import Plan
-from engine.backends.cuda.ops import LN_FUSED_ROWS, LN_ROWS_PER_CHUNK, NORM_BLOCKS
+from engine.backends.cuda.ops import (
+    LN_FUSED_ROWS,
+    LN_ROWS_PER_CHUNK,
+    NORM_BLOCKS,
+    NORM_RANGE_BLOCKS,
+)
 from engine.backends.cuda.runtime import ACT_BYTES
 from engine.model.layout import ModelShapes, n_params, tensor_table
 
@@ -248,19 +253,22 @@ def plan_memory(shapes: ModelShapes, micro_batch: int, precision: str,
     train.plan(plan)
     sample.plan(plan)
     nseg = len(tensor_table(shapes))
-    for name, nbytes in (("cublas_ws", WORKSPACE_BYTES), ("norm_partials", NORM_BLOCKS * 4),
+    # the norm's partials: k_grad_norm_partial's, or (fused) k_grad_norm_ranges' over the
+    # embeddings and each layer (norm_cuts: the ranges' bounds, CudaBackend._ranges_by_layer)
+    ranges = shapes.n_layer + 1
+    partials = max(NORM_BLOCKS, NORM_RANGE_BLOCKS * ranges) if fused else NORM_BLOCKS
+    for name, nbytes in (("cublas_ws", WORKSPACE_BYTES), ("norm_partials", partials * 4),
                          ("norm", 4), ("seg_start", (nseg + 1) * 8), ("seg_decay", nseg * 4)):
         plan.add("scratch", name, nbytes)
     if qkv_rows:
         plan.add("scratch", "seg_qkv", nseg * 4)
     if attention == "cudnn":
         plan.add("scratch", "cudnn_ws", cudnn_workspace)
-    if fused:  # the weight-gradient stream's cuBLAS workspace; k_grad_norm's int counter
-        # (word 1; word 0 unused since the fused LayerNorm backward lost its own); clip; whether
-        # the last fused step was skipped (k_step_clip writes it, k_step_hp reads it); the last
-        # step's update as k_step_clip decided it (k_adamw_step reads it)
+    if fused:  # the weight-gradient stream's cuBLAS workspace; the norm's ranges; clip;
+        # whether the last fused step was skipped (k_step_clip writes it, k_step_hp reads it);
+        # the last step's update as k_step_clip decided it (k_adamw_step reads it)
         plan.add("scratch", "cublas_ws2", WORKSPACE_BYTES)
-        plan.add("scratch", "counters", 2 * 4)
+        plan.add("scratch", "norm_cuts", (ranges + 1) * 8)
         plan.add("scratch", "clip", 4)
         plan.add("scratch", "skipped", 4)
         plan.add("scratch", "update", UPD_WORDS * 4)

@@ -23,7 +23,7 @@ Backward ops accumulate (+=) into float32 parameter gradients, like numpy's.
 The fused step (CudaBackend with fusions on) adds, each next to the unfused ops it replaces and
 with their bits: `residual_layernorm_fwd` (residual_add + layernorm_fwd), `layernorm_bwd(...,
 fused=True)` (dx, dγ, dβ in one kernel), `loss_fwd_bwd` (the loss and dlogits in one pass),
-`grad_norm` (partial + final), `step_clip` (clip and non-finite skip on the device) and
+`grad_norm_ranges` (the partials range by range, as the backward completes them), `step_clip` (clip and non-finite skip on the device) and
 `adamw_step` (AdamW over a range, as step_clip decided). GEMMs then go through gemm.LtGemm
 (algorithms chosen by timing, GELU epilogue or kernel chosen per shape), and the weight-gradient
 GEMMs and the LayerNorm parameter sums run on a second stream (`side`): see `_wgrad`, `_on_side`.
@@ -53,6 +53,7 @@ LN_FUSED_SHARED = 48 << 10  # its shared column sums must fit the default limit
 # backend: the chunks are its GEMMs' shapes, so its bits)
 ATTN_CHUNK = 256
 NORM_BLOCKS = 1024
+NORM_RANGE_BLOCKS = 256  # k_grad_norm_ranges' blocks per range (its partials: this many a range)
 MAX_GRID = 8192
 VEC_BYTES = 16
 
@@ -89,7 +90,6 @@ class Ops:
         # ... and of the fused one: the partial is sized for LN_FUSED_ROWS (buffers.py), so
         # fewer rows (more chunks) only where the caller's partial holds them (bench_kernels)
         self.ln_fused_rows = LN_FUSED_ROWS
-        self.counter = 0  # device ints, 0: k_grad_norm's last-block election reads word 1
         # the fused step's single micro-batch WRITES the parameter gradients (GEMMs with beta 0,
         # the LayerNorm and position sums stored) instead of zeroing them and adding
         self.overwrite_grads = False
@@ -593,17 +593,25 @@ class Ops:
         """gs: a pending gradient scale, applied on the fly (see CudaBackend.grad_scale)."""
         self._go("k_grad_norm_partial", NORM_BLOCKS, partials, grads, n, gs)
 
-    def grad_norm_final(self, partials: int, norm: int) -> None:
-        self._go("k_grad_norm_final", 1, norm, partials, NORM_BLOCKS)
+    def grad_norm_final(self, partials: int, norm: int, n: int = NORM_BLOCKS) -> None:
+        """norm = sqrt of the sum of the n partials, in their order."""
+        self._go("k_grad_norm_final", 1, norm, partials, n)
 
-    def grad_norm(self, grads: int, n: int, partials: int, norm: int, gs: float = 1.0,
-                  gs_dev: int = 0) -> None:
-        """grad_norm_partial + grad_norm_final in one kernel (same bits). gs_dev: a device
-        float holding the gradient scale instead of gs (0: use gs)."""
-        if not self.counter:
-            raise RunError("Ops.grad_norm needs the device counter (Ops.counter)")
-        self._go("k_grad_norm", NORM_BLOCKS, norm, partials, self.counter + 4, grads, n, gs,
-                 gs_dev)
+    def grad_norm_ranges(self, grads: int, cuts: int, first: int, count: int, partials: int,
+                         gs: float = 1.0, gs_dev: int = 0, side: bool = False) -> None:
+        """The partials of ranges first .. first + count - 1 of the device table cuts (int64
+        [ranges + 1], float4-aligned begins) into partials[r·NORM_RANGE_BLOCKS ...]; then
+        grad_norm_final over all of them. gs_dev: a device float holding the gradient scale
+        instead of gs (0: use gs). side: on the weight-gradient stream after everything queued
+        so far on the main one (a range the backward has just completed), when there is one."""
+        args = (partials, grads, cuts, first, gs, gs_dev)
+        if side and self.side is not None:
+            fork = self._event()
+            fork.record(self.stream)
+            self.side.wait_for_event(fork)
+            self._go("k_grad_norm_ranges", (NORM_RANGE_BLOCKS, count), *args, stream=self.side)
+        else:
+            self._go("k_grad_norm_ranges", (NORM_RANGE_BLOCKS, count), *args)
 
     def grad_scale(self, grads: int, n: int, s: float) -> None:
         self._go("k_grad_scale", _blocks(n), grads, n, s)

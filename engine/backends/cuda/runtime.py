@@ -45,7 +45,7 @@ SIGNATURES: dict[str, str] = {
     "k_loss_fwd_bwd": "PPPPPPiiii",
     "k_grad_norm_partial": "PPqf",
     "k_grad_norm_final": "PPi",
-    "k_grad_norm": "PPPPqfP",
+    "k_grad_norm_ranges": "PPPifP",
     "k_grad_scale": "Pqf",
     "k_grad_add": "PPq",
     "k_adamw": "PPPPPPPPiiqffffffff",

@@ -13,7 +13,7 @@ __device__ __forceinline__ float norm_partial(const float* g, long n, float gs, 
 }
 
 // The sum of n partials, thread i taking i, i + blockDim.x, ..., then the block tree: the
-// second pass of k_grad_norm_partial (k_grad_norm_final) and of k_grad_norm.
+// second pass of k_grad_norm_partial and of k_grad_norm_ranges (k_grad_norm_final).
 __device__ __forceinline__ float norm_final(const float* partials, int n, float* shared) {
     float s = 0.0f;
     for (int i = threadIdx.x; i < n; i += blockDim.x) s += __ldcg(partials + i);
@@ -44,31 +44,38 @@ extern "C" __global__ void k_grad_norm_final(float* norm, const float* partials,
     if (threadIdx.x == 0) norm[0] = s;
 }
 
-// numpy twin: ops.grad_norm_final (with ops.grad_norm_partial, in one kernel)
-// >   return float(np.sqrt(np.sum(partials)))
-// k_grad_norm_partial and k_grad_norm_final in one launch, with their bits: every block writes
-// its partial; the block that finishes last (an int counter, reset for the next launch; no
-// float atomics) reduces the partials in the fixed order of k_grad_norm_final. The gradient
-// scale is gs_dev[0] when gs_dev is not null (the fused step's grad_mult, staged per step), else
-// gs.
-extern "C" __global__ void k_grad_norm(float* norm, float* partials, int* counter, const float* g,
-                                       long n, float gs, const float* gs_dev) {
+// numpy twin: ops.grad_norm_partial (over ranges of the flat buffer)
+// >   g = grads[j * block : (j + 1) * block]
+// >   partials[j] = np.dot(g, g)
+// The fused backend's partials: range r = first + blockIdx.y is [cuts[r], cuts[r + 1]) (cuts
+// int64, each range's begin a multiple of 4), and block (x, y) sums the squares of its
+// grid-stride share of that range's float4 groups (then of the tail's elements), into
+// partials[r·gridDim.x + x]. A range's partials are the same bits whether it is launched alone
+// (as the backward completes it: CudaBackend._backward) or with every other (grid.y = all
+// ranges): the host-driven grad_norm and the one-graph step agree. gs as in
+// k_grad_norm_partial, or gs_dev[0] when gs_dev is not null (the step's staged grad_mult).
+// Then k_grad_norm_final over all ranges' partials, in order.
+extern "C" __global__ void k_grad_norm_ranges(float* partials, const float* g, const long* cuts,
+                                              int first, float gs, const float* gs_dev) {
     __shared__ float shared[32];
-    __shared__ int is_last;
-    const float s = norm_partial(g, n, gs_dev ? gs_dev[0] : gs, shared);
-    if (threadIdx.x == 0) {
-        partials[blockIdx.x] = s;
-        __threadfence();
-        is_last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
+    const int r = first + blockIdx.y;
+    const long begin = cuts[r], n = cuts[r + 1] - begin, nq = n / 4;
+    const float sc = gs_dev ? gs_dev[0] : gs;
+    const float4* g4 = reinterpret_cast<const float4*>(g + begin);
+    const long stride = (long)gridDim.x * blockDim.x;
+    float s = 0.0f;
+    for (long q = blockIdx.x * (long)blockDim.x + threadIdx.x; q < nq; q += stride) {
+        const float4 v = g4[q];
+        const float e[4] = {v.x * sc, v.y * sc, v.z * sc, v.w * sc};
+#pragma unroll
+        for (int k = 0; k < 4; k++) s += e[k] * e[k];
     }
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
-    const float total = norm_final(partials, gridDim.x, shared);
-    if (threadIdx.x == 0) {
-        norm[0] = total;
-        *counter = 0;
+    for (long i = nq * 4 + blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += stride) {
+        const float x = g[begin + i] * sc;
+        s += x * x;
     }
+    s = block_sum(s, shared);
+    if (threadIdx.x == 0) partials[(long)r * gridDim.x + blockIdx.x] = s;
 }
 
 // numpy twin: ops.grad_scale
@@ -242,7 +249,7 @@ extern "C" __global__ void k_adamw(float* p, act_t* p_lp, const float* g, float*
 }
 
 // numpy twin: none — the trainer's clip and non-finite skip (engine/model/optim.py clip_scale,
-// DESIGN §4) decided on the device for the fused step. After k_grad_norm, one thread: a norm
+// DESIGN §4) decided on the device for the fused step. After k_grad_norm_final, one thread: a norm
 // that is not finite skips the step's update (skipped[0] = 1, and k_step_hp of the next step
 // reads it); else the clip factor gc = max_norm/norm when norm > max_norm (else 1) goes to
 // clip[0] for the step record (1 when skipped). upd receives what k_adamw_step needs, so that
