@@ -15,7 +15,7 @@ from engine.backends.activations import LAYER, SAVED, SCRATCH, Dims, saved
 from engine.backends.cuda.buffers import HP_FIELDS, io_fields, logits_ld, plan_memory
 from engine.backends.cuda.cublas import WORKSPACE_BYTES
 from engine.backends.cuda.memory import Plan
-from engine.backends.cuda.ops import LN_ROWS_PER_CHUNK, NORM_BLOCKS
+from engine.backends.cuda.ops import LN_ROWS_PER_CHUNK, LOSS_ROW_MAX, NORM_BLOCKS
 from engine.backends.cuda.runtime import ACT_BYTES
 from engine.model.layout import ModelShapes, n_params, tensor_table
 
@@ -301,6 +301,29 @@ def test_fused_plan_adds_the_second_copies_and_the_step_block():
                           np.array(list(hp.values()), np.float32))
     assert h[train.io_fields["scale"]:].view(np.float32)[0] == np.float32(2.0 / x.size)
     assert train.qkv_slab() == train.R * s.d_model
+
+
+@pytest.mark.parametrize("vocab, shared", [(8449, True), (40_000, False)])
+def test_logits_in_the_compute_precision_halve_their_slab_and_hold_dlogits(vocab, shared):
+    """logits_lp: the training logits in bf16 (half the float32 slab), dlogits written over them
+    where a row fits the loss kernel's registers (ops.LOSS_ROW_MAX), else a slab of their own;
+    the sampling buffer's logits (logits_last) stay float32; fp32 runs ignore it."""
+    s = dataclasses.replace(SHAPES["120M"], vocab_size=vocab)
+    ldv = logits_ld(vocab)
+    kw = {"attention": "cudnn", "fused": True, "cudnn_workspace": 1}
+    plan32, train32, _ = plan_memory(s, 8, "bf16", **kw)
+    plan, train, sample = plan_memory(s, 8, "bf16", logits_lp=True, **kw)
+    R = train.R
+    assert train32.slabs["logits"].nbytes == R * ldv * 4
+    assert train.slabs["logits"].nbytes == R * ldv * 2
+    assert sample.slabs["logits"].nbytes == sample.R * ldv * 4 and not sample.logits_lp
+    assert ("dlogits" not in train.slabs) == shared == (ldv <= LOSS_ROW_MAX)
+    saved_bytes = R * ldv * 2 + (R * ldv * 2 if shared else 0)
+    assert plan32.totals()["total"] - plan.totals()["total"] == saved_bytes
+    plan.allocate(_FakeDrv())
+    assert (train.at("dlogits") == train.at("logits")) == shared
+    _, train_fp32, _ = plan_memory(s, 8, "fp32", logits_lp=True, **kw)
+    assert not train_fp32.logits_lp and "dlogits" in train_fp32.slabs
 
 
 def test_the_fp8_plan_names_its_buffers_in_a_group_of_its_own():

@@ -169,6 +169,47 @@ def test_loss_fwd_bwd_is_loss_fwd_then_loss_bwd(env, rng, V):
         same(f, u, f"loss_fwd_bwd {name}")
 
 
+@pytest.mark.parametrize("V", [301, 13001])
+def test_loss_kernels_on_logits_in_the_compute_precision_give_the_float_kernels_bits(env, rng, V):
+    """k_loss_fwd_lp and k_loss_fwd_bwd_lp (CudaBackend.logits_lp) on z stored as act_t against
+    k_loss_fwd and k_loss_fwd_bwd on the same values stored as float: the same losses, lse and
+    dlogits, with dlogits written over the logits where a row fits the registers (V = 301) and
+    apart where it is streamed (13001). Then ops.loss_fwd(lp=True): the GEMM's output, rounded
+    to act_t, is what the loss kernel read."""
+    from engine.backends.cuda.ops import LOSS_ROW_MAX
+
+    precision, o, dev = env
+    D = 64
+    ldv = -(-V // 64) * 64
+    z = rounded(rng.normal(0, 3, (R, ldv)), precision)
+    targets = dev.put(rng.integers(0, V, (B, T)), "i32")
+    scale = dev.put(np.array([2.5 / R]), "f32")
+    outs = []
+    for lp in (False, True):
+        logits = dev.put(z, "act" if lp else "f32")
+        lse, losses = dev.empty((R,), "f32"), dev.empty((R,), "f32")
+        o._go("k_loss_fwd_lp" if lp else "k_loss_fwd", R, losses, lse, logits, targets, B, T, V,
+              ldv)
+        fwd = [dev.get(p) for p in (losses, lse)]
+        in_place = lp and ldv <= LOSS_ROW_MAX
+        dlogits = logits if in_place else dev.empty((R, ldv))
+        o._go("k_loss_fwd_bwd_lp" if lp else "k_loss_fwd_bwd", R, losses, lse, dlogits, logits,
+              targets, scale, B, T, V, ldv)
+        outs.append([*fwd, *(dev.get(p) for p in (losses, lse, dlogits))])
+    for name, f, u in zip(("losses", "lse", "fused losses", "fused lse", "dlogits"), *outs,
+                          strict=True):
+        same(f, u, f"loss kernels on act_t logits, {name} (V={V})")
+    assert (V == 301) == (ldv <= LOSS_ROW_MAX)
+    x = dev.put(rounded(rng.normal(0, 1, (T, B, D)), precision))
+    wte = dev.put(rounded(rng.normal(0, 0.3, (ldv + 5, D)), precision))
+    logits, lse, losses = dev.empty((R, ldv)), dev.empty((R,), "f32"), dev.empty((R,), "f32")
+    o.loss_fwd(x, wte, targets, logits, lse, losses, B, T, V, ldv, D, ldv + 5, lp=True)
+    got = dev.get(losses)
+    z32 = dev.put(dev.get(logits), "f32")  # the act_t values, exactly, as float
+    o._go("k_loss_fwd", R, losses, lse, z32, targets, B, T, V, ldv)
+    same(got, dev.get(losses), f"ops.loss_fwd(lp=True) (V={V})")
+
+
 def test_grad_norm_ranges_launched_apart_are_the_ranges_launched_together(env, rng):
     """k_grad_norm_ranges: each range's partials are the same bits whether its range is launched
     alone (as the one-graph step's backward completes it) or with every other (the host-driven
@@ -632,3 +673,37 @@ def test_resid_gemm_tracks_the_residual_kernel(monkeypatch, precision):
         for (rb, nb, cb), (rc, nc, cc) in zip(s1[0], s2[0], strict=True):
             assert np.array_equal(rb, rc) and nb == nc and cb == cc
         assert np.array_equal(s1[1], s2[1])
+
+
+def test_logits_in_the_compute_precision_track_float32_logits(monkeypatch):
+    """ANDREA_LOGITS_LP (default on: bf16 logits, dlogits over them) against =0 (float32) from
+    the same weights: the row losses within 1e-2 and the gradient within 5e-2 (RESID_STEP_BOUND's
+    bf16 figures: both sides carry bf16 rounding; the logits' own is 2^-9 of z); the setting is
+    recorded, and a resumed record that predates it keeps float32 logits."""
+    from engine.backends.cuda import CudaBackend
+
+    params = init_params(SHAPES, seed=11)
+    tok = np.random.default_rng(6).integers(0, 64, (4, 257)).astype(np.int32)
+    res = {}
+    for flag in ("0", None):
+        if flag is None:
+            monkeypatch.delenv("ANDREA_LOGITS_LP", raising=False)
+        else:
+            monkeypatch.setenv("ANDREA_LOGITS_LP", flag)
+        bk = CudaBackend(SHAPES, 4, "bf16", fusions=True)
+        assert bk.logits_lp == (flag is None) and bk.settings["ANDREA_LOGITS_LP"] == bk.logits_lp
+        assert (bk.train.at("dlogits") == bk.train.at("logits")) == bk.logits_lp
+        bk.load_params(params)
+        bk.zero_grads()
+        rows = bk.forward_backward(tok[:, :-1], tok[:, 1:])
+        res[flag] = (rows, bk.read_grads())
+        bk.close()
+    (r0, g0), (r1, g1) = res["0"], res[None]
+    check_close(r1, r0, 1e-2, "bf16 logits vs float32: row losses", "bf16")
+    check_close(g1, g0, 5e-2, "bf16 logits vs float32: gradient", "bf16")
+    assert not np.array_equal(g1, g0), "the switch did not change the path"
+    old = CudaBackend(SHAPES, 4, "bf16", fusions=True, settings={"attention": "cudnn"})
+    try:
+        assert not old.logits_lp and old.settings["ANDREA_LOGITS_LP"] is False
+    finally:
+        old.close()

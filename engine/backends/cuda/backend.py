@@ -180,9 +180,17 @@ class CudaBackend:
                               "with its three GEMMs")
         cudnn_ws = (max(self.cudnn.workspace_bytes(self.B, self.S),
                         self.cudnn.workspace_bytes(1, self.S)) if self.cudnn else 0)
+        # The training logits in the compute precision (fusions, bf16/fp16): the logits GEMM
+        # rounds z as PyTorch's autocast does, the loss kernel reads half the bytes and writes
+        # dlogits over them (ops.loss_fwd_bwd). It changes the bits, so it is recorded; a run
+        # resumed from a record written before it existed keeps its float32 logits.
+        self.logits_lp = (self.fusions and precision != "fp32"
+                          and self._cuda.flag("ANDREA_LOGITS_LP",
+                                              default=not self._cuda.recorded))
         plan, self.train, self.sample = plan_memory(shapes, micro_batch, precision,
                                                     self.attention, self.fusions, cudnn_ws,
-                                                    separate_micro, self.qkv_rows)
+                                                    separate_micro, self.qkv_rows,
+                                                    self.logits_lp)
         if self.fp8:
             plan_fp8(plan, shapes.n_layer, shapes.d_model, shapes.d_ff, self.train.R)
         self.separate_micro = separate_micro
@@ -458,8 +466,11 @@ class CudaBackend:
                 "(ANDREA_QKV_ROWS)" if self.qkv_rows else "")
         resid = ("; residual adds in the GEMM epilogues (ANDREA_RESID_GEMM)" if self.resid_gemm
                  else "")
+        over = ", dlogits over them" if self.train.dlogits_in_logits else ""
+        logits = (f"; logits in {'fp16' if self.precision == 'fp16' else 'bf16'}{over} "
+                  f"(ANDREA_LOGITS_LP)" if self.logits_lp else "")
         return (f"attention {self.attention_info}; GEMMs {gemm}; fusions "
-                f"{'on' if self.fusions else 'off'}{rows}{resid}{fp8}")
+                f"{'on' if self.fusions else 'off'}{rows}{resid}{logits}{fp8}")
 
     @property
     def fp8_gemms(self) -> list[str]:
@@ -574,9 +585,9 @@ class CudaBackend:
                 b.at("losses"))
         if fused and train:
             o.loss_fwd_bwd(*args, io["scale"], b.at("dlogits"), B, T, s.vocab_size, self.ldv, d,
-                           self.wte_rows)
+                           self.wte_rows, lp=b.logits_lp)
         else:
-            o.loss_fwd(*args, B, T, s.vocab_size, self.ldv, d, self.wte_rows)
+            o.loss_fwd(*args, B, T, s.vocab_size, self.ldv, d, self.wte_rows, lp=b.logits_lp)
 
     def _backward(self, b: BatchBuffers, T: int,
                   completed: Callable[[int], None] | None = None) -> None:

@@ -27,6 +27,7 @@ from engine.backends.cuda.memory import Plan
 from engine.backends.cuda.ops import (
     LN_FUSED_ROWS,
     LN_ROWS_PER_CHUNK,
+    LOSS_ROW_MAX,
     NORM_BLOCKS,
     NORM_RANGE_BLOCKS,
 )
@@ -85,11 +86,17 @@ class BatchBuffers:
     allocated. Training adds the backward's scratch."""
 
     def __init__(self, prefix: str, B: int, s: ModelShapes, es: int, ldv: int,
-                 training: bool, attention: str = "classic", fused: bool = False) -> None:
+                 training: bool, attention: str = "classic", fused: bool = False,
+                 logits_lp: bool = False) -> None:
+        """logits_lp: the logits in the compute precision (es bytes, CudaBackend.logits_lp),
+        not float32; a training buffer's dlogits then share their slab when a row fits the
+        loss kernel's registers (ops.LOSS_ROW_MAX)."""
         if attention not in ("classic", "cudnn"):
             raise ValueError(f"attention: expected classic or cudnn, got {attention!r}")
         self.p, self.B, self.training = prefix, B, training
         self.attention, self.fused = attention, fused
+        self.logits_lp = logits_lp
+        self.dlogits_in_logits = logits_lp and training and ldv <= LOSS_ROW_MAX
         dims = Dims(B=B, T=s.seq_len, d=s.d_model, F=s.d_ff, H=s.n_head, V=ldv)
         R = self.R = dims.R  # rows at the longest sequence; strides between layers use it
         self.d = dims.d
@@ -99,7 +106,8 @@ class BatchBuffers:
         self._plan: Plan | None = None
         # saved for the backward ("activations"): the shared table, float32 where it says so
         for a in saved("cuda", attention=attention):
-            self._add("activations", a.name, a.slots(s.n_layer), a.elems(dims) * (4 if a.f32
+            f32 = a.f32 and not (logits_lp and a.name == "logits")
+            self._add("activations", a.name, a.slots(s.n_layer), a.elems(dims) * (4 if f32
                                                                                     else es))
         # scratch, in plan order
         if attention == "classic":  # S, then dP
@@ -110,7 +118,8 @@ class BatchBuffers:
             self._add("scratch", "dres", 1, R * dims.d * es)  # d x[l+1], then d xmid, ...
             for name in ("dln", "datt", "dqkv", "dpre"):
                 self._add("scratch", name, 1, BY_NAME[name].elems(dims) * es)
-            self._add("scratch", "dlogits", 1, R * ldv * es)
+            if not self.dlogits_in_logits:
+                self._add("scratch", "dlogits", 1, R * ldv * es)
             # ops.layernorm_bwd's per-chunk column sums [ceil(R/rows), 2d] float32
             rows = LN_FUSED_ROWS if fused else LN_ROWS_PER_CHUNK
             self._add("scratch", "ln_partial", 1, -(-R // rows) * 2 * dims.d * 4)
@@ -129,7 +138,10 @@ class BatchBuffers:
         self._plan = plan
 
     def at(self, name: str, layer: int = 0) -> int:
-        """Device address of slot `layer` of slab `name`."""
+        """Device address of slot `layer` of slab `name` (dlogits: the logits' slab where they
+        share it)."""
+        if name == "dlogits" and self.dlogits_in_logits:
+            name = "logits"
         slab = self.slabs[name]
         if not 0 <= layer < slab.slots:
             raise IndexError(f"{self.p}{name}: slot {layer} of {slab.slots}")
@@ -230,14 +242,15 @@ def lp_positions(seg_start: np.ndarray, seg_qkv: np.ndarray, d: int) -> np.ndarr
 
 def plan_memory(shapes: ModelShapes, micro_batch: int, precision: str,
                 attention: str = "classic", fused: bool = False, cudnn_workspace: int = 0,
-                separate_micro: bool = False, qkv_rows: bool = False
+                separate_micro: bool = False, qkv_rows: bool = False, logits_lp: bool = False
                 ) -> tuple[Plan, BatchBuffers, BatchBuffers]:
     """The whole memory plan (DESIGN §5), not yet allocated: weights, grads, Adam m and v, the
     training and sampling buffers, and the step's own scratch. Returns (plan, train, sample).
     attention/fused: see the module doc; cudnn_workspace: the bytes cuDNN's graphs need;
     qkv_rows: Q, K, V side by side in rows (qkv and dqkv then hold [R,3d], same size), and the
     GEMM copy's W_Q, W_K, W_V too, which adds only the kernels' table of them (seg_qkv,
-    `qkv_seg_table`)."""
+    `qkv_seg_table`); logits_lp: the training buffers' logits in the compute precision
+    (BatchBuffers; the sampling buffer's stay float32, for logits_last)."""
     n, es, ldv = n_params(shapes), ACT_BYTES[precision], logits_ld(shapes.vocab_size)
     plan = Plan()
     plan.add("weights", "params", n * 4)
@@ -248,7 +261,8 @@ def plan_memory(shapes: ModelShapes, micro_batch: int, precision: str,
         plan.add("grads", "grads_save", n * 4)
     plan.add("adam_m", "m", n * 4)
     plan.add("adam_v", "v", n * 4)
-    train = BatchBuffers("t.", micro_batch, shapes, es, ldv, True, attention, fused)
+    train = BatchBuffers("t.", micro_batch, shapes, es, ldv, True, attention, fused,
+                         logits_lp and precision != "fp32")
     sample = BatchBuffers("s.", 1, shapes, es, ldv, False, attention, fused)
     train.plan(plan)
     sample.plan(plan)

@@ -53,6 +53,7 @@ LN_FUSED_SHARED = 48 << 10  # its shared column sums must fit the default limit
 # backend: the chunks are its GEMMs' shapes, so its bits)
 ATTN_CHUNK = 256
 NORM_BLOCKS = 1024
+LOSS_ROW_MAX = 12 * 4 * THREADS  # kernels/loss.cu: a row held in registers (LOSS_CACHE float4s)
 NORM_RANGE_BLOCKS = 256  # k_grad_norm_ranges' blocks per range (its partials: this many a range)
 MAX_GRID = 8192
 VEC_BYTES = 16
@@ -546,23 +547,32 @@ class Ops:
     # the wte buffer has at least ldv readable rows (the flat parameter buffer continues after
     # it), the logits GEMM computes ldv columns (the padding ones are never read) and the dx GEMM
     # runs over K = ldv (dlogits is 0 there). dwte's GEMM keeps M = V: it writes gradients.
+    # lp: the logits in the compute precision (CudaBackend.logits_lp), else float32.
     def loss_fwd(self, x: int, wte: int, targets: int, logits: int, lse: int, losses: int,
-                 B: int, T: int, V: int, ldv: int, d: int, wte_rows: int) -> None:
+                 B: int, T: int, V: int, ldv: int, d: int, wte_rows: int,
+                 lp: bool = False) -> None:
         R = B * T
         vg = ldv if wte_rows >= ldv else V
-        self._mm(logits, x, wte, R, vg, d, tb=True, out32=True, ldc=ldv)
-        self._go("k_loss_fwd", R, losses, lse, logits, targets, B, T, V, ldv)
+        self._mm(logits, x, wte, R, vg, d, tb=True, out32=not lp, ldc=ldv)
+        self._go("k_loss_fwd_lp" if lp else "k_loss_fwd", R, losses, lse, logits, targets, B, T,
+                 V, ldv)
 
     def loss_fwd_bwd(self, x: int, wte: int, targets: int, logits: int, lse: int, losses: int,
                      scale: int, dlogits: int, B: int, T: int, V: int, ldv: int, d: int,
-                     wte_rows: int) -> None:
+                     wte_rows: int, lp: bool = False) -> None:
         """loss_fwd and the first half of loss_bwd (dlogits) in one pass over the logits: for a
-        training step, whose loss scale is known before the forward. Then loss_bwd_gemms."""
+        training step, whose loss scale is known before the forward. Then loss_bwd_gemms.
+        With lp, dlogits may be the logits buffer (k_loss_fwd_bwd_lp reads each row before it
+        writes it, for rows of up to LOSS_ROW_MAX columns)."""
         R = B * T
         vg = ldv if wte_rows >= ldv else V
-        self._mm(logits, x, wte, R, vg, d, tb=True, out32=True, ldc=ldv)
-        self._writes(dlogits)
-        self._go("k_loss_fwd_bwd", R, losses, lse, dlogits, logits, targets, scale, B, T, V, ldv)
+        if dlogits == logits and not (lp and ldv <= LOSS_ROW_MAX):
+            raise ValueError(f"loss_fwd_bwd: dlogits in place of the logits needs lp and rows of "
+                             f"at most {LOSS_ROW_MAX} columns, got lp={lp}, ldv={ldv}")
+        self._writes(dlogits)  # before the GEMM, which may write the same buffer
+        self._mm(logits, x, wte, R, vg, d, tb=True, out32=not lp, ldc=ldv)
+        self._go("k_loss_fwd_bwd_lp" if lp else "k_loss_fwd_bwd", R, losses, lse, dlogits, logits,
+                 targets, scale, B, T, V, ldv)
 
     def loss_bwd(self, x: int, wte: int, targets: int, logits: int, lse: int, scale: int,
                  dx: int, dwte: int, dlogits: int, B: int, T: int, V: int, ldv: int, d: int,

@@ -43,6 +43,8 @@ SIGNATURES: dict[str, str] = {
     "k_loss_fwd": "PPPPiiii",
     "k_loss_bwd": "PPPPPiiii",
     "k_loss_fwd_bwd": "PPPPPPiiii",
+    "k_loss_fwd_lp": "PPPPiiii",
+    "k_loss_fwd_bwd_lp": "PPPPPPiiii",
     "k_grad_norm_partial": "PPqf",
     "k_grad_norm_final": "PPi",
     "k_grad_norm_ranges": "PPPifP",

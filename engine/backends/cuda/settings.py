@@ -13,7 +13,8 @@ differ from an uninterrupted run). Two kinds:
   (the step writes its gradients instead of zeroing and adding), ANDREA_DWTE_PAD (dwte's GEMM
   over the aligned rows), ANDREA_DEFER_ADAMW (a step's AdamW in the next step's graph, beside its
   forward), ANDREA_QKV_ROWS (Q, K, V side by side in rows), ANDREA_RESID_GEMM (the forward's
-  residual adds in the GEMM epilogues; off by default);
+  residual adds in the GEMM epilogues; off by default), ANDREA_LOGITS_LP (the training logits
+  in the compute precision; off where a resumed record predates it);
 - counts (`CudaSettings.count`: an integer from 1): ANDREA_ATTN_CHUNK (the classic attention's
   queries per causal chunk, the shapes of its GEMMs).
 

@@ -1,7 +1,9 @@
 // Cross-entropy after the tied output projection (DESIGN §3 `loss_fwd` / `loss_bwd`).
-// logits = x @ wte.T comes from cuBLAS into a float buffer [R, ldv] (ldv >= V, padded for
-// alignment: ldv % 64 == 0, so rows are whole 16-byte vectors); these kernels are the softmax
-// cross-entropy, one block per row r = t*B + b.
+// logits = x @ wte.T comes from cuBLAS into a buffer [R, ldv] (ldv >= V, padded for alignment:
+// ldv % 64 == 0, so rows are whole 16-byte vectors) of floats, or of act_t (the `_lp` kernels,
+// CudaBackend.logits_lp: the GEMM rounds z to the compute precision, as PyTorch's autocast
+// does); these kernels are the softmax cross-entropy, one block per row r = t*B + b, in float
+// whatever z is stored in: the `_lp` kernels give the bits of the float ones on z's values.
 #include "common.cuh"
 
 #define LOSS_CACHE 12  // float4s per thread kept in registers: rows of up to 12·4·blockDim.x floats
@@ -11,12 +13,28 @@
 // memory once, into registers (`cached`); a longer one is streamed on each pass.
 __device__ __forceinline__ bool row_fits(int ldv) { return ldv <= LOSS_CACHE * 4 * (int)blockDim.x; }
 
-__device__ __forceinline__ void row_load(float4 (&zc)[LOSS_CACHE], const float* z, int ldv) {
-    const float4* z4 = reinterpret_cast<const float4*>(z);
+// Four act_t stored as one 8- or 16-byte word.
+struct alignas(4 * sizeof(act_t)) Act4 {
+    act_t v[4];
+};
+
+// Columns 4q .. 4q + 3 of a row of logits, as floats.
+__device__ __forceinline__ float4 load4(const float* z, int q) {
+    return reinterpret_cast<const float4*>(z)[q];
+}
+#if ANDREA_ACT != 0
+__device__ __forceinline__ float4 load4(const act_t* z, int q) {
+    const Act4 a = reinterpret_cast<const Act4*>(z)[q];
+    return make_float4(to_f(a.v[0]), to_f(a.v[1]), to_f(a.v[2]), to_f(a.v[3]));
+}
+#endif
+
+template <typename Z>
+__device__ __forceinline__ void row_load(float4 (&zc)[LOSS_CACHE], const Z* z, int ldv) {
 #pragma unroll
     for (int j = 0; j < LOSS_CACHE; j++) {
         const int q = threadIdx.x + j * blockDim.x;
-        if (q * 4 < ldv) zc[j] = z4[q];
+        if (q * 4 < ldv) zc[j] = load4(z, q);
     }
 }
 
@@ -40,9 +58,9 @@ __device__ __forceinline__ float vec_sumexp(float4 v, int q, int V, float m, flo
 // then each thread's Σ exp(z - max) over its float4s in order, the threads' sums added in a
 // fixed order (block_sum). Shared by k_loss_fwd and k_loss_fwd_bwd (same bits); zc: the row
 // as row_load leaves it when row_fits(ldv), else unused (the row is read from z).
-__device__ __forceinline__ float row_lse(const float4 (&zc)[LOSS_CACHE], const float* z, int V,
+template <typename Z>
+__device__ __forceinline__ float row_lse(const float4 (&zc)[LOSS_CACHE], const Z* z, int V,
                                          int ldv, float* shared) {
-    const float4* z4 = reinterpret_cast<const float4*>(z);
     float m = -INFINITY, s = 0.0f;
     if (row_fits(ldv)) {
 #pragma unroll
@@ -57,9 +75,10 @@ __device__ __forceinline__ float row_lse(const float4 (&zc)[LOSS_CACHE], const f
             if (q * 4 < ldv) s = vec_sumexp(zc[j], q, V, m, s);
         }
     } else {
-        for (int q = threadIdx.x; q * 4 < ldv; q += blockDim.x) m = vec_max(z4[q], q, V, m);
+        for (int q = threadIdx.x; q * 4 < ldv; q += blockDim.x) m = vec_max(load4(z, q), q, V, m);
         m = block_max(m, shared);
-        for (int q = threadIdx.x; q * 4 < ldv; q += blockDim.x) s = vec_sumexp(z4[q], q, V, m, s);
+        for (int q = threadIdx.x; q * 4 < ldv; q += blockDim.x)
+            s = vec_sumexp(load4(z, q), q, V, m, s);
     }
     s = block_sum(s, shared);
     // The butterflies leave each lane a sum in its own order: lanes may differ in the last
@@ -71,11 +90,6 @@ __device__ __forceinline__ float row_lse(const float4 (&zc)[LOSS_CACHE], const f
     __syncthreads();
     return shared[0];
 }
-
-// Four act_t stored as one 8- or 16-byte write.
-struct alignas(4 * sizeof(act_t)) Act4 {
-    act_t v[4];
-};
 
 // dz = scale·(softmax(z) - onehot(target)) for the float4 at column 4q of one row, padding
 // columns V <= j < ldv set to 0 (rounded as written: no contraction).
@@ -92,6 +106,24 @@ __device__ __forceinline__ void vec_dlogits(act_t* dz, float4 v, int q, float l,
     *reinterpret_cast<Act4*>(dz + q * 4) = out;
 }
 
+// The forward of one row (k_loss_fwd, k_loss_fwd_lp).
+template <typename Z>
+__device__ __forceinline__ void loss_fwd_row(float* losses, float* lse, const Z* logits,
+                                             const int* targets, int B, int T, int V, int ldv) {
+    __shared__ float shared[32];
+    const int r = blockIdx.x;
+    if (r >= B * T) return;
+    const Z* z = logits + (long)r * ldv;
+    float4 zc[LOSS_CACHE];
+    if (row_fits(ldv)) row_load(zc, z, ldv);
+    const float l = row_lse(zc, z, V, ldv, shared);
+    if (threadIdx.x == 0) {
+        const int t = r / B, b = r - t * B;
+        lse[r] = l;
+        losses[r] = l - to_f(z[targets[(long)b * T + t]]);
+    }
+}
+
 // numpy twin: ops.loss_fwd (after its matmul, per row chunk z = logits[r0:r1])
 // >   m = z.max(axis=1)
 // >   z -= m[:, None]
@@ -105,18 +137,15 @@ __device__ __forceinline__ void vec_dlogits(act_t* dz, float4 v, int q, float l,
 // logits and keeps lse. The logits GEMM z = x @ wteᵀ is cuBLAS (Ops.loss_fwd).
 extern "C" __global__ void k_loss_fwd(float* losses, float* lse, const float* logits,
                                       const int* targets, int B, int T, int V, int ldv) {
-    __shared__ float shared[32];
-    const int r = blockIdx.x;
-    if (r >= B * T) return;
-    const float* z = logits + (long)r * ldv;
-    float4 zc[LOSS_CACHE];
-    if (row_fits(ldv)) row_load(zc, z, ldv);
-    const float l = row_lse(zc, z, V, ldv, shared);
-    if (threadIdx.x == 0) {
-        const int t = r / B, b = r - t * B;
-        lse[r] = l;
-        losses[r] = l - z[targets[(long)b * T + t]];
-    }
+    loss_fwd_row(losses, lse, logits, targets, B, T, V, ldv);
+}
+
+// numpy twin: ops.loss_fwd (after its matmul, on logits in the compute precision)
+// >   np.log(s, out=losses[r0:r1])
+// k_loss_fwd on z stored as act_t (CudaBackend.logits_lp): the same bits on the same values.
+extern "C" __global__ void k_loss_fwd_lp(float* losses, float* lse, const act_t* logits,
+                                         const int* targets, int B, int T, int V, int ldv) {
+    loss_fwd_row(losses, lse, logits, targets, B, T, V, ldv);
 }
 
 // numpy twin: ops.loss_bwd
@@ -140,27 +169,27 @@ extern "C" __global__ void k_loss_bwd(act_t* dlogits, const float* logits, const
         vec_dlogits(dlogits + (long)r * ldv, z4[q], q, l, tgt, sc, V);
 }
 
-// numpy twin: ops.loss_bwd (with the forward's softmax statistics, in one pass)
-// >   dz = scale · (softmax(z) - onehot(targets)) = diag(scale/s)·E - scale·onehot;
-// k_loss_fwd and k_loss_bwd in one launch, with their bits: a training step knows its loss
-// scale before the forward, so the row of logits is read from memory once (into registers,
-// when it fits) instead of again in the backward. Writes losses, lse and dlogits.
-extern "C" __global__ void k_loss_fwd_bwd(float* losses, float* lse, act_t* dlogits,
-                                          const float* logits, const int* targets,
-                                          const float* scale, int B, int T, int V, int ldv) {
+// One row of k_loss_fwd_bwd, k_loss_fwd_bwd_lp.
+template <typename Z>
+__device__ __forceinline__ void loss_fwd_bwd_row(float* losses, float* lse, act_t* dlogits,
+                                                 const Z* logits, const int* targets,
+                                                 const float* scale, int B, int T, int V,
+                                                 int ldv) {
     __shared__ float shared[32];
     const int r = blockIdx.x;
     if (r >= B * T) return;
-    const float* z = logits + (long)r * ldv;
+    const Z* z = logits + (long)r * ldv;
     const bool fits = row_fits(ldv);
+    const int t = r / B, b = r - t * B;
+    const int tgt = targets[(long)b * T + t];
+    // z[tgt] read before row_lse's last barrier, after which the row may be overwritten
+    const float zt = threadIdx.x == 0 ? to_f(z[tgt]) : 0.0f;
     float4 zc[LOSS_CACHE];
     if (fits) row_load(zc, z, ldv);
     const float l = row_lse(zc, z, V, ldv, shared);
-    const int t = r / B, b = r - t * B;
-    const int tgt = targets[(long)b * T + t];
     if (threadIdx.x == 0) {
         lse[r] = l;
-        losses[r] = l - z[tgt];
+        losses[r] = l - zt;
     }
     act_t* dz = dlogits + (long)r * ldv;
     const float sc = scale[0];
@@ -171,7 +200,30 @@ extern "C" __global__ void k_loss_fwd_bwd(float* losses, float* lse, act_t* dlog
             if (q * 4 < ldv) vec_dlogits(dz, zc[j], q, l, tgt, sc, V);
         }
     } else {
-        const float4* z4 = reinterpret_cast<const float4*>(z);
-        for (int q = threadIdx.x; q * 4 < ldv; q += blockDim.x) vec_dlogits(dz, z4[q], q, l, tgt, sc, V);
+        for (int q = threadIdx.x; q * 4 < ldv; q += blockDim.x)
+            vec_dlogits(dz, load4(z, q), q, l, tgt, sc, V);
     }
+}
+
+// numpy twin: ops.loss_bwd (with the forward's softmax statistics, in one pass)
+// >   dz = scale · (softmax(z) - onehot(targets)) = diag(scale/s)·E - scale·onehot;
+// k_loss_fwd and k_loss_bwd in one launch, with their bits: a training step knows its loss
+// scale before the forward, so the row of logits is read from memory once (into registers,
+// when it fits) instead of again in the backward. Writes losses, lse and dlogits.
+extern "C" __global__ void k_loss_fwd_bwd(float* losses, float* lse, act_t* dlogits,
+                                          const float* logits, const int* targets,
+                                          const float* scale, int B, int T, int V, int ldv) {
+    loss_fwd_bwd_row(losses, lse, dlogits, logits, targets, scale, B, T, V, ldv);
+}
+
+// numpy twin: ops.loss_bwd (with the forward's statistics, on logits in the compute precision)
+// >   dz = scale · (softmax(z) - onehot(targets)) = diag(scale/s)·E - scale·onehot;
+// k_loss_fwd_bwd on z stored as act_t (CudaBackend.logits_lp): the same bits on the same
+// values. dlogits may be the logits buffer itself (each row is read before it is written:
+// every thread holds its share of the row in registers once row_fits, which the backend
+// checks before it aliases them).
+extern "C" __global__ void k_loss_fwd_bwd_lp(float* losses, float* lse, act_t* dlogits,
+                                             const act_t* logits, const int* targets,
+                                             const float* scale, int B, int T, int V, int ldv) {
+    loss_fwd_bwd_row(losses, lse, dlogits, logits, targets, scale, B, T, V, ldv);
 }
