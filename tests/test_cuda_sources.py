@@ -23,7 +23,7 @@ def _kernel_params() -> dict[str, list[str]]:
     out = {}
     for src in SOURCES:
         text = src.read_text()
-        for m in re.finditer(r'extern "C" __global__ void (\w+)\(([^)]*)\)', text):
+        for m in re.finditer(r'extern "C" __global__ void (?:[A-Z_]+ )?(\w+)\(([^)]*)\)', text):
             out[m.group(1)] = [p.strip() for p in m.group(2).split(",")]
     return out
 

@@ -17,7 +17,7 @@ from engine.backends.cuda import KERNEL_DIR
 from engine.backends.numpy import model as np_model
 from engine.backends.numpy import ops as np_ops
 
-KERNEL = re.compile(r'^extern "C" __global__ void (k_\w+)\(')
+KERNEL = re.compile(r'^extern "C" __global__ void (?:[A-Z_]+ )?(k_\w+)\(')
 TWIN = re.compile(r"^// numpy twin: (?:none — (?P<why>\S.*)|(?P<ref>(?:ops|model)\.[\w.]+)\b.*)$")
 QUOTE = re.compile(r"^// >\s+(?P<code>\S.*)$")
 MODULES = {"ops": np_ops, "model": np_model}

@@ -7,6 +7,11 @@
 #include "common.cuh"
 
 #define LOSS_CACHE 12  // float4s per thread kept in registers: rows of up to 12·4·blockDim.x floats
+// The row kernels are latency-bound (one block a row, the row loaded once): 3 blocks of 256
+// threads an SM instead of 2 (at most 85 registers, no spills) took k_loss_fwd_bwd_lp from
+// 220 to 153 µs and k_loss_fwd_bwd from 189 to 143 at R = 8192, ldv = 8512 on the H200, the
+// same bits (NOTES.md, tenth session). Ops launches them with THREADS = 256.
+#define LOSS_BOUNDS __launch_bounds__(256, 3)
 
 // Thread t's share of a row of ldv floats (ldv % 4 == 0, 16-byte aligned): the float4s
 // q = t, t + blockDim.x, ..., slot j holding q = t + j·blockDim.x. A row that fits is read from
@@ -35,6 +40,20 @@ __device__ __forceinline__ void row_load(float4 (&zc)[LOSS_CACHE], const Z* z, i
     for (int j = 0; j < LOSS_CACHE; j++) {
         const int q = threadIdx.x + j * blockDim.x;
         if (q * 4 < ldv) zc[j] = load4(z, q);
+    }
+}
+
+// z[tgt] from the row row_load left in registers, into *out by the thread holding it (before a
+// barrier: the one inside row_lse), so that no thread waits on a load of its own for it.
+__device__ __forceinline__ void cached_target(const float4 (&zc)[LOSS_CACHE], int tgt,
+                                              float* out) {
+#pragma unroll
+    for (int j = 0; j < LOSS_CACHE; j++) {
+        if ((int)threadIdx.x + j * (int)blockDim.x == tgt >> 2) {
+            const float4 v = zc[j];
+            const int i = tgt & 3;
+            *out = i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+        }
     }
 }
 
@@ -111,16 +130,22 @@ template <typename Z>
 __device__ __forceinline__ void loss_fwd_row(float* losses, float* lse, const Z* logits,
                                              const int* targets, int B, int T, int V, int ldv) {
     __shared__ float shared[32];
+    __shared__ float zt;
     const int r = blockIdx.x;
     if (r >= B * T) return;
     const Z* z = logits + (long)r * ldv;
+    const int t = r / B, b = r - t * B;
+    const int tgt = targets[(long)b * T + t];
+    const bool fits = row_fits(ldv);
     float4 zc[LOSS_CACHE];
-    if (row_fits(ldv)) row_load(zc, z, ldv);
+    if (fits) {
+        row_load(zc, z, ldv);
+        cached_target(zc, tgt, &zt);
+    }
     const float l = row_lse(zc, z, V, ldv, shared);
     if (threadIdx.x == 0) {
-        const int t = r / B, b = r - t * B;
         lse[r] = l;
-        losses[r] = l - to_f(z[targets[(long)b * T + t]]);
+        losses[r] = l - (fits ? zt : to_f(z[tgt]));
     }
 }
 
@@ -135,7 +160,7 @@ __device__ __forceinline__ void loss_fwd_row(float* losses, float* lse, const Z*
 // The same loss, lse - z_target with lse = m + log s. What is saved differs (activations.py):
 // numpy overwrites logits with E = exp(z - m) and keeps s (row_sum); this kernel leaves z in
 // logits and keeps lse. The logits GEMM z = x @ wteᵀ is cuBLAS (Ops.loss_fwd).
-extern "C" __global__ void k_loss_fwd(float* losses, float* lse, const float* logits,
+extern "C" __global__ void LOSS_BOUNDS k_loss_fwd(float* losses, float* lse, const float* logits,
                                       const int* targets, int B, int T, int V, int ldv) {
     loss_fwd_row(losses, lse, logits, targets, B, T, V, ldv);
 }
@@ -143,7 +168,7 @@ extern "C" __global__ void k_loss_fwd(float* losses, float* lse, const float* lo
 // numpy twin: ops.loss_fwd (after its matmul, on logits in the compute precision)
 // >   np.log(s, out=losses[r0:r1])
 // k_loss_fwd on z stored as act_t (CudaBackend.logits_lp): the same bits on the same values.
-extern "C" __global__ void k_loss_fwd_lp(float* losses, float* lse, const act_t* logits,
+extern "C" __global__ void LOSS_BOUNDS k_loss_fwd_lp(float* losses, float* lse, const act_t* logits,
                                          const int* targets, int B, int T, int V, int ldv) {
     loss_fwd_row(losses, lse, logits, targets, B, T, V, ldv);
 }
@@ -176,20 +201,22 @@ __device__ __forceinline__ void loss_fwd_bwd_row(float* losses, float* lse, act_
                                                  const float* scale, int B, int T, int V,
                                                  int ldv) {
     __shared__ float shared[32];
+    __shared__ float zt;
     const int r = blockIdx.x;
     if (r >= B * T) return;
     const Z* z = logits + (long)r * ldv;
     const bool fits = row_fits(ldv);
     const int t = r / B, b = r - t * B;
     const int tgt = targets[(long)b * T + t];
-    // z[tgt] read before row_lse's last barrier, after which the row may be overwritten
-    const float zt = threadIdx.x == 0 ? to_f(z[tgt]) : 0.0f;
     float4 zc[LOSS_CACHE];
-    if (fits) row_load(zc, z, ldv);
+    if (fits) {  // then dlogits may overwrite the row (ops.loss_fwd_bwd): z[tgt] from registers
+        row_load(zc, z, ldv);
+        cached_target(zc, tgt, &zt);
+    }
     const float l = row_lse(zc, z, V, ldv, shared);
     if (threadIdx.x == 0) {
         lse[r] = l;
-        losses[r] = l - zt;
+        losses[r] = l - (fits ? zt : to_f(z[tgt]));
     }
     act_t* dz = dlogits + (long)r * ldv;
     const float sc = scale[0];
@@ -210,7 +237,7 @@ __device__ __forceinline__ void loss_fwd_bwd_row(float* losses, float* lse, act_
 // k_loss_fwd and k_loss_bwd in one launch, with their bits: a training step knows its loss
 // scale before the forward, so the row of logits is read from memory once (into registers,
 // when it fits) instead of again in the backward. Writes losses, lse and dlogits.
-extern "C" __global__ void k_loss_fwd_bwd(float* losses, float* lse, act_t* dlogits,
+extern "C" __global__ void LOSS_BOUNDS k_loss_fwd_bwd(float* losses, float* lse, act_t* dlogits,
                                           const float* logits, const int* targets,
                                           const float* scale, int B, int T, int V, int ldv) {
     loss_fwd_bwd_row(losses, lse, dlogits, logits, targets, scale, B, T, V, ldv);
@@ -222,7 +249,7 @@ extern "C" __global__ void k_loss_fwd_bwd(float* losses, float* lse, act_t* dlog
 // values. dlogits may be the logits buffer itself (each row is read before it is written:
 // every thread holds its share of the row in registers once row_fits, which the backend
 // checks before it aliases them).
-extern "C" __global__ void k_loss_fwd_bwd_lp(float* losses, float* lse, act_t* dlogits,
+extern "C" __global__ void LOSS_BOUNDS k_loss_fwd_bwd_lp(float* losses, float* lse, act_t* dlogits,
                                              const act_t* logits, const int* targets,
                                              const float* scale, int B, int T, int V, int ldv) {
     loss_fwd_bwd_row(losses, lse, dlogits, logits, targets, scale, B, T, V, ldv);
