@@ -15,7 +15,12 @@ from engine.backends.activations import LAYER, SAVED, SCRATCH, Dims, saved
 from engine.backends.cuda.buffers import HP_FIELDS, io_fields, logits_ld, plan_memory
 from engine.backends.cuda.cublas import WORKSPACE_BYTES
 from engine.backends.cuda.memory import Plan
-from engine.backends.cuda.ops import LN_ROWS_PER_CHUNK, LOSS_ROW_MAX, NORM_BLOCKS
+from engine.backends.cuda.ops import (
+    LN_ROWS_PER_CHUNK,
+    LOSS_ROW_MAX,
+    NORM_BLOCKS,
+    NORM_RANGE_BLOCKS,
+)
 from engine.backends.cuda.runtime import ACT_BYTES
 from engine.model.layout import ModelShapes, n_params, tensor_table
 
@@ -290,6 +295,10 @@ def test_fused_plan_adds_the_second_copies_and_the_step_block():
     plan.allocate(_FakeDrv())
     for name in ("cudnn_ws", "cublas_ws2", "norm_cuts", "clip", "skipped"):
         assert plan[name]
+    # the norm's partials hold k_grad_norm_ranges' for the embeddings and every layer (norm
+    # follows them in the plan), norm_cuts their L + 2 bounds (clip follows it)
+    assert plan["norm"] - plan["norm_partials"] >= NORM_RANGE_BLOCKS * (s.n_layer + 1) * 4
+    assert plan["clip"] - plan["norm_cuts"] >= (s.n_layer + 2) * 8
     h = np.zeros(train.io_words, np.int32)
     x = np.arange(8 * 16, dtype=np.int32).reshape(8, 16) % 7
     train.stage(h, x, x, 2.0)
@@ -324,6 +333,8 @@ def test_logits_in_the_compute_precision_halve_their_slab_and_hold_dlogits(vocab
     assert (train.at("dlogits") == train.at("logits")) == shared
     _, train_fp32, _ = plan_memory(s, 8, "fp32", logits_lp=True, **kw)
     assert not train_fp32.logits_lp and "dlogits" in train_fp32.slabs
+    with pytest.raises(ValueError, match="fused"):
+        plan_memory(s, 8, "bf16", "cudnn", fused=False, logits_lp=True)
 
 
 def test_the_fp8_plan_names_its_buffers_in_a_group_of_its_own():

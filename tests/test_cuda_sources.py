@@ -50,3 +50,16 @@ def test_compiles_for_sm90(src, tmp_path):
            "-o", str(tmp_path / f"{src.stem}.cubin"), str(src)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_the_loss_row_held_in_registers_is_the_one_ops_knows():
+    """ops.LOSS_ROW_MAX (where dlogits may overwrite the logits) is kernels/loss.cu's LOSS_CACHE
+    float4s a thread of an Ops block: a row past it is streamed, and streamed rows must not be
+    overwritten while they are read."""
+    from engine.backends.cuda.ops import LOSS_ROW_MAX, THREADS
+
+    text = (KERNEL_DIR / "loss.cu").read_text()
+    cache = int(re.search(r"^#define LOSS_CACHE (\d+)", text, re.M).group(1))
+    bounds = re.search(r"^#define LOSS_BOUNDS __launch_bounds__\((\d+), \d+\)", text, re.M)
+    assert LOSS_ROW_MAX == cache * 4 * THREADS
+    assert int(bounds.group(1)) == THREADS

@@ -293,8 +293,7 @@ class CudaBackend:
         self._prepared: tuple[int, int] | None = None  # (slot, T)
         self._update_ranges = self._ranges_by_layer()
         # Everything starts at zero: rows past a short sequence are then finite (cuDNN's
-        # full-length graphs read them; see cudnn_attn.py), and the counters of the fused
-        # kernels start at 0.
+        # full-length graphs read them; see cudnn_attn.py).
         for group in ("activations", "scratch"):
             base, size = plan.span(group)
             drv.memset_d8_async(base, 0, size, self.stream)

@@ -251,6 +251,8 @@ def plan_memory(shapes: ModelShapes, micro_batch: int, precision: str,
     GEMM copy's W_Q, W_K, W_V too, which adds only the kernels' table of them (seg_qkv,
     `qkv_seg_table`); logits_lp: the training buffers' logits in the compute precision
     (BatchBuffers; the sampling buffer's stay float32, for logits_last)."""
+    if logits_lp and not fused:  # the unfused k_loss_bwd reads float32 logits
+        raise ValueError("plan_memory: logits_lp needs the fused path")
     n, es, ldv = n_params(shapes), ACT_BYTES[precision], logits_ld(shapes.vocab_size)
     plan = Plan()
     plan.add("weights", "params", n * 4)

@@ -23,7 +23,8 @@ Backward ops accumulate (+=) into float32 parameter gradients, like numpy's.
 The fused step (CudaBackend with fusions on) adds, each next to the unfused ops it replaces and
 with their bits: `residual_layernorm_fwd` (residual_add + layernorm_fwd), `layernorm_bwd(...,
 fused=True)` (dx, dγ, dβ in one kernel), `loss_fwd_bwd` (the loss and dlogits in one pass),
-`grad_norm_ranges` (the partials range by range, as the backward completes them), `step_clip` (clip and non-finite skip on the device) and
+`grad_norm_ranges` (the norm's partials range by range, as the backward completes them),
+`step_clip` (clip and non-finite skip on the device) and
 `adamw_step` (AdamW over a range, as step_clip decided). GEMMs then go through gemm.LtGemm
 (algorithms chosen by timing, GELU epilogue or kernel chosen per shape), and the weight-gradient
 GEMMs and the LayerNorm parameter sums run on a second stream (`side`): see `_wgrad`, `_on_side`.
@@ -610,8 +611,8 @@ class Ops:
     def grad_norm_ranges(self, grads: int, cuts: int, first: int, count: int, partials: int,
                          gs: float = 1.0, gs_dev: int = 0, side: bool = False) -> None:
         """The partials of ranges first .. first + count - 1 of the device table cuts (int64
-        [ranges + 1], float4-aligned begins) into partials[r·NORM_RANGE_BLOCKS ...]; then
-        grad_norm_final over all of them. gs_dev: a device float holding the gradient scale
+        [ranges + 1], float4-aligned begins) into partials[r·NORM_RANGE_BLOCKS ...], for
+        grad_norm_final over all of them once every range is in. gs_dev: a device float holding the gradient scale
         instead of gs (0: use gs). side: on the weight-gradient stream after everything queued
         so far on the main one (a range the backward has just completed), when there is one."""
         args = (partials, grads, cuts, first, gs, gs_dev)
