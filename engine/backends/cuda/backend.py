@@ -1002,9 +1002,7 @@ class CudaBackend:
         if not beside or o.side is None:
             self._adamw_range(0, self.n)
             return None
-        fork = o._event()
-        fork.record(self.stream)
-        o.side.wait_for_event(fork)
+        o._to_side()
         done = []
         for begin, end in self._update_ranges[1:]:
             self._adamw_range(begin, end, stream=o.side)

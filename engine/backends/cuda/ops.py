@@ -173,9 +173,7 @@ class Ops:
         if self.side is None:
             self._mm(out, a, b, M, N, K, out32=True, beta=beta, **kw)
             return
-        fork = self._event()
-        fork.record(self.stream)
-        self.side.wait_for_event(fork)
+        self._to_side()
         self._mm(out, a, b, M, N, K, out32=True, beta=beta, side=True, **kw)
         done = self._event()
         done.record(self.side)
@@ -189,14 +187,18 @@ class Ops:
         if self.side is None or not self.side_ln:
             issue(self.stream)
             return
-        fork = self._event()
-        fork.record(self.stream)
-        self.side.wait_for_event(fork)
-        issue(self.side)
+        issue(self._to_side())
         done = self._event()
         done.record(self.side)
         for ptr in reads:
             self._side_reads[ptr] = done
+
+    def _to_side(self) -> Any:
+        """The side stream, made to wait for everything the main stream has queued so far."""
+        fork = self._event()
+        fork.record(self.stream)
+        self.side.wait_for_event(fork)
+        return self.side
 
     def _writes(self, *ptrs: int) -> None:
         """The main stream is about to write these buffers: wait for side-stream readers."""
@@ -612,17 +614,13 @@ class Ops:
                          gs: float = 1.0, gs_dev: int = 0, side: bool = False) -> None:
         """The partials of ranges first .. first + count - 1 of the device table cuts (int64
         [ranges + 1], float4-aligned begins) into partials[r·NORM_RANGE_BLOCKS ...], for
-        grad_norm_final over all of them once every range is in. gs_dev: a device float holding the gradient scale
-        instead of gs (0: use gs). side: on the weight-gradient stream after everything queued
-        so far on the main one (a range the backward has just completed), when there is one."""
-        args = (partials, grads, cuts, first, gs, gs_dev)
-        if side and self.side is not None:
-            fork = self._event()
-            fork.record(self.stream)
-            self.side.wait_for_event(fork)
-            self._go("k_grad_norm_ranges", (NORM_RANGE_BLOCKS, count), *args, stream=self.side)
-        else:
-            self._go("k_grad_norm_ranges", (NORM_RANGE_BLOCKS, count), *args)
+        grad_norm_final over all of them once every range is in. gs_dev: a device float
+        holding the gradient scale instead of gs (0: use gs). side: on the weight-gradient
+        stream after everything queued so far on the main one (a range the backward has just
+        completed), when there is one."""
+        stream = self._to_side() if side and self.side is not None else None
+        self._go("k_grad_norm_ranges", (NORM_RANGE_BLOCKS, count), partials, grads, cuts, first,
+                 gs, gs_dev, stream=stream)
 
     def grad_scale(self, grads: int, n: int, s: float) -> None:
         self._go("k_grad_scale", _blocks(n), grads, n, s)

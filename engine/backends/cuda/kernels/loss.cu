@@ -125,19 +125,15 @@ __device__ __forceinline__ void vec_dlogits(act_t* dz, float4 v, int q, float l,
     *reinterpret_cast<Act4*>(dz + q * 4) = out;
 }
 
-// The forward of one row (k_loss_fwd, k_loss_fwd_lp).
+// The forward of row r (every loss kernel but k_loss_bwd): lse[r] and losses[r] from the row
+// z of V used columns; returns the lse. A row that fits (row_fits) is left in zc, and z[tgt]
+// comes from there, so that the row may be overwritten after the barriers inside row_lse.
 template <typename Z>
-__device__ __forceinline__ void loss_fwd_row(float* losses, float* lse, const Z* logits,
-                                             const int* targets, int B, int T, int V, int ldv) {
+__device__ __forceinline__ float row_loss(float4 (&zc)[LOSS_CACHE], float* losses, float* lse,
+                                          const Z* z, int r, int tgt, int V, int ldv) {
     __shared__ float shared[32];
     __shared__ float zt;
-    const int r = blockIdx.x;
-    if (r >= B * T) return;
-    const Z* z = logits + (long)r * ldv;
-    const int t = r / B, b = r - t * B;
-    const int tgt = targets[(long)b * T + t];
     const bool fits = row_fits(ldv);
-    float4 zc[LOSS_CACHE];
     if (fits) {
         row_load(zc, z, ldv);
         cached_target(zc, tgt, &zt);
@@ -147,6 +143,23 @@ __device__ __forceinline__ void loss_fwd_row(float* losses, float* lse, const Z*
         lse[r] = l;
         losses[r] = l - (fits ? zt : to_f(z[tgt]));
     }
+    return l;
+}
+
+// The target of row r = t*B + b: targets[b, t].
+__device__ __forceinline__ int row_target(const int* targets, int r, int B, int T) {
+    const int t = r / B, b = r - t * B;
+    return targets[(long)b * T + t];
+}
+
+// One row of k_loss_fwd, k_loss_fwd_lp.
+template <typename Z>
+__device__ __forceinline__ void loss_fwd_row(float* losses, float* lse, const Z* logits,
+                                             const int* targets, int B, int T, int V, int ldv) {
+    const int r = blockIdx.x;
+    if (r >= B * T) return;
+    float4 zc[LOSS_CACHE];
+    row_loss(zc, losses, lse, logits + (long)r * ldv, r, row_target(targets, r, B, T), V, ldv);
 }
 
 // numpy twin: ops.loss_fwd (after its matmul, per row chunk z = logits[r0:r1])
@@ -186,10 +199,9 @@ extern "C" __global__ void k_loss_bwd(act_t* dlogits, const float* logits, const
                                       int ldv) {
     const int r = blockIdx.x;
     if (r >= B * T) return;
-    const int t = r / B, b = r - t * B;
     const float4* z4 = reinterpret_cast<const float4*>(logits + (long)r * ldv);
     const float l = lse[r], sc = scale[0];
-    const int tgt = targets[(long)b * T + t];
+    const int tgt = row_target(targets, r, B, T);
     for (int q = threadIdx.x; q * 4 < ldv; q += blockDim.x)
         vec_dlogits(dlogits + (long)r * ldv, z4[q], q, l, tgt, sc, V);
 }
@@ -200,24 +212,13 @@ __device__ __forceinline__ void loss_fwd_bwd_row(float* losses, float* lse, act_
                                                  const Z* logits, const int* targets,
                                                  const float* scale, int B, int T, int V,
                                                  int ldv) {
-    __shared__ float shared[32];
-    __shared__ float zt;
     const int r = blockIdx.x;
     if (r >= B * T) return;
     const Z* z = logits + (long)r * ldv;
     const bool fits = row_fits(ldv);
-    const int t = r / B, b = r - t * B;
-    const int tgt = targets[(long)b * T + t];
+    const int tgt = row_target(targets, r, B, T);
     float4 zc[LOSS_CACHE];
-    if (fits) {  // then dlogits may overwrite the row (ops.loss_fwd_bwd): z[tgt] from registers
-        row_load(zc, z, ldv);
-        cached_target(zc, tgt, &zt);
-    }
-    const float l = row_lse(zc, z, V, ldv, shared);
-    if (threadIdx.x == 0) {
-        lse[r] = l;
-        losses[r] = l - (fits ? zt : to_f(z[tgt]));
-    }
+    const float l = row_loss(zc, losses, lse, z, r, tgt, V, ldv);
     act_t* dz = dlogits + (long)r * ldv;
     const float sc = scale[0];
     if (fits) {
