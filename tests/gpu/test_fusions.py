@@ -169,6 +169,7 @@ def test_loss_fwd_bwd_is_loss_fwd_then_loss_bwd(env, rng, V):
         same(f, u, f"loss_fwd_bwd {name}")
 
 
+@pytest.mark.parametrize("env", ["fp32", "bf16", "fp16"], indirect=True)
 @pytest.mark.parametrize("V", [301, 13001])
 def test_loss_kernels_on_logits_in_the_compute_precision_give_the_float_kernels_bits(env, rng, V):
     """k_loss_fwd_lp and k_loss_fwd_bwd_lp (CudaBackend.logits_lp) on z stored as act_t against
