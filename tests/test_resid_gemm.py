@@ -11,6 +11,7 @@ and fp32, run in tests/gpu (test_ops, test_fusions)."""
 
 from __future__ import annotations
 
+import statistics
 from types import SimpleNamespace
 from typing import Any
 
@@ -20,7 +21,7 @@ import pytest
 from engine.backends.cuda import gemm as gemm_mod
 from engine.backends.cuda.cublas import R_16BF
 from engine.backends.cuda.cublaslt import EPILOGUE_GELU_AUX
-from engine.backends.cuda.gemm import PREF_MIN_ALIGN, LtGemm
+from engine.backends.cuda.gemm import PREF_MIN_ALIGN, TIMING_ROUNDS, LtGemm
 from engine.backends.cuda.ops import Ops
 from engine.backends.numpy import ops as npo
 from tests.emugemm import EPILOGUE_DEFAULT, emulated_ops
@@ -135,6 +136,7 @@ class FakeLt:
         self.n = n
         self.aligns: list[tuple[int, int]] = []
         self.matmuls: list[tuple[int, int, float]] = []
+        self.algos: list[int] = []  # the candidate (its index) each cublasLtMatmul ran
         self._pref: dict[int, int] = {}
 
     def cublasLtGetVersion(self) -> int:
@@ -155,6 +157,7 @@ class FakeLt:
     def cublasLtMatmul(self, handle, desc, alpha, b, la, a, lb, beta, c, lc, d, ld, algo, ws,
                        ws_bytes, stream) -> int:
         self.matmuls.append((c.value or 0, d.value or 0, beta._obj.value))
+        self.algos.append(algo._obj.data[0])
         return 0
 
     def __getattr__(self, name: str):  # descriptors, layouts, preferences: created, set, freed
@@ -243,7 +246,33 @@ def test_timing_runs_every_candidate_from_c_into_d(lt):
     g.tuning, g.timer = True, timer
     mm(g, beta=1.0, c=CPTR)
     (p,) = g._problems.values()
-    assert p.source == "timed" and p.candidates == 3 and len(runs) == 3
-    assert len(fake.matmuls) == 3 * (1 + 3) + 1  # each: a trial run, the timed runs; the choice
+    assert p.source == "timed" and p.candidates == 3 and len(runs) == 3 * TIMING_ROUNDS
+    # each candidate: a trial run, then its timed runs in every round; the choice last
+    assert len(fake.matmuls) == 3 * (1 + 3 * TIMING_ROUNDS) + 1
     assert set(fake.matmuls) == {(CPTR, OUT, 1.0)}
 
+
+
+def test_candidates_are_timed_in_turn_so_a_drifting_clock_does_not_pick(lt):
+    """The GPU slows as it heats toward its power limit: here every timing comes out 3% slower
+    than the one before. Candidate 1 is the fastest (0.95 against 1.00 and 1.10). Timed one
+    candidate after the other, the drift would make candidate 0 look fastest; timed in turn,
+    each candidate's median sees the same clocks, and candidate 1 is kept."""
+    g, fake = lt(n=3)
+    true = [1.00, 0.95, 1.10]
+    order = []
+
+    def timer(fn) -> float:
+        fn()
+        order.append(fake.algos[-1])
+        return true[fake.algos[-1]] * (1 + 0.03 * len(order))
+
+    g.tuning, g.timer = True, timer
+    mm(g)
+    (p,) = g._problems.values()
+    assert order == [0, 1, 2] * TIMING_ROUNDS
+    assert p.source == "timed" and p.rank == 1 and p.algo.data[0] == 1
+    assert fake.algos[-1] == 1  # the choice runs last: its output is the one left
+    sequential = [statistics.median(t * (1 + 0.03 * (i * TIMING_ROUNDS + k + 1))
+                                    for k in range(TIMING_ROUNDS)) for i, t in enumerate(true)]
+    assert min(range(3), key=sequential.__getitem__) == 0  # what one-after-the-other would keep

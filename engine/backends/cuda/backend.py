@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import collections
 import os
-import statistics
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -63,7 +62,6 @@ from engine.model.layout import ModelShapes, init_params, n_params, tensor_table
 ADAMW_MAX_SEGS = 1024  # the same cap as kernels/optim.cu
 STEP_SLOTS = 2  # fused steps that can be queued at once (launch_step before step_result)
 SAFETY_BYTES = 256 << 20  # left free for the driver, cuBLAS's own state and graph instantiation
-TIMING_REPS = 5
 
 
 class CudaBackend:
@@ -365,16 +363,13 @@ class CudaBackend:
         return "classic", f"classic ({why})"
 
     def _time_ms(self, fn: Callable[[], None]) -> float:
-        """Median GPU time of fn() on the stream, CUDA events, TIMING_REPS runs."""
+        """GPU time of one fn() on the stream (CUDA events); gemm.time_interleaved repeats it."""
         e0, e1 = self.drv.Event(), self.drv.Event()
-        times = []
-        for _ in range(TIMING_REPS):
-            e0.record(self.stream)
-            fn()
-            e1.record(self.stream)
-            e1.synchronize()
-            times.append(e1.time_since(e0))
-        return statistics.median(times)
+        e0.record(self.stream)
+        fn()
+        e1.record(self.stream)
+        e1.synchronize()
+        return e1.time_since(e0)
 
     def _zero_state(self) -> None:
         drv, n = self.drv, self.n

@@ -8,8 +8,9 @@ data types, epilogue, beta = 0 or not, pointer alignments — one algorithm is u
 run, so the same shape always runs the same kernel (determinism, bit-exact resume).
 
 How the algorithm is chosen (`tuning` on, during the backend's start-up pass): cuBLASLt's
-heuristic proposes up to `CANDIDATES` algorithms; each is run and timed on the stream (median of
-a few runs, CUDA events), and the fastest is kept. The heuristic's first choice was up to 20%
+heuristic proposes up to `CANDIDATES` algorithms; each is run and timed on the stream (CUDA
+events, one call at a time, the candidates in turn for TIMING_ROUNDS rounds: `time_interleaved`),
+and the one with the lowest median is kept. The heuristic's first choice was up to 20%
 slower than the best of 8 on the H200 (../shared/notes/gpu-next.md; NOTES.md: 5% over all 22 problems of a step). Without tuning, an unseen problem
 takes the heuristic's first choice (a deterministic function of the problem, the library version
 and the device).
@@ -25,6 +26,7 @@ from __future__ import annotations
 import ctypes as C
 import math
 import os
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +50,7 @@ from engine.backends.cuda.cublaslt import (
 from engine.errors import RunError, UserError
 
 CANDIDATES = 8  # heuristic proposals timed per problem (ANDREA_GEMM_CANDIDATES overrides)
+TIMING_ROUNDS = 5  # timings of each candidate, taken in turn with the others (time_interleaved)
 R_8F_E4M3, R_8F_E5M2 = 28, 29  # cudaDataType of FP8 operands (train/precision "fp8")
 DESC_A_SCALE_POINTER, DESC_B_SCALE_POINTER, DESC_FAST_ACCUM = 17, 18, 25
 ELEM_BYTES = {R_32F: 4, R_8F_E4M3: 1, R_8F_E5M2: 1}  # else 2 (bf16, fp16)
@@ -89,6 +92,20 @@ def candidates() -> int:
     if not raw.isdigit() or not 1 <= int(raw) <= 64:
         raise UserError(f"ANDREA_GEMM_CANDIDATES: expected an integer from 1 to 64, got {raw!r}")
     return int(raw)
+
+
+def time_interleaved(timer: Callable[[Callable[[], None]], float],
+                     fns: list[Callable[[], None]], rounds: int = TIMING_ROUNDS) -> list[float]:
+    """The median of `rounds` timings of each of fns, taken in turn (fns[0], fns[1], ...,
+    fns[0], ...), so that a slow spell of the GPU (its clock meeting the power limit) falls on
+    one round of every candidate instead of on all of one candidate's timings: on the H200 the
+    five consecutive timings of an MLP epilogue GEMM once all came out 1.5x its usual time and
+    the slower variant was kept (NOTES.md, tenth session). timer(fn) times one fn()."""
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for t, fn in zip(times, fns, strict=True):
+            t.append(timer(fn))
+    return [statistics.median(t) for t in times]
 
 
 @dataclass
@@ -227,15 +244,15 @@ class LtGemm:
         # the last run's output is the right one; an in-place beta 1 (C = D, a gradient
         # accumulation) adds once per run, which is why the backend tunes in a start-up pass
         # whose state it zeroes afterwards.
-        times: list[tuple[float, int]] = []
+        runs: list[tuple[int, Callable[[], None]]] = []
         for i, h in enumerate(cands):
-            algo = h.algo
-            if run(algo) != 0:  # refused at run time: nothing was launched
+            if run(h.algo) != 0:  # refused at run time: nothing was launched
                 continue
-            ms = self.timer(lambda algo=algo: self._check(run(algo), f"cublasLtMatmul {key}"))
-            times.append((ms, i))
-        if not times:
+            runs.append((i, lambda algo=h.algo: self._check(run(algo), f"cublasLtMatmul {key}")))
+        if not runs:
             raise RunError(f"cuBLASLt: no proposed algorithm runs the GEMM {key}")
+        medians = time_interleaved(self.timer, [fn for _, fn in runs])
+        times = [(ms, i) for ms, (i, _) in zip(medians, runs, strict=True)]
         ms, best = min(times)
         p.algo, p.ms, p.rank, p.source = cands[best].algo, ms, best, "timed"
         p.top1_ms = next((t for t, i in times if i == 0), None)

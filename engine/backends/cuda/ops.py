@@ -41,7 +41,7 @@ from typing import Any
 
 from engine.backends.cuda.cublas import DTYPE_OF_PRECISION, R_32F, Cublas
 from engine.backends.cuda.cublaslt import EPILOGUE_DGELU, EPILOGUE_GELU_AUX, OP_N, OP_T, CublasLt
-from engine.backends.cuda.gemm import LtGemm
+from engine.backends.cuda.gemm import LtGemm, time_interleaved
 from engine.errors import RunError
 
 THREADS = 256
@@ -450,14 +450,16 @@ class Ops:
         assert self.gemm is not None
         choice = self.gemm.choices.get(name)
         if choice is None and self.gemm.tuning and self.gemm.timer is not None:
-            timer = self.gemm.timer
             try:
                 epilogue()  # picks the epilogue GEMM's algorithm
-                t_epi = timer(epilogue)
+                both = True
             except RunError:
-                t_epi = math.inf
-            kernel()
-            t_ker = timer(kernel)
+                both = False
+            kernel()  # and the plain GEMM's
+            if both:  # timed in turn (time_interleaved), as the GEMM candidates are
+                t_epi, t_ker = time_interleaved(self.gemm.timer, [epilogue, kernel])
+            else:
+                t_epi, (t_ker,) = math.inf, time_interleaved(self.gemm.timer, [kernel])
             choice = "epilogue" if t_epi <= t_ker else "kernel"
             self.gemm.choices[name] = choice
             self.gemm.choice_ms[name] = (t_epi, t_ker)
