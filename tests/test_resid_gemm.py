@@ -247,17 +247,17 @@ def test_timing_runs_every_candidate_from_c_into_d(lt):
     mm(g, beta=1.0, c=CPTR)
     (p,) = g._problems.values()
     assert p.source == "timed" and p.candidates == 3 and len(runs) == 3 * TIMING_ROUNDS
-    # each candidate: a trial run, then its timed runs in every round; the choice last
+    # a trial run of each, then one timed run of each per round; the choice last
     assert len(fake.matmuls) == 3 * (1 + 3 * TIMING_ROUNDS) + 1
     assert set(fake.matmuls) == {(CPTR, OUT, 1.0)}
-
 
 
 def test_candidates_are_timed_in_turn_so_a_drifting_clock_does_not_pick(lt):
     """The GPU slows as it heats toward its power limit: here every timing comes out 3% slower
     than the one before. Candidate 1 is the fastest (0.95 against 1.00 and 1.10). Timed one
     candidate after the other, the drift would make candidate 0 look fastest; timed in turn,
-    each candidate's median sees the same clocks, and candidate 1 is kept."""
+    every other round the other way, each candidate's median sees the same clocks, and
+    candidate 1 is kept."""
     g, fake = lt(n=3)
     true = [1.00, 0.95, 1.10]
     order = []
@@ -270,9 +270,43 @@ def test_candidates_are_timed_in_turn_so_a_drifting_clock_does_not_pick(lt):
     g.tuning, g.timer = True, timer
     mm(g)
     (p,) = g._problems.values()
-    assert order == [0, 1, 2] * TIMING_ROUNDS
+    assert order == ([0, 1, 2, 2, 1, 0] * TIMING_ROUNDS)[: 3 * TIMING_ROUNDS]
     assert p.source == "timed" and p.rank == 1 and p.algo.data[0] == 1
     assert fake.algos[-1] == 1  # the choice runs last: its output is the one left
     sequential = [statistics.median(t * (1 + 0.03 * (i * TIMING_ROUNDS + k + 1))
                                     for k in range(TIMING_ROUNDS)) for i, t in enumerate(true)]
     assert min(range(3), key=sequential.__getitem__) == 0  # what one-after-the-other would keep
+
+
+@pytest.mark.parametrize("epilogue_runs", [True, False])
+def test_the_mlp_variants_are_timed_in_turn_and_the_choice_runs_last(epilogue_runs):
+    """Ops._gelu_variant while tuning: the epilogue GEMM and the GEMM + kernel each run once (each
+    picks its algorithm), then are timed in turn; the faster is recorded and runs last, so its
+    outputs are the ones left. An epilogue cuBLASLt refuses leaves the kernel variant."""
+    from engine.errors import RunError
+
+    calls = []
+
+    def epilogue() -> None:
+        calls.append("e")
+        if not epilogue_runs:
+            raise RunError("no epilogue here")
+
+    def kernel() -> None:
+        calls.append("k")
+
+    def timer(fn) -> float:
+        fn()
+        return 1.0 if calls[-1] == "e" else 2.0
+
+    lt = SimpleNamespace(choices={}, tuning=True, timer=timer, choice_ms={})
+    ops = SimpleNamespace(gemm=lt, fused_gelu_calls=0)
+    Ops._gelu_variant(ops, "mlp_fwd test", epilogue, kernel)
+    if epilogue_runs:
+        timed = (["e", "k", "k", "e"] * TIMING_ROUNDS)[: 2 * TIMING_ROUNDS]
+        assert calls == ["e", "k", *timed, "e"]
+        assert lt.choices == {"mlp_fwd test": "epilogue"} and lt.choice_ms["mlp_fwd test"] == (1, 2)
+        assert ops.fused_gelu_calls == 1
+    else:
+        assert calls == ["e", "k", *["k"] * TIMING_ROUNDS, "k"]
+        assert lt.choices == {"mlp_fwd test": "kernel"} and ops.fused_gelu_calls == 0

@@ -96,15 +96,17 @@ def candidates() -> int:
 
 def time_interleaved(timer: Callable[[Callable[[], None]], float],
                      fns: list[Callable[[], None]], rounds: int = TIMING_ROUNDS) -> list[float]:
-    """The median of `rounds` timings of each of fns, taken in turn (fns[0], fns[1], ...,
-    fns[0], ...), so that a slow spell of the GPU (its clock meeting the power limit) falls on
-    one round of every candidate instead of on all of one candidate's timings: on the H200 the
-    five consecutive timings of an MLP epilogue GEMM once all came out 1.5x its usual time and
-    the slower variant was kept (NOTES.md, tenth session). timer(fn) times one fn()."""
+    """The median of `rounds` timings of each of fns, taken in turn, so that a slow spell of the
+    GPU (its clock meeting the power limit) falls on one round of every candidate instead of on
+    all of one candidate's timings: on the H200 the five consecutive timings of an MLP epilogue
+    GEMM once all came out 1.5x its usual time and the slower variant was kept (NOTES.md, tenth
+    session). Every other round runs the other way (fns[0], ..., fns[-1], fns[-1], ...,
+    fns[0], ...), so that a steady drift adds as much to each. timer(fn) times one fn()."""
     times: list[list[float]] = [[] for _ in fns]
-    for _ in range(rounds):
-        for t, fn in zip(times, fns, strict=True):
-            t.append(timer(fn))
+    for r in range(rounds):
+        order = range(len(fns)) if r % 2 == 0 else range(len(fns) - 1, -1, -1)
+        for j in order:
+            times[j].append(timer(fns[j]))
     return [statistics.median(t) for t in times]
 
 

@@ -444,8 +444,8 @@ class Ops:
     def _gelu_variant(self, name: str, epilogue: Callable[[], None],
                       kernel: Callable[[], None]) -> None:
         """Run the MLP GEMM with GELU in its epilogue or as the plain GEMM + the GELU kernel,
-        whichever is faster for this shape (timed once, while tuning; then recorded in the GEMM
-        plan). Both variants leave the same outputs, to rounding: the epilogue's GELU is
+        whichever is faster for this shape (decided once, timed while tuning; then recorded in
+        the GEMM plan). Both variants leave the same outputs, to rounding: the epilogue's GELU is
         cuBLASLt's, the kernel's ours."""
         assert self.gemm is not None
         choice = self.gemm.choices.get(name)
@@ -456,9 +456,11 @@ class Ops:
             except RunError:
                 both = False
             kernel()  # and the plain GEMM's
-            if both:  # timed in turn (time_interleaved), as the GEMM candidates are
+            try:  # timed in turn (time_interleaved), as the GEMM candidates are
+                if not both:
+                    raise RunError("the epilogue GEMM does not run")
                 t_epi, t_ker = time_interleaved(self.gemm.timer, [epilogue, kernel])
-            else:
+            except RunError:
                 t_epi, (t_ker,) = math.inf, time_interleaved(self.gemm.timer, [kernel])
             choice = "epilogue" if t_epi <= t_ker else "kernel"
             self.gemm.choices[name] = choice
