@@ -4,9 +4,15 @@ same run. Prints one table per model, and with --profile the per-kernel profile 
 
     python3 scripts/bench_gpu.py [--models 120M,12M] [--torch eager,compile,reduce-overhead]
                                  [--steps 30] [--rounds 3] [--profile 120M,12M] [--json FILE]
+                                 [--sustained 300]
 
-Implementations, each built (and compiled) once, then timed in interleaved rounds; the table
-shows the median of each round's median and the spread between rounds:
+Implementations, each built (and compiled) once, then timed in interleaved rounds of --steps
+steps back to back (the round's time over its steps; no implementation waits for the host
+inside a round: PyTorch's step has no synchronize, the engine queues the next step behind the
+running one); the table shows the median of the rounds and the spread between them. With
+--sustained N, the engine and the PyTorch modes within 1.3x of the fastest also run N steps back
+to back, twice in turn, timed step by step with events on their streams: the median of steps
+N/3+1..N, where a long run holds the GPU at its power limit (andrea-train's measure):
 - `andrea`: the default path (cuDNN attention where installed, fused kernels, GEMMs timed at
   start, weight-gradient stream, the one-graph step: CudaBackend.train_step);
 - `andrea before`: the path before (`--attention classic`, fusions off: plain cuBLAS, separate
@@ -25,12 +31,14 @@ and the peak dense bf16 of an H100/H200 SXM: 989 TFLOP/s.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +135,57 @@ def andrea_step(bk: Any) -> Callable[..., None]:
             bk.grad_scale(sc)
         bk.adamw(hp["lr"], hp["beta1"], hp["beta2"], hp["eps"], hp["weight_decay"], t)
         bk.synchronize()
+
+    return step
+
+
+@dataclass
+class Clock:
+    """Device time on one implementation's stream: mark() records an event there now,
+    elapsed(a, b) is the ms between two marks once both ran, finish() waits for all queued
+    work."""
+
+    mark: Callable[[], Any]
+    elapsed: Callable[[Any, Any], float]
+    finish: Callable[[], None]
+
+
+def andrea_clock(bk: Any) -> Clock:
+    def mark() -> Any:
+        e = bk.drv.Event()
+        e.record(bk.stream)
+        return e
+
+    def finish() -> None:
+        while bk.fused_step and bk.queued_steps:
+            bk.step_result()
+        bk.synchronize()
+
+    return Clock(mark, lambda a, b: b.time_since(a), finish)
+
+
+def sustained_ms(step: Callable[[int], None], clock: Clock, n: int) -> list[float]:
+    """n steps back to back, as a training run takes them (step(i) queues step i and returns
+    when the implementation lets the host go on), and each step's device time: the interval
+    between the marks recorded on the stream after each step was queued, so a gap in which the
+    GPU waits for the host counts too."""
+    marks = [clock.mark()]
+    for i in range(n):
+        step(i)
+        marks.append(clock.mark())
+    clock.finish()
+    return [clock.elapsed(a, b) for a, b in itertools.pairwise(marks)]
+
+
+def andrea_queued(bk: Any, toks: list[np.ndarray], t0: int) -> Callable[[int], None]:
+    """andrea-train's loop: step i is staged and queued, then the host waits for the step
+    before it (two steps in flight)."""
+
+    def step(i: int) -> None:
+        tok = toks[(t0 + i) % len(toks)]
+        bk.launch_step(tok[:, :-1], tok[:, 1:], t=t0 + i, **STEP_HP)
+        if bk.queued_steps > 1:
+            bk.step_result()
 
     return step
 
@@ -331,9 +390,22 @@ def torch_step(s: ModelShapes, variant: str) -> tuple[Callable[[np.ndarray, int]
         torch.nn.utils.clip_grad_norm_(model.parameters(), STEP_HP["max_norm"])
         opt.step()
         opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
+        # no torch.cuda.synchronize() here: the host queues the next step while this one runs,
+        # as the engine's two steps in flight let it (a sync per step would add PyTorch's launch
+        # time to each of its steps); the timed loops call finish() at their end
 
     return step, (model, run, opt)
+
+
+def torch_clock() -> Clock:
+    import torch
+
+    def mark() -> Any:
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    return Clock(mark, lambda a, b: a.elapsed_time(b), torch.cuda.synchronize)
 
 
 def loss_check(s: ModelShapes) -> tuple[float, float]:
@@ -406,12 +478,47 @@ def bench_telemetry(key: str, steps: int, rounds: int) -> dict[str, float]:
             "step_ms_every_10ms": fast * 1e3, "default_share": share, "gpus": gpus}
 
 
+def bench_sustained(key: str, impls: dict[str, tuple[Callable[..., None], Any]],
+                    clocks: dict[str, Clock], toks: list[np.ndarray], t_counter: dict[str, int],
+                    n: int) -> dict[str, dict[str, float]]:
+    """The engine (one-graph step) and each PyTorch mode for n steps back to back, twice, in
+    turn (the second pass in reverse order): the median step of all but the first third of
+    each run (andrea-train's steps 100..300 of 300), which is where a long run holds the GPU at
+    its power limit while short rounds may not."""
+    names = [n_ for n_ in impls if n_ == "andrea" or n_.startswith("torch")]
+    names = [n_ for n_ in names if not (n_ == "andrea" and not impls[n_][1].fused_step)]
+    skip = n // 3
+    times: dict[str, list[float]] = {n_: [] for n_ in names}
+    for order in (names, names[::-1]):
+        for name in order:
+            step, obj = impls[name]
+            t0 = t_counter[name] + 1
+            t_counter[name] += n
+            if name == "andrea":
+                one = andrea_queued(obj, toks, t0)
+            else:
+                def one(i: int, step: Callable[..., None] = step, t0: int = t0) -> None:
+                    step(toks[(t0 + i) % len(toks)], t0 + i)
+            clocks[name].finish()
+            times[name] += sustained_ms(one, clocks[name], n)[skip:]
+    out = {}
+    for name, t in times.items():
+        t = sorted(t)
+        out[name] = {"ms": statistics.median(t), "p10": t[len(t) // 10],
+                     "p90": t[9 * len(t) // 10], "steps": len(t)}
+        print(f"  {key} sustained {name}: median {out[name]['ms']:.2f} ms (p10 "
+              f"{out[name]['p10']:.2f}, p90 {out[name]['p90']:.2f}; steps {skip + 1}..{n} of two"
+              f" runs of {n})", flush=True)
+    return out
+
+
 def bench_model(key: str, torch_variants: list[str], steps: int, rounds: int,
                 notes: dict[str, Any], variants: tuple[str, ...] = (),
-                fp8: bool = False) -> list[dict[str, Any]]:
+                fp8: bool = False, sustained: int = 0) -> list[dict[str, Any]]:
     s = MODELS[key]
     toks = batches(s)
-    impls: dict[str, tuple[Callable[[np.ndarray, int], None], Any]] = {}
+    impls: dict[str, tuple[Callable[..., None], Any]] = {}
+    clocks: dict[str, Clock] = {}
     info: dict[str, str] = {}
     andreas = [("andrea", AFTER, None), ("andrea before", BEFORE, None)]
     if fp8:
@@ -419,10 +526,10 @@ def bench_model(key: str, torch_variants: list[str], steps: int, rounds: int,
     andreas += [(n, AFTER, VARIANTS[n]) for n in variants]
     for name, opts, env in andreas:
         bk = andrea_backend(s, opts, env=env)
-        impls[name] = (andrea_step(bk), bk)
+        impls[name], clocks[name] = (andrea_step(bk), bk), andrea_clock(bk)
     for v in torch_variants:
         try:
-            impls[f"torch {v}"] = torch_step(s, v)
+            impls[f"torch {v}"], clocks[f"torch {v}"] = torch_step(s, v), torch_clock()
         except Exception as e:  # a failed variant is reported, not fatal
             info[f"torch {v}"] = f"failed: {type(e).__name__}: {e}"[:70]
     # warm-up: graph capture, compilation (timed), cuBLAS/cuDNN set-up
@@ -433,6 +540,7 @@ def bench_model(key: str, torch_variants: list[str], steps: int, rounds: int,
             for _ in range(3):
                 t_counter[name] += 1
                 step(toks[t_counter[name] % len(toks)], t_counter[name])
+            clocks[name].finish()
         except Exception as e:
             info[name] = f"failed: {type(e).__name__}: {e}"[:70]
             del impls[name]
@@ -458,21 +566,32 @@ def bench_model(key: str, torch_variants: list[str], steps: int, rounds: int,
                 notes[key][name]["gemm_timing"] = {"problems": timed, "best_ms": best,
                                                    "first_choice_ms": first}
                 notes[key][name]["gemms"] = gemm_rates(bk.gemm.export_plan())
+    # rounds: `steps` steps back to back, timed from the first step's start to the last one's
+    # end (every implementation queues ahead where it can: PyTorch without a host sync inside
+    # the step, the engine with the next step queued behind the running one)
     medians: dict[str, list[float]] = {n: [] for n in impls}
     for rnd in range(rounds):
         for name, (step, _) in impls.items():
-            times = []
+            clocks[name].finish()
+            t0 = time.perf_counter()
             for i in range(steps):
                 t_counter[name] += 1
                 c = t_counter[name]
-                # the engine stages the next batch while a step runs (andrea-train does)
                 ahead = ((toks[(c + 1) % len(toks)],) if name.startswith("andrea")
                          and i + 1 < steps else ())
-                t0 = time.perf_counter()
                 step(toks[c % len(toks)], c, *ahead)
-                times.append(time.perf_counter() - t0)
-            medians[name].append(statistics.median(times))
+            clocks[name].finish()
+            medians[name].append((time.perf_counter() - t0) / steps)
             print(f"  {key} round {rnd + 1} {name}: {medians[name][-1] * 1e3:.2f} ms", flush=True)
+    if sustained:
+        # the PyTorch modes within 1.3x of the fastest one's rounds (eager and compile are
+        # far behind reduce-overhead: their long runs would only spend device time)
+        torch_ms = {n: statistics.median(m) for n, m in medians.items()
+                    if n.startswith("torch") and m}
+        near = [n for n, ms in torch_ms.items() if ms <= 1.3 * min(torch_ms.values())]
+        notes.setdefault(key, {})["sustained"] = bench_sustained(
+            key, {n: impls[n] for n in ("andrea", *near) if n in impls}, clocks, toks,
+            t_counter, sustained)
     for name, _, _ in andreas:
         if name in impls:
             impls[name][1].close()
@@ -511,6 +630,10 @@ def main() -> int:
                     help="which paths --profile profiles (before, after, fp8)")
     ap.add_argument("--telemetry", default="",
                     help="models whose step is timed with the telemetry sampler running, e.g. 12M")
+    ap.add_argument("--sustained", type=int, default=0, metavar="N",
+                    help="also run the engine and the fastest PyTorch modes for N steps back to "
+                         "back, twice in turn, and compare their median step past the first "
+                         "third (andrea-train's steps 100..300 of 300)")
     ap.add_argument("--no-loss-check", action="store_true")
     ap.add_argument("--fp8", action="store_true",
                     help="also time the engine with train/precision fp8 (the MLP in FP8)")
@@ -550,9 +673,9 @@ def main() -> int:
             print(f"\nANDREA-{key} loss at step 1, same weights and tokens: engine {ours:.5f}, "
                   f"PyTorch {theirs:.5f} (|diff| {abs(ours - theirs):.2e})")
         out["rows"] += bench_model(key, variants, args.steps, args.rounds, out["notes"],
-                                   switched, args.fp8)
+                                   switched, args.fp8, args.sustained)
     print(f"\nGPU benchmark: B={B}, T=1024, one full step (fwd, bwd, clip, AdamW); median of "
-          f"{args.rounds} interleaved rounds of the median of {args.steps} steps (± the spread "
+          f"{args.rounds} interleaved rounds of {args.steps} steps back to back (± the spread "
           f"between rounds); MFU = tok/s·(6N + 6·L·d·T)/989 TFLOP/s")
     print(f"{'model':<12} {'implementation':<24} {'ms/step':>8} {'tok/s':>9} {'MFU':>6} "
           f"{'vs andrea':>9}  note")
@@ -568,6 +691,13 @@ def main() -> int:
             print(f"ANDREA-{key}: andrea {ours['ms']:.2f} ms vs the fastest PyTorch "
                   f"({best['impl']}) {best['ms']:.2f} ms: {best['ms'] / ours['ms']:.2f}x "
                   f"(goal 1.25x)")
+        sus = out["notes"].get(key, {}).get("sustained", {})
+        sus_torch = {n: v for n, v in sus.items() if n.startswith("torch")}
+        if "andrea" in sus and sus_torch:
+            name, best_s = min(sus_torch.items(), key=lambda kv: kv[1]["ms"])
+            print(f"ANDREA-{key}, {args.sustained} steps back to back: andrea "
+                  f"{sus['andrea']['ms']:.2f} ms vs the fastest PyTorch ({name}) "
+                  f"{best_s['ms']:.2f} ms: {best_s['ms'] / sus['andrea']['ms']:.2f}x")
         f8 = next((r for r in rows if r["impl"] == "andrea fp8" and r["ms"] == r["ms"]), None)
         if f8 and ours:
             print(f"ANDREA-{key}: andrea fp8 {f8['ms']:.2f} ms vs the engine's bf16 "
