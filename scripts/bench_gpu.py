@@ -20,8 +20,11 @@ N/3+1..N, where a long run holds the GPU at its power limit (andrea-train's meas
 - PyTorch at its best practice on the same model (bf16 autocast, fused AdamW, flash SDPA,
   TF32 on, clip_grad_norm_, Q/K/V from one Linear as nanoGPT's c_attn): eager, torch.compile,
   torch.compile(mode="reduce-overhead") (CUDA graphs), and max-autotune when asked (a variant
-  named with the suffix -sepqkv uses three Linears instead). Its loss at step 1 is checked against the engine's on
-  the same weights and tokens.
+  named with the suffix -sepqkv uses three Linears instead; with the suffix -cudnn, e.g.
+  reduce-overhead-cudnn, scaled_dot_product_attention runs through cuDNN's fused attention
+  instead of the backend PyTorch picks by itself; with -sync, after -cudnn, the host waits for
+  every step, as this benchmark's PyTorch step did until the eleventh session). Its loss at step 1 is checked against the
+  engine's on the same weights and tokens.
 
 MFU = tokens/s · FLOPs per token / peak, with llm.c's count: FLOPs/token = 6·N + 6·L·d·T
 (N every parameter, tied wte counted once; the attention term is the causal half of 12·L·d·T)
@@ -59,6 +62,8 @@ MODELS = {
 B = 8
 QKV = ("attn.W_Q", "attn.W_K", "attn.W_V")
 SEPARATE_QKV = "-sepqkv"  # a PyTorch variant's suffix: Q, K, V as three Linears (not best practice)
+CUDNN_SDPA = "-cudnn"  # a PyTorch variant's suffix: SDPA through cuDNN's attention, not its default
+SYNC = "-sync"  # a PyTorch variant's suffix: the host waits for each step (as this bench once did)
 AFTER = {"attention": "auto", "fusions": True}
 BEFORE = {"attention": "classic", "fusions": False}
 # the optimizer step every implementation takes (PyTorch's AdamW gets the same values)
@@ -276,12 +281,19 @@ def print_profile(key: str, name: str, prof: dict[str, Any], top: int = 24) -> N
 # --- PyTorch ----------------------------------------------------------------------------------------
 
 
-def torch_model(s: ModelShapes, fused_qkv: bool = True):
+def torch_model(s: ModelShapes, fused_qkv: bool = True, cudnn_sdpa: bool = False):
     """The engine's model in PyTorch; fused_qkv: Q, K and V from one Linear (nanoGPT's c_attn,
-    the faster), else three."""
+    the faster), else three; cudnn_sdpa: scaled_dot_product_attention through cuDNN's fused
+    attention (torch.nn.attention.sdpa_kernel) instead of the backend PyTorch picks itself."""
+    import contextlib
+
     import torch
     import torch.nn.functional as F
     from torch import nn
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def attention_backend() -> Any:
+        return sdpa_kernel([SDPBackend.CUDNN_ATTENTION]) if cudnn_sdpa else contextlib.nullcontext()
 
     class Block(nn.Module):
         def __init__(self) -> None:
@@ -301,7 +313,8 @@ def torch_model(s: ModelShapes, fused_qkv: bool = True):
             parts = (self.qkv(h).split(d, dim=-1) if fused_qkv
                      else (self.q(h), self.k(h), self.v(h)))
             q, k, v = (m.view(Bq, T, s.n_head, -1).transpose(1, 2) for m in parts)
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            with attention_backend():
+                a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             x = x + self.o(a.transpose(1, 2).reshape(Bq, T, d))
             return x + self.w2(F.gelu(self.w1(self.ln2(x)), approximate="tanh"))
 
@@ -363,9 +376,13 @@ def torch_step(s: ModelShapes, variant: str) -> tuple[Callable[[np.ndarray, int]
 
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
+    sync = variant.endswith(SYNC)
+    variant = variant.removesuffix(SYNC)
+    cudnn_sdpa = variant.endswith(CUDNN_SDPA)
+    variant = variant.removesuffix(CUDNN_SDPA)
     fused_qkv = not variant.endswith(SEPARATE_QKV)
     variant = variant.removesuffix(SEPARATE_QKV)
-    model = torch_model(s, fused_qkv)
+    model = torch_model(s, fused_qkv, cudnn_sdpa)
     run = model
     if variant == "compile":
         run = torch.compile(model)
@@ -390,9 +407,11 @@ def torch_step(s: ModelShapes, variant: str) -> tuple[Callable[[np.ndarray, int]
         torch.nn.utils.clip_grad_norm_(model.parameters(), STEP_HP["max_norm"])
         opt.step()
         opt.zero_grad(set_to_none=True)
-        # no torch.cuda.synchronize() here: the host queues the next step while this one runs,
-        # as the engine's two steps in flight let it (a sync per step would add PyTorch's launch
-        # time to each of its steps); the timed loops call finish() at their end
+        # Without `sync` the host queues the next step while this one runs, as the engine's two
+        # steps in flight let it (a synchronize per step adds PyTorch's launch time to each of
+        # its steps); the timed loops wait for the device at their end.
+        if sync:
+            torch.cuda.synchronize()
 
     return step, (model, run, opt)
 
