@@ -7,9 +7,9 @@ same run. Prints one table per model, and with --profile the per-kernel profile 
                                  [--sustained 300]
 
 Implementations, each built (and compiled) once, then timed in interleaved rounds of --steps
-steps back to back (the round's time over its steps; no implementation waits for the host
-inside a round: PyTorch's step has no synchronize, the engine queues the next step behind the
-running one); the table shows the median of the rounds and the spread between them. With
+steps back to back (the round's time over its steps; PyTorch's step has no synchronize and the
+engine queues the next step behind the running one, so neither waits for the host inside a
+round, except `andrea before`, driven from the host, and the `-sync` PyTorch variants); the table shows the median of the rounds and the spread between them. With
 --sustained N, the engine and the PyTorch modes within 1.3x of the fastest also run N steps back
 to back, twice in turn, timed step by step with events on their streams: the median of steps
 N/3+1..N, where a long run holds the GPU at its power limit (andrea-train's measure):
@@ -19,12 +19,12 @@ N/3+1..N, where a long run holds the GPU at its power limit (andrea-train's meas
   kernels, the optimizer driven from the host), as the step was measured until now;
 - PyTorch at its best practice on the same model (bf16 autocast, fused AdamW, flash SDPA,
   TF32 on, clip_grad_norm_, Q/K/V from one Linear as nanoGPT's c_attn): eager, torch.compile,
-  torch.compile(mode="reduce-overhead") (CUDA graphs), and max-autotune when asked (a variant
-  named with the suffix -sepqkv uses three Linears instead; with the suffix -cudnn, e.g.
-  reduce-overhead-cudnn, scaled_dot_product_attention runs through cuDNN's fused attention
-  instead of the backend PyTorch picks by itself; with -sync, after -cudnn, the host waits for
-  every step, as this benchmark's PyTorch step did until the eleventh session). Its loss at step 1 is checked against the
-  engine's on the same weights and tokens.
+  torch.compile(mode="reduce-overhead") (CUDA graphs), the same with cuDNN's fused attention
+  (reduce-overhead-cudnn), and max-autotune when asked. A variant is a mode with optional
+  suffixes, in this order: -sepqkv (three Linears for Q, K, V), -cudnn (scaled_dot_product_
+  attention through cuDNN's fused attention instead of the backend PyTorch picks by itself),
+  -sync (the host waits for every step, as this benchmark's PyTorch step did until the eleventh
+  session). Its loss at step 1 is checked against the engine's on the same weights and tokens.
 
 MFU = tokens/s · FLOPs per token / peak, with llm.c's count: FLOPs/token = 6·N + 6·L·d·T
 (N every parameter, tied wte counted once; the attention term is the causal half of 12·L·d·T)
@@ -61,9 +61,32 @@ MODELS = {
 }
 B = 8
 QKV = ("attn.W_Q", "attn.W_K", "attn.W_V")
-SEPARATE_QKV = "-sepqkv"  # a PyTorch variant's suffix: Q, K, V as three Linears (not best practice)
-CUDNN_SDPA = "-cudnn"  # a PyTorch variant's suffix: SDPA through cuDNN's attention, not its default
-SYNC = "-sync"  # a PyTorch variant's suffix: the host waits for each step (as this bench once did)
+TORCH_MODES = ("eager", "compile", "reduce-overhead", "max-autotune")
+# a PyTorch variant is a mode and any of these suffixes, in this order (torch_variant parses it)
+SEPARATE_QKV = "-sepqkv"  # Q, K, V as three Linears (not best practice)
+CUDNN_SDPA = "-cudnn"  # scaled_dot_product_attention through cuDNN's attention, not its default
+SYNC = "-sync"  # the host waits for each step (as this benchmark's PyTorch step once did)
+
+
+@dataclass(frozen=True)
+class TorchVariant:
+    mode: str
+    fused_qkv: bool = True
+    cudnn_sdpa: bool = False
+    sync: bool = False
+
+
+def torch_variant(name: str) -> TorchVariant:
+    """`mode[-sepqkv][-cudnn][-sync]`, e.g. reduce-overhead-cudnn; ValueError for anything else
+    (a misspelt variant must fail, not run as another one under its name)."""
+    rest, flags = name, {}
+    for suffix, key in ((SYNC, "sync"), (CUDNN_SDPA, "cudnn_sdpa"), (SEPARATE_QKV, "sepqkv")):
+        flags[key] = rest.endswith(suffix)
+        rest = rest.removesuffix(suffix)
+    if rest not in TORCH_MODES:
+        raise ValueError(f"PyTorch variant {name!r}: expected one of {', '.join(TORCH_MODES)}, "
+                         f"then optionally {SEPARATE_QKV}, {CUDNN_SDPA}, {SYNC} in that order")
+    return TorchVariant(rest, not flags["sepqkv"], flags["cudnn_sdpa"], flags["sync"])
 AFTER = {"attention": "auto", "fusions": True}
 BEFORE = {"attention": "classic", "fusions": False}
 # the optimizer step every implementation takes (PyTorch's AdamW gets the same values)
@@ -290,10 +313,13 @@ def torch_model(s: ModelShapes, fused_qkv: bool = True, cudnn_sdpa: bool = False
     import torch
     import torch.nn.functional as F
     from torch import nn
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def attention_backend() -> Any:
-        return sdpa_kernel([SDPBackend.CUDNN_ATTENTION]) if cudnn_sdpa else contextlib.nullcontext()
+        if not cudnn_sdpa:
+            return contextlib.nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel([SDPBackend.CUDNN_ATTENTION])
 
     class Block(nn.Module):
         def __init__(self) -> None:
@@ -376,18 +402,14 @@ def torch_step(s: ModelShapes, variant: str) -> tuple[Callable[[np.ndarray, int]
 
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
-    sync = variant.endswith(SYNC)
-    variant = variant.removesuffix(SYNC)
-    cudnn_sdpa = variant.endswith(CUDNN_SDPA)
-    variant = variant.removesuffix(CUDNN_SDPA)
-    fused_qkv = not variant.endswith(SEPARATE_QKV)
-    variant = variant.removesuffix(SEPARATE_QKV)
-    model = torch_model(s, fused_qkv, cudnn_sdpa)
+    v = torch_variant(variant)
+    sync = v.sync
+    model = torch_model(s, v.fused_qkv, v.cudnn_sdpa)
     run = model
-    if variant == "compile":
+    if v.mode == "compile":
         run = torch.compile(model)
-    elif variant in ("reduce-overhead", "max-autotune"):
-        run = torch.compile(model, mode=variant)
+    elif v.mode in ("reduce-overhead", "max-autotune"):
+        run = torch.compile(model, mode=v.mode)
     decay = [p for p in model.parameters() if p.dim() == 2]
     other = [p for p in model.parameters() if p.dim() != 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": STEP_HP["weight_decay"]},
@@ -499,17 +521,21 @@ def bench_telemetry(key: str, steps: int, rounds: int) -> dict[str, float]:
 
 def bench_sustained(key: str, impls: dict[str, tuple[Callable[..., None], Any]],
                     clocks: dict[str, Clock], toks: list[np.ndarray], t_counter: dict[str, int],
-                    n: int) -> dict[str, dict[str, float]]:
+                    n: int) -> dict[str, dict[str, Any]]:
     """The engine (one-graph step) and each PyTorch mode for n steps back to back, twice, in
     turn (the second pass in reverse order): the median step of all but the first third of
-    each run (andrea-train's steps 100..300 of 300), which is where a long run holds the GPU at
-    its power limit while short rounds may not."""
+    each run (steps 101..300 of 300, about andrea-train's median of steps 100..300), which is
+    where a long run holds the GPU at its power limit while short rounds may not. A run that
+    fails is reported as {"failed": why} and not run again; the others go on."""
     names = [n_ for n_ in impls if n_ == "andrea" or n_.startswith("torch")]
     names = [n_ for n_ in names if not (n_ == "andrea" and not impls[n_][1].fused_step)]
     skip = n // 3
     times: dict[str, list[float]] = {n_: [] for n_ in names}
+    failed: dict[str, str] = {}
     for order in (names, names[::-1]):
         for name in order:
+            if name in failed:
+                continue
             step, obj = impls[name]
             t0 = t_counter[name] + 1
             t_counter[name] += n
@@ -518,10 +544,16 @@ def bench_sustained(key: str, impls: dict[str, tuple[Callable[..., None], Any]],
             else:
                 def one(i: int, step: Callable[..., None] = step, t0: int = t0) -> None:
                     step(toks[(t0 + i) % len(toks)], t0 + i)
-            clocks[name].finish()
-            times[name] += sustained_ms(one, clocks[name], n)[skip:]
-    out = {}
+            try:
+                clocks[name].finish()
+                times[name] += sustained_ms(one, clocks[name], n)[skip:]
+            except Exception as e:
+                failed[name] = f"failed: {type(e).__name__}: {e}"[:120]
+                print(f"  {key} sustained {name}: {failed[name]}", flush=True)
+    out: dict[str, dict[str, Any]] = {name: {"failed": why} for name, why in failed.items()}
     for name, t in times.items():
+        if name in failed:
+            continue
         t = sorted(t)
         out[name] = {"ms": statistics.median(t), "p10": t[len(t) // 10],
                      "p90": t[9 * len(t) // 10], "steps": len(t)}
@@ -608,9 +640,10 @@ def bench_model(key: str, torch_variants: list[str], steps: int, rounds: int,
         torch_ms = {n: statistics.median(m) for n, m in medians.items()
                     if n.startswith("torch") and m}
         near = [n for n, ms in torch_ms.items() if ms <= 1.3 * min(torch_ms.values())]
-        notes.setdefault(key, {})["sustained"] = bench_sustained(
-            key, {n: impls[n] for n in ("andrea", *near) if n in impls}, clocks, toks,
-            t_counter, sustained)
+        if near:  # nothing to compare the engine's long runs with otherwise
+            notes.setdefault(key, {})["sustained"] = bench_sustained(
+                key, {n: impls[n] for n in ("andrea", *near) if n in impls}, clocks, toks,
+                t_counter, sustained)
     for name, _, _ in andreas:
         if name in impls:
             impls[name][1].close()
@@ -638,8 +671,10 @@ def bench_model(key: str, torch_variants: list[str], steps: int, rounds: int,
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="120M,12M")
-    ap.add_argument("--torch", default="eager,compile,reduce-overhead",
-                    help="PyTorch variants to compare ('' for none; max-autotune too)")
+    ap.add_argument("--torch", default="eager,compile,reduce-overhead,reduce-overhead-cudnn",
+                    help="PyTorch variants to compare, comma-separated ('' for none): a mode "
+                         "(eager, compile, reduce-overhead, max-autotune) with optional suffixes "
+                         "-sepqkv, -cudnn, -sync")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=3,
                     help="time every implementation this many times, interleaved")
@@ -652,7 +687,7 @@ def main() -> int:
     ap.add_argument("--sustained", type=int, default=0, metavar="N",
                     help="also run the engine and the fastest PyTorch modes for N steps back to "
                          "back, twice in turn, and compare their median step past the first "
-                         "third (andrea-train's steps 100..300 of 300)")
+                         "third (steps 101..300 of 300: andrea-train's window)")
     ap.add_argument("--no-loss-check", action="store_true")
     ap.add_argument("--fp8", action="store_true",
                     help="also time the engine with train/precision fp8 (the MLP in FP8)")
@@ -663,6 +698,12 @@ def main() -> int:
     models = [m for m in args.models.split(",") if m]
     variants = [v for v in args.torch.split(",") if v]
     switched = tuple(dict.fromkeys(v.strip() for v in args.variants.split(",") if v.strip()))
+    for v in variants:
+        try:
+            torch_variant(v)
+        except ValueError as e:
+            print(f"bench_gpu.py: --torch: {e}", file=sys.stderr)
+            return 2
     if unknown := [v for v in switched if v not in VARIANTS]:
         print(f"bench_gpu.py: --variants: unknown {', '.join(map(repr, unknown))}; known: "
               f"{', '.join(VARIANTS)}", file=sys.stderr)
@@ -711,6 +752,7 @@ def main() -> int:
                   f"({best['impl']}) {best['ms']:.2f} ms: {best['ms'] / ours['ms']:.2f}x "
                   f"(goal 1.25x)")
         sus = out["notes"].get(key, {}).get("sustained", {})
+        sus = {n: v for n, v in sus.items() if "ms" in v}  # not the runs that failed
         sus_torch = {n: v for n, v in sus.items() if n.startswith("torch")}
         if "andrea" in sus and sus_torch:
             name, best_s = min(sus_torch.items(), key=lambda kv: kv[1]["ms"])

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,6 +50,7 @@ class FakeBackend:
         self.queued: list[int] = []
         self.most_queued = 0
         self.results: list[int] = []
+        self.tokens: list[int] = []  # the first token of each launched step's batch
         stream = self.stream
 
         class Drv:
@@ -59,8 +61,10 @@ class FakeBackend:
         self.drv = Drv
 
     def launch_step(self, x: np.ndarray, y: np.ndarray, *, t: int, **hp: float) -> None:
+        assert len(self.queued) < 2, "CudaBackend refuses a third queued step"
         self.stream.work.append(f"step {t}")
         self.queued.append(t)
+        self.tokens.append(int(x[0, 0]))
         self.most_queued = max(self.most_queued, len(self.queued))
 
     @property
@@ -74,14 +78,20 @@ class FakeBackend:
         pass
 
 
+def batches(n: int) -> list[np.ndarray]:
+    """n batches told apart by their values: batch k is all k."""
+    return [np.full((2, 5), k, np.int32) for k in range(n)]
+
+
 def test_sustained_engine_steps_are_queued_two_deep_and_timed_one_by_one():
     b = _bench()
     bk = FakeBackend()
-    toks = [np.zeros((2, 5), np.int32)] * 3
+    toks = batches(3)
     times = b.sustained_ms(b.andrea_queued(bk, toks, t0=7), b.andrea_clock(bk), 6)
     assert times == [1.0] * 6  # one step between consecutive marks
     assert bk.most_queued == 2 and bk.queued == []  # two in flight; every result taken
     assert bk.results == list(range(7, 13))
+    assert bk.tokens == [t % 3 for t in range(7, 13)]  # step t trains on batch t
     steps = [w for w in bk.stream.work if w != "mark"]
     assert steps == [f"step {t}" for t in range(7, 13)]
 
@@ -101,3 +111,78 @@ def test_sustained_marks_follow_each_step():
     clock = b.Clock(mark, lambda a, e: e.time_since(a), lambda: finished.append(True))
     times = b.sustained_ms(lambda i: log.extend([f"step {i}", f"step {i}b"]), clock, 4)
     assert times == [2.0] * 4 and finished == [True]
+
+
+def test_rounds_and_long_runs_take_each_step_once_in_order():
+    """The rounds' step function (the next batch queued ahead) and bench_sustained's two passes
+    leave nothing queued, and the engine's Adam steps t run 1, 2, 3, ... with batch t each."""
+    b = _bench()
+    bk = FakeBackend()
+    toks = batches(4)
+    step = b.andrea_step(bk)
+    t = 0
+    for _ in range(2):  # two rounds of 5 steps, as bench_model runs them
+        for i in range(5):
+            t += 1
+            ahead = (toks[(t + 1) % 4],) if i + 1 < 5 else ()
+            step(toks[t % 4], t, *ahead)
+        assert bk.queued == []
+    torch_steps: list[int] = []
+    log: list[str] = []
+    tstream = FakeStream()
+    tstream.work = log
+
+    def torch_like(tok: np.ndarray, t: int) -> None:
+        log.append(f"step {t}")
+        torch_steps.append(t)
+
+    def mark() -> FakeEvent:
+        e = FakeEvent(log)
+        e.record(tstream)
+        return e
+
+    clocks = {"andrea": b.andrea_clock(bk),
+              "torch x": b.Clock(mark, lambda a, e: e.time_since(a), lambda: None)}
+    counter = {"andrea": t, "torch x": 100}
+    out = b.bench_sustained("T", {"andrea": (step, bk), "torch x": (torch_like, None)}, clocks,
+                            toks, counter, 9)
+    assert bk.queued == [] and bk.most_queued == 2
+    assert [s for s in bk.stream.work if s != "mark"] == [f"step {i}" for i in range(1, 29)]
+    assert bk.tokens == [i % 4 for i in range(1, 29)]
+    assert torch_steps == list(range(101, 119)) and counter == {"andrea": 28, "torch x": 118}
+    for name in ("andrea", "torch x"):  # steps 4..9 of each of the two runs
+        assert out[name]["steps"] == 12 and out[name]["ms"] == 1.0
+
+
+def test_a_long_run_that_fails_is_reported_and_the_others_go_on():
+    b = _bench()
+    bk = FakeBackend()
+
+    def broken(tok: np.ndarray, t: int) -> None:
+        raise RuntimeError("out of memory")
+
+    clocks = {"andrea": b.andrea_clock(bk),
+              "torch x": b.Clock(lambda: None, lambda a, e: 0.0, lambda: None)}
+    out = b.bench_sustained("T", {"andrea": (b.andrea_step(bk), bk), "torch x": (broken, None)},
+                            clocks, batches(2), {"andrea": 0, "torch x": 0}, 6)
+    assert out["torch x"] == {"failed": "failed: RuntimeError: out of memory"}
+    assert out["andrea"]["steps"] == 8 and bk.queued == []
+
+
+@pytest.mark.parametrize(("name", "want"), [
+    ("reduce-overhead", ("reduce-overhead", True, False, False)),
+    ("reduce-overhead-cudnn", ("reduce-overhead", True, True, False)),
+    ("compile-sepqkv-cudnn-sync", ("compile", False, True, True)),
+    ("eager-sync", ("eager", True, False, True)),
+    ("max-autotune-sepqkv", ("max-autotune", False, False, False)),
+])
+def test_torch_variant_names(name, want):
+    v = _bench().torch_variant(name)
+    assert (v.mode, v.fused_qkv, v.cudnn_sdpa, v.sync) == want
+
+
+@pytest.mark.parametrize("name", ["reduce-overhead-sync-cudnn", "reduce_overhead", "-cudnn",
+                                  "compile-cudnn-sepqkv", ""])
+def test_a_misspelt_torch_variant_is_refused(name):
+    with pytest.raises(ValueError, match="expected one of eager"):
+        _bench().torch_variant(name)
