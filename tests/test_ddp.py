@@ -156,6 +156,43 @@ def test_the_launcher_holds_rank_0s_port_from_its_choice_to_the_rendezvous(tmp_p
         assert json.loads(out.strip().splitlines()[-1])["parts"] == ["r0", "r1"]
 
 
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    srv = socket.create_server(("127.0.0.1", 0))
+    a = socket.create_connection(srv.getsockname(), timeout=5)
+    b, _ = srv.accept()
+    srv.close()
+    return a, b
+
+
+def test_a_peer_that_dies_is_named_alike_however_its_socket_says_so() -> None:
+    """A rank killed with bytes unread resets its connection (ECONNRESET on a read, EPIPE on a
+    write) instead of closing it: every way says "rank 1 ended", the liveness watch's words, so
+    the run's error names the rank whichever notices first (seen: a kill -9 whose events held a
+    reset and no "rank 1 ended")."""
+    from engine.run.comm import PeerLost, _recv_exact, _send
+
+    ours, theirs = _tcp_pair()
+    _send(ours, {"rank": 0}, b"x" * 1000, "rank 1")  # left unread by the peer
+    time.sleep(0.05)
+    theirs.close()  # with bytes unread: the kernel answers with a reset
+    with pytest.raises(PeerLost, match=r"^rank 1 ended \(its connection was reset"):
+        for _ in range(100):  # the first writes may still be taken into our buffer
+            _send(ours, {"rank": 0}, b"y" * 65536, "rank 1")
+            time.sleep(0.01)
+    ours.close()
+
+    ours, theirs = _tcp_pair()
+    theirs.sendall(b"z" * 10)
+    _send(ours, {"rank": 0}, b"x" * 1000, "rank 1")
+    time.sleep(0.05)
+    theirs.close()  # our bytes unread: a reset, seen by our next read
+    time.sleep(0.05)
+    ours.recv(10)
+    with pytest.raises(PeerLost, match=r"^rank 1 ended \(its connection (was reset|closed)"):
+        _recv_exact(ours, 12, "rank 1")
+    ours.close()
+
+
 def test_a_handed_down_socket_on_another_port_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     from engine.errors import UserError
     from engine.run.comm import Channel

@@ -2,8 +2,9 @@
 
 Rank 0 listens; every other rank connects twice: a data connection (framed messages, answered in
 rank order) and a liveness connection that never carries a byte, so that a rank that dies — kill
--9, a GPU error, a lost host — is seen at once as an end of file by the others, who then stop
-within a bounded time with a message naming it, instead of waiting forever in a collective.
+-9, a GPU error, a lost host — is seen at once as an end of file (or a reset) by the others, who
+then stop within a bounded time with a message naming it, instead of waiting forever in a
+collective.
 
 Rendezvous: `tcp` (rank 0 at MASTER_ADDR:MASTER_PORT, as torchrun and our launcher set them) or
 `file` (rank 0 publishes its address in the run directory, for a shared file system). Ranks show
@@ -15,6 +16,7 @@ per-row losses, and, for the numpy backend, the gradients themselves (`allreduce
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -60,9 +62,27 @@ class PeerLost(RunError):
     """Another rank of the job is gone; the message names it."""
 
 
-def _send(sock: socket.socket, header: dict, body: bytes = b"") -> None:
+# A peer's end shows on its connection as an end of file, or, when it died with bytes unread or
+# while we write, as a reset or a broken pipe: all three say "<who> ended", the words of the
+# liveness watch (_watch_peers), whichever sees it first.
+PEER_GONE = (errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED)
+
+
+def _lost(who: str, e: OSError) -> PeerLost:
+    if e.errno in PEER_GONE:
+        return PeerLost(f"{who} ended (its connection was reset: the process exited or its host "
+                        f"is gone)")
+    return PeerLost(f"{who}: connection lost ({e.strerror or e})")
+
+
+def _send(sock: socket.socket, header: dict, body: bytes = b"", who: str = "a rank") -> None:
     h = json.dumps(header).encode()
-    sock.sendall(struct.pack(">IQ", len(h), len(body)) + h + body)
+    try:
+        sock.sendall(struct.pack(">IQ", len(h), len(body)) + h + body)
+    except TimeoutError:
+        raise PeerLost(f"{who}: took nothing within {sock.gettimeout():.0f} s") from None
+    except OSError as e:
+        raise _lost(who, e) from None
 
 
 def _recv_exact(sock: socket.socket, n: int, who: str) -> bytes:
@@ -73,9 +93,8 @@ def _recv_exact(sock: socket.socket, n: int, who: str) -> bytes:
         except TimeoutError:
             raise PeerLost(f"{who}: no answer within {sock.gettimeout():.0f} s") from None
         except OSError as e:
-            raise PeerLost(f"{who}: connection lost ({e.strerror or e})") from None
+            raise _lost(who, e) from None
         if not chunk:
-            # the same words as the liveness watch's (_watch_peers), whichever sees it first
             raise PeerLost(f"{who} ended (its connection closed: the process exited or its "
                            f"host is gone)")
         buf += chunk
@@ -214,7 +233,7 @@ class Channel:
             conn.settimeout(STEP_TIMEOUT_S)
             (self.data if hello["kind"] == "data" else self.live)[r] = conn
         for r, s in self.data.items():
-            _send(s, {"welcome": r, "size": w.size})
+            _send(s, {"welcome": r, "size": w.size}, who=f"rank {r}")
         if w.rendezvous == "file":  # everyone is in: the address is of no use to anyone now
             _rendezvous_file(run_dir, w).unlink(missing_ok=True)
 
@@ -234,7 +253,8 @@ class Channel:
                 for kind in ("data", "live"):
                     s = socket.create_connection((host, port), timeout=5)
                     socks.append(s)
-                    _send(s, {"rank": w.rank, "token": w.token, "kind": kind, "pid": os.getpid()})
+                    _send(s, {"rank": w.rank, "token": w.token, "kind": kind, "pid": os.getpid()},
+                          who="rank 0")
                 self.data[0], self.live[0] = socks
                 self.data[0].settimeout(max(1.0, deadline - time.monotonic()))
                 hello, _ = _recv(self.data[0], "rank 0")
@@ -311,9 +331,9 @@ class Channel:
             lens = json.dumps([len(p) for p in parts])
             blob = b"".join(parts)
             for r in range(1, w.size):
-                _send(self.data[r], {"lens": json.loads(lens)}, blob)
+                _send(self.data[r], {"lens": json.loads(lens)}, blob, f"rank {r}")
             return parts
-        _send(self.data[0], {"rank": w.rank}, payload)
+        _send(self.data[0], {"rank": w.rank}, payload, "rank 0")
         header, blob = _recv(self.data[0], "rank 0")
         lens = header.get("lens")
         if not isinstance(lens, list) or sum(lens) != len(blob) or len(lens) != w.size:
