@@ -9,7 +9,8 @@ same run. Prints one table per model, and with --profile the per-kernel profile 
 Implementations, each built (and compiled) once, then timed in interleaved rounds of --steps
 steps back to back (the round's time over its steps; PyTorch's step has no synchronize and the
 engine queues the next step behind the running one, so neither waits for the host inside a
-round, except `andrea before`, driven from the host, and the `-sync` PyTorch variants); the table shows the median of the rounds and the spread between them. With
+round, except `andrea before`, driven from the host, and the `-sync` PyTorch variants); the
+table shows the median of the rounds and the spread between them. With
 --sustained N, the engine and the PyTorch modes within 1.3x of the fastest also run N steps back
 to back, twice in turn, timed step by step with events on their streams: the median of steps
 N/3+1..N, where a long run holds the GPU at its power limit (andrea-train's measure):
@@ -61,6 +62,12 @@ MODELS = {
 }
 B = 8
 QKV = ("attn.W_Q", "attn.W_K", "attn.W_V")
+AFTER = {"attention": "auto", "fusions": True}
+BEFORE = {"attention": "classic", "fusions": False}
+# the optimizer step every implementation takes (PyTorch's AdamW gets the same values)
+STEP_HP = {"loss_scale": 1.0, "grad_mult": 1.0, "lr": 3e-4, "beta1": 0.9, "beta2": 0.95,
+           "eps": 1e-8, "weight_decay": 0.1, "max_norm": 1.0}
+FP8 = {**AFTER, "precision": "fp8"}  # train/precision "fp8": the MLP's GEMMs in FP8 (--fp8)
 TORCH_MODES = ("eager", "compile", "reduce-overhead", "max-autotune")
 # a PyTorch variant is a mode and any of these suffixes, in this order (torch_variant parses it)
 SEPARATE_QKV = "-sepqkv"  # Q, K, V as three Linears (not best practice)
@@ -87,12 +94,8 @@ def torch_variant(name: str) -> TorchVariant:
         raise ValueError(f"PyTorch variant {name!r}: expected one of {', '.join(TORCH_MODES)}, "
                          f"then optionally {SEPARATE_QKV}, {CUDNN_SDPA}, {SYNC} in that order")
     return TorchVariant(rest, not flags["sepqkv"], flags["cudnn_sdpa"], flags["sync"])
-AFTER = {"attention": "auto", "fusions": True}
-BEFORE = {"attention": "classic", "fusions": False}
-# the optimizer step every implementation takes (PyTorch's AdamW gets the same values)
-STEP_HP = {"loss_scale": 1.0, "grad_mult": 1.0, "lr": 3e-4, "beta1": 0.9, "beta2": 0.95,
-           "eps": 1e-8, "weight_decay": 0.1, "max_norm": 1.0}
-FP8 = {**AFTER, "precision": "fp8"}  # train/precision "fp8": the MLP's GEMMs in FP8 (--fp8)
+
+
 # the default with one fusion switched (engine/backends/cuda/settings.py), timed beside it: --variants
 VARIANTS = {"andrea no QKV rows": {"ANDREA_QKV_ROWS": "0"},
             "andrea no side stream": {"ANDREA_SIDE_STREAM": "0"},
@@ -403,7 +406,6 @@ def torch_step(s: ModelShapes, variant: str) -> tuple[Callable[[np.ndarray, int]
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     v = torch_variant(variant)
-    sync = v.sync
     model = torch_model(s, v.fused_qkv, v.cudnn_sdpa)
     run = model
     if v.mode == "compile":
@@ -432,7 +434,7 @@ def torch_step(s: ModelShapes, variant: str) -> tuple[Callable[[np.ndarray, int]
         # Without `sync` the host queues the next step while this one runs, as the engine's two
         # steps in flight let it (a synchronize per step adds PyTorch's launch time to each of
         # its steps); the timed loops wait for the device at their end.
-        if sync:
+        if v.sync:
             torch.cuda.synchronize()
 
     return step, (model, run, opt)
@@ -704,6 +706,14 @@ def main() -> int:
         except ValueError as e:
             print(f"bench_gpu.py: --torch: {e}", file=sys.stderr)
             return 2
+    for flag, value in (("--steps", args.steps), ("--rounds", args.rounds)):
+        if value < 1:
+            print(f"bench_gpu.py: {flag}: expected at least 1, got {value}", file=sys.stderr)
+            return 2
+    if args.sustained and args.sustained < 3:
+        print(f"bench_gpu.py: --sustained: expected 0 (none) or at least 3 steps, got "
+              f"{args.sustained}", file=sys.stderr)
+        return 2
     if unknown := [v for v in switched if v not in VARIANTS]:
         print(f"bench_gpu.py: --variants: unknown {', '.join(map(repr, unknown))}; known: "
               f"{', '.join(VARIANTS)}", file=sys.stderr)

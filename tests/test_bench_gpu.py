@@ -4,6 +4,7 @@ and measure, without a GPU (the times themselves are the benchmark's, never a te
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -186,3 +187,15 @@ def test_torch_variant_names(name, want):
 def test_a_misspelt_torch_variant_is_refused(name):
     with pytest.raises(ValueError, match="expected one of eager"):
         _bench().torch_variant(name)
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--steps", "0"], "--steps: expected at least 1, got 0"),
+    (["--rounds", "-1"], "--rounds: expected at least 1, got -1"),
+    (["--sustained", "2"], "--sustained: expected 0 (none) or at least 3 steps, got 2"),
+    (["--torch", "reduce-overhead,eagre"], "--torch: PyTorch variant 'eagre': expected one of"),
+])
+def test_bad_arguments_get_one_line_and_exit_status_2(args, says):
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), *args],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, p.stderr

@@ -172,18 +172,18 @@ def test_a_peer_that_dies_is_named_alike_however_its_socket_says_so() -> None:
     from engine.run.comm import PeerLost, _recv_exact, _send
 
     ours, theirs = _tcp_pair()
-    _send(ours, {"rank": 0}, b"x" * 1000, "rank 1")  # left unread by the peer
+    _send(ours, {"rank": 0}, b"x" * 1000, who="rank 1")  # left unread by the peer
     time.sleep(0.05)
     theirs.close()  # with bytes unread: the kernel answers with a reset
     with pytest.raises(PeerLost, match=r"^rank 1 ended \(its connection was reset"):
         for _ in range(100):  # the first writes may still be taken into our buffer
-            _send(ours, {"rank": 0}, b"y" * 65536, "rank 1")
+            _send(ours, {"rank": 0}, b"y" * 65536, who="rank 1")
             time.sleep(0.01)
     ours.close()
 
     ours, theirs = _tcp_pair()
     theirs.sendall(b"z" * 10)
-    _send(ours, {"rank": 0}, b"x" * 1000, "rank 1")
+    _send(ours, {"rank": 0}, b"x" * 1000, who="rank 1")
     time.sleep(0.05)
     theirs.close()  # our bytes unread: a reset, seen by our next read
     time.sleep(0.05)

@@ -75,7 +75,7 @@ def _lost(who: str, e: OSError) -> PeerLost:
     return PeerLost(f"{who}: connection lost ({e.strerror or e})")
 
 
-def _send(sock: socket.socket, header: dict, body: bytes = b"", who: str = "a rank") -> None:
+def _send(sock: socket.socket, header: dict, body: bytes = b"", *, who: str) -> None:
     h = json.dumps(header).encode()
     try:
         sock.sendall(struct.pack(">IQ", len(h), len(body)) + h + body)
@@ -331,9 +331,9 @@ class Channel:
             lens = json.dumps([len(p) for p in parts])
             blob = b"".join(parts)
             for r in range(1, w.size):
-                _send(self.data[r], {"lens": json.loads(lens)}, blob, f"rank {r}")
+                _send(self.data[r], {"lens": json.loads(lens)}, blob, who=f"rank {r}")
             return parts
-        _send(self.data[0], {"rank": w.rank}, payload, "rank 0")
+        _send(self.data[0], {"rank": w.rank}, payload, who="rank 0")
         header, blob = _recv(self.data[0], "rank 0")
         lens = header.get("lens")
         if not isinstance(lens, list) or sum(lens) != len(blob) or len(lens) != w.size:
