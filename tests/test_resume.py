@@ -144,6 +144,20 @@ def test_a_storm_of_100_sigusr1_in_one_second(straight: dict, tmp_path: Path) ->
     assert final_bytes(run) == ref["bytes"]
 
 
+def wait_for_committed_checkpoint(run: Path, proc: subprocess.Popen[str], timeout: float = 120
+                                  ) -> None:
+    """Block until `run` has a checkpoint that verifies (the engine still running)."""
+    from engine.run.checkpoint import find_resume_checkpoint
+
+    deadline = time.monotonic() + timeout
+    while find_resume_checkpoint(run / "checkpoints")[0] is None:
+        if proc.poll() is not None:
+            raise AssertionError(f"engine exited {proc.returncode} before its first checkpoint")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no committed checkpoint in {run} after {timeout} s")
+        time.sleep(0.005)
+
+
 @pytest.mark.slow
 def test_kill_9_during_checkpoint_writes_then_resume(straight: dict, tmp_path: Path) -> None:
     """Checkpoint every step, SIGKILL at random moments; the newest valid checkpoint loads and
@@ -166,6 +180,9 @@ def test_kill_9_during_checkpoint_writes_then_resume(straight: dict, tmp_path: P
         run = tmp_path / f"run{trial}"
         proc = start_engine(cfg, run)
         wait_for_step(run, 2 + trial * 3, proc)
+        # the writer runs beside the loop at niceness +10, so on a loaded machine the records
+        # can be steps ahead of the first committed checkpoint: kill once one exists
+        wait_for_committed_checkpoint(run, proc)
         time.sleep(rng.uniform(0.0, 0.05))
         proc.kill()
         proc.wait()
