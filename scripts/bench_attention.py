@@ -27,19 +27,52 @@ import math
 import os
 import site
 import statistics
+import sys
 import traceback
 from collections.abc import Callable
+from typing import NoReturn
+
+
+def fail(message: str) -> NoReturn:
+    print(f"bench_attention.py: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def env_ints(name: str, default: str) -> list[int]:
+    """A comma-separated list of positive integers from the environment, or exit status 2."""
+    raw = os.environ.get(name, default)
+    try:
+        values = [int(x) for x in raw.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        fail(f"{name}={raw!r}: expected positive integers separated by commas")
+    return values
+
+
+def env_int(name: str, default: str) -> int:
+    values = env_ints(name, default)
+    if len(values) != 1:
+        fail(f"{name}={os.environ[name]!r}: expected one positive integer")
+    return values[0]
+
+
+B, T, D, N = (env_int(f"PROBE_{k}", v) for k, v in
+              (("B", "8"), ("T", "1024"), ("D", "64"), ("N", "20")))
+HEADS = env_ints("PROBE_HEADS", "12,6")
+LAYOUTS = os.environ.get("PROBE_LAYOUTS", "bshd,engine").split(",")
+if not set(LAYOUTS) <= {"bshd", "engine"}:
+    fail(f"PROBE_LAYOUTS={','.join(LAYOUTS)!r}: expected bshd and/or engine, comma-separated")
+SCALE = 1.0 / math.sqrt(D)
 
 site.addsitedir(os.environ.get("FLEX_SITE", "/tmp/site2"))  # its .pth adds cutlass's packages
-
-import torch
-import torch.nn.functional as F
-
-B, T, D = (int(os.environ.get(f"PROBE_{k}", v)) for k, v in (("B", 8), ("T", 1024), ("D", 64)))
-HEADS = [int(h) for h in os.environ.get("PROBE_HEADS", "12,6").split(",")]
-LAYOUTS = os.environ.get("PROBE_LAYOUTS", "bshd,engine").split(",")
-N = int(os.environ.get("PROBE_N", 20))
-SCALE = 1.0 / math.sqrt(D)
+try:
+    import torch
+    import torch.nn.functional as F
+except ImportError as e:
+    fail(f"needs PyTorch (the flex API takes torch tensors): {e}")
+if not torch.cuda.is_available():
+    fail("needs a CUDA GPU (torch.cuda.is_available() is False)")
 dev = torch.device("cuda")
 stream = torch.cuda.Stream()
 results: list[dict] = []
@@ -260,7 +293,10 @@ def bench(H: int, layout: str) -> dict:
 
 
 def main() -> None:
-    import cudnn
+    try:
+        import cudnn
+    except ImportError as e:
+        fail(f"needs nvidia-cudnn-frontend (and for flex the CuTe DSL in FLEX_SITE): {e}")
 
     say(f"cuDNN {cudnn.backend_version()} frontend {cudnn.__version__}, torch {torch.__version__}, "
         f"B={B} T={T} hd={D}, {N} calls a graph")
