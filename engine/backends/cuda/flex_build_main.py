@@ -1,0 +1,208 @@
+"""The build step of the flex attention backward, run in its own interpreter (flex_build.py).
+
+Run as a script by the interpreter that has CuTe DSL (nvidia-cutlass-dsl), apache-tvm-ffi and
+nvidia-cudnn-frontend installed (Python 3.12 wheels), never imported by the engine's process:
+it installs a stand-in `torch` module and package placeholders in `sys.modules`, which must not
+leak into anything else. It imports nothing from the engine, so it runs from a bare file path.
+
+    python flex_build_main.py probe
+        prints one JSON line: the three packages' versions, the frontend's directory and the
+        run-time libraries' paths (libcute_dsl_runtime.so, libtvm_ffi.so). Imports none of them.
+    python flex_build_main.py compile OBJ NAME HEAD_DIM DTYPE
+        compiles the fused wrapper (preprocess, main kernel, dQ postprocess) for sm_90a with
+        symbolic B, T, H and strides, and writes OBJ with `export_to_c(OBJ, NAME)`: an ELF object
+        whose C entry point is `__tvm_ffi_<NAME>`. Prints one JSON line with the compile time.
+Errors print one JSON line {"error": ...} and exit 3.
+
+The entry point's arguments, in order (all tensors DLTensor*, device CUDA):
+  Q K V O dO  bf16 [B, T, H, 64], any strides that are multiples of 8 elements, last stride 1
+  lse         f32 [B, H, T], last stride 1
+  dQ dK dV    like Q
+  lse2 dpsum  f32 [B, H, T] (scratch, written by the preprocess)
+  dq_accum    f32 [B, H, T·64] (scratch, zeroed by the preprocess)
+  dq_sem      i32 [B, H, T/128, 1] (must be zero on entry)
+  cnt idx fcnt fidx order forder off foff masks (flex_plan.py)
+  scale (float), T (int). The stream is TVM FFI's environment stream for the first tensor's device.
+The kernels' constructor arguments are the frontend's own for SM90, hd 64, deterministic
+(dispatch.py:1383, 1616-1634, 1806-1824; backward_config.py:104-115).
+"""
+
+# No `from __future__ import annotations`: cute.jit reads the wrapper's annotations as objects.
+import importlib.metadata
+import importlib.util
+import json
+import os
+import sys
+import time
+import types
+from pathlib import Path
+
+FRONTEND = "nvidia-cudnn-frontend"
+DSL = "nvidia-cutlass-dsl"
+TVM_FFI = "apache-tvm-ffi"
+
+
+def _package_dir(name: str) -> Path | None:
+    spec = importlib.util.find_spec(name)  # top-level names: finds without importing
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def probe() -> dict:
+    """Versions and paths; raises LookupError naming what is missing."""
+    out: dict = {"python": sys.version.split()[0]}
+    for key, dist in (("frontend", FRONTEND), ("dsl", DSL), ("tvm_ffi", TVM_FFI)):
+        try:
+            out[key + "_version"] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            raise LookupError(f"the package {dist} is not installed for {sys.executable}") from None
+    cudnn_dir = _package_dir("cudnn")
+    if cudnn_dir is None or not (cudnn_dir / "flex_attention" / "kernels" / "sm90").is_dir():
+        raise LookupError(f"{FRONTEND} has no flex_attention/kernels/sm90 (looked in {cudnn_dir})")
+    out["cudnn_dir"] = str(cudnn_dir)
+    dsl_dir = _package_dir("nvidia_cutlass_dsl")
+    runtime = sorted(p for p in dsl_dir.glob("*/lib/libcute_dsl_runtime.so")) if dsl_dir else []
+    if not runtime:
+        raise LookupError(f"libcute_dsl_runtime.so not found under {dsl_dir} (install "
+                          "nvidia-cutlass-dsl-libs-cu13)")
+    out["runtime_lib"] = str(runtime[0])
+    tvm_dir = _package_dir("tvm_ffi")
+    tvm_lib = tvm_dir / "lib" / "libtvm_ffi.so" if tvm_dir else None
+    if tvm_lib is None or not tvm_lib.is_file():
+        raise LookupError(f"libtvm_ffi.so not found under {tvm_dir}")
+    out["tvm_ffi_lib"] = str(tvm_lib)
+    return out
+
+
+def _install_stand_ins(cudnn_dir: Path) -> None:
+    """Package placeholders (skip cudnn's and flex_attention's __init__: pybind and torch) and a
+    torch stand-in with what the kernel modules touch at import time."""
+    for name, path in (("cudnn", cudnn_dir), ("cudnn.flex_attention", cudnn_dir / "flex_attention")):
+        m = types.ModuleType(name)
+        m.__path__ = [str(path)]
+        sys.modules[name] = m
+
+    class DType:
+        def __init__(self, name: str, itemsize: int) -> None:
+            self.name, self.itemsize = name, itemsize
+
+        def __repr__(self) -> str:
+            return "torch." + self.name
+
+    torch = types.ModuleType("torch")
+    torch.dtype = DType
+    torch.Tensor = type("Tensor", (), {})
+    for n, size in (("float16", 2), ("bfloat16", 2), ("float32", 4), ("int32", 4), ("int64", 8),
+                    ("uint32", 4), ("uint8", 1), ("bool", 1)):
+        setattr(torch, n, DType(n, size))
+    sub = types.ModuleType("torch._subclasses")
+    fake = types.ModuleType("torch._subclasses.fake_tensor")
+    fake.FakeTensor = type("FakeTensor", (), {})
+    sub.fake_tensor = fake
+    guards = types.ModuleType("torch._guards")
+    guards.active_fake_mode = lambda: None
+    torch._subclasses, torch._guards = sub, guards
+    sys.modules.update({"torch": torch, "torch._subclasses": sub,
+                        "torch._subclasses.fake_tensor": fake, "torch._guards": guards})
+
+
+def compile_object(obj: Path, name: str, head_dim: int, dtype: str) -> dict:
+    if head_dim != 64:
+        raise ValueError(f"head_dim {head_dim}: only 64 is built (the 128x128 tile config)")
+    if dtype not in ("bf16", "fp16"):
+        raise ValueError(f"dtype {dtype!r}: expected bf16 or fp16")
+    info = probe()
+    if "torch" in sys.modules:
+        raise RuntimeError("torch is already imported; the build needs a clean interpreter")
+    os.environ["CUTE_DSL_ARCH"] = "sm_90a"  # no GPU here: name the target
+    import cutlass  # before the stand-in: tvm_ffi and cutlass probe for torch at import
+    import cutlass.cute as cute
+    import tvm_ffi  # noqa: F401
+
+    _install_stand_ins(Path(info["cudnn_dir"]))
+    import cuda.bindings.driver as cuda
+    from cudnn.flex_attention.kernels.common.backward_postprocess import (
+        FlexAttentionBackwardPostprocess,
+    )
+    from cudnn.flex_attention.kernels.common.backward_preprocess import (
+        FlexAttentionBackwardPreprocess,
+    )
+    from cudnn.flex_attention.kernels.sm90.bwd.backward import FlexAttentionBackwardSm90
+    from cudnn.flex_attention.plan.kernels import BlockSparseTensors
+    from cutlass import Float32, Int32, Uint32
+
+    dt = cutlass.BFloat16 if dtype == "bf16" else cutlass.Float16
+    pre = FlexAttentionBackwardPreprocess(dt, head_dim, head_dim, 128, use_padded_offsets=False)
+    main = FlexAttentionBackwardSm90(
+        dt, head_dim, head_dim, 1, deterministic=True, spt=True, tile_m=128, tile_n=128,
+        Q_stage=2, dO_stage=2, PdS_stage=2, SdP_swapAB=True, dKV_swapAB=False, AtomLayoutNdKV=2,
+        AtomLayoutMdQ=2, dQ_single_wg=False, dQ_swapAB=False)
+    post = FlexAttentionBackwardPostprocess(dt, head_dim, 90, 128, 256, 2, False, False,
+                                            use_2cta_instrs=False, cluster_size=1)
+
+    @cute.jit
+    def flex_bwd(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                 mdO: cute.Tensor, mLSE: cute.Tensor, mdQ: cute.Tensor, mdK: cute.Tensor,
+                 mdV: cute.Tensor, mLSE2: cute.Tensor, mdPsum: cute.Tensor, mdQacc: cute.Tensor,
+                 mSem: cute.Tensor, cnt: cute.Tensor, idx: cute.Tensor, fcnt: cute.Tensor,
+                 fidx: cute.Tensor, order: cute.Tensor, forder: cute.Tensor, off: cute.Tensor,
+                 foff: cute.Tensor, masks: cute.Tensor, scale: Float32, seqlen: Int32,
+                 stream: cuda.CUstream):
+        pre(mO, mdO, mdPsum, mLSE, mLSE2, mdQacc, None, None, seqlen, stream)
+        bs = BlockSparseTensors(cnt, idx, fcnt, fidx, None, order, forder, off, foff, masks,
+                                None, None)
+        main(mQ, mK, mV, mdO, mLSE2, mdPsum, mdQacc, mdK, mdV, scale, None, None, mSem, None,
+             None, bs, seqlen, seqlen, stream)
+        post(mdQacc, mdQ, scale, None, seqlen, stream)
+
+    mk, sym, sym64 = cute.runtime.make_fake_tensor, cute.sym_int, cute.sym_int64
+    b, t, h = sym(), sym(), sym()  # shared: the entry point checks that all tensors agree
+
+    def bshd():
+        return mk(dt, (b, t, h, head_dim), stride=(sym64(divisibility=8), sym64(divisibility=8),
+                                                    sym64(divisibility=8), 1), assumed_align=16)
+
+    def f32(n):
+        return mk(Float32, (b, h, n), stride=(sym64(divisibility=4), sym64(divisibility=4), 1),
+                  assumed_align=16)
+
+    def i32(n):
+        return mk(Int32, (n,), stride=(1,), assumed_align=4)
+
+    def row(n):
+        return mk(Int32, (1, n), stride=(sym64(), 1), assumed_align=4)
+
+    tr, tdr, rows, nnz, nfull = sym(), sym(), sym(), sym(), sym()
+    args = [bshd() for _ in range(5)]
+    args += [mk(Float32, (b, h, t), stride=(sym64(), sym64(), 1), assumed_align=4)]
+    args += [bshd() for _ in range(3)]
+    args += [f32(tr), f32(tr), f32(tdr),
+             mk(Int32, (b, h, sym(), 1), stride=(sym64(), sym64(), 1, 1), assumed_align=4),
+             row(rows), i32(nnz), row(rows), i32(nfull), i32(nnz), i32(nfull), i32(sym()),
+             i32(sym()), mk(Uint32, (nnz, 1, 256, 2), stride=(512, 512, 2, 1), assumed_align=16),
+             Float32(0.125), Int32(0), cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)]
+    t0 = time.time()
+    fn = cute.compile(flex_bwd, *args, options="--enable-tvm-ffi")
+    seconds = time.time() - t0
+    fn.export_to_c(str(obj), name)
+    return {**info, "compile_s": round(seconds, 2), "object": str(obj), "symbol": "__tvm_ffi_" + name}
+
+
+def main(argv: list[str]) -> int:
+    try:
+        if argv[:1] == ["probe"]:
+            out = probe()
+        elif argv[:1] == ["compile"] and len(argv) == 5:
+            out = compile_object(Path(argv[1]), argv[2], int(argv[3]), argv[4])
+        else:
+            raise ValueError("usage: flex_build_main.py probe | compile OBJ NAME HEAD_DIM DTYPE")
+    except Exception as e:  # reported to the parent as one line; it raises RunError
+        print(json.dumps({"error": f"{type(e).__name__}: {e}"}))
+        return 3
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
