@@ -75,7 +75,7 @@ def probe() -> dict:
     return out
 
 
-def _install_stand_ins(cudnn_dir: Path) -> None:
+def install_stand_ins(cudnn_dir: Path) -> None:
     """Package placeholders (skip cudnn's and flex_attention's __init__: pybind and torch) and a
     torch stand-in with what the kernel modules touch at import time."""
     for name, path in (("cudnn", cudnn_dir), ("cudnn.flex_attention", cudnn_dir / "flex_attention")):
@@ -120,7 +120,7 @@ def compile_object(obj: Path, name: str, head_dim: int, dtype: str) -> dict:
     import cutlass.cute as cute
     import tvm_ffi  # noqa: F401
 
-    _install_stand_ins(Path(info["cudnn_dir"]))
+    install_stand_ins(Path(info["cudnn_dir"]))
     import cuda.bindings.driver as cuda
     from cudnn.flex_attention.kernels.common.backward_postprocess import (
         FlexAttentionBackwardPostprocess,
