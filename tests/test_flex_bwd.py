@@ -257,3 +257,12 @@ def test_call_refuses_t_not_a_multiple_of_128_before_loading() -> None:
 
     with pytest.raises(UserError, match="multiple of 128"):
         FlexBackward("/nonexistent/flex.so", 2, 200, 6)
+
+
+def test_call_without_its_libraries_is_a_run_error(tmp_path: Path) -> None:
+    from engine.backends.cuda.flex_call import FlexBackward
+
+    with pytest.raises(RunError, match="no readable manifest"):
+        FlexBackward(tmp_path / "flex.so", 2, 256, 6)
+    with pytest.raises(RunError, match="cannot load its libraries"):
+        FlexBackward(tmp_path / "flex.so", 2, 256, 6, runtime_libs=[tmp_path / "libtvm_ffi.so"])
