@@ -2,23 +2,28 @@
 
 `build_library(cache_dir)` returns the path of a `.so` whose C entry point `ENTRY_SYMBOL` runs
 the frontend's SM90 deterministic attention backward (preprocess, main kernel, dQ postprocess;
-arguments in flex_build_main.py's docstring). It:
+arguments in flex_build_main.py's docstring, in the order `ARG_NAMES`). It:
 1. asks the build interpreter (`python`, default this one; it needs nvidia-cutlass-dsl with the
    libs-cu13 wheel, apache-tvm-ffi and nvidia-cudnn-frontend, all cp312 today) for the packages'
    versions and the run-time libraries' paths, without importing them;
-2. on a cache miss, compiles in that interpreter (a subprocess: the build installs a stand-in
-   for torch in its `sys.modules`) for sm_90a with symbolic B, T, H and strides, and writes an
-   object with `export_to_c`;
+2. on a cache miss, compiles in that interpreter (a subprocess: the build may install a
+   stand-in for torch in its `sys.modules`) for sm_90a with symbolic B, T, H and strides, and
+   writes an object with `export_to_c`;
 3. links it with `g++ -shared` against libcute_dsl_runtime.so and libtvm_ffi.so (with an rpath
-   to where they were found), then renames it into place (atomic).
-The cache key is (frontend, CuTe DSL and TVM FFI versions, head_dim, dtype); next to each
-library a JSON manifest records the versions and the run-time libraries' paths
-(`read_manifest`). Everything that can be missing (an interpreter, a package, g++) is a
-RunError that says what to install.
+   to where they were found), then renames it into place (atomic). g++ is needed only on a miss:
+   a cached library (built elsewhere and carried) is returned without it.
+The cache key (`cache_key`) is the recipe (`RECIPE_SHA256`, the sha256 of flex_build_main.py:
+argument order, constructor arguments, fake-tensor specs), the frontend, CuTe DSL, libs-cu13 and
+TVM FFI versions, head_dim and dtype. Next to each library a JSON manifest records them, the
+argument names and the run-time libraries' paths (`read_manifest`); flex_call.py refuses a
+library whose manifest's recipe or argument names differ from this checkout's. Everything that
+can fail (an interpreter, a package, g++, the cache directory) is a RunError saying what.
 """
 
 from __future__ import annotations
 
+import ast
+import hashlib
 import json
 import os
 import re
@@ -34,47 +39,82 @@ ENTRY_NAME = "flex_bwd_sm90_d64"
 ENTRY_SYMBOL = "__tvm_ffi_" + ENTRY_NAME
 BUILD_SCRIPT = Path(__file__).resolve().parent / "flex_build_main.py"
 BUILD_TIMEOUT_S = 900
+LINK_TIMEOUT_S = 300
+
+
+def _script_constant(name: str) -> object:
+    """The literal value of the build script's module-level `name = ...` (read, not imported:
+    the script installs stand-ins in sys.modules and must not run in the engine's process)."""
+    tree = ast.parse(BUILD_SCRIPT.read_text(), str(BUILD_SCRIPT))
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name) and node.targets[0].id == name):
+            return ast.literal_eval(node.value)
+    raise LookupError(f"{BUILD_SCRIPT} has no literal {name}")
+
+
+# The entry point's parameter names in order, defined once in flex_build_main.py.
+ARG_NAMES: tuple[str, ...] = tuple(_script_constant("ARG_NAMES"))  # type: ignore[arg-type]
+# The build recipe: a changed script is a different library.
+RECIPE_SHA256 = hashlib.sha256(BUILD_SCRIPT.read_bytes()).hexdigest()
 
 
 def _run_build_script(python: str, args: list[str], timeout: float) -> dict:
+    """Run the build script's `args` in `python`; its last JSON line as a dict. RunError unless
+    the interpreter starts, exits 0 within `timeout` seconds and printed a JSON line without
+    an "error" key."""
     try:
         r = subprocess.run([python, str(BUILD_SCRIPT), *args], capture_output=True, text=True,
                            timeout=timeout, stdin=subprocess.DEVNULL)
-    except FileNotFoundError:
-        raise RunError(f"flex attention build: no interpreter {python!r}") from None
+    except OSError as e:  # missing, not executable, not an executable format
+        raise RunError(f"flex attention build: cannot run the interpreter {python!r} "
+                       f"({type(e).__name__}: {e.strerror or e})") from None
     except subprocess.TimeoutExpired:
         raise RunError(f"flex attention build: {args[0]} ran past {timeout:.0f} s") from None
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
-    try:
-        out = json.loads(lines[-1])
-    except (IndexError, json.JSONDecodeError):
+    out: dict | None = None
+    if lines:
+        try:
+            parsed = json.loads(lines[-1])
+            out = parsed if isinstance(parsed, dict) else None
+        except json.JSONDecodeError:
+            out = None
+    if out is not None and "error" in out:
+        raise RunError(f"flex attention build ({python}): {out['error']}")
+    if out is None or r.returncode != 0:
         tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
         raise RunError(f"flex attention build: {args[0]} with {python} failed "
-                       f"(exit {r.returncode}): {' | '.join(tail) or 'no output'}") from None
-    if "error" in out:
-        raise RunError(f"flex attention build ({python}): {out['error']}")
+                       f"(exit {r.returncode}): {' | '.join(tail) or 'no output'}")
     return out
 
 
 def probe(python: str | None = None) -> dict:
-    """Versions of the frontend, CuTe DSL and TVM FFI and the run-time libraries' paths, as the
-    build interpreter sees them. RunError when one is missing."""
+    """Versions of the frontend, CuTe DSL, libs-cu13 and TVM FFI and the run-time libraries'
+    paths, as the build interpreter sees them. RunError when one is missing."""
     return _run_build_script(python or sys.executable, ["probe"], timeout=120)
 
 
 def cache_key(info: dict, head_dim: int, dtype: str) -> str:
+    """The file stem of the cached library for the probed `info` (package versions), head_dim
+    and dtype: it changes with any of them and with the recipe (RECIPE_SHA256's first 16 hex
+    digits). Only [A-Za-z0-9._-]."""
     key = (f"{ENTRY_NAME}-{dtype}-hd{head_dim}-fe{info['frontend_version']}"
-           f"-dsl{info['dsl_version']}-tvmffi{info['tvm_ffi_version']}")
+           f"-dsl{info['dsl_version']}-cu13{info.get('libs_cu13_version')}"
+           f"-tvmffi{info['tvm_ffi_version']}-r{RECIPE_SHA256[:16]}")
     return re.sub(r"[^A-Za-z0-9._-]", "_", key)
 
 
 def read_manifest(library: Path) -> dict:
-    """The manifest written next to a built library (versions, run-time library paths)."""
+    """The manifest written next to a built library (versions, recipe, argument names, run-time
+    library paths). RunError when it is missing or not a JSON object."""
     path = Path(library).with_suffix(".json")
     try:
-        return json.loads(path.read_text())
+        m = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise RunError(f"flex attention: no readable manifest {path} ({e})") from None
+    if not isinstance(m, dict):
+        raise RunError(f"flex attention: the manifest {path} is not a JSON object")
+    return m
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -85,20 +125,42 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def build_library(cache_dir: Path | str, *, python: str | None = None, head_dim: int = 64,
-                  dtype: str = "bf16") -> Path:
-    """The cached `.so` for (head_dim, dtype) and the installed package versions; built on a miss."""
-    if head_dim != 64 or dtype not in ("bf16", "fp16"):
-        raise RunError(f"flex attention build: only head_dim 64 in bf16 or fp16, got "
-                       f"head_dim={head_dim}, dtype={dtype!r}")
-    python = python or sys.executable
+def _link(obj: Path, so: Path, info: dict) -> None:
+    """g++ -shared `obj` into `so` against the run-time libraries; RunError on any failure."""
     gxx = shutil.which("g++")
     if gxx is None:
         raise RunError("flex attention build: g++ not found on PATH (it links the kernels' object "
                        "into a shared library; install g++)")
+    libdirs = sorted({str(Path(info["runtime_lib"]).parent), str(Path(info["tvm_ffi_lib"]).parent)})
+    cmd = [gxx, "-shared", "-o", str(so), str(obj)]
+    cmd += [f"-L{d}" for d in libdirs] + ["-lcute_dsl_runtime", "-ltvm_ffi"]
+    cmd += [f"-Wl,-rpath,{d}" for d in libdirs]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=LINK_TIMEOUT_S,
+                           stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise RunError(f"flex attention build: linking ran past {LINK_TIMEOUT_S} s") from None
+    except OSError as e:
+        raise RunError(f"flex attention build: cannot run {gxx} ({e})") from None
+    if r.returncode != 0:
+        raise RunError(f"flex attention build: linking failed: {r.stderr.strip()[-500:]}")
+
+
+def build_library(cache_dir: Path | str, *, python: str | None = None, head_dim: int = 64,
+                  dtype: str = "bf16") -> Path:
+    """The cached `.so` for (recipe, package versions, head_dim, dtype); built on a miss (which
+    needs g++). RunError for anything that fails, including a cache directory that cannot be
+    created."""
+    if head_dim != 64 or dtype not in ("bf16", "fp16"):
+        raise RunError(f"flex attention build: only head_dim 64 in bf16 or fp16, got "
+                       f"head_dim={head_dim}, dtype={dtype!r}")
+    python = python or sys.executable
     info = probe(python)
     cache = Path(cache_dir)
-    cache.mkdir(parents=True, exist_ok=True)
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunError(f"flex attention build: cannot create the cache directory {cache} ({e})") from None
     key = cache_key(info, head_dim, dtype)
     lib, manifest = cache / f"{key}.so", cache / f"{key}.json"
     if lib.is_file() and manifest.is_file():
@@ -107,16 +169,13 @@ def build_library(cache_dir: Path | str, *, python: str | None = None, head_dim:
         obj, so = Path(tmp) / "flex_bwd.o", Path(tmp) / "flex_bwd.so"
         out = _run_build_script(python, ["compile", str(obj), ENTRY_NAME, str(head_dim), dtype],
                                 timeout=BUILD_TIMEOUT_S)
-        libdirs = sorted({str(Path(info["runtime_lib"]).parent), str(Path(info["tvm_ffi_lib"]).parent)})
-        cmd = [gxx, "-shared", "-o", str(so), str(obj)]
-        cmd += [f"-L{d}" for d in libdirs] + ["-lcute_dsl_runtime", "-ltvm_ffi"]
-        cmd += [f"-Wl,-rpath,{d}" for d in libdirs]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                           stdin=subprocess.DEVNULL)
-        if r.returncode != 0:
-            raise RunError(f"flex attention build: linking failed: {r.stderr.strip()[-500:]}")
+        if out.get("arg_names") != list(ARG_NAMES):
+            raise RunError(f"flex attention build: the script compiled the arguments "
+                           f"{out.get('arg_names')}, expected {list(ARG_NAMES)}")
+        _link(obj, so, info)
         os.replace(so, lib)
     record = {**info, "head_dim": head_dim, "dtype": dtype, "entry_symbol": ENTRY_SYMBOL,
-              "compile_s": out.get("compile_s")}
+              "recipe_sha256": RECIPE_SHA256, "arg_names": list(ARG_NAMES),
+              "torch": out.get("torch"), "compile_s": out.get("compile_s")}
     _write_atomic(manifest, (json.dumps(record, indent=1) + "\n").encode())
     return lib

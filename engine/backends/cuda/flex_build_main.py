@@ -14,15 +14,19 @@ leak into anything else. It imports nothing from the engine, so it runs from a b
         whose C entry point is `__tvm_ffi_<NAME>`. Prints one JSON line with the compile time.
 Errors print one JSON line {"error": ...} and exit 3.
 
-The entry point's arguments, in order (all tensors DLTensor*, device CUDA):
-  Q K V O dO  bf16 [B, T, H, 64], any strides that are multiples of 8 elements, last stride 1
-  lse         f32 [B, H, T], last stride 1
-  dQ dK dV    like Q
-  lse2 dpsum  f32 [B, H, T] (scratch, written by the preprocess)
-  dq_accum    f32 [B, H, T·64] (scratch, zeroed by the preprocess)
-  dq_sem      i32 [B, H, T/128, 1] (must be zero on entry)
+The entry point's arguments, in the order of `ARG_NAMES` (all tensors DLTensor*, device CUDA):
+  mQ mK mV mO mdO  bf16 [B, T, H, 64], any strides that are multiples of 8 elements, last stride 1
+  mLSE        f32 [B, H, T], last stride 1
+  mdQ mdK mdV like mQ
+  mLSE2 mdPsum f32 [B, H, T] (scratch, written by the preprocess)
+  mdQacc      f32 [B, H, T·64] (scratch, zeroed by the preprocess)
+  mSem        i32 [B, H, T/128, 1] (must be zero on entry)
   cnt idx fcnt fidx order forder off foff masks (flex_plan.py)
-  scale (float), T (int). The stream is TVM FFI's environment stream for the first tensor's device.
+  scale (float), seqlen (int). The stream is TVM FFI's environment stream for the first tensor's
+  device. `ARG_NAMES` is the one definition of that order: the wrapper's parameters are checked
+  against it before compiling, the fake arguments are built from it, `compile` prints it (the
+  manifest keeps it) and flex_build.py reads it from this file's source (never importing it) for
+  flex_call.py, which builds its argument array by name.
 The kernels' constructor arguments are the frontend's own for SM90, hd 64, deterministic
 (dispatch.py:1383, 1616-1634, 1806-1824; backward_config.py:104-115).
 """
@@ -30,6 +34,7 @@ The kernels' constructor arguments are the frontend's own for SM90, hd 64, deter
 # No `from __future__ import annotations`: cute.jit reads the wrapper's annotations as objects.
 import importlib.metadata
 import importlib.util
+import inspect
 import json
 import os
 import sys
@@ -40,6 +45,11 @@ from pathlib import Path
 FRONTEND = "nvidia-cudnn-frontend"
 DSL = "nvidia-cutlass-dsl"
 TVM_FFI = "apache-tvm-ffi"
+LIBS_CU13 = "nvidia-cutlass-dsl-libs-cu13"
+# The entry point's parameters, in order (a literal: flex_build.py reads it with ast).
+ARG_NAMES = ("mQ", "mK", "mV", "mO", "mdO", "mLSE", "mdQ", "mdK", "mdV", "mLSE2", "mdPsum",
+             "mdQacc", "mSem", "cnt", "idx", "fcnt", "fidx", "order", "forder", "off", "foff",
+             "masks", "scale", "seqlen")
 
 
 def _package_dir(name: str) -> Path | None:
@@ -57,6 +67,10 @@ def probe() -> dict:
             out[key + "_version"] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             raise LookupError(f"the package {dist} is not installed for {sys.executable}") from None
+    try:
+        out["libs_cu13_version"] = importlib.metadata.version(LIBS_CU13)
+    except importlib.metadata.PackageNotFoundError:
+        out["libs_cu13_version"] = None  # the runtime library check below says what to install
     cudnn_dir = _package_dir("cudnn")
     if cudnn_dir is None or not (cudnn_dir / "flex_attention" / "kernels" / "sm90").is_dir():
         raise LookupError(f"{FRONTEND} has no flex_attention/kernels/sm90 (looked in {cudnn_dir})")
@@ -75,13 +89,27 @@ def probe() -> dict:
     return out
 
 
-def install_stand_ins(cudnn_dir: Path) -> None:
-    """Package placeholders (skip cudnn's and flex_attention's __init__: pybind and torch) and a
-    torch stand-in with what the kernel modules touch at import time."""
+def install_stand_ins(cudnn_dir: Path) -> str:
+    """Package placeholders for cudnn and cudnn.flex_attention (their __init__ needs pybind and
+    torch), then `prepare_torch()`. Returns what it says."""
     for name, path in (("cudnn", cudnn_dir), ("cudnn.flex_attention", cudnn_dir / "flex_attention")):
         m = types.ModuleType(name)
         m.__path__ = [str(path)]
         sys.modules[name] = m
+    return prepare_torch()
+
+
+def prepare_torch() -> str:
+    """Make `import torch` work for the kernel modules; returns which torch they get.
+
+    A real torch, when this interpreter has one (tvm_ffi imports it at import when installed,
+    so it may already be in `sys.modules`), is used as is: "torch <version>". Only when none is
+    importable a stand-in goes into `sys.modules`, with what the kernel modules touch at import
+    time: "stand-in". A stand-in never replaces a real torch."""
+    if "torch" not in sys.modules and importlib.util.find_spec("torch") is not None:
+        importlib.import_module("torch")  # the real one: the frontend imports fine with it
+    if "torch" in sys.modules:
+        return f"torch {getattr(sys.modules['torch'], '__version__', '?')}"
 
     class DType:
         def __init__(self, name: str, itemsize: int) -> None:
@@ -105,22 +133,25 @@ def install_stand_ins(cudnn_dir: Path) -> None:
     torch._subclasses, torch._guards = sub, guards
     sys.modules.update({"torch": torch, "torch._subclasses": sub,
                         "torch._subclasses.fake_tensor": fake, "torch._guards": guards})
+    return "stand-in"
 
 
 def compile_object(obj: Path, name: str, head_dim: int, dtype: str) -> dict:
+    """Compile the fused backward for sm_90a and write the ELF object `obj` exporting
+    `__tvm_ffi_<name>`; returns `probe()` plus the compile time, `arg_names` (ARG_NAMES) and
+    which torch the kernel modules imported. Raises ValueError for a head_dim other than 64 or
+    a dtype other than bf16/fp16, and whatever the DSL raises."""
     if head_dim != 64:
         raise ValueError(f"head_dim {head_dim}: only 64 is built (the 128x128 tile config)")
     if dtype not in ("bf16", "fp16"):
         raise ValueError(f"dtype {dtype!r}: expected bf16 or fp16")
     info = probe()
-    if "torch" in sys.modules:
-        raise RuntimeError("torch is already imported; the build needs a clean interpreter")
     os.environ["CUTE_DSL_ARCH"] = "sm_90a"  # no GPU here: name the target
-    import cutlass  # before the stand-in: tvm_ffi and cutlass probe for torch at import
+    import cutlass  # before any stand-in: tvm_ffi and cutlass probe for torch at import
     import cutlass.cute as cute
     import tvm_ffi  # noqa: F401
 
-    install_stand_ins(Path(info["cudnn_dir"]))
+    torch_used = install_stand_ins(Path(info["cudnn_dir"]))
     import cuda.bindings.driver as cuda
     from cudnn.flex_attention.kernels.common.backward_postprocess import (
         FlexAttentionBackwardPostprocess,
@@ -134,7 +165,7 @@ def compile_object(obj: Path, name: str, head_dim: int, dtype: str) -> dict:
 
     dt = cutlass.BFloat16 if dtype == "bf16" else cutlass.Float16
     pre = FlexAttentionBackwardPreprocess(dt, head_dim, head_dim, 128, use_padded_offsets=False)
-    main = FlexAttentionBackwardSm90(
+    bwd_kernel = FlexAttentionBackwardSm90(
         dt, head_dim, head_dim, 1, deterministic=True, spt=True, tile_m=128, tile_n=128,
         Q_stage=2, dO_stage=2, PdS_stage=2, SdP_swapAB=True, dKV_swapAB=False, AtomLayoutNdKV=2,
         AtomLayoutMdQ=2, dQ_single_wg=False, dQ_swapAB=False)
@@ -152,8 +183,8 @@ def compile_object(obj: Path, name: str, head_dim: int, dtype: str) -> dict:
         pre(mO, mdO, mdPsum, mLSE, mLSE2, mdQacc, None, None, seqlen, stream)
         bs = BlockSparseTensors(cnt, idx, fcnt, fidx, None, order, forder, off, foff, masks,
                                 None, None)
-        main(mQ, mK, mV, mdO, mLSE2, mdPsum, mdQacc, mdK, mdV, scale, None, None, mSem, None,
-             None, bs, seqlen, seqlen, stream)
+        bwd_kernel(mQ, mK, mV, mdO, mLSE2, mdPsum, mdQacc, mdK, mdV, scale, None, None, mSem,
+                   None, None, bs, seqlen, seqlen, stream)
         post(mdQacc, mdQ, scale, None, seqlen, stream)
 
     mk, sym, sym64 = cute.runtime.make_fake_tensor, cute.sym_int, cute.sym_int64
@@ -173,20 +204,27 @@ def compile_object(obj: Path, name: str, head_dim: int, dtype: str) -> dict:
     def row(n):
         return mk(Int32, (1, n), stride=(sym64(), 1), assumed_align=4)
 
+    params = tuple(inspect.signature(flex_bwd).parameters)
+    if params != (*ARG_NAMES, "stream"):
+        raise ValueError(f"the wrapper's parameters {params} differ from ARG_NAMES + stream")
     tr, tdr, rows, nnz, nfull = sym(), sym(), sym(), sym(), sym()
-    args = [bshd() for _ in range(5)]
-    args += [mk(Float32, (b, h, t), stride=(sym64(), sym64(), 1), assumed_align=4)]
-    args += [bshd() for _ in range(3)]
-    args += [f32(tr), f32(tr), f32(tdr),
-             mk(Int32, (b, h, sym(), 1), stride=(sym64(), sym64(), 1, 1), assumed_align=4),
-             row(rows), i32(nnz), row(rows), i32(nfull), i32(nnz), i32(nfull), i32(sym()),
-             i32(sym()), mk(Uint32, (nnz, 1, 256, 2), stride=(512, 512, 2, 1), assumed_align=16),
-             Float32(0.125), Int32(0), cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)]
+    fake = {name: bshd() for name in ("mQ", "mK", "mV", "mO", "mdO", "mdQ", "mdK", "mdV")}
+    fake.update(
+        mLSE=mk(Float32, (b, h, t), stride=(sym64(), sym64(), 1), assumed_align=4),
+        mLSE2=f32(tr), mdPsum=f32(tr), mdQacc=f32(tdr),
+        mSem=mk(Int32, (b, h, sym(), 1), stride=(sym64(), sym64(), 1, 1), assumed_align=4),
+        cnt=row(rows), idx=i32(nnz), fcnt=row(rows), fidx=i32(nfull), order=i32(nnz),
+        forder=i32(nfull), off=i32(sym()), foff=i32(sym()),
+        masks=mk(Uint32, (nnz, 1, 256, 2), stride=(512, 512, 2, 1), assumed_align=16),
+        scale=Float32(0.125), seqlen=Int32(0))
+    args = [fake[name] for name in ARG_NAMES]
+    args.append(cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True))
     t0 = time.time()
     fn = cute.compile(flex_bwd, *args, options="--enable-tvm-ffi")
     seconds = time.time() - t0
     fn.export_to_c(str(obj), name)
-    return {**info, "compile_s": round(seconds, 2), "object": str(obj), "symbol": "__tvm_ffi_" + name}
+    return {**info, "compile_s": round(seconds, 2), "object": str(obj), "symbol": "__tvm_ffi_" + name,
+            "arg_names": list(ARG_NAMES), "torch": torch_used}
 
 
 def main(argv: list[str]) -> int:
