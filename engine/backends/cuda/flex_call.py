@@ -1,9 +1,14 @@
 """Calls the ahead-of-time flex attention backward (flex_build.py) on the engine's own buffers.
 
-Pure ctypes: no torch, no tvm_ffi or CuTe DSL Python, no pycuda. `FlexBackward` loads
-libtvm_ffi.so and libcute_dsl_runtime.so with RTLD_GLOBAL, then the built library, and calls its
-entry point `__tvm_ffi_flex_bwd_sm90_d64(NULL, args, n, result)` with each tensor passed as a
-`DLTensor*` (TVM FFI type 7) over a raw device pointer.
+Pure ctypes: no torch, no tvm_ffi or CuTe DSL Python, no pycuda. `FlexBackward` reads the
+library's manifest (flex_build.py) and refuses one built from another recipe (RECIPE_SHA256)
+or with other argument names (ARG_NAMES), or for another dtype. It loads `tvm_ffi_lib`
+(libtvm_ffi.so) then `cute_runtime_lib` (libcute_dsl_runtime.so) with RTLD_GLOBAL, each by
+name (default: the manifest's paths, which are the build machine's; pass both where the
+libraries were carried elsewhere), then the built library, and calls its entry point
+`__tvm_ffi_flex_bwd_sm90_d64(NULL, args, n, result)` with each tensor passed as a `DLTensor*`
+(TVM FFI type 7) over a raw device pointer, the arguments placed by name in ARG_NAMES' order.
+Every load or symbol failure is a RunError naming the library (flex_libs.py).
 
 Layout (the engine's, time-major rows r = t·B + b, heads side by side; hd = 64; bf16):
 - Q, K, V: views [B, T, H, 64] of one [B·T, 3·H·64] matrix `qkv`, strides (3H·64, B·3H·64, 64, 1),
@@ -13,12 +18,16 @@ Layout (the engine's, time-major rows r = t·B + b, heads side by side; hd = 64;
 - Scratch (`scratch_bytes`): lse2 and dpsum float32 [B, H, T]; dq_accum float32 [B, H, T·64];
   dq_sem int32 [B, H, T/128, 1]. All contiguous, 16-byte aligned.
 - The plan (flex_plan.py): `plan_arrays()` gives the nine numpy arrays to upload; `set_plan`
-  takes their device pointers, in that order.
+  takes their device pointers, in that order; 0 for an empty array (fidx and forder at T = 128).
 
-Contracts the caller keeps:
+Contracts:
 - **dq_sem must be zero before every call and every graph replay** (the frontend runs
-  `dq_semaphore.zero_()` before its kernels). The call does not zero it: `semaphores(dq_sem)`
-  gives the (pointer, bytes) to memset (cuMemsetD32Async / a memset node, 4 bytes per element).
+  `dq_semaphore.zero_()` before its kernels; a nonzero one makes the kernel spin forever). With
+  `zero_dq_sem=True` (the default) `run` zeroes it itself, on the same stream just before the
+  entry point, with the driver's cuMemsetD32Async (libcuda through ctypes; in a captured graph
+  a memset node): this needs libcuda (a RunError at construction without it) and the CUDA
+  context owning the buffers current on the calling thread. With `zero_dq_sem=False` the caller
+  memsets `semaphores(dq_sem)` (pointer, bytes; int32) itself.
 - The stream is set with `TVMFFIEnvSetStream` (thread-local) before each call; the entry point
   launches its three kernels on it.
 - All bf16 tensors and the float32 scratch 16-byte aligned (checked here before any CUDA call:
@@ -36,11 +45,11 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.backends.cuda.flex_build import ENTRY_SYMBOL, read_manifest
-from engine.backends.cuda.flex_plan import FIELDS, TILE, causal_plan
-from engine.errors import RunError
+from engine.backends.cuda import flex_libs
+from engine.backends.cuda.flex_build import ARG_NAMES, ENTRY_SYMBOL, RECIPE_SHA256, read_manifest
+from engine.backends.cuda.flex_plan import FIELDS, HEAD_DIM, TILE, causal_plan
+from engine.errors import RunError, UserError
 
-HD = 64
 KDLCUDA = 2
 _TYPE_INT, _TYPE_FLOAT, _TYPE_DLTENSOR_PTR = 1, 3, 7
 _DTYPES = {"bf16": (4, 16), "fp16": (2, 16), "f32": (2, 32), "i32": (0, 32), "u32": (1, 32)}
@@ -67,12 +76,19 @@ class FFIAny(ctypes.Structure):
     _fields_ = [("type_index", ctypes.c_int32), ("pad", ctypes.c_uint32), ("v", ctypes.c_int64)]
 
 
+# the manifest's keys FlexBackward reads (the run-time libraries' only when not passed)
+MANIFEST_KEYS = ("entry_symbol", "recipe_sha256", "arg_names", "dtype", "head_dim")
+
+
 @dataclass
 class FlexArgs:
-    """A prepared argument array; holds the DLTensors and their shape arrays alive."""
+    """A prepared argument array; holds the DLTensors and their shape arrays alive, and the
+    dq_sem buffer `run` zeroes (pointer, int32 count)."""
 
     array: ctypes.Array
-    keep: list
+    keep: list[tuple[ctypes.Array, ctypes.Array, DLTensor]]
+    dq_sem: int
+    dq_sem_count: int
 
 
 def _float_any(x: float) -> FFIAny:
@@ -81,53 +97,81 @@ def _float_any(x: float) -> FFIAny:
     return a
 
 
+def check_manifest(manifest: dict, library: Path, dtype: str, need_libs: bool) -> None:
+    """RunError unless `manifest` has the keys read here and was built by this checkout's recipe
+    (RECIPE_SHA256, ARG_NAMES) for `dtype` and head_dim 64 with ENTRY_SYMBOL."""
+    keys = MANIFEST_KEYS + (("tvm_ffi_lib", "runtime_lib") if need_libs else ())
+    missing = [k for k in keys if k not in manifest]
+    if missing:
+        raise RunError(f"flex attention: the manifest of {library} lacks {', '.join(missing)} "
+                       "(built by an older flex_build.py: rebuild it)")
+    if manifest["recipe_sha256"] != RECIPE_SHA256:
+        raise RunError(f"flex attention: {library} was built from another flex_build_main.py "
+                       f"(recipe {str(manifest['recipe_sha256'])[:16]}, this checkout's "
+                       f"{RECIPE_SHA256[:16]}): rebuild it")
+    if list(manifest["arg_names"]) != list(ARG_NAMES):
+        raise RunError(f"flex attention: {library} takes the arguments {manifest['arg_names']}, "
+                       f"this checkout passes {list(ARG_NAMES)}: rebuild it")
+    if manifest["dtype"] != dtype or manifest["head_dim"] != HEAD_DIM:
+        raise RunError(f"flex attention: {library} is for {manifest['dtype']} head_dim "
+                       f"{manifest['head_dim']}, asked for {dtype} head_dim {HEAD_DIM}")
+    if manifest["entry_symbol"] != ENTRY_SYMBOL:
+        raise RunError(f"flex attention: {library} exports {manifest['entry_symbol']}, "
+                       f"expected {ENTRY_SYMBOL}")
+
+
 class FlexBackward:
-    """The deterministic SM90 attention backward for fixed (B, T, H), hd 64, causal."""
+    """The deterministic SM90 attention backward for fixed (B, T, H), hd 64, causal.
+
+    `library`: the built `.so`, with its manifest beside it. `tvm_ffi_lib` and
+    `cute_runtime_lib`: the paths of libtvm_ffi.so and libcute_dsl_runtime.so (default: the
+    manifest's). `zero_dq_sem`: `run` zeroes dq_sem itself (needs `libcuda`). UserError for a
+    bad shape (before anything is loaded), RunError for a manifest, library or symbol problem."""
 
     def __init__(self, library: Path | str, batch: int, seq_len: int, heads: int, *,
-                 runtime_libs: Sequence[Path | str] | None = None, dtype: str = "bf16",
-                 device_id: int = 0) -> None:
+                 tvm_ffi_lib: Path | str | None = None, cute_runtime_lib: Path | str | None = None,
+                 dtype: str = "bf16", device_id: int = 0, zero_dq_sem: bool = True,
+                 libcuda: str = flex_libs.LIBCUDA) -> None:
         if dtype not in ("bf16", "fp16"):
-            raise RunError(f"flex attention: dtype must be bf16 or fp16, got {dtype!r}")
+            raise UserError(f"flex attention: dtype must be bf16 or fp16, got {dtype!r}")
         self.plan = causal_plan(batch, seq_len)  # refuses T % 128 != 0 (UserError)
         if heads < 1:
-            raise RunError(f"flex attention: heads must be positive, got {heads}")
+            raise UserError(f"flex attention backward: heads must be positive, got {heads}")
         self.B, self.T, self.H, self.dtype, self.device_id = batch, seq_len, heads, dtype, device_id
         library = Path(library)
-        if runtime_libs is None:
-            m = read_manifest(library)
-            runtime_libs = [m["tvm_ffi_lib"], m["runtime_lib"]]
-        try:
-            # libtvm_ffi first: libcute_dsl_runtime and the kernels' library resolve against it.
-            self._runtime = [ctypes.CDLL(str(p), mode=ctypes.RTLD_GLOBAL) for p in runtime_libs]
-            self._lib = ctypes.CDLL(str(library))
-        except OSError as e:
-            raise RunError(f"flex attention: cannot load its libraries ({e})") from None
-        self._ffi = self._runtime[0]
-        try:
-            self._fn = getattr(self._lib, ENTRY_SYMBOL)
-        except AttributeError:
-            raise RunError(f"flex attention: {library} has no entry point {ENTRY_SYMBOL}") from None
-        self._fn.argtypes = [ctypes.c_void_p, ctypes.POINTER(FFIAny), ctypes.c_int32,
-                             ctypes.POINTER(FFIAny)]
-        self._fn.restype = ctypes.c_int
-        self._ffi.TVMFFIEnvSetStream.argtypes = [ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p,
-                                                 ctypes.c_void_p]
-        self._ffi.TVMFFIEnvSetStream.restype = ctypes.c_int
-        self._ffi.TVMFFIErrorMoveFromRaised.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
-        self._ffi.TVMFFIErrorMoveFromRaised.restype = None
-        self._ffi.TVMFFIObjectDecRef.argtypes = [ctypes.c_void_p]
+        manifest = read_manifest(library)
+        check_manifest(manifest, library, dtype, tvm_ffi_lib is None or cute_runtime_lib is None)
+        tvm_path = str(tvm_ffi_lib or manifest["tvm_ffi_lib"])
+        runtime_path = str(cute_runtime_lib or manifest["runtime_lib"])
+        self._memset = flex_libs.DriverMemset(libcuda) if zero_dq_sem else None
+        # libtvm_ffi first: libcute_dsl_runtime and the kernels' library resolve against it.
+        self._ffi = flex_libs.load(tvm_path, "libtvm_ffi.so", global_=True)
+        self._runtime = flex_libs.load(runtime_path, "libcute_dsl_runtime.so", global_=True)
+        self._lib = flex_libs.load(str(library), "the flex attention library")
+        self._fn = flex_libs.symbol(
+            self._lib, ENTRY_SYMBOL, "the flex attention library",
+            [ctypes.c_void_p, ctypes.POINTER(FFIAny), ctypes.c_int32, ctypes.POINTER(FFIAny)],
+            ctypes.c_int)
+        tvm = "libtvm_ffi.so"
+        self._set_stream = flex_libs.symbol(
+            self._ffi, "TVMFFIEnvSetStream", tvm,
+            [ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int)
+        self._move_raised = flex_libs.symbol(
+            self._ffi, "TVMFFIErrorMoveFromRaised", tvm, [ctypes.POINTER(ctypes.c_void_p)], None)
+        self._dec_ref = flex_libs.symbol(self._ffi, "TVMFFIObjectDecRef", tvm, [ctypes.c_void_p],
+                                         ctypes.c_int)
         self._plan_ptrs: list[int] | None = None
 
     # ---- sizes and the plan -------------------------------------------------------------
     def scratch_bytes(self) -> dict[str, int]:
         """Bytes of each scratch buffer (float32 / int32, contiguous)."""
         bht = self.B * self.H * self.T
-        return {"lse2": 4 * bht, "dpsum": 4 * bht, "dq_accum": 4 * bht * HD,
+        return {"lse2": 4 * bht, "dpsum": 4 * bht, "dq_accum": 4 * bht * HEAD_DIM,
                 "dq_sem": 4 * self.B * self.H * (self.T // TILE)}
 
     def semaphores(self, dq_sem: int) -> tuple[int, int]:
-        """(pointer, bytes) the caller zeroes before every call and every graph replay."""
+        """(pointer, bytes) to zero before every call and every graph replay (done by `run`
+        unless zero_dq_sem=False)."""
         return int(dq_sem), self.scratch_bytes()["dq_sem"]
 
     def plan_arrays(self) -> list[tuple[str, np.ndarray]]:
@@ -135,11 +179,15 @@ class FlexBackward:
         return self.plan.arrays()
 
     def set_plan(self, pointers: Sequence[int]) -> None:
-        """Device pointers of the uploaded plan arrays (same order as `plan_arrays`)."""
+        """Device pointers of the uploaded plan arrays (same order as `plan_arrays`); 0 (null)
+        is accepted, and required to be accepted, only for an empty array (fidx and forder at
+        T = 128, where nothing is read)."""
         if len(pointers) != len(FIELDS):
             raise RunError(f"flex attention: set_plan needs {len(FIELDS)} pointers "
                            f"({', '.join(FIELDS)}), got {len(pointers)}")
-        for name, p in zip(FIELDS, pointers, strict=True):
+        for (name, a), p in zip(self.plan.arrays(), pointers, strict=True):
+            if int(p) == 0 and a.size == 0:
+                continue
             self._check_align(name, int(p), 16 if name == "masks" else 4)
         self._plan_ptrs = [int(p) for p in pointers]
 
@@ -152,7 +200,8 @@ class FlexBackward:
 
     def make_args(self, *, qkv: int, o: int, do: int, lse: int, dqkv: int, lse2: int,
                   dpsum: int, dq_accum: int, dq_sem: int, scale: float) -> FlexArgs:
-        """The argument array for these device pointers (reusable across calls and replays)."""
+        """The argument array for these device pointers (reusable across calls and replays),
+        in ARG_NAMES' order."""
         if self._plan_ptrs is None:
             raise RunError("flex attention: set_plan must be called before the first call")
         for name, p in (("qkv", qkv), ("o", o), ("do", do), ("dqkv", dqkv), ("lse2", lse2),
@@ -160,8 +209,8 @@ class FlexBackward:
             self._check_align(name, int(p), 16)
         for name, p in (("lse", lse), ("dq_sem", dq_sem)):
             self._check_align(name, int(p), 4)
-        B, T, H = self.B, self.T, self.H
-        keep: list = []
+        B, T, H, D = self.B, self.T, self.H, HEAD_DIM
+        keep: list[tuple[ctypes.Array, ctypes.Array, DLTensor]] = []
 
         def tensor(ptr: int, shape: tuple[int, ...], strides: tuple[int, ...], dt: str) -> FFIAny:
             n = len(shape)
@@ -172,14 +221,13 @@ class FlexBackward:
             keep.append((sh, st, d))
             return FFIAny(_TYPE_DLTENSOR_PTR, 0, ctypes.addressof(d))
 
-        w3, w1, es = 3 * H * HD, H * HD, _ITEMSIZE[self.dtype]
+        w3, w1, es = 3 * H * D, H * D, _ITEMSIZE[self.dtype]
 
-        def qkv_views(base: int) -> list[FFIAny]:
-            return [tensor(int(base) + k * w1 * es, (B, T, H, HD), (w3, B * w3, HD, 1), self.dtype)
-                    for k in range(3)]
+        def qkv_view(base: int, k: int) -> FFIAny:
+            return tensor(int(base) + k * w1 * es, (B, T, H, D), (w3, B * w3, D, 1), self.dtype)
 
         def slab(base: int) -> FFIAny:
-            return tensor(int(base), (B, T, H, HD), (w1, B * w1, HD, 1), self.dtype)
+            return tensor(int(base), (B, T, H, D), (w1, B * w1, D, 1), self.dtype)
 
         def bh(base: int, n: int) -> FFIAny:
             return tensor(int(base), (B, H, n), (H * n, n, 1), "f32")
@@ -187,31 +235,36 @@ class FlexBackward:
         nb, rows = T // TILE, B * (T // TILE)
         pc = dict(zip(FIELDS, self._plan_ptrs, strict=True))
         plan = self.plan
-        args = [*qkv_views(qkv), slab(o), slab(do), bh(lse, T), *qkv_views(dqkv),
-                bh(lse2, T), bh(dpsum, T), bh(dq_accum, T * HD),
-                tensor(int(dq_sem), (B, H, nb, 1), (H * nb, nb, 1, 1), "i32"),
-                tensor(pc["cnt"], (1, rows), (rows, 1), "i32"),
-                tensor(pc["idx"], (plan.idx.size,), (1,), "i32"),
-                tensor(pc["fcnt"], (1, rows), (rows, 1), "i32"),
-                tensor(pc["fidx"], (plan.fidx.size,), (1,), "i32"),
-                tensor(pc["order"], (plan.order.size,), (1,), "i32"),
-                tensor(pc["forder"], (plan.forder.size,), (1,), "i32"),
-                tensor(pc["off"], (rows + 1,), (1,), "i32"),
-                tensor(pc["foff"], (rows + 1,), (1,), "i32"),
-                tensor(pc["masks"], plan.masks.shape, (512, 512, 2, 1), "u32"),
-                _float_any(scale), FFIAny(_TYPE_INT, 0, T)]
-        return FlexArgs((FFIAny * len(args))(*args), keep)
+        by_name = {
+            "mQ": qkv_view(qkv, 0), "mK": qkv_view(qkv, 1), "mV": qkv_view(qkv, 2),
+            "mO": slab(o), "mdO": slab(do), "mLSE": bh(lse, T),
+            "mdQ": qkv_view(dqkv, 0), "mdK": qkv_view(dqkv, 1), "mdV": qkv_view(dqkv, 2),
+            "mLSE2": bh(lse2, T), "mdPsum": bh(dpsum, T), "mdQacc": bh(dq_accum, T * D),
+            "mSem": tensor(int(dq_sem), (B, H, nb, 1), (H * nb, nb, 1, 1), "i32"),
+            "cnt": tensor(pc["cnt"], (1, rows), (rows, 1), "i32"),
+            "fcnt": tensor(pc["fcnt"], (1, rows), (rows, 1), "i32"),
+            "masks": tensor(pc["masks"], plan.masks.shape, (512, 512, 2, 1), "u32"),
+            "scale": _float_any(scale), "seqlen": FFIAny(_TYPE_INT, 0, T)}
+        for name in ("idx", "fidx", "order", "forder", "off", "foff"):
+            by_name[name] = tensor(pc[name], (getattr(plan, name).size,), (1,), "i32")
+        if set(by_name) != set(ARG_NAMES):
+            raise RunError(f"flex attention: the library takes {list(ARG_NAMES)}, this module "
+                           f"builds {sorted(by_name)}")
+        args = [by_name[name] for name in ARG_NAMES]
+        return FlexArgs((FFIAny * len(args))(*args), keep, int(dq_sem), B * H * nb)
 
     def set_stream(self, stream: int) -> None:
         """Make `stream` (a CUstream handle; 0 = legacy) this thread's stream for the call."""
-        rc = self._ffi.TVMFFIEnvSetStream(KDLCUDA, self.device_id, ctypes.c_void_p(int(stream)),
-                                          None)
+        rc = self._set_stream(KDLCUDA, self.device_id, ctypes.c_void_p(int(stream) or None), None)
         if rc != 0:
             raise RunError(f"flex attention: TVMFFIEnvSetStream failed: {self._raised()}")
 
     def run(self, args: FlexArgs, stream: int) -> None:
-        """Launch preprocess, main kernel and dQ postprocess on `stream`. dq_sem must be zero."""
+        """Zero dq_sem (unless zero_dq_sem=False: then it must already be zero), then launch
+        preprocess, main kernel and dQ postprocess, all on `stream`."""
         self.set_stream(stream)
+        if self._memset is not None:
+            self._memset.zero_i32(args.dq_sem, args.dq_sem_count, stream)
         result = FFIAny(0, 0, 0)
         rc = self._fn(None, args.array, len(args.array), ctypes.byref(result))
         if rc != 0:
@@ -224,7 +277,7 @@ class FlexBackward:
     def _raised(self) -> str:
         """'Kind: message' of the error TVM FFI raised on this thread (and release it)."""
         h = ctypes.c_void_p()
-        self._ffi.TVMFFIErrorMoveFromRaised(ctypes.byref(h))
+        self._move_raised(ctypes.byref(h))
         if not h.value:
             return "no error recorded"
         try:
@@ -233,5 +286,5 @@ class FlexBackward:
             kind = ctypes.string_at(cell[0], cell[1] or 0).decode(errors="replace")
             message = ctypes.string_at(cell[2], cell[3] or 0).decode(errors="replace")
         finally:
-            self._ffi.TVMFFIObjectDecRef(h)
+            self._dec_ref(h)
         return f"{kind}: {message.strip()}"
