@@ -22,8 +22,9 @@ of sequence b; query block m, key block n; all int32 except the masks):
 - `masks`  uint32 [nnz, 1, 256, 2]: for each partial block, one 64-bit field per MMA thread
                    (256 threads, 64 accumulator values, bit v%32 of word v//32) set where the
                    value's key <= its query. The same for every diagonal block.
-The kernel's 12-tuple (BlockSparseTensors) puts None at positions 4, 10 and 11
-(cu_total_m_blocks, sequence_desc, fwd_work_desc): see `FlexPlan.tuple12`.
+The kernel's 12-tuple (BlockSparseTensors, plan/kernels/__init__.py:19-33) puts None at
+positions 4, 10 and 11 (cu_total_m_blocks, sequence_desc, fwd_work_desc); flex_build_main.py's
+wrapper builds it from these nine.
 
 Thread t's value v (SdP swapped: the accumulator is keys x queries): wg = t//128, w = (t%128)//32,
 l = t%32, v = j + 2i + 4k: key = 64·wg + 16·w + l//4 + 8·i, query = 2·(l%4) + j + 8·k (checked
@@ -63,17 +64,8 @@ class FlexPlan:
     masks: np.ndarray
 
     def arrays(self) -> list[tuple[str, np.ndarray]]:
-        """(name, array) in the order the exported entry point takes them."""
+        """(name, array) in FIELDS' order (set_plan's; ARG_NAMES lists them in the same order)."""
         return [(name, getattr(self, name)) for name in FIELDS]
-
-    def tuple12(self) -> tuple[np.ndarray | None, ...]:
-        """The kernel's BlockSparseTensors order (plan/kernels/__init__.py:19-33)."""
-        return (self.cnt, self.idx, self.fcnt, self.fidx, None, self.order, self.forder,
-                self.off, self.foff, self.masks, None, None)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for _, a in self.arrays())
 
 
 def fragment_coords() -> tuple[np.ndarray, np.ndarray]:
