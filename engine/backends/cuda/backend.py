@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.backends.cuda import graphs
+from engine.backends.cuda import flex_attn, graphs
 from engine.backends.cuda.buffers import (
     HP_FIELDS,
     BatchBuffers,
@@ -176,6 +176,9 @@ class CudaBackend:
                 and os.environ.get("ANDREA_QKV_ROWS") is not None):  # asked for, not the default
             self.notes.append("ANDREA_QKV_ROWS: needs cuDNN's attention; the classic one runs "
                               "with its three GEMMs")
+        # the flex deterministic attention backward instead of cuDNN's (opt-in; flex_attn.py):
+        # it changes the bits, so it is recorded; where it cannot run, cuDNN's does, said
+        self.flex = self._pick_flex()
         cudnn_ws = (max(self.cudnn.workspace_bytes(self.B, self.S),
                         self.cudnn.workspace_bytes(1, self.S)) if self.cudnn else 0)
         # The training logits in the compute precision (fusions, bf16/fp16): the logits GEMM
@@ -191,6 +194,8 @@ class CudaBackend:
                                                     self.logits_lp)
         if self.fp8:
             plan_fp8(plan, shapes.n_layer, shapes.d_model, shapes.d_ff, self.train.R)
+        if self.flex is not None:  # its scratch and plan arrays, at the backward's one shape
+            flex_attn.plan_buffers(plan, self.flex.B, self.flex.T, self.flex.H)
         self.separate_micro = separate_micro
         self._plan = plan
         nseg = len(self.table)
@@ -292,7 +297,7 @@ class CudaBackend:
         self._update_ranges = self._ranges_by_layer()
         # Everything starts at zero: rows past a short sequence are then finite (cuDNN's
         # full-length graphs read them; see cudnn_attn.py).
-        for group in ("activations", "scratch"):
+        for group in ("activations", "scratch") + (("flex",) if self.flex is not None else ()):
             base, size = plan.span(group)
             drv.memset_d8_async(base, 0, size, self.stream)
         # The optimizer's tensor table lives in "scratch" too: written only after that zeroing (it
@@ -308,6 +313,11 @@ class CudaBackend:
         drv.memcpy_htod(plan["seg_decay"], self.seg_decay)
         if self.seg_qkv is not None:
             drv.memcpy_htod(plan["seg_qkv"], self.seg_qkv)
+        if self.flex is not None:
+            # its plan arrays uploaded; its first call (which loads its cubin) is the warm-up's
+            # eager backward, before any graph is captured
+            self.flex.bind(plan, drv)
+            self.ops.flex = self.flex
         drv.Context.synchronize()  # pageable copies may still be in flight for our stream
         self._zero_state()
         if tune is None:
@@ -361,6 +371,35 @@ class CudaBackend:
         if want == "cudnn":
             raise UserError(f"attention cudnn: {why}")
         return "classic", f"classic ({why})"
+
+    def _pick_flex(self) -> flex_attn.FlexAttention | None:
+        """The flex deterministic backward where ANDREA_FLEX_BWD (default off; else the run's
+        record) asks for it and it can run (flex_attn.refusal, then its library loads), with
+        `attention_info` saying so; else None: cuDNN's backward runs, the setting is recorded
+        off, and a note says why (and, where the run recorded it on, that the bits differ)."""
+        if not self._cuda.flag(flex_attn.SETTING, default=False):
+            return None
+        s = self.shapes
+        hd = s.d_model // s.n_head
+        why = flex_attn.refusal(self.attention, self.qkv_rows, self.precision, hd, self.S,
+                                self.gpu.dev.compute_capability())
+        if not why:
+            try:
+                # the one shape the backward runs at: the micro-batch at full length (_backward)
+                fb = flex_attn.open_backward(self.B, self.S, s.n_head, self.gpu.ordinal)
+                self.attention_info = (f"cudnn ({self.cudnn.version}; flex deterministic "
+                                       f"backward, {flex_attn.SETTING})")
+                return flex_attn.FlexAttention(fb, self.cudnn.scale)  # cuDNN's forward's
+            except (RunError, UserError) as e:
+                why = str(e)
+        self.settings[flex_attn.SETTING] = False
+        then = ("cuDNN's deterministic backward runs" if self.attention == "cudnn"
+                else "it is not used")
+        self.notes.append(f"{flex_attn.SETTING}: {why}; {then}")
+        if self._cuda.recorded.get(flex_attn.SETTING) is True:
+            self.notes.append(f"{flex_attn.SETTING}: the run recorded 1: the bits differ from an "
+                              f"uninterrupted run")
+        return None
 
     def _time_ms(self, fn: Callable[[], None]) -> float:
         """GPU time of one fn() on the stream (CUDA events); gemm.time_interleaved repeats it."""
@@ -1199,6 +1238,7 @@ class CudaBackend:
         if self.cudnn is not None:
             self.cudnn.close()
             self.cudnn = None
+        self.flex = self.ops.flex = None  # its argument structs point into the plan's memory
         self._plan.free()
 
 

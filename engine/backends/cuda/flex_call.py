@@ -97,6 +97,14 @@ def _float_any(x: float) -> FFIAny:
     return a
 
 
+def scratch_bytes(batch: int, seq_len: int, heads: int) -> dict[str, int]:
+    """Bytes of each scratch buffer for (B, T, H) (float32 / int32, contiguous): lse2, dpsum,
+    dq_accum, dq_sem. Needs no library (the memory plan sizes them before one is loaded)."""
+    bht = batch * heads * seq_len
+    return {"lse2": 4 * bht, "dpsum": 4 * bht, "dq_accum": 4 * bht * HEAD_DIM,
+            "dq_sem": 4 * batch * heads * (seq_len // TILE)}
+
+
 def check_manifest(manifest: dict, library: Path, dtype: str, need_libs: bool) -> None:
     """RunError unless `manifest` has the keys read here and was built by this checkout's recipe
     (RECIPE_SHA256, ARG_NAMES) for `dtype` and head_dim 64 with ENTRY_SYMBOL."""
@@ -164,10 +172,8 @@ class FlexBackward:
 
     # ---- sizes and the plan -------------------------------------------------------------
     def scratch_bytes(self) -> dict[str, int]:
-        """Bytes of each scratch buffer (float32 / int32, contiguous)."""
-        bht = self.B * self.H * self.T
-        return {"lse2": 4 * bht, "dpsum": 4 * bht, "dq_accum": 4 * bht * HEAD_DIM,
-                "dq_sem": 4 * self.B * self.H * (self.T // TILE)}
+        """Bytes of each scratch buffer (float32 / int32, contiguous): `scratch_bytes`."""
+        return scratch_bytes(self.B, self.T, self.H)
 
     def semaphores(self, dq_sem: int) -> tuple[int, int]:
         """(pointer, bytes) to zero before every call and every graph replay (done by `run`
