@@ -247,3 +247,79 @@ def test_a_library_that_does_not_load_falls_back_and_a_recorded_on_is_said(monke
                         "uninterrupted run"]
     assert bk.settings == {flex_attn.SETTING: False}
     assert "flex" not in bk.attention_info
+
+
+class _FailingBackward(_FakeBackward):
+    """A backward whose call reports a failure (as flex_call.FlexBackward.run does with TVM
+    FFI's message)."""
+
+    def run(self, args, stream):
+        super().run(args, stream)
+        raise RunError("flex attention backward: CUDA error: no kernel image is available")
+
+
+def _started(monkeypatch, fb: _FakeBackward, recorded: dict | None = None) -> tuple:
+    """A backend at the point of __init__ where the flex backward is bound (_bind_flex): its
+    setting on, _pick_flex done with `fb`, the plan allocated, Ops made without it."""
+    monkeypatch.setenv(flex_attn.SETTING, "1")
+    monkeypatch.setattr(flex_attn, "open_backward", lambda *a: fb)
+    bk = _backend(monkeypatch, recorded)
+    bk.flex = bk._pick_flex()
+    assert bk.flex is not None
+    plan = Plan()
+    flex_attn.plan_buffers(plan, fb.B, fb.T, fb.H)
+    plan._bases = {"flex": 1 << 32}
+    bk.drv = SimpleNamespace(memcpy_htod=lambda ptr, a: None)
+    synced = []
+    bk.stream = SimpleNamespace(handle=55, synchronize=lambda: synced.append(len(fb.ran)))
+    bk.ops = SimpleNamespace(flex=None)
+    layer0 = {"qkv": 2 << 20, "att": 3 << 20, "attn_stats": 4 << 20}
+    named = {"datt": 1 << 20, "dqkv": 5 << 20}
+    bk.train = SimpleNamespace(at=named.__getitem__, layer=lambda l: layer0 if l == 0 else {})
+    return bk, plan, synced
+
+
+def test_bound_its_first_call_runs_eagerly_on_layer_0_and_ops_then_runs_it(monkeypatch) -> None:
+    fb = _FakeBackward()
+    bk, plan, synced = _started(monkeypatch, fb)
+    bk._bind_flex(plan)
+    assert bk.ops.flex is bk.flex  # Ops runs it from here on
+    assert fb.set_plan_with == [plan[f"flex.plan.{n}"] for n in FIELDS]
+    assert len(fb.ran) == 1 and synced == [1]  # one eager call, waited for
+    assert fb.made == [{"qkv": 2 << 20, "o": 3 << 20, "do": 1 << 20, "lse": 4 << 20,
+                        "dqkv": 5 << 20, "lse2": plan["flex.lse2"], "dpsum": plan["flex.dpsum"],
+                        "dq_accum": plan["flex.dq_accum"], "dq_sem": plan["flex.dq_sem"],
+                        "scale": 0.125}]
+    assert fb.ran[0][1] == 55  # on the backend's stream
+    assert bk.settings == {flex_attn.SETTING: True} and bk.notes == []
+    assert "flex" in bk.attention_info
+
+
+@pytest.mark.parametrize("recorded", [None, {flex_attn.SETTING: True}])
+def test_a_first_call_that_fails_falls_back_to_cudnn_and_says_so(monkeypatch, recorded) -> None:
+    fb = _FailingBackward()
+    bk, plan, _ = _started(monkeypatch, fb, recorded)
+    bk._bind_flex(plan)  # no exception: start-up goes on
+    assert bk.flex is None and bk.ops.flex is None
+    assert bk.settings == {flex_attn.SETTING: False}
+    said = ["ANDREA_FLEX_BWD: its first call failed: flex attention backward: CUDA error: no "
+            "kernel image is available; cuDNN's deterministic backward runs"]
+    if recorded:
+        said.append("ANDREA_FLEX_BWD: the run recorded 1: the bits differ from an "
+                    "uninterrupted run")
+    assert bk.notes == said
+    assert bk.attention_info == "cudnn (cuDNN 9; deterministic backward)"
+
+
+def test_a_bind_that_fails_falls_back_to_cudnn(monkeypatch) -> None:
+    fb = _FakeBackward()
+    bk, plan, _ = _started(monkeypatch, fb)
+
+    def set_plan(pointers):
+        raise RunError("flex attention: set_plan failed")
+
+    fb.set_plan = set_plan
+    bk._bind_flex(plan)
+    assert bk.flex is None and bk.ops.flex is None and fb.ran == []
+    assert bk.notes == ["ANDREA_FLEX_BWD: its plan did not upload: flex attention: set_plan "
+                        "failed; cuDNN's deterministic backward runs"]

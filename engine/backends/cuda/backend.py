@@ -314,10 +314,7 @@ class CudaBackend:
         if self.seg_qkv is not None:
             drv.memcpy_htod(plan["seg_qkv"], self.seg_qkv)
         if self.flex is not None:
-            # its plan arrays uploaded; its first call (which loads its cubin) is the warm-up's
-            # eager backward, before any graph is captured
-            self.flex.bind(plan, drv)
-            self.ops.flex = self.flex
+            self._bind_flex(plan)
         drv.Context.synchronize()  # pageable copies may still be in flight for our stream
         self._zero_state()
         if tune is None:
@@ -392,6 +389,12 @@ class CudaBackend:
                 return flex_attn.FlexAttention(fb, self.cudnn.scale)  # cuDNN's forward's
             except (RunError, UserError) as e:
                 why = str(e)
+        self._flex_off(why)
+        return None
+
+    def _flex_off(self, why: str) -> None:
+        """The flex backward refused (`why`): the setting recorded off, a note saying why and
+        what runs instead, and, where the run recorded it on, that the bits differ."""
         self.settings[flex_attn.SETTING] = False
         then = ("cuDNN's deterministic backward runs" if self.attention == "cudnn"
                 else "it is not used")
@@ -399,7 +402,30 @@ class CudaBackend:
         if self._cuda.recorded.get(flex_attn.SETTING) is True:
             self.notes.append(f"{flex_attn.SETTING}: the run recorded 1: the bits differ from an "
                               f"uninterrupted run")
-        return None
+
+    def _bind_flex(self, plan: Any) -> None:
+        """Once the plan is allocated and zeroed: the flex backward's plan arrays uploaded, then
+        its first call (which loads its cubin), eager, on layer 0's training buffers (zeros:
+        finite), before any graph is captured; then Ops runs it. Where either fails with a
+        RunError: cuDNN's deterministic backward, as `_pick_flex` refuses (`_flex_off`), with
+        `attention_info` back to cuDNN's. Only a fault the call reports is caught: one that
+        kills the context (an illegal address) or a kernel that never ends is not."""
+        assert self.flex is not None
+        b = self.train
+        a = b.layer(0)
+        step = "its plan did not upload"
+        try:
+            self.flex.bind(plan, self.drv)
+            step = "its first call failed"
+            self.flex.bwd(dout=b.at("datt"), qkv=a["qkv"], out=a["att"], stats=a["attn_stats"],
+                          dqkv=b.at("dqkv"), B=self.B, T=self.S, stream=self.stream.handle)
+            self.stream.synchronize()
+        except RunError as e:
+            self.flex = self.ops.flex = None
+            self.attention_info = f"cudnn ({self.cudnn.version}; deterministic backward)"
+            self._flex_off(f"{step}: {e}")
+            return
+        self.ops.flex = self.flex
 
     def _time_ms(self, fn: Callable[[], None]) -> float:
         """GPU time of one fn() on the stream (CUDA events); gemm.time_interleaved repeats it."""

@@ -28,7 +28,9 @@ Buffers (`plan_buffers`): the memory plan's "flex" group: flex.lse2, flex.dpsum,
 flex.dq_sem (flex_call.scratch_bytes) and the nine plan arrays flex.plan.<name>, uploaded once
 (`bind`). dq_sem is zeroed by every call on the stream (flex_call.FlexBackward.run: a memset
 node in the captured step, which graphs.py turns into a k_fill node like cuDNN's). The first
-call loads the cubin: CudaBackend._warm_up makes it, eagerly, before any graph is captured.
+call loads the cubin: CudaBackend._bind_flex makes it, eagerly on zeroed buffers, right after
+`bind` and before any graph is captured; a RunError from either falls back to cuDNN's backward
+(a fault that kills the context, or a kernel that never ends, cannot be caught so).
 """
 
 from __future__ import annotations
