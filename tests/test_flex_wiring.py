@@ -28,7 +28,9 @@ OK = {"attention": "cudnn", "rows": True, "precision": "bf16", "head_dim": 64, "
 def test_it_runs_only_where_its_kernels_do() -> None:
     assert flex_attn.refusal(**OK) == ""
     for change, said in (({"attention": "classic"}, "needs cuDNN's attention, and the classic"),
-                         ({"rows": False}, "needs Q, K, V in rows (ANDREA_QKV_ROWS)"),
+                         ({"rows": False}, "needs Q, K, V in rows, and cuDNN runs them as "
+                                           "slabs (ANDREA_QKV_ROWS is off)"),
+                         ({"rows": False, "rows_off": "why"}, "as slabs (why)"),
                          ({"precision": "fp16"}, "computes in bf16 only, not fp16"),
                          ({"head_dim": 128}, "needs head dim 64 (d_model / n_head), the model "
                                              "has 128"),
@@ -179,6 +181,7 @@ def _backend(monkeypatch, recorded: dict | None = None, **over) -> CudaBackend:
                             vocab_size=64, seq_len=256)
     bk.S, bk.B, bk.precision = bk.shapes.seq_len, 2, "bf16"
     bk.attention, bk.qkv_rows = "cudnn", True
+    bk.fusions, bk._want_qkv_rows = True, True
     bk.attention_info = "cudnn (cuDNN 9; deterministic backward)"
     bk.cudnn = SimpleNamespace(version="cuDNN 9", scale=0.125)
     cap = over.pop("capability", (9, 0))
@@ -220,8 +223,18 @@ def test_on_it_says_so_and_is_recorded(monkeypatch) -> None:
 @pytest.mark.parametrize(("over", "said"), [
     ({"attention": "classic"}, "ANDREA_FLEX_BWD: needs cuDNN's attention, and the classic "
                                "attention runs; it is not used"),
-    ({"qkv_rows": False}, "ANDREA_FLEX_BWD: needs Q, K, V in rows (ANDREA_QKV_ROWS), and cuDNN "
-                          "runs them as slabs; cuDNN's deterministic backward runs"),
+    ({"qkv_rows": False, "_want_qkv_rows": False},
+     "ANDREA_FLEX_BWD: needs Q, K, V in rows, and cuDNN runs them as slabs (ANDREA_QKV_ROWS is "
+     "off); cuDNN's deterministic backward runs"),
+    ({"qkv_rows": False, "_want_qkv_rows": False, "fusions": False},
+     "ANDREA_FLEX_BWD: needs Q, K, V in rows, and cuDNN runs them as slabs (the rows are the "
+     "fused path's, and ANDREA_FUSIONS is off); cuDNN's deterministic backward runs"),
+    ({"qkv_rows": False, "_want_qkv_rows": False, "d_model": 46464 * 3},
+     "ANDREA_FLEX_BWD: needs Q, K, V in rows, and cuDNN runs them as slabs (d_model² ≥ 2³¹: the "
+     "optimizer kernels' 32-bit division keeps the slabs); cuDNN's deterministic backward runs"),
+    ({"qkv_rows": False},
+     "ANDREA_FLEX_BWD: needs Q, K, V in rows, and cuDNN runs them as slabs (cuDNN refuses them "
+     "in rows: see the ANDREA_QKV_ROWS note); cuDNN's deterministic backward runs"),
     ({"d_model": 384}, "ANDREA_FLEX_BWD: needs head dim 64 (d_model / n_head), the model has "
                        "128; cuDNN's deterministic backward runs"),
     ({"capability": (10, 0)}, "ANDREA_FLEX_BWD: its kernels are sm_90a's (Hopper), this GPU is "

@@ -379,7 +379,7 @@ class CudaBackend:
         s = self.shapes
         hd = s.d_model // s.n_head
         why = flex_attn.refusal(self.attention, self.qkv_rows, self.precision, hd, self.S,
-                                self.gpu.dev.compute_capability())
+                                self.gpu.dev.compute_capability(), rows_off=self._rows_off())
         if not why:
             try:
                 # the one shape the backward runs at: the micro-batch at full length (_backward)
@@ -391,6 +391,22 @@ class CudaBackend:
                 why = str(e)
         self._flex_off(why)
         return None
+
+    def _rows_off(self) -> str:
+        """Why Q, K, V are not in rows (`qkv_rows` false; "" where they are), as __init__
+        decides it: fusions off, d² ≥ 2³¹, ANDREA_QKV_ROWS off (or the run's record), or cuDNN
+        refusing the rows (its note says why)."""
+        if self.qkv_rows:
+            return ""
+        if not self.fusions:
+            return "the rows are the fused path's, and ANDREA_FUSIONS is off"
+        if self.shapes.d_model ** 2 >= 2**31:
+            return "d_model² ≥ 2³¹: the optimizer kernels' 32-bit division keeps the slabs"
+        if not self._want_qkv_rows:
+            return "ANDREA_QKV_ROWS is off"
+        if self.attention != "cudnn":
+            return f"the {self.attention} attention runs"
+        return "cuDNN refuses them in rows: see the ANDREA_QKV_ROWS note"
 
     def _flex_off(self, why: str) -> None:
         """The flex backward refused (`why`): the setting recorded off, a note saying why and

@@ -55,14 +55,15 @@ SCRATCH = ("lse2", "dpsum", "dq_accum", "dq_sem")
 
 
 def refusal(attention: str, rows: bool, precision: str, head_dim: int, seq_len: int,
-            capability: tuple[int, int]) -> str:
+            capability: tuple[int, int], rows_off: str = "") -> str:
     """Why the flex backward cannot run with these (the backend's resolved attention path,
-    Q, K, V in rows, compute precision, head dim, seq_len, compute capability); "" where it
-    can (the library aside)."""
+    Q, K, V in rows, compute precision, head dim, seq_len, compute capability; rows_off: why
+    the rows are off, CudaBackend._rows_off); "" where it can (the library aside)."""
     if attention != "cudnn":
         return f"needs cuDNN's attention, and the {attention} attention runs"
     if not rows:
-        return "needs Q, K, V in rows (ANDREA_QKV_ROWS), and cuDNN runs them as slabs"
+        return (f"needs Q, K, V in rows, and cuDNN runs them as slabs "
+                f"({rows_off or 'ANDREA_QKV_ROWS is off'})")
     if precision != "bf16":
         return f"computes in bf16 only, not {precision}"
     if head_dim != HEAD_DIM:
