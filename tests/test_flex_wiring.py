@@ -5,6 +5,10 @@ Its run on a GPU: tests/gpu/test_flex_gpu.py."""
 
 from __future__ import annotations
 
+import lzma
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -336,3 +340,22 @@ def test_a_bind_that_fails_falls_back_to_cudnn(monkeypatch) -> None:
     assert bk.flex is None and bk.ops.flex is None and fb.ran == []
     assert bk.notes == ["ANDREA_FLEX_BWD: its plan did not upload: flex attention: set_plan "
                         "failed; cuDNN's deterministic backward runs"]
+
+
+def test_the_unpack_prints_an_export_that_a_shell_can_eval(tmp_path) -> None:
+    """scripts/flex-pack --unpack on a pack in a folder with a space and a quote in its name:
+    the runtime library restored from its .xz, and the printed line, eval'd as gpu-check does,
+    sets ANDREA_FLEX_LIB to the library's path."""
+    pack = tmp_path / "a pack's $HOME"
+    pack.mkdir()
+    for name in ("flex_bwd.so", "flex_bwd.json", "libtvm_ffi.so"):
+        (pack / name).write_bytes(b"x")
+    with lzma.open(pack / "libcute_dsl_runtime.so.xz", "wb") as f:
+        f.write(b"runtime")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "flex-pack"
+    env = {"PATH": "/usr/bin:/bin", "PACK": str(pack), "PYTHON": sys.executable}
+    out = subprocess.run(["bash", "-c", f'e=$({script} --unpack) && eval "$e" && '
+                          f'printf %s "$ANDREA_FLEX_LIB"'], env=env, capture_output=True,
+                         text=True, check=True).stdout
+    assert out == str(pack / "flex_bwd.so")
+    assert (pack / "libcute_dsl_runtime.so").read_bytes() == b"runtime"
