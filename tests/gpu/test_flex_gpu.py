@@ -135,35 +135,74 @@ def test_flex_backward_matches_cudnn_and_numpy_eager_and_replayed(flex, rng, B, 
 M = ModelShapes(n_layer=2, d_model=256, n_head=4, d_ff=1024, vocab_size=8449, seq_len=256)
 
 
-def test_a_step_with_flex_matches_numpy_and_says_so(flex, rng):
+def _count_runs(gpu) -> list[int]:
+    """FlexBackward.run on this backend counted from here on: [calls]. (Python's call happens
+    eagerly or while a graph is captured, not when it is replayed.)"""
+    fb, calls = gpu.flex.fb, [0]
+    run = fb.run
+
+    def counted(*a, **kw):
+        calls[0] += 1
+        return run(*a, **kw)
+
+    fb.run = counted
+    return calls
+
+
+def test_a_step_with_flex_matches_numpy_and_says_so(flex, rng, monkeypatch):
     """forward_backward with ANDREA_FLEX_BWD=1 (T 201 < seq_len: the full-length backward with
     dO zeroed past T) against numpy in float64, within the full-step bf16 bounds; the memory
-    plan has its "flex" group; describe() names it."""
+    plan has its "flex" group; describe() names it; Ops runs it (ops.flex, FlexBackward.run
+    once per layer in each step, each a graph's first use here, one argument set per layer);
+    and a backend with ANDREA_FLEX_BWD=0 (the same GEMM plan) gives other bits for every
+    layer's W_Q, W_K, W_V gradient (another reduction order), within the bound of them."""
     params = init_params(M, seed=int(rng.integers(1 << 30)))
     ref = NumpyBackend(M, 4, dtype=np.float64)
     ref.load_params(params.astype(np.float64))
     gpu = make(M, 4, "bf16", attention="cudnn")
+    cud = None
     try:
+        monkeypatch.setenv("ANDREA_FLEX_BWD", "0")
+        cud = make(M, 4, "bf16", attention="cudnn", gemm_plan=gpu.gemm_plan)
         assert gpu.flex is not None, gpu.notes
+        assert gpu.ops.flex is gpu.flex, "the backend does not hand its flex backward to Ops"
+        assert cud.flex is None and cud.ops.flex is None and FLEX not in cud.describe()
         assert FLEX in gpu.describe() and gpu.settings["ANDREA_FLEX_BWD"] is True
         assert gpu.memory_plan()["flex"] >= sum(scratch_bytes(4, M.seq_len, 4).values())
+        calls = _count_runs(gpu)
         gpu.load_params(params)
+        cud.load_params(params)
+        bound = STEP_BOUND["bf16"]
         for T in (256, 201):
             x, y = batch(rng, M, 4, T)
             want = ref.forward_backward(x, y, loss_scale=3.0)
             ref_g = ref.read_grads().copy()
             ref.zero_grads()
             gpu.zero_grads()
+            cud.zero_grads()
+            before = calls[0]
             got = gpu.forward_backward(x, y, loss_scale=3.0)
-            bound = STEP_BOUND["bf16"]
+            assert calls[0] - before == M.n_layer, f"T={T}: flex ran {calls[0] - before} times"
+            assert len(gpu.flex._args) == M.n_layer  # one argument set per layer's buffers
+            cud.forward_backward(x, y, loss_scale=3.0)
             check_close(got, want, bound["loss"], f"flex step T={T}: row losses", "bf16")
-            g = gpu.read_grads()
+            g, gc = gpu.read_grads(), cud.read_grads()
+            same = []
             for t in tensor_table(M):
                 sl = slice(t.offset, t.offset + t.size)
                 check_close(g[sl], ref_g[sl], bound["grad"], f"flex step T={T}: {t.name}",
                             "bf16")
+                if np.array_equal(g[sl].view(np.uint32), gc[sl].view(np.uint32)):
+                    same.append(t.name)
+                if ".attn.W_" in t.name and not t.name.endswith("W_O"):
+                    assert t.name not in same, f"T={T}: {t.name} the same bits as cuDNN's"
+                    check_close(g[sl], gc[sl], bound["grad"],
+                                f"flex step T={T}: {t.name} vs cuDNN's", "bf16")
+            print(f"flex step T={T}: the same bits as cuDNN's backward in {same}")
     finally:
         gpu.close()
+        if cud is not None:
+            cud.close()
 
 
 def _train(gpu, steps: int) -> np.ndarray:
@@ -186,9 +225,14 @@ def test_two_runs_same_bits_with_flex(flex):
         gpu = make(M, 4, "bf16", attention="cudnn")
         try:
             assert gpu.flex is not None, gpu.notes
+            assert gpu.ops.flex is gpu.flex, "the backend does not hand its flex backward to Ops"
+            calls = _count_runs(gpu)
             gpu.use_graphs = graphs
             gpu.load_params(params)
             losses = _train(gpu, 4)
+            # launched directly: once per layer per step; with graphs: per layer per capture
+            # (T 256 and 199, and any other key the fused step captures), none per replay
+            assert calls[0] == 4 * M.n_layer if not graphs else calls[0] >= 2 * M.n_layer, calls
             m, v = gpu.read_optimizer()
             out.append((losses, gpu.read_params(), m, v))
         finally:
