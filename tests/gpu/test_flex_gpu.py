@@ -6,12 +6,18 @@ same bits; SIGTERM + --resume bit-exact with the setting recorded.
 Skipped, with the reason, without cuDNN's frontend, off sm_90, or without a flex library:
 ANDREA_FLEX_LIB (scripts/flex-pack builds and packs one where its packages are; `FLEX=1
 scripts/gpu-check` unpacks it on the GPU machine and sets it), else a build, which needs
-ANDREA_FLEX_PYTHON's packages and g++ (flex_attn.library_paths)."""
+ANDREA_FLEX_PYTHON's packages and g++ (flex_attn.library_paths).
+
+The first flex call of the session runs in a subprocess with a timeout (first_call_ends): a
+kernel that never ends fails every test here after FIRST_CALL_S instead of hanging the file
+(pytest-timeout is not installed; gpu-check's TEST_TIMEOUT bounds the file as a whole)."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -57,7 +63,45 @@ def flex(gpu, monkeypatch):
         pytest.skip(f"no flex library: {e} (scripts/flex-pack, then FLEX=1 scripts/gpu-check)")
     monkeypatch.setenv(flex_attn.LIB_ENV, str(lib[0]))  # built once: the backends load it
     monkeypatch.setenv(flex_attn.SETTING, "1")
+    why = first_call_ends()
+    if why:
+        pytest.fail(why)
     return gpu
+
+
+FIRST_CALL_S = 180  # a start-up of a small backend, its first flex call included, takes seconds
+_first_call: list[str] = []
+
+
+def first_call_ends() -> str:
+    """"" where a small CudaBackend with ANDREA_FLEX_BWD=1 starts in a subprocess within
+    FIRST_CALL_S and runs the flex backward; else why not. Once per session (cached): pytest-
+    timeout is not installed here, and a kernel that spins (dq_sem left nonzero) or faults
+    would hang or kill this process's context, so no test here makes the first call in it.
+    gpu-check's TEST_TIMEOUT still bounds the whole file."""
+    if _first_call:
+        return _first_call[0]
+    root = Path(__file__).resolve().parents[2]
+    code = ("from engine.backends.cuda import CudaBackend\n"
+            "from engine.model.layout import ModelShapes\n"
+            "m = ModelShapes(n_layer=1, d_model=128, n_head=2, d_ff=512, vocab_size=8449, "
+            "seq_len=256)\n"
+            "b = CudaBackend(m, 2, 'bf16', attention='cudnn')\n"
+            "print(b.describe())\nprint(*b.notes, sep='\\n')\nb.close()\n")
+    try:
+        r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
+                           text=True, timeout=FIRST_CALL_S)
+        out = r.stdout + r.stderr
+        why = ("" if r.returncode == 0 and FLEX in r.stdout else
+               f"a backend with ANDREA_FLEX_BWD=1 (exit {r.returncode}) did not run the flex "
+               f"backward:\n{out[-3000:]}")
+        print(f"first flex call, in a subprocess: {r.stdout.strip()}")
+    except subprocess.TimeoutExpired:
+        why = (f"a backend with ANDREA_FLEX_BWD=1 did not start within {FIRST_CALL_S} s in a "
+               f"subprocess (its first flex call spinning? dq_sem left nonzero); the other flex "
+               f"tests are not run in this process")
+    _first_call.append(why)
+    return why
 
 
 def tm(a: np.ndarray) -> np.ndarray:
