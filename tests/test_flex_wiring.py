@@ -328,6 +328,27 @@ def test_a_first_call_that_fails_falls_back_to_cudnn_and_says_so(monkeypatch, re
     assert bk.attention_info == "cudnn (cuDNN 9; deterministic backward)"
 
 
+def test_a_first_call_that_faults_the_context_is_a_run_error_that_says_so(monkeypatch) -> None:
+    """A fault seen only at the synchronize (pycuda's own error, the context lost): no fallback
+    is possible, so start-up ends with a RunError naming the setting, not a pycuda traceback."""
+    fb = _FakeBackward()
+    bk, plan, _ = _started(monkeypatch, fb)
+
+    class LaunchError(Exception):
+        pass
+
+    def synchronize():
+        raise LaunchError("cuStreamSynchronize failed: an illegal memory access was encountered")
+
+    bk.stream.synchronize = synchronize
+    with pytest.raises(RunError, match=r"ANDREA_FLEX_BWD: its first call faulted \(LaunchError: "
+                                       r"cuStreamSynchronize failed: an illegal memory access"
+                                       r".*the CUDA context is lost: start without "
+                                       r"ANDREA_FLEX_BWD=1"):
+        bk._bind_flex(plan)
+    assert len(fb.ran) == 1 and bk.ops.flex is None
+
+
 def test_a_bind_that_fails_falls_back_to_cudnn(monkeypatch) -> None:
     fb = _FakeBackward()
     bk, plan, _ = _started(monkeypatch, fb)

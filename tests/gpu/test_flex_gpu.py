@@ -87,6 +87,11 @@ def first_call_ends() -> str:
             "m = ModelShapes(n_layer=1, d_model=128, n_head=2, d_ff=512, vocab_size=8449, "
             "seq_len=256)\n"
             "b = CudaBackend(m, 2, 'bf16', attention='cudnn')\n"
+            # two steps: the first captures the step graph (the dq_sem memset as a node), the
+            # second replays it, where a fill node that failed to zero dq_sem would spin
+            "import numpy as np\n"
+            "x = np.zeros((2, 256), np.int32)\n"
+            "b.forward_backward(x, x)\nb.forward_backward(x, x)\nb.synchronize()\n"
             "print(b.describe())\nprint(*b.notes, sep='\\n')\nb.close()\n")
     try:
         r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,

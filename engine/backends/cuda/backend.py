@@ -425,7 +425,8 @@ class CudaBackend:
         finite), before any graph is captured; then Ops runs it. Where either fails with a
         RunError: cuDNN's deterministic backward, as `_pick_flex` refuses (`_flex_off`), with
         `attention_info` back to cuDNN's. Only a fault the call reports is caught: one that
-        kills the context (an illegal address) or a kernel that never ends is not."""
+        kills the context (an illegal address) is a RunError that says so, and a kernel that
+        never ends is not caught."""
         assert self.flex is not None
         b = self.train
         a = b.layer(0)
@@ -435,12 +436,16 @@ class CudaBackend:
             step = "its first call failed"
             self.flex.bwd(dout=b.at("datt"), qkv=a["qkv"], out=a["att"], stats=a["attn_stats"],
                           dqkv=b.at("dqkv"), B=self.B, T=self.S, stream=self.stream.handle)
-            self.stream.synchronize()
         except RunError as e:
             self.flex = self.ops.flex = None
             self.attention_info = f"cudnn ({self.cudnn.version}; deterministic backward)"
             self._flex_off(f"{step}: {e}")
             return
+        try:
+            self.stream.synchronize()
+        except Exception as e:  # pycuda's own error: a fault the context does not survive
+            raise RunError(f"ANDREA_FLEX_BWD: its first call faulted ({type(e).__name__}: {e}); "
+                           f"the CUDA context is lost: start without ANDREA_FLEX_BWD=1") from None
         self.ops.flex = self.flex
 
     def _time_ms(self, fn: Callable[[], None]) -> float:
