@@ -78,6 +78,7 @@ def test_without_a_given_library_it_builds_in_the_cache(monkeypatch, tmp_path) -
     monkeypatch.setenv(flex_attn.CACHE_ENV, str(tmp_path / "c"))
     monkeypatch.setenv(flex_attn.PYTHON_ENV, "/opt/py312/bin/python")
     monkeypatch.setattr(flex_build, "build_library", build)
+    monkeypatch.setattr(flex_attn, "_built", {})
     assert flex_attn.library_paths() == (tmp_path / "built.so", None, None)
     assert seen == {"cache": tmp_path / "c", "python": "/opt/py312/bin/python"}
 
@@ -195,12 +196,69 @@ def _backend(monkeypatch, recorded: dict | None = None, **over) -> CudaBackend:
     return bk
 
 
-def test_off_by_default_and_recorded_off(monkeypatch) -> None:
+def test_on_by_default_for_a_new_run_off_for_a_record_that_predates_it(monkeypatch) -> None:
     monkeypatch.delenv(flex_attn.SETTING, raising=False)
+    monkeypatch.setattr(flex_attn, "open_backward", lambda B, T, H, d: _FakeBackward(B, T, H))
     bk = _backend(monkeypatch)
+    assert isinstance(bk._pick_flex(), flex_attn.FlexAttention)
+    assert bk.settings == {flex_attn.SETTING: True} and bk.notes == []
+    assert "flex deterministic backward" in bk.attention_info
+    # a run recorded before the setting existed (a record without it) keeps cuDNN's backward
+    bk = _backend(monkeypatch, recorded={"ANDREA_FUSIONS": True})
     assert bk._pick_flex() is None
-    assert bk.settings == {flex_attn.SETTING: False} and bk.notes == []
+    assert bk.settings[flex_attn.SETTING] is False and bk.notes == []
     assert "flex" not in bk.attention_info
+    # and "0" turns it off for a new run
+    monkeypatch.setenv(flex_attn.SETTING, "0")
+    bk = _backend(monkeypatch)
+    assert bk._pick_flex() is None and bk.settings == {flex_attn.SETTING: False}
+
+
+def test_a_build_is_tried_once_per_process(monkeypatch, tmp_path) -> None:
+    """Every CudaBackend start asks for the library; the build (a subprocess probe at least)
+    runs once per cache directory and interpreter, and a failure is not tried again."""
+    from engine.backends.cuda import flex_build
+
+    calls = []
+
+    def build(cache, *, python=None):
+        calls.append(cache)
+        if "bad" in str(cache):
+            raise RunError("flex attention build: the package nvidia-cutlass-dsl is not installed")
+        return tmp_path / "built.so"
+
+    monkeypatch.delenv(flex_attn.LIB_ENV, raising=False)
+    monkeypatch.setattr(flex_build, "build_library", build)
+    monkeypatch.setattr(flex_attn, "_built", {})
+    for cache in ("good", "bad"):
+        monkeypatch.setenv(flex_attn.CACHE_ENV, str(tmp_path / cache))
+        for _ in range(3):
+            if cache == "good":
+                assert flex_attn.library_paths()[0] == tmp_path / "built.so"
+            else:
+                with pytest.raises(RunError, match="nvidia-cutlass-dsl is not installed"):
+                    flex_attn.library_paths()
+    assert calls == [tmp_path / "good", tmp_path / "bad"]
+
+
+def test_a_build_that_compiled_is_said_at_start(monkeypatch, tmp_path) -> None:
+    from engine.backends.cuda import flex_build
+
+    monkeypatch.delenv(flex_attn.LIB_ENV, raising=False)
+    monkeypatch.delenv(flex_attn.SETTING, raising=False)
+    monkeypatch.setenv(flex_attn.CACHE_ENV, str(tmp_path / "c"))
+    monkeypatch.setattr(flex_attn, "_built", {})
+    monkeypatch.setattr(flex_attn, "build_notes", [])
+    monkeypatch.setattr(flex_attn, "BUILD_NOTE_S", 0.0)  # any build counts as a compile
+    monkeypatch.setattr(flex_build, "build_library", lambda cache, *, python=None: tmp_path / "x.so")
+    monkeypatch.setattr(flex_attn, "FlexBackward",
+                        lambda lib, B, T, H, **kw: _FakeBackward(B, T, H))
+    bk = _backend(monkeypatch)
+    assert bk._pick_flex() is not None
+    assert len(bk.notes) == 1 and bk.notes[0].startswith("the flex attention backward was built")
+    assert str(tmp_path / "c") in bk.notes[0]
+    bk = _backend(monkeypatch)  # the next start in the process: loaded, nothing to say
+    assert bk._pick_flex() is not None and bk.notes == []
 
 
 def test_on_it_says_so_and_is_recorded(monkeypatch) -> None:

@@ -370,11 +370,12 @@ class CudaBackend:
         return "classic", f"classic ({why})"
 
     def _pick_flex(self) -> flex_attn.FlexAttention | None:
-        """The flex deterministic backward where ANDREA_FLEX_BWD (default off; else the run's
-        record) asks for it and it can run (flex_attn.refusal, then its library loads), with
-        `attention_info` saying so; else None: cuDNN's backward runs, the setting is recorded
-        off, and a note says why (and, where the run recorded it on, that the bits differ)."""
-        if not self._cuda.flag(flex_attn.SETTING, default=False):
+        """The flex deterministic backward where ANDREA_FLEX_BWD (the environment's, else the
+        run's record; on for a new run, off for a record that predates it) asks for it and it
+        can run (flex_attn.refusal, then its library loads), with `attention_info` saying so;
+        else None: cuDNN's backward runs, the setting is recorded off, and a note says why (and,
+        where the run recorded it on, that the bits differ)."""
+        if not self._cuda.flag(flex_attn.SETTING, default=not self._cuda.recorded):
             return None
         s = self.shapes
         hd = s.d_model // s.n_head
@@ -384,6 +385,8 @@ class CudaBackend:
             try:
                 # the one shape the backward runs at: the micro-batch at full length (_backward)
                 fb = flex_attn.open_backward(self.B, self.S, s.n_head, self.gpu.ordinal)
+                self.notes.extend(flex_attn.build_notes)
+                flex_attn.build_notes.clear()
                 self.attention_info = (f"cudnn ({self.cudnn.version}; flex deterministic "
                                        f"backward, {flex_attn.SETTING})")
                 return flex_attn.FlexAttention(fb, self.cudnn.scale)  # cuDNN's forward's

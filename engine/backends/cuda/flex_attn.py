@@ -1,5 +1,6 @@
-"""The flex deterministic attention backward in the CUDA backend (`ANDREA_FLEX_BWD=1`; off by
-default): whether it runs, where its library comes from, its buffers, and the call.
+"""The flex deterministic attention backward in the CUDA backend (`ANDREA_FLEX_BWD`; on by
+default for a new run where it can run): whether it runs, where its library comes from, its
+buffers, and the call.
 
 It replaces only cuDNN's deterministic backward (ops.attn_bwd_cudnn): cuDNN's forward stays, and
 the backward reads its output O and its stats (float32 [B,H,T,1], read as [B,H,T]: each row's
@@ -11,13 +12,15 @@ Where it runs (`refusal` says why not, "" where it can): cuDNN's attention with 
 (CudnnAttention.rows), bf16 activations (fp8's attention is bf16 too), head dim 64, seq_len a
 multiple of 128, compute capability 9.0 (the kernels are sm_90a's), and a library that loads
 (`open_backward`). Anything else: cuDNN's deterministic backward, the setting recorded off, and
-the log says why (CudaBackend._pick_flex).
+the log says why (CudaBackend._pick_flex). A resumed run keeps what it recorded (off for a run
+recorded before the setting existed).
 
 The library (`library_paths`): `ANDREA_FLEX_LIB`, a built `.so` with its manifest beside it
 (scripts/flex-pack makes one to carry to a GPU machine), with libtvm_ffi.so and
 libcute_dsl_runtime.so from its folder where they are there (else the manifest's paths, the
 build machine's); without it, flex_build.build_library in `ANDREA_FLEX_CACHE` (default
-$XDG_CACHE_HOME/andrea/flex) with the interpreter `ANDREA_FLEX_PYTHON` (default this one).
+$XDG_CACHE_HOME/andrea/flex) with the interpreter `ANDREA_FLEX_PYTHON` (default this one;
+`pip install 'andrea[flex]'` gives it the packages), tried once per process.
 
 One plan covers every step: the backward always runs at (the micro-batch, seq_len), the shape
 cuDNN's graphs were built for; a shorter sequence runs that full length with the rows of dO past
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -99,10 +103,32 @@ def library_paths() -> tuple[Path, str | None, str | None]:
         beside = [lib.parent / name for name in (TVM_FFI_NAME, RUNTIME_NAME)]
         tvm, runtime = (str(p) if p.is_file() else None for p in beside)
         return lib, tvm, runtime
-    from engine.backends.cuda.flex_build import build_library
-
     python = os.environ.get(PYTHON_ENV) or sys.executable
-    return build_library(cache_dir(), python=python), None, None
+    key = (str(cache_dir()), python)
+    if key not in _built:  # once per process: each CudaBackend start would probe again
+        from engine.backends.cuda.flex_build import build_library
+
+        t0 = time.monotonic()
+        try:
+            _built[key] = build_library(cache_dir(), python=python)
+        except RunError as e:
+            _built[key] = e
+        else:
+            seconds = time.monotonic() - t0
+            if seconds > BUILD_NOTE_S:  # a compile, not a cache hit: the start-up says why
+                build_notes.append(f"the flex attention backward was built in {seconds:.0f} s "
+                                   f"into {cache_dir()} (once: later starts load it)")
+    got = _built[key]
+    if isinstance(got, RunError):
+        raise RunError(str(got))
+    return got, None, None
+
+
+# library_paths' builds in this process, by (cache directory, interpreter): the library, or the
+# RunError that says why there is none (a build that failed is not tried again in the process)
+_built: dict[tuple[str, str], Path | RunError] = {}
+BUILD_NOTE_S = 5.0  # a library_paths that took longer built the library (a cache hit: < 1 s)
+build_notes: list[str] = []  # what the builds said, for the run's log (CudaBackend._pick_flex)
 
 
 def open_backward(batch: int, seq_len: int, heads: int, device_id: int) -> FlexBackward:
