@@ -269,12 +269,23 @@ def _manifest(tmp_path: Path, **changes: object) -> Path:
     ({"recipe_sha256": "f" * 64}, "built from another flex_build_main.py"),
     ({"arg_names": ["mK", "mQ"]}, r"takes the arguments \['mK', 'mQ'\]"),
     ({"dtype": "fp16"}, "is for fp16 head_dim 64, asked for bf16"),
+    ({"variant": "spt_off", "overrides": {"spt": False}},
+     r"is a config variant \(spt_off: \{'spt': False\}\).*its plan may differ"),
 ])
 def test_a_mismatched_manifest_is_refused(tmp_path: Path, changes: dict, message: str) -> None:
     from engine.backends.cuda.flex_call import FlexBackward
 
     with pytest.raises(RunError, match=message):
         FlexBackward(_manifest(tmp_path, **changes), 2, 256, 6)
+
+
+def test_a_variant_is_taken_only_where_its_caller_adapts_the_plan(tmp_path: Path) -> None:
+    from engine.backends.cuda.flex_call import FlexBackward
+
+    library = _manifest(tmp_path, variant="spt_off", overrides={"spt": False})
+    # past the manifest's checks: the next failure is the first library's load
+    with pytest.raises(RunError, match=r"cannot load libtvm_ffi\.so"):
+        FlexBackward(library, 2, 256, 6, zero_dq_sem=False, variant_ok=True)
 
 
 def test_call_refuses_bad_shapes_before_loading() -> None:

@@ -13,11 +13,17 @@ arguments in flex_build_main.py's docstring, in the order `ARG_NAMES`). It:
    to where they were found), then renames it into place (atomic). g++ is needed only on a miss:
    a cached library (built elsewhere and carried) is returned without it.
 The cache key (`cache_key`) is the recipe (`RECIPE_SHA256`, the sha256 of flex_build_main.py:
-argument order, constructor arguments, fake-tensor specs), the frontend, CuTe DSL, libs-cu13 and
-TVM FFI versions, head_dim and dtype. Next to each library a JSON manifest records them, the
-argument names and the run-time libraries' paths (`read_manifest`); flex_call.py refuses a
-library whose manifest's recipe or argument names differ from this checkout's. Everything that
-can fail (an interpreter, a package, g++, the cache directory) is a RunError saying what.
+argument order, constructor arguments (BWD_CONFIG), fake-tensor specs), the frontend, CuTe DSL,
+libs-cu13 and TVM FFI versions, head_dim and dtype. Next to each library a JSON manifest records
+them, the argument names, the run-time libraries' paths, the kernels' config (`bwd_config`,
+`postprocess`) and the plan's mask words for it (`plan_mask_words`) (`read_manifest`);
+flex_call.py refuses a library whose manifest's recipe or argument names differ from this
+checkout's. Everything that can fail (an interpreter, a package, g++, the cache directory) is a
+RunError saying what.
+
+`build_variant(out_dir, name, overrides)` builds the same library with overrides of the main
+kernel's BWD_CONFIG (not cached; its manifest records them) for scripts/flex-variants and
+scripts/bench_flex_configs.py; the engine loads only build_library's.
 """
 
 from __future__ import annotations
@@ -55,6 +61,8 @@ def _script_constant(name: str) -> object:
 
 # The entry point's parameter names in order, defined once in flex_build_main.py.
 ARG_NAMES: tuple[str, ...] = tuple(_script_constant("ARG_NAMES"))  # type: ignore[arg-type]
+# The main kernel's constructor arguments the library is built with (overrides: build_variant).
+BWD_CONFIG: dict = dict(_script_constant("BWD_CONFIG"))  # type: ignore[call-overload]
 # The build recipe: a changed script is a different library.
 RECIPE_SHA256 = hashlib.sha256(BUILD_SCRIPT.read_bytes()).hexdigest()
 
@@ -165,17 +173,73 @@ def build_library(cache_dir: Path | str, *, python: str | None = None, head_dim:
     lib, manifest = cache / f"{key}.so", cache / f"{key}.json"
     if lib.is_file() and manifest.is_file():
         return lib
-    with tempfile.TemporaryDirectory(dir=cache, prefix=f".{key}.") as tmp:
+    out = _compile_and_link(python, info, lib, head_dim, dtype)
+    _write_atomic(manifest, (json.dumps(_record(info, out, head_dim, dtype), indent=1)
+                             + "\n").encode())
+    return lib
+
+
+def _compile_and_link(python: str, info: dict, lib: Path, head_dim: int, dtype: str,
+                      overrides: dict | None = None) -> dict:
+    """Compile in `python` (with `overrides` of BWD_CONFIG, passed as the script's sixth
+    argument, when given) and link into `lib` (built in a temporary directory beside it, then
+    renamed into place); the build script's output. RunError for any failure."""
+    with tempfile.TemporaryDirectory(dir=lib.parent, prefix=f".{lib.stem}.") as tmp:
         obj, so = Path(tmp) / "flex_bwd.o", Path(tmp) / "flex_bwd.so"
-        out = _run_build_script(python, ["compile", str(obj), ENTRY_NAME, str(head_dim), dtype],
-                                timeout=BUILD_TIMEOUT_S)
+        args = ["compile", str(obj), ENTRY_NAME, str(head_dim), dtype]
+        if overrides is not None:
+            args.append(json.dumps(overrides))
+        out = _run_build_script(python, args, timeout=BUILD_TIMEOUT_S)
         if out.get("arg_names") != list(ARG_NAMES):
             raise RunError(f"flex attention build: the script compiled the arguments "
                            f"{out.get('arg_names')}, expected {list(ARG_NAMES)}")
         _link(obj, so, info)
         os.replace(so, lib)
-    record = {**info, "head_dim": head_dim, "dtype": dtype, "entry_symbol": ENTRY_SYMBOL,
-              "recipe_sha256": RECIPE_SHA256, "arg_names": list(ARG_NAMES),
-              "torch": out.get("torch"), "compile_s": out.get("compile_s")}
+    return out
+
+
+def _record(info: dict, out: dict, head_dim: int, dtype: str) -> dict:
+    """The manifest of a library built with `out` (the build script's output)."""
+    return {**info, "head_dim": head_dim, "dtype": dtype, "entry_symbol": ENTRY_SYMBOL,
+            "recipe_sha256": RECIPE_SHA256, "arg_names": list(ARG_NAMES),
+            "torch": out.get("torch"), "compile_s": out.get("compile_s"),
+            "bwd_config": out.get("bwd_config"), "postprocess": out.get("postprocess"),
+            "plan_mask_words": out.get("plan_mask_words")}
+
+
+VARIANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def build_variant(out_dir: Path | str, name: str, overrides: dict, *, python: str | None = None,
+                  info: dict | None = None, head_dim: int = 64, dtype: str = "bf16") -> Path:
+    """Build the library with `overrides` of BWD_CONFIG into `out_dir/<name>.so`, its manifest
+    `<name>.json` beside it (build_library's keys, plus `variant` and `overrides`; the recipe
+    is this checkout's, so FlexBackward loads it). Not cached: always compiled (g++ needed).
+    `info`: probe()'s answer, when the caller has it. For scripts/bench_flex_configs.py, never
+    for the engine: the plan (flex_plan.py) fits BWD_CONFIG as it is (flex_build_main.py says
+    which entries change it). RunError for a bad name, a refused override (the build script's
+    error: an unknown key, a wrong type, tile_m or tile_n, a kernel's assert) or any failure."""
+    if not isinstance(name, str) or not VARIANT_NAME.fullmatch(name):
+        raise RunError(f"flex attention variant: the name {name!r} is not [A-Za-z0-9._-] "
+                       f"(at most 64, not starting with . - _)")
+    if not isinstance(overrides, dict):
+        raise RunError(f"flex attention variant {name}: overrides must be a dict, got "
+                       f"{type(overrides).__name__}")
+    if head_dim != 64 or dtype not in ("bf16", "fp16"):
+        raise RunError(f"flex attention build: only head_dim 64 in bf16 or fp16, got "
+                       f"head_dim={head_dim}, dtype={dtype!r}")
+    python = python or sys.executable
+    info = info or probe(python)
+    out_dir = Path(out_dir)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunError(f"flex attention build: cannot create {out_dir} ({e})") from None
+    lib, manifest = out_dir / f"{name}.so", out_dir / f"{name}.json"
+    for stale in (lib, manifest):  # a failed build leaves neither behind
+        stale.unlink(missing_ok=True)
+    out = _compile_and_link(python, info, lib, head_dim, dtype, overrides)
+    record = {**_record(info, out, head_dim, dtype), "variant": name,
+              "overrides": out.get("overrides", overrides)}
     _write_atomic(manifest, (json.dumps(record, indent=1) + "\n").encode())
     return lib

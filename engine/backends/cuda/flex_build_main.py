@@ -8,11 +8,16 @@ leak into anything else. It imports nothing from the engine, so it runs from a b
     python flex_build_main.py probe
         prints one JSON line: the three packages' versions, the frontend's directory and the
         run-time libraries' paths (libcute_dsl_runtime.so, libtvm_ffi.so). Imports none of them.
-    python flex_build_main.py compile OBJ NAME HEAD_DIM DTYPE
+    python flex_build_main.py compile OBJ NAME HEAD_DIM DTYPE [OVERRIDES]
         compiles the fused wrapper (preprocess, main kernel, dQ postprocess) for sm_90a with
         symbolic B, T, H and strides, and writes OBJ with `export_to_c(OBJ, NAME)`: an ELF object
-        whose C entry point is `__tvm_ffi_<NAME>`. Prints one JSON line with the compile time.
-Errors print one JSON line {"error": ...} and exit 3.
+        whose C entry point is `__tvm_ffi_<NAME>`. OVERRIDES: a JSON object of BWD_CONFIG keys
+        and values (scripts/flex-variants; without it, BWD_CONFIG as it is). Prints one JSON line
+        with the compile time, the config compiled (`bwd_config`, `postprocess`, `overrides`) and
+        `plan_mask_words` (below).
+Errors (an unknown key, a value of another type than BWD_CONFIG's, tile_m or tile_n other than
+128, an assert of the kernels (with its file, line and source), the DSL's) print one JSON line
+{"error": ...} and exit 3.
 
 The entry point's arguments, in the order of `ARG_NAMES` (all tensors DLTensor*, device CUDA):
   mQ mK mV mO mdO  bf16 [B, T, H, 64], any strides that are multiples of 8 elements, last stride 1
@@ -27,8 +32,23 @@ The entry point's arguments, in the order of `ARG_NAMES` (all tensors DLTensor*,
   against it before compiling, the fake arguments are built from it, `compile` prints it (the
   manifest keeps it) and flex_build.py reads it from this file's source (never importing it) for
   flex_call.py, which builds its argument array by name.
-The kernels' constructor arguments are the frontend's own for SM90, hd 64, deterministic
-(dispatch.py:1383, 1616-1634, 1806-1824; backward_config.py:104-115).
+The kernels' constructor arguments: `BWD_CONFIG`, the main kernel's (FlexAttentionBackwardSm90),
+today the frontend's own for SM90, hd 64, deterministic (dispatch.py:1383-1395, 1616-1634;
+backward_config.py:104-115); the preprocess and the dQ postprocess take what they need from it
+as the frontend's dispatch derives it (`kernel_args`: dispatch.py:1485-1494, 1806-1824).
+tile_m and tile_n stay 128: flex_plan.py's plan is in 128x128 blocks.
+The plan depends on two other entries (flex_plan.py builds it for BWD_CONFIG as it is):
+- SdP_swapAB: the masks' bits follow the S/dP MMA's accumulator layout, which it transposes.
+  `plan_mask_words` ([256][2] uint32, the diagonal block's words, bit v%32 of word v//32 set
+  where thread t's value v has key <= query) is computed from the DSL's own partition of that
+  MMA as the frontend's planner does (plan/kernels/materialize_sm90.py:441-465); with
+  SdP_swapAB=True it equals flex_plan.diagonal_mask_words.
+- spt (with deterministic): the dQ write ranks (`order`, `forder`) are m - n with spt (the
+  descending key-block walk), n without (plan/kernels/common.py:283-302); ranks made for the
+  other walk can leave a block waiting on mSem for good.
+Only BWD_CONFIG as it is goes into the engine's library (flex_build.build_library); a library
+built with overrides (flex_build.build_variant) is for scripts/bench_flex_configs.py, which
+adapts the plan to its manifest.
 """
 
 # No `from __future__ import annotations`: cute.jit reads the wrapper's annotations as objects.
@@ -50,6 +70,14 @@ LIBS_CU13 = "nvidia-cutlass-dsl-libs-cu13"
 ARG_NAMES = ("mQ", "mK", "mV", "mO", "mdO", "mLSE", "mdQ", "mdK", "mdV", "mLSE2", "mdPsum",
              "mdQacc", "mSem", "cnt", "idx", "fcnt", "fidx", "order", "forder", "off", "foff",
              "masks", "scale", "seqlen")
+# The main kernel's constructor arguments (a literal: flex_build.py reads it with ast); the
+# frontend's for SM90, hd <= 64 (backward_config.py:104-115, dispatch.py:1383-1395: dQ_swapAB is
+# dispatch's, False unless hd 256 and not deterministic). `compile` takes overrides of them.
+BWD_CONFIG = {"deterministic": True, "spt": True, "tile_m": 128, "tile_n": 128, "Q_stage": 2,
+              "dO_stage": 2, "PdS_stage": 2, "SdP_swapAB": True, "dKV_swapAB": False,
+              "AtomLayoutNdKV": 2, "AtomLayoutMdQ": 2, "dQ_single_wg": False, "dQ_swapAB": False}
+PLAN_TILE = 128  # flex_plan.TILE: tile_m and tile_n are fixed to it
+MMA_THREADS = 256  # the two MMA warpgroups (backward_config.py: _SM90_BWD_NUM_MMA_THREADS)
 
 
 def _package_dir(name: str) -> Path | None:
@@ -136,15 +164,53 @@ def prepare_torch() -> str:
     return "stand-in"
 
 
-def compile_object(obj: Path, name: str, head_dim: int, dtype: str) -> dict:
+def bwd_config(overrides: dict | None = None) -> dict:
+    """BWD_CONFIG with `overrides` applied. ValueError for a key BWD_CONFIG lacks, a value of
+    another type than BWD_CONFIG's (bool for bool, int for int), or tile_m / tile_n other than
+    PLAN_TILE; the kernels' constructors check the rest (their asserts)."""
+    if overrides is None:
+        overrides = {}
+    if not isinstance(overrides, dict):
+        raise ValueError(f"overrides must be a JSON object, got {type(overrides).__name__}")
+    unknown = sorted(set(overrides) - set(BWD_CONFIG))
+    if unknown:
+        raise ValueError(f"unknown BWD_CONFIG keys {unknown} (known: {sorted(BWD_CONFIG)})")
+    for key, value in overrides.items():
+        want = type(BWD_CONFIG[key])
+        if type(value) is not want:  # exact: a bool is not an int here, nor an int a bool
+            raise ValueError(f"BWD_CONFIG[{key!r}] takes {want.__name__}, got "
+                             f"{type(value).__name__} {value!r}")
+        if key in ("tile_m", "tile_n") and value != PLAN_TILE:
+            raise ValueError(f"{key} is fixed to {PLAN_TILE}: the plan (flex_plan.py) is in "
+                             f"{PLAN_TILE}x{PLAN_TILE} blocks, got {value}")
+    return {**BWD_CONFIG, **overrides}
+
+
+def kernel_args(cfg: dict) -> dict:
+    """What the preprocess and the dQ postprocess take from the main kernel's config, as the
+    frontend's dispatch derives it for SM90 (not hd 256): the preprocess's tile_m
+    (dispatch.py:1485-1494), and the postprocess's tile_m, num_threads (128 with dQ_single_wg,
+    else 256), atom layout (AtomLayoutMdQ), swap (dQ_swapAB) and accum_row_major (False for dQ)
+    (dispatch.py:1806-1824)."""
+    return {"pre_tile_m": cfg["tile_m"], "post_tile_m": cfg["tile_m"],
+            "post_num_threads": 128 if cfg["dQ_single_wg"] else 256,
+            "post_atom_layout": cfg["AtomLayoutMdQ"], "post_swap_ab": cfg["dQ_swapAB"],
+            "post_accum_row_major": False}
+
+
+def compile_object(obj: Path, name: str, head_dim: int, dtype: str,
+                   overrides: dict | None = None) -> dict:
     """Compile the fused backward for sm_90a and write the ELF object `obj` exporting
-    `__tvm_ffi_<name>`; returns `probe()` plus the compile time, `arg_names` (ARG_NAMES) and
-    which torch the kernel modules imported. Raises ValueError for a head_dim other than 64 or
-    a dtype other than bf16/fp16, and whatever the DSL raises."""
+    `__tvm_ffi_<name>`; returns `probe()` plus the compile time, `arg_names` (ARG_NAMES), which
+    torch the kernel modules imported, the config (`bwd_config`, `postprocess`, `overrides`)
+    and `plan_mask_words`. Raises ValueError for a head_dim other than 64, a dtype other than
+    bf16/fp16 or a bad override (bwd_config), and whatever the kernels or the DSL raise."""
     if head_dim != 64:
         raise ValueError(f"head_dim {head_dim}: only 64 is built (the 128x128 tile config)")
     if dtype not in ("bf16", "fp16"):
         raise ValueError(f"dtype {dtype!r}: expected bf16 or fp16")
+    cfg = bwd_config(overrides)
+    derived = kernel_args(cfg)
     info = probe()
     os.environ["CUTE_DSL_ARCH"] = "sm_90a"  # no GPU here: name the target
     import cutlass  # before any stand-in: tvm_ffi and cutlass probe for torch at import
@@ -164,13 +230,13 @@ def compile_object(obj: Path, name: str, head_dim: int, dtype: str) -> dict:
     from cutlass import Float32, Int32, Uint32
 
     dt = cutlass.BFloat16 if dtype == "bf16" else cutlass.Float16
-    pre = FlexAttentionBackwardPreprocess(dt, head_dim, head_dim, 128, use_padded_offsets=False)
-    bwd_kernel = FlexAttentionBackwardSm90(
-        dt, head_dim, head_dim, 1, deterministic=True, spt=True, tile_m=128, tile_n=128,
-        Q_stage=2, dO_stage=2, PdS_stage=2, SdP_swapAB=True, dKV_swapAB=False, AtomLayoutNdKV=2,
-        AtomLayoutMdQ=2, dQ_single_wg=False, dQ_swapAB=False)
-    post = FlexAttentionBackwardPostprocess(dt, head_dim, 90, 128, 256, 2, False, False,
-                                            use_2cta_instrs=False, cluster_size=1)
+    pre = FlexAttentionBackwardPreprocess(dt, head_dim, head_dim, derived["pre_tile_m"],
+                                          use_padded_offsets=False)
+    bwd_kernel = FlexAttentionBackwardSm90(dt, head_dim, head_dim, 1, **cfg)
+    post = FlexAttentionBackwardPostprocess(
+        dt, head_dim, 90, derived["post_tile_m"], derived["post_num_threads"],
+        derived["post_atom_layout"], derived["post_swap_ab"], derived["post_accum_row_major"],
+        use_2cta_instrs=False, cluster_size=1)
 
     @cute.jit
     def flex_bwd(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
@@ -223,20 +289,85 @@ def compile_object(obj: Path, name: str, head_dim: int, dtype: str) -> dict:
     fn = cute.compile(flex_bwd, *args, options="--enable-tvm-ffi")
     seconds = time.time() - t0
     fn.export_to_c(str(obj), name)
+    words = plan_mask_words(cutlass, cute, dt, cfg)
     return {**info, "compile_s": round(seconds, 2), "object": str(obj), "symbol": "__tvm_ffi_" + name,
-            "arg_names": list(ARG_NAMES), "torch": torch_used}
+            "arg_names": list(ARG_NAMES), "torch": torch_used, "bwd_config": cfg,
+            "postprocess": derived, "overrides": dict(overrides or {}), "plan_mask_words": words}
+
+
+def plan_mask_words(cutlass, cute, dt, cfg: dict) -> list[list[int]]:
+    """The diagonal (causal) block's mask words for the config's S/dP MMA, [MMA_THREADS][2]:
+    bit v%32 of word v//32 of thread t set where its accumulator value v has key <= query. The
+    coordinates are the DSL's partition of the MMA over an identity tensor, as the frontend's
+    planner takes them (plan/kernels/materialize_sm90.py:441-465): (key, query) with SdP_swapAB,
+    else (query, key)."""
+    from cudnn.flex_attention.kernels.sm90.bwd.backward_config import make_sm90_bwd_tiled_mma_sdp
+
+    tm, tn, swap = cfg["tile_m"], cfg["tile_n"], cfg["SdP_swapAB"]
+    values = tm * tn // MMA_THREADS
+    coords: list[tuple[int, int]] = []
+
+    @cute.jit
+    def partition():
+        mma = make_sm90_bwd_tiled_mma_sdp(dt, tm, tn, swap)
+        cS = cute.make_identity_tensor((tn, tm) if swap else (tm, tn))
+        for t in cutlass.range_constexpr(MMA_THREADS):
+            tScS = mma.get_slice(t).partition_C(cS)
+            for v in cutlass.range_constexpr(values):
+                c = tScS[v]
+                coords.append((int(c[0]), int(c[1])))
+
+    cute.compile(partition)
+    if len(coords) != MMA_THREADS * values:
+        raise ValueError(f"the S/dP MMA's partition gave {len(coords)} values, expected "
+                         f"{MMA_THREADS * values}")
+    words = []
+    for t in range(MMA_THREADS):
+        w = [0] * ((values + 31) // 32)
+        for v in range(values):
+            a, b = coords[t * values + v]
+            key, query = (a, b) if swap else (b, a)
+            if key <= query:
+                w[v // 32] |= 1 << (v % 32)
+        words.append(w)
+    return words
+
+
+def _where(e: BaseException) -> str:
+    """For an assert (which says nothing itself): " (at FILE:LINE: SOURCE)" of the innermost
+    frame in the frontend's kernels (the DSL's own for an assert in traced code), else the
+    innermost; "" for anything else."""
+    if not isinstance(e, AssertionError):
+        return ""
+    import traceback
+
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames:
+        return ""
+    ours = [f for f in frames if f"{os.sep}cudnn{os.sep}" in f.filename]
+    f = (ours or frames)[-1]
+    return f" (at {Path(f.filename).name}:{f.lineno}: {(f.line or '').strip()})"
 
 
 def main(argv: list[str]) -> int:
     try:
         if argv[:1] == ["probe"]:
             out = probe()
-        elif argv[:1] == ["compile"] and len(argv) == 5:
-            out = compile_object(Path(argv[1]), argv[2], int(argv[3]), argv[4])
+        elif argv[:1] == ["compile"] and len(argv) in (5, 6):
+            overrides = None
+            if len(argv) == 6:
+                try:
+                    overrides = json.loads(argv[5])
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"OVERRIDES is not JSON ({e}): {argv[5]!r}") from None
+                if not isinstance(overrides, dict):
+                    raise ValueError(f"OVERRIDES must be a JSON object, got {argv[5]!r}")
+            out = compile_object(Path(argv[1]), argv[2], int(argv[3]), argv[4], overrides)
         else:
-            raise ValueError("usage: flex_build_main.py probe | compile OBJ NAME HEAD_DIM DTYPE")
+            raise ValueError("usage: flex_build_main.py probe | compile OBJ NAME HEAD_DIM DTYPE "
+                             "[OVERRIDES]")
     except Exception as e:  # reported to the parent as one line; it raises RunError
-        print(json.dumps({"error": f"{type(e).__name__}: {e}"}))
+        print(json.dumps({"error": f"{type(e).__name__}: {e}{_where(e)}"}))
         return 3
     print(json.dumps(out))
     return 0

@@ -105,9 +105,17 @@ def scratch_bytes(batch: int, seq_len: int, heads: int) -> dict[str, int]:
             "dq_sem": 4 * batch * heads * (seq_len // TILE)}
 
 
-def check_manifest(manifest: dict, library: Path, dtype: str, need_libs: bool) -> None:
+def check_manifest(manifest: dict, library: Path, dtype: str, need_libs: bool,
+                   variant_ok: bool = False) -> None:
     """RunError unless `manifest` has the keys read here and was built by this checkout's recipe
-    (RECIPE_SHA256, ARG_NAMES) for `dtype` and head_dim 64 with ENTRY_SYMBOL."""
+    (RECIPE_SHA256, ARG_NAMES) for `dtype` and head_dim 64 with ENTRY_SYMBOL, and, unless
+    `variant_ok`, with the recipe's own kernel config (a variant of flex_build.build_variant
+    may need another plan than flex_plan's: only scripts/bench_flex_configs.py adapts it)."""
+    if manifest.get("overrides") and not variant_ok:
+        raise RunError(f"flex attention: {library} is a config variant "
+                       f"({manifest.get('variant')}: {manifest['overrides']}), built to be "
+                       f"timed by scripts/bench_flex_configs.py; its plan may differ from the "
+                       f"engine's: use a library from flex_build.build_library (scripts/flex-pack)")
     keys = MANIFEST_KEYS + (("tvm_ffi_lib", "runtime_lib") if need_libs else ())
     missing = [k for k in keys if k not in manifest]
     if missing:
@@ -133,13 +141,14 @@ class FlexBackward:
 
     `library`: the built `.so`, with its manifest beside it. `tvm_ffi_lib` and
     `cute_runtime_lib`: the paths of libtvm_ffi.so and libcute_dsl_runtime.so (default: the
-    manifest's). `zero_dq_sem`: `run` zeroes dq_sem itself (needs `libcuda`). UserError for a
+    manifest's). `zero_dq_sem`: `run` zeroes dq_sem itself (needs `libcuda`). `variant_ok`: a
+    config variant's library is accepted (check_manifest; its caller adapts the plan). UserError for a
     bad shape (before anything is loaded), RunError for a manifest, library or symbol problem."""
 
     def __init__(self, library: Path | str, batch: int, seq_len: int, heads: int, *,
                  tvm_ffi_lib: Path | str | None = None, cute_runtime_lib: Path | str | None = None,
                  dtype: str = "bf16", device_id: int = 0, zero_dq_sem: bool = True,
-                 libcuda: str = flex_libs.LIBCUDA) -> None:
+                 libcuda: str = flex_libs.LIBCUDA, variant_ok: bool = False) -> None:
         if dtype not in ("bf16", "fp16"):
             raise UserError(f"flex attention: dtype must be bf16 or fp16, got {dtype!r}")
         self.plan = causal_plan(batch, seq_len)  # refuses T % 128 != 0 (UserError)
@@ -148,7 +157,8 @@ class FlexBackward:
         self.B, self.T, self.H, self.dtype, self.device_id = batch, seq_len, heads, dtype, device_id
         library = Path(library)
         manifest = read_manifest(library)
-        check_manifest(manifest, library, dtype, tvm_ffi_lib is None or cute_runtime_lib is None)
+        check_manifest(manifest, library, dtype, tvm_ffi_lib is None or cute_runtime_lib is None,
+                       variant_ok)
         tvm_path = str(tvm_ffi_lib or manifest["tvm_ffi_lib"])
         runtime_path = str(cute_runtime_lib or manifest["runtime_lib"])
         self._memset = flex_libs.DriverMemset(libcuda) if zero_dq_sem else None
