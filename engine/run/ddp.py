@@ -100,8 +100,10 @@ def check_same_collectives(per_rank: list[dict[str, bool | int | str]]) -> None:
             raise UserError(f"data parallel: the ranks were started with other CUDA settings "
                             f"({said}); give every rank the same environment "
                             f"(ANDREA_DDP_OVERLAP, ANDREA_FUSIONS, ANDREA_CUDA_GRAPHS, "
-                            f"ANDREA_CUDA_SYNC, the fusion switches, ANDREA_ATTN_CHUNK) and "
-                            f"the same cuDNN")
+                            f"ANDREA_CUDA_SYNC, the fusion switches, ANDREA_ATTN_CHUNK, "
+                            f"ANDREA_FLEX_BWD with the same ANDREA_FLEX_LIB or ANDREA_FLEX_CACHE "
+                            f"on every rank: one where it is refused or fails runs cuDNN's "
+                            f"backward, and only rank 0 writes a log) and the same cuDNN")
 
 
 def make_reducer(channel: Channel, backend_name: str) -> HostReducer | NcclReducer:

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.backends.cuda import graphs
+from engine.backends.cuda import flex_attn, graphs
 from engine.backends.cuda.buffers import (
     HP_FIELDS,
     BatchBuffers,
@@ -176,6 +176,9 @@ class CudaBackend:
                 and os.environ.get("ANDREA_QKV_ROWS") is not None):  # asked for, not the default
             self.notes.append("ANDREA_QKV_ROWS: needs cuDNN's attention; the classic one runs "
                               "with its three GEMMs")
+        # the flex deterministic attention backward instead of cuDNN's (opt-in; flex_attn.py):
+        # it changes the bits, so it is recorded; where it cannot run, cuDNN's does, said
+        self.flex = self._pick_flex()
         cudnn_ws = (max(self.cudnn.workspace_bytes(self.B, self.S),
                         self.cudnn.workspace_bytes(1, self.S)) if self.cudnn else 0)
         # The training logits in the compute precision (fusions, bf16/fp16): the logits GEMM
@@ -191,6 +194,8 @@ class CudaBackend:
                                                     self.logits_lp)
         if self.fp8:
             plan_fp8(plan, shapes.n_layer, shapes.d_model, shapes.d_ff, self.train.R)
+        if self.flex is not None:  # its scratch and plan arrays, at the backward's one shape
+            flex_attn.plan_buffers(plan, self.flex.B, self.flex.T, self.flex.H)
         self.separate_micro = separate_micro
         self._plan = plan
         nseg = len(self.table)
@@ -292,7 +297,7 @@ class CudaBackend:
         self._update_ranges = self._ranges_by_layer()
         # Everything starts at zero: rows past a short sequence are then finite (cuDNN's
         # full-length graphs read them; see cudnn_attn.py).
-        for group in ("activations", "scratch"):
+        for group in ("activations", "scratch") + (("flex",) if self.flex is not None else ()):
             base, size = plan.span(group)
             drv.memset_d8_async(base, 0, size, self.stream)
         # The optimizer's tensor table lives in "scratch" too: written only after that zeroing (it
@@ -308,6 +313,8 @@ class CudaBackend:
         drv.memcpy_htod(plan["seg_decay"], self.seg_decay)
         if self.seg_qkv is not None:
             drv.memcpy_htod(plan["seg_qkv"], self.seg_qkv)
+        if self.flex is not None:
+            self._bind_flex(plan)
         drv.Context.synchronize()  # pageable copies may still be in flight for our stream
         self._zero_state()
         if tune is None:
@@ -361,6 +368,88 @@ class CudaBackend:
         if want == "cudnn":
             raise UserError(f"attention cudnn: {why}")
         return "classic", f"classic ({why})"
+
+    def _pick_flex(self) -> flex_attn.FlexAttention | None:
+        """The flex deterministic backward where ANDREA_FLEX_BWD (the environment's, else the
+        run's record; on for a new run, off for a record that predates it) asks for it and it
+        can run (flex_attn.refusal, then its library loads), with `attention_info` saying so;
+        else None: cuDNN's backward runs, the setting is recorded off, and a note says why (and,
+        where the run recorded it on, that the bits differ)."""
+        if not self._cuda.flag(flex_attn.SETTING, default=not self._cuda.recorded):
+            return None
+        s = self.shapes
+        hd = s.d_model // s.n_head
+        why = flex_attn.refusal(self.attention, self.qkv_rows, self.precision, hd, self.S,
+                                self.gpu.dev.compute_capability(), rows_off=self._rows_off())
+        if not why:
+            try:
+                # the one shape the backward runs at: the micro-batch at full length (_backward)
+                fb = flex_attn.open_backward(self.B, self.S, s.n_head, self.gpu.ordinal)
+                self.notes.extend(flex_attn.build_notes)
+                flex_attn.build_notes.clear()
+                self.attention_info = (f"cudnn ({self.cudnn.version}; flex deterministic "
+                                       f"backward, {flex_attn.SETTING})")
+                return flex_attn.FlexAttention(fb, self.cudnn.scale)  # cuDNN's forward's
+            except (RunError, UserError) as e:
+                why = str(e)
+        self._flex_off(why)
+        return None
+
+    def _rows_off(self) -> str:
+        """Why Q, K, V are not in rows (`qkv_rows` false; "" where they are), as __init__
+        decides it: fusions off, d² ≥ 2³¹, ANDREA_QKV_ROWS off (or the run's record), or cuDNN
+        refusing the rows (its note says why)."""
+        if self.qkv_rows:
+            return ""
+        if not self.fusions:
+            return "the rows are the fused path's, and ANDREA_FUSIONS is off"
+        if self.shapes.d_model ** 2 >= 2**31:
+            return "d_model² ≥ 2³¹: the optimizer kernels' 32-bit division keeps the slabs"
+        if not self._want_qkv_rows:
+            return "ANDREA_QKV_ROWS is off"
+        if self.attention != "cudnn":
+            return f"the {self.attention} attention runs"
+        return "cuDNN refuses them in rows: see the ANDREA_QKV_ROWS note"
+
+    def _flex_off(self, why: str) -> None:
+        """The flex backward refused (`why`): the setting recorded off, a note saying why and
+        what runs instead, and, where the run recorded it on, that the bits differ."""
+        self.settings[flex_attn.SETTING] = False
+        then = ("cuDNN's deterministic backward runs" if self.attention == "cudnn"
+                else "it is not used")
+        self.notes.append(f"{flex_attn.SETTING}: {why}; {then}")
+        if self._cuda.recorded.get(flex_attn.SETTING) is True:
+            self.notes.append(f"{flex_attn.SETTING}: the run recorded 1: the bits differ from an "
+                              f"uninterrupted run")
+
+    def _bind_flex(self, plan: Any) -> None:
+        """Once the plan is allocated and zeroed: the flex backward's plan arrays uploaded, then
+        its first call (which loads its cubin), eager, on layer 0's training buffers (zeros:
+        finite), before any graph is captured; then Ops runs it. Where either fails with a
+        RunError: cuDNN's deterministic backward, as `_pick_flex` refuses (`_flex_off`), with
+        `attention_info` back to cuDNN's. Only a fault the call reports is caught: one that
+        kills the context (an illegal address) is a RunError that says so, and a kernel that
+        never ends is not caught."""
+        assert self.flex is not None
+        b = self.train
+        a = b.layer(0)
+        step = "its plan did not upload"
+        try:
+            self.flex.bind(plan, self.drv)
+            step = "its first call failed"
+            self.flex.bwd(dout=b.at("datt"), qkv=a["qkv"], out=a["att"], stats=a["attn_stats"],
+                          dqkv=b.at("dqkv"), B=self.B, T=self.S, stream=self.stream.handle)
+        except RunError as e:
+            self.flex = self.ops.flex = None
+            self.attention_info = f"cudnn ({self.cudnn.version}; deterministic backward)"
+            self._flex_off(f"{step}: {e}")
+            return
+        try:
+            self.stream.synchronize()
+        except Exception as e:  # pycuda's own error: a fault the context does not survive
+            raise RunError(f"ANDREA_FLEX_BWD: its first call faulted ({type(e).__name__}: {e}); "
+                           f"the CUDA context is lost: start without ANDREA_FLEX_BWD=1") from None
+        self.ops.flex = self.flex
 
     def _time_ms(self, fn: Callable[[], None]) -> float:
         """GPU time of one fn() on the stream (CUDA events); gemm.time_interleaved repeats it."""
@@ -1199,6 +1288,7 @@ class CudaBackend:
         if self.cudnn is not None:
             self.cudnn.close()
             self.cudnn = None
+        self.flex = self.ops.flex = None  # its argument structs point into the plan's memory
         self._plan.free()
 
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 ALIGN = 256
-GROUPS = ("weights", "grads", "adam_m", "adam_v", "activations", "scratch", "fp8")
-OPTIONAL = ("fp8",)  # groups a plan names only when it has them (train/precision "fp8")
+GROUPS = ("weights", "grads", "adam_m", "adam_v", "activations", "scratch", "fp8", "flex")
+# groups a plan names only when it has them (train/precision "fp8"; ANDREA_FLEX_BWD's scratch
+# and plan arrays, flex_attn.plan_buffers)
+OPTIONAL = ("fp8", "flex")
 
 
 class Plan:

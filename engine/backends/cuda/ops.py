@@ -71,7 +71,8 @@ class Ops:
     plain cuBLAS handle `blas` with `lt` (cuBLASLt) for the MLP's GELU epilogues (None: the GELU
     kernels). `side`: a second stream (with workspace `ws2`, LtGemm only) for the weight-
     gradient GEMMs; `cudnn`: a cudnn_attn.CudnnAttention for attn_fwd_cudnn / attn_bwd_cudnn,
-    with `cudnn_ws` its workspace.
+    with `cudnn_ws` its workspace; `flex`: a flex_attn.FlexAttention that attn_bwd_cudnn runs
+    instead of cuDNN's backward where it fits the shape (ANDREA_FLEX_BWD; None: cuDNN's).
     """
 
     def __init__(self, kernels: dict[str, Any], blas: Cublas | None, stream: Any, precision: str,
@@ -81,6 +82,7 @@ class Ops:
         self.k, self.blas, self.stream, self.lt = kernels, blas, stream, lt
         self.gemm, self.ws, self.side, self.ws2, self.cudnn = gemm, ws, side, ws2, cudnn
         self.cudnn_ws = cudnn_ws
+        self.flex: Any = None  # set by the backend once its buffers are bound (flex_attn.py)
         if side is not None and (gemm is None or event is None):
             raise ValueError("a weight-gradient stream needs LtGemm GEMMs and events")
         self._new_event = event
@@ -409,11 +411,19 @@ class Ops:
                        T: int, d: int, slab: int) -> None:
         """attn_bwd through cuDNN (deterministic): dqkv overwritten, from dY = dout and the
         forward's out and stats; dqkv laid out as qkv: slabs, or Q, K, V (dQ, dK, dV) side by
-        side in each row ([R,3d]) where the graphs were built so (CudnnAttention.rows)."""
+        side in each row ([R,3d]) where the graphs were built so (CudnnAttention.rows). With
+        `flex` (rows only) and (B, T) its plan's, the flex deterministic backward instead, on
+        the same stream and buffers (flex_attn.py)."""
         es, apart = self.esize, self._qkv_apart(d, slab)
         q, k, v = (qkv + j * apart * es for j in range(3))
         dq, dk, dv = (dqkv + j * apart * es for j in range(3))
         self._writes(dqkv)
+        if self.flex is not None and self.cudnn.rows and self.flex.fits(B, T):
+            self.flex.bwd(dout=dout, qkv=qkv, out=out, stats=stats, dqkv=dqkv, B=B, T=T,
+                          stream=self.stream.handle)
+            if self.debug:
+                self._sync("flex attention backward")
+            return
         self.cudnn.bwd(q, k, v, out, dout, stats, dq, dk, dv, B, T, self.cudnn_ws)
         if self.debug:
             self._sync("cuDNN attention backward")

@@ -113,7 +113,8 @@ class Gpu:
         if drv.Device.count() < 1:
             raise RunError("no CUDA device found")
         self.drv = drv
-        self.dev = drv.Device(int(os.environ.get("ANDREA_CUDA_DEVICE", "0")))
+        self.ordinal = int(os.environ.get("ANDREA_CUDA_DEVICE", "0"))  # the device's number
+        self.dev = drv.Device(self.ordinal)
         self.ctx = self.dev.retain_primary_context()
         self.ctx.push()
         atexit.register(self._close)

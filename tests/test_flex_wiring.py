@@ -1,0 +1,440 @@
+"""ANDREA_FLEX_BWD in the CUDA backend, on the CPU: whether it runs (flex_attn.refusal and
+CudaBackend._pick_flex on a backend stopped short of the GPU), where its library comes from, its
+buffers in the memory plan, and Ops.attn_bwd_cudnn's choice between it and cuDNN's backward.
+Its run on a GPU: tests/gpu/test_flex_gpu.py."""
+
+from __future__ import annotations
+
+import lzma
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from engine.backends.cuda import flex_attn
+from engine.backends.cuda.backend import CudaBackend
+from engine.backends.cuda.buffers import plan_memory
+from engine.backends.cuda.flex_call import scratch_bytes
+from engine.backends.cuda.flex_plan import FIELDS, causal_plan
+from engine.backends.cuda.memory import Plan
+from engine.backends.cuda.ops import Ops
+from engine.backends.cuda.settings import CudaSettings
+from engine.errors import RunError
+from engine.model.layout import ModelShapes
+
+OK = {"attention": "cudnn", "rows": True, "precision": "bf16", "head_dim": 64, "seq_len": 1024,
+      "capability": (9, 0)}
+
+
+def test_it_runs_only_where_its_kernels_do() -> None:
+    assert flex_attn.refusal(**OK) == ""
+    for change, said in (({"attention": "classic"}, "needs cuDNN's attention, and the classic"),
+                         ({"rows": False}, "needs Q, K, V in rows, and cuDNN runs them as "
+                                           "slabs (ANDREA_QKV_ROWS is off)"),
+                         ({"rows": False, "rows_off": "why"}, "as slabs (why)"),
+                         ({"precision": "fp16"}, "computes in bf16 only, not fp16"),
+                         ({"head_dim": 128}, "needs head dim 64 (d_model / n_head), the model "
+                                             "has 128"),
+                         ({"seq_len": 1000}, "needs seq_len a multiple of 128, got 1000"),
+                         ({"capability": (10, 0)}, "this GPU is sm_100"),
+                         ({"capability": (8, 0)}, "this GPU is sm_80")):
+        assert said in flex_attn.refusal(**{**OK, **change}), change
+
+
+def test_the_cache_is_the_users_unless_given(monkeypatch, tmp_path) -> None:
+    monkeypatch.delenv(flex_attn.CACHE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert flex_attn.cache_dir() == tmp_path / "andrea" / "flex"
+    monkeypatch.setenv(flex_attn.CACHE_ENV, str(tmp_path / "c"))
+    assert flex_attn.cache_dir() == tmp_path / "c"
+
+
+def test_a_given_library_takes_the_run_time_libraries_beside_it(monkeypatch, tmp_path) -> None:
+    lib = tmp_path / "flex.so"
+    monkeypatch.setenv(flex_attn.LIB_ENV, str(lib))
+    with pytest.raises(RunError, match=r"ANDREA_FLEX_LIB=.*no such file"):
+        flex_attn.library_paths()
+    lib.write_bytes(b"")
+    assert flex_attn.library_paths() == (lib, None, None)  # the manifest's paths then
+    (tmp_path / "libtvm_ffi.so").write_bytes(b"")
+    (tmp_path / "libcute_dsl_runtime.so").write_bytes(b"")
+    assert flex_attn.library_paths() == (lib, str(tmp_path / "libtvm_ffi.so"),
+                                         str(tmp_path / "libcute_dsl_runtime.so"))
+
+
+def test_without_a_given_library_it_builds_in_the_cache(monkeypatch, tmp_path) -> None:
+    from engine.backends.cuda import flex_build
+
+    seen = {}
+
+    def build(cache, *, python=None):
+        seen.update(cache=cache, python=python)
+        return tmp_path / "built.so"
+
+    monkeypatch.delenv(flex_attn.LIB_ENV, raising=False)
+    monkeypatch.setenv(flex_attn.CACHE_ENV, str(tmp_path / "c"))
+    monkeypatch.setenv(flex_attn.PYTHON_ENV, "/opt/py312/bin/python")
+    monkeypatch.setattr(flex_build, "build_library", build)
+    monkeypatch.setattr(flex_attn, "_built", {})
+    assert flex_attn.library_paths() == (tmp_path / "built.so", None, None)
+    assert seen == {"cache": tmp_path / "c", "python": "/opt/py312/bin/python"}
+
+
+S120 = ModelShapes(n_layer=12, d_model=768, n_head=12, d_ff=3072, vocab_size=8449, seq_len=1024)
+
+
+def test_the_memory_plan_holds_its_scratch_and_plan_arrays_in_their_own_group() -> None:
+    """At ANDREA-120M's shape (B 8): the scratch flex_call sizes and the nine plan
+    arrays (24.8 MiB), each 256-byte aligned, in a "flex" group that only a plan with them names."""
+    plan = plan_memory(S120, 8, "bf16", "cudnn", True, 1 << 20, qkv_rows=True)[0]
+    before = plan.totals()
+    assert "flex" not in before
+    flex_attn.plan_buffers(plan, 8, 1024, 12)
+    after = plan.totals()
+    sizes = [*scratch_bytes(8, 1024, 12).values()]
+    sizes += [a.nbytes for _, a in causal_plan(8, 1024).arrays()]
+    want = sum(-(-max(n, 1) // 256) * 256 for n in sizes)
+    assert after["flex"] == want and after["total"] - before["total"] == want
+    assert sum(scratch_bytes(8, 1024, 12).values()) == 25955328  # 24.75 MiB
+    assert {k: v for k, v in after.items() if k not in ("flex", "total")} == \
+        {k: v for k, v in before.items() if k != "total"}
+
+
+class _FakeBackward:
+    """FlexBackward's surface that FlexAttention uses, recording its calls."""
+
+    def __init__(self, B: int = 2, T: int = 256, H: int = 3) -> None:
+        self.B, self.T, self.H = B, T, H
+        self.plan = causal_plan(B, T)
+        self.set_plan_with: list[int] = []
+        self.made: list[dict] = []
+        self.ran: list[tuple[object, int]] = []
+
+    def plan_arrays(self):
+        return self.plan.arrays()
+
+    def set_plan(self, pointers):
+        self.set_plan_with = list(pointers)
+
+    def make_args(self, **kw):
+        self.made.append(kw)
+        return ("args", len(self.made))
+
+    def run(self, args, stream):
+        self.ran.append((args, stream))
+
+
+def _bound(fb: _FakeBackward) -> tuple[flex_attn.FlexAttention, dict]:
+    plan = Plan()
+    flex_attn.plan_buffers(plan, fb.B, fb.T, fb.H)
+    base = {"flex": 1 << 32}
+    plan._bases = base  # as allocate() would: one allocation for the group
+    uploads = {}
+    drv = SimpleNamespace(memcpy_htod=lambda ptr, a: uploads.__setitem__(ptr, a.copy()))
+    fa = flex_attn.FlexAttention(fb, 0.125)
+    fa.bind(plan, drv)
+    return fa, {"plan": plan, "uploads": uploads}
+
+
+def test_bind_uploads_the_plan_and_bwd_makes_the_arguments_once_per_buffers() -> None:
+    fb = _FakeBackward()
+    fa, got = _bound(fb)
+    plan = got["plan"]
+    assert fb.set_plan_with == [plan[f"flex.plan.{n}"] for n in FIELDS]
+    for name, a in fb.plan_arrays():
+        assert np.array_equal(got["uploads"][plan[f"flex.plan.{name}"]], a)
+    ptrs = {"dout": 1 << 20, "qkv": 2 << 20, "out": 3 << 20, "stats": 4 << 20, "dqkv": 5 << 20}
+    for _ in range(3):
+        fa.bwd(**ptrs, B=2, T=256, stream=77)
+    fa.bwd(**{**ptrs, "qkv": 6 << 20}, B=2, T=256, stream=77)  # another layer's buffers
+    assert len(fb.made) == 2 and [s for _, s in fb.ran] == [77] * 4
+    assert fb.made[0] == {"qkv": 2 << 20, "o": 3 << 20, "do": 1 << 20, "lse": 4 << 20,
+                          "dqkv": 5 << 20, "lse2": plan["flex.lse2"],
+                          "dpsum": plan["flex.dpsum"], "dq_accum": plan["flex.dq_accum"],
+                          "dq_sem": plan["flex.dq_sem"], "scale": 0.125}
+    with pytest.raises(RunError, match="planned for B=2 T=256, asked for B=2 T=128"):
+        fa.bwd(**ptrs, B=2, T=128, stream=77)
+
+
+@pytest.mark.parametrize(("fits", "rows"), [(True, True), (False, True), (True, False)])
+def test_ops_runs_the_flex_backward_where_it_fits(fits, rows) -> None:
+    calls = {"cudnn": [], "flex": []}
+    cudnn = SimpleNamespace(rows=rows, bwd=lambda *a: calls["cudnn"].append(a))
+    flex = SimpleNamespace(fits=lambda B, T: fits, bwd=lambda **kw: calls["flex"].append(kw))
+    o = Ops({}, None, SimpleNamespace(handle=99), "bf16", cudnn=cudnn, cudnn_ws=4096)
+    o.flex = flex
+    o.attn_bwd_cudnn(7, 1 << 20, 8, 9, 1 << 24, 2, 256, 192, 0)
+    if fits and rows:
+        assert calls == {"cudnn": [], "flex": [{"dout": 7, "qkv": 1 << 20, "out": 8,
+                                                "stats": 9, "dqkv": 1 << 24, "B": 2, "T": 256,
+                                                "stream": 99}]}
+    else:
+        assert calls["flex"] == [] and len(calls["cudnn"]) == 1
+
+
+def _backend(monkeypatch, recorded: dict | None = None, **over) -> CudaBackend:
+    """A CudaBackend with only what _pick_flex reads: cuDNN's attention in rows, bf16, hd 64,
+    T 256, on an sm_90 device, unless `over` says otherwise."""
+    bk = object.__new__(CudaBackend)
+    bk.notes = []
+    bk._cuda = CudaSettings(recorded, bk.notes)
+    bk.settings = bk._cuda.values
+    bk.shapes = ModelShapes(n_layer=1, d_model=over.pop("d_model", 192), n_head=3, d_ff=128,
+                            vocab_size=64, seq_len=256)
+    bk.S, bk.B, bk.precision = bk.shapes.seq_len, 2, "bf16"
+    bk.attention, bk.qkv_rows = "cudnn", True
+    bk.fusions, bk._want_qkv_rows = True, True
+    bk.attention_info = "cudnn (cuDNN 9; deterministic backward)"
+    bk.cudnn = SimpleNamespace(version="cuDNN 9", scale=0.125)
+    cap = over.pop("capability", (9, 0))
+    bk.gpu = SimpleNamespace(ordinal=0, dev=SimpleNamespace(compute_capability=lambda: cap))
+    for k, v in over.items():
+        setattr(bk, k, v)
+    return bk
+
+
+def test_on_by_default_for_a_new_run_off_for_a_record_that_predates_it(monkeypatch) -> None:
+    monkeypatch.delenv(flex_attn.SETTING, raising=False)
+    monkeypatch.setattr(flex_attn, "open_backward", lambda B, T, H, d: _FakeBackward(B, T, H))
+    bk = _backend(monkeypatch)
+    assert isinstance(bk._pick_flex(), flex_attn.FlexAttention)
+    assert bk.settings == {flex_attn.SETTING: True} and bk.notes == []
+    assert "flex deterministic backward" in bk.attention_info
+    # a run recorded before the setting existed (a record without it) keeps cuDNN's backward
+    bk = _backend(monkeypatch, recorded={"ANDREA_FUSIONS": True})
+    assert bk._pick_flex() is None
+    assert bk.settings[flex_attn.SETTING] is False and bk.notes == []
+    assert "flex" not in bk.attention_info
+    # and "0" turns it off for a new run
+    monkeypatch.setenv(flex_attn.SETTING, "0")
+    bk = _backend(monkeypatch)
+    assert bk._pick_flex() is None and bk.settings == {flex_attn.SETTING: False}
+
+
+def test_a_build_is_tried_once_per_process(monkeypatch, tmp_path) -> None:
+    """Every CudaBackend start asks for the library; the build (a subprocess probe at least)
+    runs once per cache directory and interpreter, and a failure is not tried again."""
+    from engine.backends.cuda import flex_build
+
+    calls = []
+
+    def build(cache, *, python=None):
+        calls.append(cache)
+        if "bad" in str(cache):
+            raise RunError("flex attention build: the package nvidia-cutlass-dsl is not installed")
+        return tmp_path / "built.so"
+
+    monkeypatch.delenv(flex_attn.LIB_ENV, raising=False)
+    monkeypatch.setattr(flex_build, "build_library", build)
+    monkeypatch.setattr(flex_attn, "_built", {})
+    for cache in ("good", "bad"):
+        monkeypatch.setenv(flex_attn.CACHE_ENV, str(tmp_path / cache))
+        for _ in range(3):
+            if cache == "good":
+                assert flex_attn.library_paths()[0] == tmp_path / "built.so"
+            else:
+                with pytest.raises(RunError, match="nvidia-cutlass-dsl is not installed"):
+                    flex_attn.library_paths()
+    assert calls == [tmp_path / "good", tmp_path / "bad"]
+
+
+def test_a_build_that_compiled_is_said_at_start(monkeypatch, tmp_path) -> None:
+    from engine.backends.cuda import flex_build
+
+    monkeypatch.delenv(flex_attn.LIB_ENV, raising=False)
+    monkeypatch.delenv(flex_attn.SETTING, raising=False)
+    monkeypatch.setenv(flex_attn.CACHE_ENV, str(tmp_path / "c"))
+    monkeypatch.setattr(flex_attn, "_built", {})
+    monkeypatch.setattr(flex_attn, "build_notes", [])
+    monkeypatch.setattr(flex_attn, "BUILD_NOTE_S", 0.0)  # any build counts as a compile
+    monkeypatch.setattr(flex_build, "build_library", lambda cache, *, python=None: tmp_path / "x.so")
+    monkeypatch.setattr(flex_attn, "FlexBackward",
+                        lambda lib, B, T, H, **kw: _FakeBackward(B, T, H))
+    bk = _backend(monkeypatch)
+    assert bk._pick_flex() is not None
+    assert len(bk.notes) == 1 and bk.notes[0].startswith("the flex attention backward was built")
+    assert str(tmp_path / "c") in bk.notes[0]
+    bk = _backend(monkeypatch)  # the next start in the process: loaded, nothing to say
+    assert bk._pick_flex() is not None and bk.notes == []
+
+
+def test_on_it_says_so_and_is_recorded(monkeypatch) -> None:
+    monkeypatch.setenv(flex_attn.SETTING, "1")
+    opened = []
+
+    def open_backward(B, T, H, device_id):
+        opened.append((B, T, H, device_id))
+        return _FakeBackward(B, T, H)
+
+    monkeypatch.setattr(flex_attn, "open_backward", open_backward)
+    bk = _backend(monkeypatch)
+    fa = bk._pick_flex()
+    assert isinstance(fa, flex_attn.FlexAttention) and fa.scale == 0.125
+    assert opened == [(2, 256, 3, 0)]  # the backward's one shape: the micro-batch, seq_len
+    assert bk.settings == {flex_attn.SETTING: True} and bk.notes == []
+    assert bk.attention_info == "cudnn (cuDNN 9; flex deterministic backward, ANDREA_FLEX_BWD)"
+    # a resume takes it up from the record, the environment silent
+    monkeypatch.delenv(flex_attn.SETTING)
+    bk = _backend(monkeypatch, recorded={flex_attn.SETTING: True})
+    assert bk._pick_flex() is not None and bk.settings[flex_attn.SETTING] is True
+
+
+@pytest.mark.parametrize(("over", "said"), [
+    ({"attention": "classic"}, "ANDREA_FLEX_BWD: needs cuDNN's attention, and the classic "
+                               "attention runs; it is not used"),
+    ({"qkv_rows": False, "_want_qkv_rows": False},
+     "ANDREA_FLEX_BWD: needs Q, K, V in rows, and cuDNN runs them as slabs (ANDREA_QKV_ROWS is "
+     "off); cuDNN's deterministic backward runs"),
+    ({"qkv_rows": False, "_want_qkv_rows": False, "fusions": False},
+     "ANDREA_FLEX_BWD: needs Q, K, V in rows, and cuDNN runs them as slabs (the rows are the "
+     "fused path's, and ANDREA_FUSIONS is off); cuDNN's deterministic backward runs"),
+    ({"qkv_rows": False, "_want_qkv_rows": False, "d_model": 46464 * 3},
+     "ANDREA_FLEX_BWD: needs Q, K, V in rows, and cuDNN runs them as slabs (d_model² ≥ 2³¹: the "
+     "optimizer kernels' 32-bit division keeps the slabs); cuDNN's deterministic backward runs"),
+    ({"qkv_rows": False},
+     "ANDREA_FLEX_BWD: needs Q, K, V in rows, and cuDNN runs them as slabs (cuDNN refuses them "
+     "in rows: see the ANDREA_QKV_ROWS note); cuDNN's deterministic backward runs"),
+    ({"d_model": 384}, "ANDREA_FLEX_BWD: needs head dim 64 (d_model / n_head), the model has "
+                       "128; cuDNN's deterministic backward runs"),
+    ({"capability": (10, 0)}, "ANDREA_FLEX_BWD: its kernels are sm_90a's (Hopper), this GPU is "
+                              "sm_100; cuDNN's deterministic backward runs"),
+])
+def test_refused_it_says_why_and_is_recorded_off(monkeypatch, over, said) -> None:
+    monkeypatch.setenv(flex_attn.SETTING, "1")
+    monkeypatch.setattr(flex_attn, "open_backward", lambda *a: pytest.fail("not to be loaded"))
+    bk = _backend(monkeypatch, **over)
+    assert bk._pick_flex() is None
+    assert bk.notes == [said] and bk.settings == {flex_attn.SETTING: False}
+
+
+def test_a_library_that_does_not_load_falls_back_and_a_recorded_on_is_said(monkeypatch,
+                                                                          tmp_path) -> None:
+    monkeypatch.delenv(flex_attn.SETTING, raising=False)
+    monkeypatch.setenv(flex_attn.LIB_ENV, str(tmp_path / "none.so"))
+    bk = _backend(monkeypatch, recorded={flex_attn.SETTING: True})
+    assert bk._pick_flex() is None
+    assert bk.notes == [f"ANDREA_FLEX_BWD: ANDREA_FLEX_LIB={tmp_path / 'none.so'}: no such file; "
+                        f"cuDNN's deterministic backward runs",
+                        "ANDREA_FLEX_BWD: the run recorded 1: the bits differ from an "
+                        "uninterrupted run"]
+    assert bk.settings == {flex_attn.SETTING: False}
+    assert "flex" not in bk.attention_info
+
+
+class _FailingBackward(_FakeBackward):
+    """A backward whose call reports a failure (as flex_call.FlexBackward.run does with TVM
+    FFI's message)."""
+
+    def run(self, args, stream):
+        super().run(args, stream)
+        raise RunError("flex attention backward: CUDA error: no kernel image is available")
+
+
+def _started(monkeypatch, fb: _FakeBackward, recorded: dict | None = None) -> tuple:
+    """A backend at the point of __init__ where the flex backward is bound (_bind_flex): its
+    setting on, _pick_flex done with `fb`, the plan allocated, Ops made without it."""
+    monkeypatch.setenv(flex_attn.SETTING, "1")
+    monkeypatch.setattr(flex_attn, "open_backward", lambda *a: fb)
+    bk = _backend(monkeypatch, recorded)
+    bk.flex = bk._pick_flex()
+    assert bk.flex is not None
+    plan = Plan()
+    flex_attn.plan_buffers(plan, fb.B, fb.T, fb.H)
+    plan._bases = {"flex": 1 << 32}
+    bk.drv = SimpleNamespace(memcpy_htod=lambda ptr, a: None)
+    synced = []
+    bk.stream = SimpleNamespace(handle=55, synchronize=lambda: synced.append(len(fb.ran)))
+    bk.ops = SimpleNamespace(flex=None)
+    layer0 = {"qkv": 2 << 20, "att": 3 << 20, "attn_stats": 4 << 20}
+    named = {"datt": 1 << 20, "dqkv": 5 << 20}
+    bk.train = SimpleNamespace(at=named.__getitem__, layer=lambda l: layer0 if l == 0 else {})
+    return bk, plan, synced
+
+
+def test_bound_its_first_call_runs_eagerly_on_layer_0_and_ops_then_runs_it(monkeypatch) -> None:
+    fb = _FakeBackward()
+    bk, plan, synced = _started(monkeypatch, fb)
+    bk._bind_flex(plan)
+    assert bk.ops.flex is bk.flex  # Ops runs it from here on
+    assert fb.set_plan_with == [plan[f"flex.plan.{n}"] for n in FIELDS]
+    assert len(fb.ran) == 1 and synced == [1]  # one eager call, waited for
+    assert fb.made == [{"qkv": 2 << 20, "o": 3 << 20, "do": 1 << 20, "lse": 4 << 20,
+                        "dqkv": 5 << 20, "lse2": plan["flex.lse2"], "dpsum": plan["flex.dpsum"],
+                        "dq_accum": plan["flex.dq_accum"], "dq_sem": plan["flex.dq_sem"],
+                        "scale": 0.125}]
+    assert fb.ran[0][1] == 55  # on the backend's stream
+    assert bk.settings == {flex_attn.SETTING: True} and bk.notes == []
+    assert "flex" in bk.attention_info
+
+
+@pytest.mark.parametrize("recorded", [None, {flex_attn.SETTING: True}])
+def test_a_first_call_that_fails_falls_back_to_cudnn_and_says_so(monkeypatch, recorded) -> None:
+    fb = _FailingBackward()
+    bk, plan, _ = _started(monkeypatch, fb, recorded)
+    bk._bind_flex(plan)  # no exception: start-up goes on
+    assert bk.flex is None and bk.ops.flex is None
+    assert bk.settings == {flex_attn.SETTING: False}
+    said = ["ANDREA_FLEX_BWD: its first call failed: flex attention backward: CUDA error: no "
+            "kernel image is available; cuDNN's deterministic backward runs"]
+    if recorded:
+        said.append("ANDREA_FLEX_BWD: the run recorded 1: the bits differ from an "
+                    "uninterrupted run")
+    assert bk.notes == said
+    assert bk.attention_info == "cudnn (cuDNN 9; deterministic backward)"
+
+
+def test_a_first_call_that_faults_the_context_is_a_run_error_that_says_so(monkeypatch) -> None:
+    """A fault seen only at the synchronize (pycuda's own error, the context lost): no fallback
+    is possible, so start-up ends with a RunError naming the setting, not a pycuda traceback."""
+    fb = _FakeBackward()
+    bk, plan, _ = _started(monkeypatch, fb)
+
+    class LaunchError(Exception):
+        pass
+
+    def synchronize():
+        raise LaunchError("cuStreamSynchronize failed: an illegal memory access was encountered")
+
+    bk.stream.synchronize = synchronize
+    with pytest.raises(RunError, match=r"ANDREA_FLEX_BWD: its first call faulted \(LaunchError: "
+                                       r"cuStreamSynchronize failed: an illegal memory access"
+                                       r".*the CUDA context is lost: start without "
+                                       r"ANDREA_FLEX_BWD=1"):
+        bk._bind_flex(plan)
+    assert len(fb.ran) == 1 and bk.ops.flex is None
+
+
+def test_a_bind_that_fails_falls_back_to_cudnn(monkeypatch) -> None:
+    fb = _FakeBackward()
+    bk, plan, _ = _started(monkeypatch, fb)
+
+    def set_plan(pointers):
+        raise RunError("flex attention: set_plan failed")
+
+    fb.set_plan = set_plan
+    bk._bind_flex(plan)
+    assert bk.flex is None and bk.ops.flex is None and fb.ran == []
+    assert bk.notes == ["ANDREA_FLEX_BWD: its plan did not upload: flex attention: set_plan "
+                        "failed; cuDNN's deterministic backward runs"]
+
+
+def test_the_unpack_prints_an_export_that_a_shell_can_eval(tmp_path) -> None:
+    """scripts/flex-pack --unpack on a pack in a folder with a space and a quote in its name:
+    the runtime library restored from its .xz, and the printed line, eval'd as gpu-check does,
+    sets ANDREA_FLEX_LIB to the library's path."""
+    pack = tmp_path / "a pack's $HOME"
+    pack.mkdir()
+    for name in ("flex_bwd.so", "flex_bwd.json", "libtvm_ffi.so"):
+        (pack / name).write_bytes(b"x")
+    with lzma.open(pack / "libcute_dsl_runtime.so.xz", "wb") as f:
+        f.write(b"runtime")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "flex-pack"
+    env = {"PATH": "/usr/bin:/bin", "PACK": str(pack), "PYTHON": sys.executable}
+    out = subprocess.run(["bash", "-c", f'e=$({script} --unpack) && eval "$e" && '
+                          f'printf %s "$ANDREA_FLEX_LIB"'], env=env, capture_output=True,
+                         text=True, check=True).stdout
+    assert out == str(pack / "flex_bwd.so")
+    assert (pack / "libcute_dsl_runtime.so").read_bytes() == b"runtime"
