@@ -64,9 +64,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-HD = 64
+from engine.backends.cuda.flex_attn import RUNTIME_NAME, TVM_FFI_NAME  # noqa: E402
+from engine.backends.cuda.flex_plan import HEAD_DIM as HD  # noqa: E402
+
 WARMUP = 3
-TVM_FFI_NAME, RUNTIME_NAME = "libtvm_ffi.so", "libcute_dsl_runtime.so"
 REL_BOUND = 1e-2  # tests/gpu/test_flex_gpu.py's FLEX_VS_CUDNN: above it a row is marked WRONG
 NAN_BF16 = 0x7FC0
 
@@ -125,6 +126,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise Refused(f"--seq must be a multiple of 128 (the plan's blocks), got {a.seq}")
     if a.worker and not a.result:
         raise Refused("--worker needs --result")
+    if a.json and not a.worker:  # found out now, not after the whole sweep
+        out = Path(a.json)
+        if out.is_dir() or not out.parent.is_dir() or not os.access(out.parent, os.W_OK) or (
+                out.exists() and not os.access(out, os.W_OK)):
+            raise Refused(f"--json {a.json}: cannot write a file there")
     return a
 
 

@@ -60,6 +60,8 @@ def _refused(r: subprocess.CompletedProcess, match: str) -> None:
     (("--timeout", "0"), "--timeout: must be >= 1"),
     (("--bogus",), "unrecognized arguments: --bogus"),
     (("--worker", "frontend"), "--worker needs --result"),
+    (("--json", "/nonexistent-dir/out.json"), "--json /nonexistent-dir/out.json: cannot write"),
+    (("--json", "/"), "--json /: cannot write a file there"),
 ])
 def test_bad_arguments_are_one_line_and_exit_2(args: tuple[str, ...], match: str) -> None:
     _refused(_run(*args), match)

@@ -113,7 +113,7 @@ def test_plan_refuses_other_head_dims() -> None:
 
 # ---- the build's failure paths (no build interpreter) ----------------------------------------
 FAKE_INFO = {"frontend_version": "1.32.0", "dsl_version": "4.8.1", "libs_cu13_version": "4.8.1",
-             "tvm_ffi_version": "0.1.15", "runtime_lib": "/nowhere/libcute_dsl_runtime.so",
+             "tvm_ffi_version": "0.1.15.post2", "runtime_lib": "/nowhere/libcute_dsl_runtime.so",
              "tvm_ffi_lib": "/nowhere/libtvm_ffi.so"}
 
 
@@ -165,6 +165,36 @@ def test_a_cache_hit_needs_no_gxx(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
     assert flex_build.build_library(tmp_path) == tmp_path / f"{key}.so"
 
 
+@pytest.mark.parametrize(("changes", "said"), [
+    ({"frontend_version": "1.33.0"}, r"nvidia-cudnn-frontend 1\.33\.0 \(tested: 1\.32\.0\)"),
+    ({"dsl_version": "4.9.0", "tvm_ffi_version": "0.2"},
+     r"nvidia-cutlass-dsl 4\.9\.0 \(tested: 4\.8\.1\), apache-tvm-ffi 0\.2 "),
+])
+def test_untested_package_versions_are_refused_before_a_build(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, changes: dict, said: str) -> None:
+    """The recipe reads the frontend's private kernel modules and the plan follows its planner:
+    another version is refused (even with a library in the cache), never built and run."""
+    monkeypatch.setattr(flex_build, "probe", lambda python=None: {**FAKE_INFO, **changes})
+    monkeypatch.setattr(flex_build, "_compile_and_link", lambda *a, **k: pytest.fail("built"))
+    with pytest.raises(RunError, match=said + r".*andrea\[flex\]"):
+        flex_build.build_library(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_cache_that_cannot_be_written_is_a_run_error(monkeypatch: pytest.MonkeyPatch,
+                                                       tmp_path: Path) -> None:
+    """A read-only or full cache directory that exists: a RunError (the backend then runs
+    cuDNN's backward), not an OSError's traceback at start-up."""
+    _fake_probe(monkeypatch)
+
+    def no_space(*a: object, **k: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(flex_build.tempfile, "TemporaryDirectory", no_space)
+    with pytest.raises(RunError, match=r"cannot write into .*No space left on device"):
+        flex_build.build_library(tmp_path)
+
+
 def test_a_cache_miss_without_gxx_is_a_run_error(monkeypatch: pytest.MonkeyPatch,
                                                  tmp_path: Path) -> None:
     _fake_probe(monkeypatch)
@@ -214,9 +244,16 @@ def test_the_cache_key_follows_the_recipe_and_versions(monkeypatch: pytest.Monke
     assert flex_build.cache_key(FAKE_INFO, 64, "bf16") != key
 
 
-def test_the_recipe_hash_is_the_build_scripts() -> None:
-    script = flex_build.BUILD_SCRIPT.read_bytes()
-    assert flex_build.RECIPE_SHA256 == hashlib.sha256(script).hexdigest()
+def test_the_recipe_hash_is_the_build_scripts_code() -> None:
+    source = flex_build.BUILD_SCRIPT.read_text()
+    assert flex_build.RECIPE_SHA256 == flex_build._recipe_digest(source)
+    # words alone (a comment, a docstring) are the same recipe; code is another
+    reworded = source.replace('"""The build step', '"""The build step, reworded', 1)
+    reworded = reworded.replace("\nimport json\n", "\n# a comment\nimport json\n", 1)
+    assert reworded != source and flex_build._recipe_digest(reworded) == flex_build.RECIPE_SHA256
+    recoded = source.replace('"Q_stage": 2', '"Q_stage": 1', 1)
+    assert recoded != source and flex_build._recipe_digest(recoded) != flex_build.RECIPE_SHA256
+    assert flex_build._recipe_digest(source) != hashlib.sha256(source.encode()).hexdigest()
     # ARG_NAMES is read from the script's source: every name once, the plan's in FIELDS' order
     names = flex_build.ARG_NAMES
     assert len(set(names)) == len(names) == 24 and names[-2:] == ("scale", "seqlen")
@@ -255,7 +292,7 @@ def test_the_build_uses_a_real_torch_and_never_shadows_it(tmp_path: Path) -> Non
 def _manifest(tmp_path: Path, **changes: object) -> Path:
     record = {"entry_symbol": flex_build.ENTRY_SYMBOL, "recipe_sha256": flex_build.RECIPE_SHA256,
               "arg_names": list(flex_build.ARG_NAMES), "dtype": "bf16", "head_dim": 64,
-              "tvm_ffi_lib": str(tmp_path / "libtvm_ffi.so"),
+              **flex_build.TESTED_VERSIONS, "tvm_ffi_lib": str(tmp_path / "libtvm_ffi.so"),
               "runtime_lib": str(tmp_path / "libcute_dsl_runtime.so")}
     record.update(changes)
     record = {k: v for k, v in record.items() if v is not None}
@@ -269,6 +306,8 @@ def _manifest(tmp_path: Path, **changes: object) -> Path:
     ({"recipe_sha256": "f" * 64}, "built from another flex_build_main.py"),
     ({"arg_names": ["mK", "mQ"]}, r"takes the arguments \['mK', 'mQ'\]"),
     ({"dtype": "fp16"}, "is for fp16 head_dim 64, asked for bf16"),
+    ({"frontend_version": "1.33.0"}, r"built with nvidia-cudnn-frontend 1\.33\.0 \(tested: "
+                                     r"1\.32\.0\): rebuild it"),
     ({"variant": "spt_off", "overrides": {"spt": False}},
      r"is a config variant \(spt_off: \{'spt': False\}\).*its plan may differ"),
 ])
@@ -415,6 +454,12 @@ def test_build_exports_the_entry_point_and_caches(flex_python: str, library: Pat
     assert manifest["libs_cu13_version"] and manifest["torch"]
     assert manifest["recipe_sha256"] == flex_build.RECIPE_SHA256
     assert manifest["arg_names"] == list(flex_build.ARG_NAMES)
+    # the library is built with the recipe's own config, and the DSL's partition of it gives
+    # the very mask words the engine's numpy plan uploads
+    assert manifest["bwd_config"] == flex_build.BWD_CONFIG
+    masks = causal_plan(8, 1024).masks
+    assert np.array_equal(np.asarray(manifest["plan_mask_words"], dtype=masks.dtype),
+                          masks.reshape(-1, 256, 2)[0])
     nm = subprocess.run(["nm", "-D", "--defined-only", str(library)], capture_output=True, text=True)
     if nm.returncode == 0:
         assert flex_build.ENTRY_SYMBOL in nm.stdout

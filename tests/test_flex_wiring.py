@@ -6,6 +6,7 @@ Its run on a GPU: tests/gpu/test_flex_gpu.py."""
 from __future__ import annotations
 
 import lzma
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -242,23 +243,65 @@ def test_a_build_is_tried_once_per_process(monkeypatch, tmp_path) -> None:
 
 
 def test_a_build_that_compiled_is_said_at_start(monkeypatch, tmp_path) -> None:
+    """A compile (the manifest written during the call) is said in the notes of the backend
+    that asked, even where its library then fails to load; a cache hit says nothing."""
     from engine.backends.cuda import flex_build
+
+    def build(cache, *, python=None):
+        lib = tmp_path / "x.so"
+        if not lib.with_suffix(".json").exists():  # a miss: compiled, the manifest written
+            lib.with_suffix(".json").write_text("{}")
+        return lib
 
     monkeypatch.delenv(flex_attn.LIB_ENV, raising=False)
     monkeypatch.delenv(flex_attn.SETTING, raising=False)
     monkeypatch.setenv(flex_attn.CACHE_ENV, str(tmp_path / "c"))
     monkeypatch.setattr(flex_attn, "_built", {})
     monkeypatch.setattr(flex_attn, "build_notes", [])
-    monkeypatch.setattr(flex_attn, "BUILD_NOTE_S", 0.0)  # any build counts as a compile
-    monkeypatch.setattr(flex_build, "build_library", lambda cache, *, python=None: tmp_path / "x.so")
-    monkeypatch.setattr(flex_attn, "FlexBackward",
-                        lambda lib, B, T, H, **kw: _FakeBackward(B, T, H))
+    monkeypatch.setattr(flex_build, "build_library", build)
+    loads = []
+
+    def load(lib, B, T, H, **kw):
+        loads.append(lib)
+        if len(loads) == 1:
+            raise RunError("flex attention: cannot load libtvm_ffi.so")
+        return _FakeBackward(B, T, H)
+
+    monkeypatch.setattr(flex_attn, "FlexBackward", load)
     bk = _backend(monkeypatch)
-    assert bk._pick_flex() is not None
-    assert len(bk.notes) == 1 and bk.notes[0].startswith("the flex attention backward was built")
-    assert str(tmp_path / "c") in bk.notes[0]
-    bk = _backend(monkeypatch)  # the next start in the process: loaded, nothing to say
+    assert bk._pick_flex() is None  # built, then its load failed: both said, to this backend
+    assert len(bk.notes) == 2 and bk.notes[0].startswith("ANDREA_FLEX_BWD: flex attention: "
+                                                         "cannot load")
+    assert bk.notes[1].startswith("the flex attention backward was built in ")
+    assert str(tmp_path / "c") in bk.notes[1]
+    bk = _backend(monkeypatch)  # the next start in the process: nothing left over, loaded
     assert bk._pick_flex() is not None and bk.notes == []
+    os.utime(tmp_path / "x.json", (1e9, 1e9))  # built long ago
+    monkeypatch.setattr(flex_attn, "_built", {})  # a new process: the cache hit says nothing
+    bk = _backend(monkeypatch)
+    assert bk._pick_flex() is not None and bk.notes == []
+
+
+def test_refused_by_default_it_is_recorded_off_and_said_nowhere(monkeypatch) -> None:
+    """On a model, precision or GPU it does not fit, the default says nothing (nothing to do
+    about it) and records off; asked for by the environment or the record, it says why."""
+    monkeypatch.delenv(flex_attn.SETTING, raising=False)
+    monkeypatch.setattr(flex_attn, "open_backward", lambda *a: pytest.fail("not to be loaded"))
+    bk = _backend(monkeypatch, capability=(8, 0))
+    assert bk._pick_flex() is None
+    assert bk.settings == {flex_attn.SETTING: False} and bk.notes == []
+    bk = _backend(monkeypatch, recorded={flex_attn.SETTING: True}, capability=(8, 0))
+    assert bk._pick_flex() is None and bk.settings == {flex_attn.SETTING: False}
+    assert bk.notes[0] == ("ANDREA_FLEX_BWD: its kernels are sm_90a's (Hopper), this GPU is "
+                           "sm_80; cuDNN's deterministic backward runs")
+
+
+def test_a_record_that_says_off_stays_off(monkeypatch) -> None:
+    monkeypatch.delenv(flex_attn.SETTING, raising=False)
+    monkeypatch.setattr(flex_attn, "open_backward", lambda *a: pytest.fail("not to be loaded"))
+    bk = _backend(monkeypatch, recorded={flex_attn.SETTING: False})
+    assert bk._pick_flex() is None
+    assert bk.settings == {flex_attn.SETTING: False} and bk.notes == []
 
 
 def test_on_it_says_so_and_is_recorded(monkeypatch) -> None:
@@ -401,8 +444,8 @@ def test_a_first_call_that_faults_the_context_is_a_run_error_that_says_so(monkey
     bk.stream.synchronize = synchronize
     with pytest.raises(RunError, match=r"ANDREA_FLEX_BWD: its first call faulted \(LaunchError: "
                                        r"cuStreamSynchronize failed: an illegal memory access"
-                                       r".*the CUDA context is lost: start without "
-                                       r"ANDREA_FLEX_BWD=1"):
+                                       r".*the CUDA context is lost: start with "
+                                       r"ANDREA_FLEX_BWD=0"):
         bk._bind_flex(plan)
     assert len(fb.ran) == 1 and bk.ops.flex is None
 

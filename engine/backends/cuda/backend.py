@@ -176,7 +176,7 @@ class CudaBackend:
                 and os.environ.get("ANDREA_QKV_ROWS") is not None):  # asked for, not the default
             self.notes.append("ANDREA_QKV_ROWS: needs cuDNN's attention; the classic one runs "
                               "with its three GEMMs")
-        # the flex deterministic attention backward instead of cuDNN's (opt-in; flex_attn.py):
+        # the flex deterministic attention backward instead of cuDNN's (flex_attn.py):
         # it changes the bits, so it is recorded; where it cannot run, cuDNN's does, said
         self.flex = self._pick_flex()
         cudnn_ws = (max(self.cudnn.workspace_bytes(self.B, self.S),
@@ -373,27 +373,33 @@ class CudaBackend:
         """The flex deterministic backward where ANDREA_FLEX_BWD (the environment's, else the
         run's record; on for a new run, off for a record that predates it) asks for it and it
         can run (flex_attn.refusal, then its library loads), with `attention_info` saying so;
-        else None: cuDNN's backward runs, the setting is recorded off, and a note says why (and,
-        where the run recorded it on, that the bits differ)."""
+        else None: cuDNN's backward runs and the setting is recorded off. A note says why where
+        the environment or the record asked for it, or where its library failed on a GPU and
+        model it fits (and, where the run recorded it on, that the bits differ); the default
+        refused by the model, precision or GPU is said nowhere (nothing to do about it)."""
         if not self._cuda.flag(flex_attn.SETTING, default=not self._cuda.recorded):
             return None
         s = self.shapes
         hd = s.d_model // s.n_head
         why = flex_attn.refusal(self.attention, self.qkv_rows, self.precision, hd, self.S,
                                 self.gpu.dev.compute_capability(), rows_off=self._rows_off())
-        if not why:
-            try:
-                # the one shape the backward runs at: the micro-batch at full length (_backward)
-                fb = flex_attn.open_backward(self.B, self.S, s.n_head, self.gpu.ordinal)
-                self.notes.extend(flex_attn.build_notes)
-                flex_attn.build_notes.clear()
-                self.attention_info = (f"cudnn ({self.cudnn.version}; flex deterministic "
-                                       f"backward, {flex_attn.SETTING})")
-                return flex_attn.FlexAttention(fb, self.cudnn.scale)  # cuDNN's forward's
-            except (RunError, UserError) as e:
-                why = str(e)
-        self._flex_off(why)
-        return None
+        if why:
+            asked = (os.environ.get(flex_attn.SETTING) is not None
+                     or self._cuda.recorded.get(flex_attn.SETTING) is True)
+            self._flex_off(why, say=asked)
+            return None
+        try:
+            # the one shape the backward runs at: the micro-batch at full length (_backward)
+            fb = flex_attn.open_backward(self.B, self.S, s.n_head, self.gpu.ordinal)
+        except (RunError, UserError) as e:
+            self._flex_off(str(e))
+            return None
+        finally:  # a build's note, whether or not its library then loads
+            self.notes.extend(flex_attn.build_notes)
+            flex_attn.build_notes.clear()
+        self.attention_info = (f"cudnn ({self.cudnn.version}; flex deterministic "
+                               f"backward, {flex_attn.SETTING})")
+        return flex_attn.FlexAttention(fb, self.cudnn.scale)  # cuDNN's forward's
 
     def _rows_off(self) -> str:
         """Why Q, K, V are not in rows (`qkv_rows` false; "" where they are), as __init__
@@ -411,13 +417,15 @@ class CudaBackend:
             return f"the {self.attention} attention runs"
         return "cuDNN refuses them in rows: see the ANDREA_QKV_ROWS note"
 
-    def _flex_off(self, why: str) -> None:
+    def _flex_off(self, why: str, say: bool = True) -> None:
         """The flex backward refused (`why`): the setting recorded off, a note saying why and
-        what runs instead, and, where the run recorded it on, that the bits differ."""
+        what runs instead (where `say`), and, where the run recorded it on, that the bits
+        differ."""
         self.settings[flex_attn.SETTING] = False
         then = ("cuDNN's deterministic backward runs" if self.attention == "cudnn"
                 else "it is not used")
-        self.notes.append(f"{flex_attn.SETTING}: {why}; {then}")
+        if say:
+            self.notes.append(f"{flex_attn.SETTING}: {why}; {then}")
         if self._cuda.recorded.get(flex_attn.SETTING) is True:
             self.notes.append(f"{flex_attn.SETTING}: the run recorded 1: the bits differ from an "
                               f"uninterrupted run")
@@ -448,7 +456,7 @@ class CudaBackend:
             self.stream.synchronize()
         except Exception as e:  # pycuda's own error: a fault the context does not survive
             raise RunError(f"ANDREA_FLEX_BWD: its first call faulted ({type(e).__name__}: {e}); "
-                           f"the CUDA context is lost: start without ANDREA_FLEX_BWD=1") from None
+                           f"the CUDA context is lost: start with ANDREA_FLEX_BWD=0") from None
         self.ops.flex = self.flex
 
     def _time_ms(self, fn: Callable[[], None]) -> float:

@@ -108,16 +108,16 @@ def library_paths() -> tuple[Path, str | None, str | None]:
     if key not in _built:  # once per process: each CudaBackend start would probe again
         from engine.backends.cuda.flex_build import build_library
 
-        t0 = time.monotonic()
+        t0, wall0 = time.monotonic(), time.time()
         try:
-            _built[key] = build_library(cache_dir(), python=python)
+            _built[key] = lib = build_library(cache_dir(), python=python)
         except RunError as e:
             _built[key] = e
         else:
-            seconds = time.monotonic() - t0
-            if seconds > BUILD_NOTE_S:  # a compile, not a cache hit: the start-up says why
-                build_notes.append(f"the flex attention backward was built in {seconds:.0f} s "
-                                   f"into {cache_dir()} (once: later starts load it)")
+            if _written_since(lib.with_suffix(".json"), wall0):  # compiled now, not a cache hit
+                build_notes.append(f"the flex attention backward was built in "
+                                   f"{time.monotonic() - t0:.0f} s into {cache_dir()} (once: "
+                                   f"later starts load it)")
     got = _built[key]
     if isinstance(got, RunError):
         raise RunError(str(got))
@@ -127,8 +127,16 @@ def library_paths() -> tuple[Path, str | None, str | None]:
 # library_paths' builds in this process, by (cache directory, interpreter): the library, or the
 # RunError that says why there is none (a build that failed is not tried again in the process)
 _built: dict[tuple[str, str], Path | RunError] = {}
-BUILD_NOTE_S = 5.0  # a library_paths that took longer built the library (a cache hit: < 1 s)
 build_notes: list[str] = []  # what the builds said, for the run's log (CudaBackend._pick_flex)
+
+
+def _written_since(path: Path, wall: float) -> bool:
+    """Whether `path` (a built library's manifest, written last) was written at or after the
+    wall-clock time `wall` (a second's slack for coarse file-system clocks)."""
+    try:
+        return path.stat().st_mtime >= wall - 1.0
+    except OSError:
+        return False
 
 
 def open_backward(batch: int, seq_len: int, heads: int, device_id: int) -> FlexBackward:

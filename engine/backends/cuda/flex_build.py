@@ -12,13 +12,15 @@ arguments in flex_build_main.py's docstring, in the order `ARG_NAMES`). It:
 3. links it with `g++ -shared` against libcute_dsl_runtime.so and libtvm_ffi.so (with an rpath
    to where they were found), then renames it into place (atomic). g++ is needed only on a miss:
    a cached library (built elsewhere and carried) is returned without it.
-The cache key (`cache_key`) is the recipe (`RECIPE_SHA256`, the sha256 of flex_build_main.py:
-argument order, constructor arguments (BWD_CONFIG), fake-tensor specs), the frontend, CuTe DSL,
+The package versions must be TESTED_VERSIONS (the recipe reads the frontend's private modules;
+another version is a RunError saying which). The cache key (`cache_key`) is the recipe
+(`RECIPE_SHA256`, the sha256 of flex_build_main.py's code, its syntax tree without docstrings
+and comments: argument order, constructor arguments (BWD_CONFIG), fake-tensor specs), the frontend, CuTe DSL,
 libs-cu13 and TVM FFI versions, head_dim and dtype. Next to each library a JSON manifest records
 them, the argument names, the run-time libraries' paths, the kernels' config (`bwd_config`,
 `postprocess`) and the plan's mask words for it (`plan_mask_words`) (`read_manifest`);
-flex_call.py refuses a library whose manifest's recipe or argument names differ from this
-checkout's. Everything that can fail (an interpreter, a package, g++, the cache directory) is a
+flex_call.py refuses a library whose manifest's recipe, argument names or versions differ from
+this checkout's. Everything that can fail (an interpreter, a package, g++, the cache directory) is a
 RunError saying what.
 
 `build_variant(out_dir, name, overrides)` builds the same library with overrides of the main
@@ -63,8 +65,37 @@ def _script_constant(name: str) -> object:
 ARG_NAMES: tuple[str, ...] = tuple(_script_constant("ARG_NAMES"))  # type: ignore[arg-type]
 # The main kernel's constructor arguments the library is built with (overrides: build_variant).
 BWD_CONFIG: dict = dict(_script_constant("BWD_CONFIG"))  # type: ignore[call-overload]
-# The build recipe: a changed script is a different library.
-RECIPE_SHA256 = hashlib.sha256(BUILD_SCRIPT.read_bytes()).hexdigest()
+# The package versions the recipe was written against and run with on the H200: the build
+# script reads the frontend's private kernel modules and the plan (flex_plan.py) follows its
+# planner, so any other version is refused (pyproject's `flex` extra pins the same).
+TESTED_VERSIONS = {"frontend_version": "1.32.0", "dsl_version": "4.8.1",
+                   "tvm_ffi_version": "0.1.15.post2"}
+
+
+def _recipe_digest(source: str) -> str:
+    """sha256 of the build script's code: its syntax tree without docstrings (comments are not
+    in it), so that a change of words alone is not a different library."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(body, list) and body and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return hashlib.sha256(ast.dump(tree).encode()).hexdigest()
+
+
+# The build recipe: a changed script (its code) is a different library.
+RECIPE_SHA256 = _recipe_digest(BUILD_SCRIPT.read_text())
+
+
+def untested_versions(info: dict) -> str:
+    """"" where probe()'s (or a manifest's) package versions are TESTED_VERSIONS; else which
+    differ, e.g. "nvidia-cudnn-frontend 1.33.0 (tested: 1.32.0)"."""
+    names = {"frontend_version": "nvidia-cudnn-frontend", "dsl_version": "nvidia-cutlass-dsl",
+             "tvm_ffi_version": "apache-tvm-ffi"}
+    return ", ".join(f"{names[k]} {info.get(k)} (tested: {v})"
+                     for k, v in TESTED_VERSIONS.items() if info.get(k) != v)
 
 
 def _run_build_script(python: str, args: list[str], timeout: float) -> dict:
@@ -164,6 +195,10 @@ def build_library(cache_dir: Path | str, *, python: str | None = None, head_dim:
                        f"head_dim={head_dim}, dtype={dtype!r}")
     python = python or sys.executable
     info = probe(python)
+    untested = untested_versions(info)
+    if untested:
+        raise RunError(f"flex attention build ({python}): {untested}: pip install the tested "
+                       f"versions (pip install 'andrea[flex]')")
     cache = Path(cache_dir)
     try:
         cache.mkdir(parents=True, exist_ok=True)
@@ -173,9 +208,12 @@ def build_library(cache_dir: Path | str, *, python: str | None = None, head_dim:
     lib, manifest = cache / f"{key}.so", cache / f"{key}.json"
     if lib.is_file() and manifest.is_file():
         return lib
-    out = _compile_and_link(python, info, lib, head_dim, dtype)
-    _write_atomic(manifest, (json.dumps(_record(info, out, head_dim, dtype), indent=1)
-                             + "\n").encode())
+    try:
+        out = _compile_and_link(python, info, lib, head_dim, dtype)
+        _write_atomic(manifest, (json.dumps(_record(info, out, head_dim, dtype), indent=1)
+                                 + "\n").encode())
+    except OSError as e:  # a read-only or full cache directory
+        raise RunError(f"flex attention build: cannot write into {cache} ({e})") from None
     return lib
 
 
@@ -236,10 +274,13 @@ def build_variant(out_dir: Path | str, name: str, overrides: dict, *, python: st
     except OSError as e:
         raise RunError(f"flex attention build: cannot create {out_dir} ({e})") from None
     lib, manifest = out_dir / f"{name}.so", out_dir / f"{name}.json"
-    for stale in (lib, manifest):  # a failed build leaves neither behind
-        stale.unlink(missing_ok=True)
-    out = _compile_and_link(python, info, lib, head_dim, dtype, overrides)
-    record = {**_record(info, out, head_dim, dtype), "variant": name,
-              "overrides": out.get("overrides", overrides)}
-    _write_atomic(manifest, (json.dumps(record, indent=1) + "\n").encode())
+    try:
+        for stale in (lib, manifest):  # a failed build leaves neither behind
+            stale.unlink(missing_ok=True)
+        out = _compile_and_link(python, info, lib, head_dim, dtype, overrides)
+        record = {**_record(info, out, head_dim, dtype), "variant": name,
+                  "overrides": out.get("overrides", overrides)}
+        _write_atomic(manifest, (json.dumps(record, indent=1) + "\n").encode())
+    except OSError as e:
+        raise RunError(f"flex attention variant {name}: cannot write into {out_dir} ({e})") from None
     return lib

@@ -46,7 +46,13 @@ from pathlib import Path
 import numpy as np
 
 from engine.backends.cuda import flex_libs
-from engine.backends.cuda.flex_build import ARG_NAMES, ENTRY_SYMBOL, RECIPE_SHA256, read_manifest
+from engine.backends.cuda.flex_build import (
+    ARG_NAMES,
+    ENTRY_SYMBOL,
+    RECIPE_SHA256,
+    read_manifest,
+    untested_versions,
+)
 from engine.backends.cuda.flex_plan import FIELDS, HEAD_DIM, TILE, causal_plan
 from engine.errors import RunError, UserError
 
@@ -108,7 +114,8 @@ def scratch_bytes(batch: int, seq_len: int, heads: int) -> dict[str, int]:
 def check_manifest(manifest: dict, library: Path, dtype: str, need_libs: bool,
                    variant_ok: bool = False) -> None:
     """RunError unless `manifest` has the keys read here and was built by this checkout's recipe
-    (RECIPE_SHA256, ARG_NAMES) for `dtype` and head_dim 64 with ENTRY_SYMBOL, and, unless
+    (RECIPE_SHA256, ARG_NAMES) with the tested package versions (flex_build.TESTED_VERSIONS)
+    for `dtype` and head_dim 64 with ENTRY_SYMBOL, and, unless
     `variant_ok`, with the recipe's own kernel config (a variant of flex_build.build_variant
     may need another plan than flex_plan's: only scripts/bench_flex_configs.py adapts it)."""
     if manifest.get("overrides") and not variant_ok:
@@ -131,6 +138,10 @@ def check_manifest(manifest: dict, library: Path, dtype: str, need_libs: bool,
     if manifest["dtype"] != dtype or manifest["head_dim"] != HEAD_DIM:
         raise RunError(f"flex attention: {library} is for {manifest['dtype']} head_dim "
                        f"{manifest['head_dim']}, asked for {dtype} head_dim {HEAD_DIM}")
+    untested = untested_versions(manifest)
+    if untested:
+        raise RunError(f"flex attention: {library} was built with {untested}: rebuild it with "
+                       f"the tested versions (pip install 'andrea[flex]', scripts/flex-pack)")
     if manifest["entry_symbol"] != ENTRY_SYMBOL:
         raise RunError(f"flex attention: {library} exports {manifest['entry_symbol']}, "
                        f"expected {ENTRY_SYMBOL}")
