@@ -244,16 +244,9 @@ def test_the_cache_key_follows_the_recipe_and_versions(monkeypatch: pytest.Monke
     assert flex_build.cache_key(FAKE_INFO, 64, "bf16") != key
 
 
-def test_the_recipe_hash_is_the_build_scripts_code() -> None:
-    source = flex_build.BUILD_SCRIPT.read_text()
-    assert flex_build.RECIPE_SHA256 == flex_build._recipe_digest(source)
-    # words alone (a comment, a docstring) are the same recipe; code is another
-    reworded = source.replace('"""The build step', '"""The build step, reworded', 1)
-    reworded = reworded.replace("\nimport json\n", "\n# a comment\nimport json\n", 1)
-    assert reworded != source and flex_build._recipe_digest(reworded) == flex_build.RECIPE_SHA256
-    recoded = source.replace('"Q_stage": 2', '"Q_stage": 1', 1)
-    assert recoded != source and flex_build._recipe_digest(recoded) != flex_build.RECIPE_SHA256
-    assert flex_build._recipe_digest(source) != hashlib.sha256(source.encode()).hexdigest()
+def test_the_recipe_hash_is_the_build_scripts() -> None:
+    script = flex_build.BUILD_SCRIPT.read_bytes()
+    assert flex_build.RECIPE_SHA256 == hashlib.sha256(script).hexdigest()
     # ARG_NAMES is read from the script's source: every name once, the plan's in FIELDS' order
     names = flex_build.ARG_NAMES
     assert len(set(names)) == len(names) == 24 and names[-2:] == ("scale", "seqlen")
@@ -445,6 +438,20 @@ def test_plan_masks_match_the_dsl_partition_map(flex_python: str, tmp_path: Path
 
 
 @pytest.mark.slow
+def test_the_build_interpreter_sees_the_same_recipe(flex_python: str) -> None:
+    """The library is built (and a pack made) by one Python and loaded by another (the GPU
+    machine's): both must compute the same recipe and argument names. An ast.dump digest, tried
+    once, differed between 3.11 and 3.12 and every pack was refused on the H200."""
+    probe = ("import sys; sys.path.insert(0, sys.argv[1]); "
+             "from engine.backends.cuda import flex_build as f; "
+             "print(f.RECIPE_SHA256, ','.join(f.ARG_NAMES), sorted(f.BWD_CONFIG.items()))")
+    r = subprocess.run([flex_python, "-c", probe, str(Path(flex_build.__file__).parents[3])],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[0] == flex_build.RECIPE_SHA256
+    assert r.stdout.split()[1] == ",".join(flex_build.ARG_NAMES)
+
+
 def test_build_exports_the_entry_point_and_caches(flex_python: str, library: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     assert library.is_file() and library.suffix == ".so"

@@ -14,8 +14,8 @@ arguments in flex_build_main.py's docstring, in the order `ARG_NAMES`). It:
    a cached library (built elsewhere and carried) is returned without it.
 The package versions must be TESTED_VERSIONS (the recipe reads the frontend's private modules;
 another version is a RunError saying which). The cache key (`cache_key`) is the recipe
-(`RECIPE_SHA256`, the sha256 of flex_build_main.py's code, its syntax tree without docstrings
-and comments: argument order, constructor arguments (BWD_CONFIG), fake-tensor specs), the frontend, CuTe DSL,
+(`RECIPE_SHA256`, the sha256 of flex_build_main.py: argument order, constructor arguments
+(BWD_CONFIG), fake-tensor specs), the frontend, CuTe DSL,
 libs-cu13 and TVM FFI versions, head_dim and dtype. Next to each library a JSON manifest records
 them, the argument names, the run-time libraries' paths, the kernels' config (`bwd_config`,
 `postprocess`) and the plan's mask words for it (`plan_mask_words`) (`read_manifest`);
@@ -72,21 +72,10 @@ TESTED_VERSIONS = {"frontend_version": "1.32.0", "dsl_version": "4.8.1",
                    "tvm_ffi_version": "0.1.15.post2"}
 
 
-def _recipe_digest(source: str) -> str:
-    """sha256 of the build script's code: its syntax tree without docstrings (comments are not
-    in it), so that a change of words alone is not a different library."""
-    tree = ast.parse(source)
-    for node in ast.walk(tree):
-        body = getattr(node, "body", None)
-        if (isinstance(body, list) and body and isinstance(body[0], ast.Expr)
-                and isinstance(body[0].value, ast.Constant)
-                and isinstance(body[0].value.value, str)):
-            node.body = body[1:] or [ast.Pass()]
-    return hashlib.sha256(ast.dump(tree).encode()).hexdigest()
-
-
-# The build recipe: a changed script (its code) is a different library.
-RECIPE_SHA256 = _recipe_digest(BUILD_SCRIPT.read_text())
+# The build recipe: a changed script is a different library. The file's bytes, not its syntax
+# tree: ast.dump differs between Python versions (3.12 added fields), and a library built by
+# one interpreter is loaded by another (a pack built here, run by a GPU machine's 3.12).
+RECIPE_SHA256 = hashlib.sha256(BUILD_SCRIPT.read_bytes()).hexdigest()
 
 
 def untested_versions(info: dict) -> str:
