@@ -650,8 +650,12 @@ def main(argv: list[str] | None = None) -> int:
                                            "seed", "timeout", "no_graph", "only")},
                "overrides": {v["name"]: v["overrides"] for v in built},
                "results": results, "not_built": not_built, "warnings": warnings}
-        Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
-        print(f"results: {a.json}")
+        try:
+            Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
+            print(f"results: {a.json}")
+        except OSError as e:  # the disk filled during the sweep: the table above stands
+            print(f"bench_flex_configs: --json {a.json}: {e.strerror or e}", file=sys.stderr)
+            return 2
     ok = all(_us(results[n]["heads"][str(H)]) for n in ("cudnn", "frontend") if n in results
              for H in a.heads)
     return 0 if ok else 1

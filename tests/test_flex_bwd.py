@@ -244,6 +244,20 @@ def test_the_cache_key_follows_the_recipe_and_versions(monkeypatch: pytest.Monke
     assert flex_build.cache_key(FAKE_INFO, 64, "bf16") != key
 
 
+def test_the_flex_extra_pins_the_tested_versions() -> None:
+    """pyproject's `flex` extra installs what TESTED_VERSIONS accepts (one without the other
+    would install versions every build then refuses)."""
+    import tomllib
+
+    root = Path(flex_build.__file__).parents[3]
+    extra = tomllib.loads((root / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]["flex"]
+    pins = dict(req.split("==") for req in extra if "==" in req)
+    names = {"nvidia-cudnn-frontend": "frontend_version", "nvidia-cutlass-dsl[cu13]": "dsl_version",
+             "apache-tvm-ffi": "tvm_ffi_version"}
+    assert {names[k]: v for k, v in pins.items()} == flex_build.TESTED_VERSIONS
+
+
 def test_the_recipe_hash_is_the_build_scripts() -> None:
     script = flex_build.BUILD_SCRIPT.read_bytes()
     assert flex_build.RECIPE_SHA256 == hashlib.sha256(script).hexdigest()

@@ -5,8 +5,8 @@ Its run on a GPU: tests/gpu/test_flex_gpu.py."""
 
 from __future__ import annotations
 
+import json
 import lzma
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -73,12 +73,12 @@ def test_without_a_given_library_it_builds_in_the_cache(monkeypatch, tmp_path) -
 
     def build(cache, *, python=None):
         seen.update(cache=cache, python=python)
-        return tmp_path / "built.so"
+        return tmp_path / "built.so", False
 
     monkeypatch.delenv(flex_attn.LIB_ENV, raising=False)
     monkeypatch.setenv(flex_attn.CACHE_ENV, str(tmp_path / "c"))
     monkeypatch.setenv(flex_attn.PYTHON_ENV, "/opt/py312/bin/python")
-    monkeypatch.setattr(flex_build, "build_library", build)
+    monkeypatch.setattr(flex_build, "build", build)
     monkeypatch.setattr(flex_attn, "_built", {})
     assert flex_attn.library_paths() == (tmp_path / "built.so", None, None)
     assert seen == {"cache": tmp_path / "c", "python": "/opt/py312/bin/python"}
@@ -226,11 +226,12 @@ def test_a_build_is_tried_once_per_process(monkeypatch, tmp_path) -> None:
         calls.append(cache)
         if "bad" in str(cache):
             raise RunError("flex attention build: the package nvidia-cutlass-dsl is not installed")
-        return tmp_path / "built.so"
+        return tmp_path / "built.so", True
 
     monkeypatch.delenv(flex_attn.LIB_ENV, raising=False)
-    monkeypatch.setattr(flex_build, "build_library", build)
+    monkeypatch.setattr(flex_build, "build", build)
     monkeypatch.setattr(flex_attn, "_built", {})
+    monkeypatch.setattr(flex_attn, "build_notes", [])
     for cache in ("good", "bad"):
         monkeypatch.setenv(flex_attn.CACHE_ENV, str(tmp_path / cache))
         for _ in range(3):
@@ -240,25 +241,25 @@ def test_a_build_is_tried_once_per_process(monkeypatch, tmp_path) -> None:
                 with pytest.raises(RunError, match="nvidia-cutlass-dsl is not installed"):
                     flex_attn.library_paths()
     assert calls == [tmp_path / "good", tmp_path / "bad"]
+    assert len(flex_attn.build_notes) == 1  # the one compile, said once
 
 
 def test_a_build_that_compiled_is_said_at_start(monkeypatch, tmp_path) -> None:
-    """A compile (the manifest written during the call) is said in the notes of the backend
-    that asked, even where its library then fails to load; a cache hit says nothing."""
+    """A compile (flex_build.build says so) is said in the notes of the backend that asked,
+    even where its library then fails to load; a cache hit says nothing."""
     from engine.backends.cuda import flex_build
 
+    compiles = [True, False]
+
     def build(cache, *, python=None):
-        lib = tmp_path / "x.so"
-        if not lib.with_suffix(".json").exists():  # a miss: compiled, the manifest written
-            lib.with_suffix(".json").write_text("{}")
-        return lib
+        return tmp_path / "x.so", compiles.pop(0)
 
     monkeypatch.delenv(flex_attn.LIB_ENV, raising=False)
     monkeypatch.delenv(flex_attn.SETTING, raising=False)
     monkeypatch.setenv(flex_attn.CACHE_ENV, str(tmp_path / "c"))
     monkeypatch.setattr(flex_attn, "_built", {})
     monkeypatch.setattr(flex_attn, "build_notes", [])
-    monkeypatch.setattr(flex_build, "build_library", build)
+    monkeypatch.setattr(flex_build, "build", build)
     loads = []
 
     def load(lib, B, T, H, **kw):
@@ -276,7 +277,6 @@ def test_a_build_that_compiled_is_said_at_start(monkeypatch, tmp_path) -> None:
     assert str(tmp_path / "c") in bk.notes[1]
     bk = _backend(monkeypatch)  # the next start in the process: nothing left over, loaded
     assert bk._pick_flex() is not None and bk.notes == []
-    os.utime(tmp_path / "x.json", (1e9, 1e9))  # built long ago
     monkeypatch.setattr(flex_attn, "_built", {})  # a new process: the cache hit says nothing
     bk = _backend(monkeypatch)
     assert bk._pick_flex() is not None and bk.notes == []
@@ -468,16 +468,29 @@ def test_the_unpack_prints_an_export_that_a_shell_can_eval(tmp_path) -> None:
     """scripts/flex-pack --unpack on a pack in a folder with a space and a quote in its name:
     the runtime library restored from its .xz, and the printed line, eval'd as gpu-check does,
     sets ANDREA_FLEX_LIB to the library's path."""
+    from engine.backends.cuda import flex_build
+
     pack = tmp_path / "a pack's $HOME"
     pack.mkdir()
-    for name in ("flex_bwd.so", "flex_bwd.json", "libtvm_ffi.so"):
+    for name in ("flex_bwd.so", "libtvm_ffi.so"):
         (pack / name).write_bytes(b"x")
+    manifest = {"entry_symbol": flex_build.ENTRY_SYMBOL, "recipe_sha256": flex_build.RECIPE_SHA256,
+                "arg_names": list(flex_build.ARG_NAMES), "dtype": "bf16", "head_dim": 64,
+                **flex_build.TESTED_VERSIONS}
+    (pack / "flex_bwd.json").write_text(json.dumps(manifest))
     with lzma.open(pack / "libcute_dsl_runtime.so.xz", "wb") as f:
         f.write(b"runtime")
     script = Path(__file__).resolve().parents[1] / "scripts" / "flex-pack"
     env = {"PATH": "/usr/bin:/bin", "PACK": str(pack), "PYTHON": sys.executable}
-    out = subprocess.run(["bash", "-c", f'e=$({script} --unpack) && eval "$e" && '
-                          f'printf %s "$ANDREA_FLEX_LIB"'], env=env, capture_output=True,
-                         text=True, check=True).stdout
+    cmd = ["bash", "-c", f'e=$({script} --unpack) && eval "$e" && printf %s "$ANDREA_FLEX_LIB"']
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
     assert out == str(pack / "flex_bwd.so")
     assert (pack / "libcute_dsl_runtime.so").read_bytes() == b"runtime"
+    # a pack from another recipe: refused in one line (every backend would refuse it)
+    (pack / "flex_bwd.json").write_text(json.dumps({**manifest, "recipe_sha256": "0" * 64}))
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert r.returncode != 0 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [
+        f"flex-pack --unpack: flex attention: {pack / 'flex_bwd.so'} was built from another "
+        f"flex_build_main.py (recipe {'0' * 16}, this checkout's "
+        f"{flex_build.RECIPE_SHA256[:16]}): rebuild it"]

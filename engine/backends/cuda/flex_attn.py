@@ -11,8 +11,9 @@ recorded with the run (settings.py) and a resume keeps it.
 Where it runs (`refusal` says why not, "" where it can): cuDNN's attention with Q, K, V in rows
 (CudnnAttention.rows), bf16 activations (fp8's attention is bf16 too), head dim 64, seq_len a
 multiple of 128, compute capability 9.0 (the kernels are sm_90a's), and a library that loads
-(`open_backward`). Anything else: cuDNN's deterministic backward, the setting recorded off, and
-the log says why (CudaBackend._pick_flex). A resumed run keeps what it recorded (off for a run
+(`open_backward`). Anything else: cuDNN's deterministic backward and the setting recorded off;
+the log says why where the library failed, or where the environment or the record asked for it
+(CudaBackend._pick_flex). A resumed run keeps what it recorded (off for a run
 recorded before the setting existed).
 
 The library (`library_paths`): `ANDREA_FLEX_LIB`, a built `.so` with its manifest beside it
@@ -106,15 +107,15 @@ def library_paths() -> tuple[Path, str | None, str | None]:
     python = os.environ.get(PYTHON_ENV) or sys.executable
     key = (str(cache_dir()), python)
     if key not in _built:  # once per process: each CudaBackend start would probe again
-        from engine.backends.cuda.flex_build import build_library
+        from engine.backends.cuda import flex_build
 
-        t0, wall0 = time.monotonic(), time.time()
+        t0 = time.monotonic()
         try:
-            _built[key] = lib = build_library(cache_dir(), python=python)
+            _built[key], compiled = flex_build.build(cache_dir(), python=python)
         except RunError as e:
             _built[key] = e
         else:
-            if _written_since(lib.with_suffix(".json"), wall0):  # compiled now, not a cache hit
+            if compiled:  # not a cache hit: the start-up says why it took longer
                 build_notes.append(f"the flex attention backward was built in "
                                    f"{time.monotonic() - t0:.0f} s into {cache_dir()} (once: "
                                    f"later starts load it)")
@@ -129,14 +130,6 @@ def library_paths() -> tuple[Path, str | None, str | None]:
 _built: dict[tuple[str, str], Path | RunError] = {}
 build_notes: list[str] = []  # what the builds said, for the run's log (CudaBackend._pick_flex)
 
-
-def _written_since(path: Path, wall: float) -> bool:
-    """Whether `path` (a built library's manifest, written last) was written at or after the
-    wall-clock time `wall` (a second's slack for coarse file-system clocks)."""
-    try:
-        return path.stat().st_mtime >= wall - 1.0
-    except OSError:
-        return False
 
 
 def open_backward(batch: int, seq_len: int, heads: int, device_id: int) -> FlexBackward:

@@ -178,16 +178,27 @@ def build_library(cache_dir: Path | str, *, python: str | None = None, head_dim:
                   dtype: str = "bf16") -> Path:
     """The cached `.so` for (recipe, package versions, head_dim, dtype); built on a miss (which
     needs g++). RunError for anything that fails, including a cache directory that cannot be
-    created."""
+    created. `build` also says whether it compiled."""
+    return build(cache_dir, python=python, head_dim=head_dim, dtype=dtype)[0]
+
+
+def _tested(info: dict, python: str) -> None:
+    """RunError unless probe()'s package versions are TESTED_VERSIONS."""
+    untested = untested_versions(info)
+    if untested:
+        raise RunError(f"flex attention build ({python}): {untested}: pip install the tested "
+                       f"versions (pip install 'andrea[flex]')")
+
+
+def build(cache_dir: Path | str, *, python: str | None = None, head_dim: int = 64,
+          dtype: str = "bf16") -> tuple[Path, bool]:
+    """build_library's library, and whether this call compiled it (False: a cache hit)."""
     if head_dim != 64 or dtype not in ("bf16", "fp16"):
         raise RunError(f"flex attention build: only head_dim 64 in bf16 or fp16, got "
                        f"head_dim={head_dim}, dtype={dtype!r}")
     python = python or sys.executable
     info = probe(python)
-    untested = untested_versions(info)
-    if untested:
-        raise RunError(f"flex attention build ({python}): {untested}: pip install the tested "
-                       f"versions (pip install 'andrea[flex]')")
+    _tested(info, python)
     cache = Path(cache_dir)
     try:
         cache.mkdir(parents=True, exist_ok=True)
@@ -196,14 +207,14 @@ def build_library(cache_dir: Path | str, *, python: str | None = None, head_dim:
     key = cache_key(info, head_dim, dtype)
     lib, manifest = cache / f"{key}.so", cache / f"{key}.json"
     if lib.is_file() and manifest.is_file():
-        return lib
+        return lib, False
     try:
         out = _compile_and_link(python, info, lib, head_dim, dtype)
         _write_atomic(manifest, (json.dumps(_record(info, out, head_dim, dtype), indent=1)
                                  + "\n").encode())
     except OSError as e:  # a read-only or full cache directory
         raise RunError(f"flex attention build: cannot write into {cache} ({e})") from None
-    return lib
+    return lib, True
 
 
 def _compile_and_link(python: str, info: dict, lib: Path, head_dim: int, dtype: str,
@@ -257,6 +268,7 @@ def build_variant(out_dir: Path | str, name: str, overrides: dict, *, python: st
                        f"head_dim={head_dim}, dtype={dtype!r}")
     python = python or sys.executable
     info = info or probe(python)
+    _tested(info, python)
     out_dir = Path(out_dir)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)

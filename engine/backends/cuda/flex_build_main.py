@@ -104,11 +104,13 @@ def probe() -> dict:
         raise LookupError(f"{FRONTEND} has no flex_attention/kernels/sm90 (looked in {cudnn_dir})")
     out["cudnn_dir"] = str(cudnn_dir)
     dsl_dir = _package_dir("nvidia_cutlass_dsl")
-    runtime = sorted(p for p in dsl_dir.glob("*/lib/libcute_dsl_runtime.so")) if dsl_dir else []
-    if not runtime:
-        raise LookupError(f"libcute_dsl_runtime.so not found under {dsl_dir} (install "
-                          "nvidia-cutlass-dsl-libs-cu13)")
-    out["runtime_lib"] = str(runtime[0])
+    # cu13's: nvidia-cutlass-dsl also installs libs-cu12, and the DSL compiles for the newest
+    # toolkit flavor the driver takes (cu13 here and on the H200); cu12's was never run
+    runtime = dsl_dir / "cu13" / "lib" / "libcute_dsl_runtime.so" if dsl_dir else None
+    if runtime is None or not runtime.is_file():
+        raise LookupError(f"libcute_dsl_runtime.so not found under {dsl_dir}/cu13/lib (install "
+                          "nvidia-cutlass-dsl-libs-cu13: pip install 'andrea[flex]')")
+    out["runtime_lib"] = str(runtime)
     tvm_dir = _package_dir("tvm_ffi")
     tvm_lib = tvm_dir / "lib" / "libtvm_ffi.so" if tvm_dir else None
     if tvm_lib is None or not tvm_lib.is_file():
