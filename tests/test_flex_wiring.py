@@ -494,3 +494,19 @@ def test_the_unpack_prints_an_export_that_a_shell_can_eval(tmp_path) -> None:
         f"flex-pack --unpack: flex attention: {pack / 'flex_bwd.so'} was built from another "
         f"flex_build_main.py (recipe {'0' * 16}, this checkout's "
         f"{flex_build.RECIPE_SHA256[:16]}): rebuild it"]
+
+
+def test_a_pack_that_fails_to_build_is_one_line_and_keeps_the_old_pack(tmp_path) -> None:
+    pack = tmp_path / "pack"
+    pack.mkdir()
+    (pack / "flex_bwd.so").write_bytes(b"the old pack")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "flex-pack"
+    env = {"PATH": "/usr/bin:/bin", "PACK": str(pack), "PYTHON": sys.executable,
+           "ANDREA_FLEX_PYTHON": str(tmp_path / "no-python"), "HOME": str(tmp_path)}
+    r = subprocess.run([str(script)], env=env, capture_output=True, text=True)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [
+        f"flex-pack: flex attention build: cannot run the interpreter "
+        f"'{tmp_path / 'no-python'}' (FileNotFoundError: No such file or directory)"]
+    assert not (tmp_path / ".pack.new").exists()
+    assert (pack / "flex_bwd.so").read_bytes() == b"the old pack"

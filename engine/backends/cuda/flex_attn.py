@@ -45,6 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from engine.backends.cuda import flex_build
 from engine.backends.cuda.flex_call import FlexArgs, FlexBackward, scratch_bytes
 from engine.backends.cuda.flex_plan import FIELDS, HEAD_DIM, TILE, causal_plan
 from engine.errors import RunError
@@ -107,8 +108,6 @@ def library_paths() -> tuple[Path, str | None, str | None]:
     python = os.environ.get(PYTHON_ENV) or sys.executable
     key = (str(cache_dir()), python)
     if key not in _built:  # once per process: each CudaBackend start would probe again
-        from engine.backends.cuda import flex_build
-
         t0 = time.monotonic()
         try:
             _built[key], compiled = flex_build.build(cache_dir(), python=python)
@@ -129,7 +128,6 @@ def library_paths() -> tuple[Path, str | None, str | None]:
 # RunError that says why there is none (a build that failed is not tried again in the process)
 _built: dict[tuple[str, str], Path | RunError] = {}
 build_notes: list[str] = []  # what the builds said, for the run's log (CudaBackend._pick_flex)
-
 
 
 def open_backward(batch: int, seq_len: int, heads: int, device_id: int) -> FlexBackward:

@@ -182,28 +182,32 @@ def build_library(cache_dir: Path | str, *, python: str | None = None, head_dim:
     return build(cache_dir, python=python, head_dim=head_dim, dtype=dtype)[0]
 
 
-def _tested(info: dict, python: str) -> None:
-    """RunError unless probe()'s package versions are TESTED_VERSIONS."""
+def _prepare(out_dir: Path | str, python: str | None, info: dict | None, head_dim: int,
+             dtype: str) -> tuple[str, dict, Path]:
+    """What every build starts with: head_dim and dtype checked, the interpreter probed (unless
+    `info` is its answer) for TESTED_VERSIONS, `out_dir` created. (python, info, out_dir);
+    RunError for any of them."""
+    if head_dim != 64 or dtype not in ("bf16", "fp16"):
+        raise RunError(f"flex attention build: only head_dim 64 in bf16 or fp16, got "
+                       f"head_dim={head_dim}, dtype={dtype!r}")
+    python = python or sys.executable
+    info = info or probe(python)
     untested = untested_versions(info)
     if untested:
         raise RunError(f"flex attention build ({python}): {untested}: pip install the tested "
                        f"versions (pip install 'andrea[flex]')")
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunError(f"flex attention build: cannot create the directory {out} ({e})") from None
+    return python, info, out
 
 
 def build(cache_dir: Path | str, *, python: str | None = None, head_dim: int = 64,
           dtype: str = "bf16") -> tuple[Path, bool]:
     """build_library's library, and whether this call compiled it (False: a cache hit)."""
-    if head_dim != 64 or dtype not in ("bf16", "fp16"):
-        raise RunError(f"flex attention build: only head_dim 64 in bf16 or fp16, got "
-                       f"head_dim={head_dim}, dtype={dtype!r}")
-    python = python or sys.executable
-    info = probe(python)
-    _tested(info, python)
-    cache = Path(cache_dir)
-    try:
-        cache.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise RunError(f"flex attention build: cannot create the cache directory {cache} ({e})") from None
+    python, info, cache = _prepare(cache_dir, python, None, head_dim, dtype)
     key = cache_key(info, head_dim, dtype)
     lib, manifest = cache / f"{key}.so", cache / f"{key}.json"
     if lib.is_file() and manifest.is_file():
@@ -263,17 +267,7 @@ def build_variant(out_dir: Path | str, name: str, overrides: dict, *, python: st
     if not isinstance(overrides, dict):
         raise RunError(f"flex attention variant {name}: overrides must be a dict, got "
                        f"{type(overrides).__name__}")
-    if head_dim != 64 or dtype not in ("bf16", "fp16"):
-        raise RunError(f"flex attention build: only head_dim 64 in bf16 or fp16, got "
-                       f"head_dim={head_dim}, dtype={dtype!r}")
-    python = python or sys.executable
-    info = info or probe(python)
-    _tested(info, python)
-    out_dir = Path(out_dir)
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise RunError(f"flex attention build: cannot create {out_dir} ({e})") from None
+    python, info, out_dir = _prepare(out_dir, python, info, head_dim, dtype)
     lib, manifest = out_dir / f"{name}.so", out_dir / f"{name}.json"
     try:
         for stale in (lib, manifest):  # a failed build leaves neither behind
