@@ -9,8 +9,7 @@
 // Built by scripts/bench-mlp-gemm (nvcc -arch=sm_90a, CUTLASS headers); cuBLASLt is opened at
 // run time (argv[1]: the library's path), so the build machine needs no cuBLAS.
 // cuBLASLt runs first in each problem, then the CUTLASS configurations in a fixed order.
-// NOTES.md (fourteenth session) has the figures: over four runs CUTLASS's best DGELU took
-// 83.0-85.8 us against cuBLASLt's 85.1-87.1, its best GELU_AUX 79.8-83.5 against 79.3-81.4.
+// The figures it printed on the H200 are in engine/backends/cuda/NOTES.md (fourteenth session).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <dlfcn.h>
@@ -262,12 +261,6 @@ __global__ void fill_uniform(bf16* p, size_t n, uint32_t seed, float scale) {
   }
 }
 
-static std::vector<float> to_host(const bf16* p, size_t n) {
-  std::vector<bf16> h(n);
-  CK(cudaMemcpy(h.data(), p, n * sizeof(bf16), cudaMemcpyDeviceToHost));
-  return std::vector<float>(h.begin(), h.end());
-}
-
 static std::vector<uint16_t> bits(const bf16* p, size_t n) {
   std::vector<uint16_t> h(n);
   CK(cudaMemcpy(h.data(), p, n * sizeof(uint16_t), cudaMemcpyDeviceToHost));
@@ -304,6 +297,9 @@ static std::string compare(const bf16* a, const bf16* ref, size_t n) {
   return buf;
 }
 
+template <class T>
+struct template_tag { using type = T; };  // a type passed to a generic lambda
+
 struct Row { std::string problem, impl; double us; double tflops; std::string note; };
 
 int main(int argc, char** argv) {
@@ -339,11 +335,11 @@ int main(int argc, char** argv) {
   CK(cudaGetLastError());
   CK(cudaDeviceSynchronize());
   {  // CUTLASS's B operand is K-major: W1ᵀ [F,d], transposed once on the host
-    auto w = to_host(W1, Fd);
-    std::vector<bf16> t(Fd);
+    auto w = bits(W1, Fd);
+    std::vector<uint16_t> t(Fd);
     for (int k = 0; k < d; ++k)
-      for (int n = 0; n < F; ++n) t[size_t(n) * d + k] = bf16(w[size_t(k) * F + n]);
-    CK(cudaMemcpy(W1t, t.data(), Fd * sizeof(bf16), cudaMemcpyHostToDevice));
+      for (int n = 0; n < F; ++n) t[size_t(n) * d + k] = w[size_t(k) * F + n];
+    CK(cudaMemcpy(W1t, t.data(), Fd * sizeof(uint16_t), cudaMemcpyHostToDevice));
   }
   std::vector<Row> rows;
   auto add = [&](const char* problem, const std::string& impl, double us, std::string note) {
@@ -359,71 +355,52 @@ int main(int argc, char** argv) {
     a.dAux = cutlass::make_cute_packed_stride(decltype(a.dAux){}, {R, F, 1});
   };
 
-  // Each CUTLASS kernel runs, then its output is compared (two statements: in one call's
-  // arguments the comparison could run first, on the previous kernel's output).
-  auto cutlass_row = [&](const char* problem, const char* impl, double us, bf16* got,
-                         bf16* want, bf16* aux_got = nullptr, bf16* aux_want = nullptr) {
+  // One CUTLASS configuration: its output buffers filled with NaN (0xFFFF) first, so an
+  // output it did not write cannot pass for cuBLASLt's; timed; then compared with ref (and its
+  // aux with aux_ref when given), unless CUTLASS refused it.
+  auto cutlass_row = [&](auto gemm, const char* problem, const char* impl, const bf16* A,
+                         const bf16* B, auto set, const bf16* aux_want = nullptr) {
+    using G = typename decltype(gemm)::type;
+    CK(cudaMemset(out, 0xFF, RF * sizeof(bf16)));
+    CK(cudaMemset(aux_out, 0xFF, RF * sizeof(bf16)));
+    double us = cutlass_time<G>(s, R, F, d, A, B, out, set);
     std::string note;
     if (!std::isnan(us)) {
-      note = compare(got, want, RF);
-      if (aux_got) note = "act " + note + "; pre " + compare(aux_got, aux_want, RF);
+      note = compare(out, ref, RF);
+      if (aux_want) note = "act " + note + "; pre " + compare(aux_out, aux_want, RF);
     }
     add(problem, impl, us, note);
   };
-  // every CUTLASS kernel writes over NaN (0xFFFF), so an output it did not write cannot pass
-  // for cuBLASLt's
-  auto poison = [&] {
-    CK(cudaMemset(out, 0xFF, RF * sizeof(bf16)));
-    CK(cudaMemset(aux_out, 0xFF, RF * sizeof(bf16)));
-  };
-  double us;
+
   const char* pln = "dy.W2^T, plain";
   add(pln, "cuBLASLt", cublaslt_best(lt, s, R, F, d, dy, W2, true, ref, EPILOGUE_DEFAULT,
                                      nullptr), "");
-  poison();
-  us = cutlass_time<CutlassGemm<T128x256, C1, Coop, EpiCoop, Plain>>(s, R, F, d, dy, W2, out,
-                                                                      plain);
-  cutlass_row(pln, "CUTLASS coop 128x256", us, out, ref);
-  poison();
-  us = cutlass_time<CutlassGemm<T128x128, C1, Ping, EpiPing, Plain>>(s, R, F, d, dy, W2, out,
-                                                                      plain);
-  cutlass_row(pln, "CUTLASS ping 128x128", us, out, ref);
+  cutlass_row(template_tag<CutlassGemm<T128x256, C1, Coop, EpiCoop, Plain>>{}, pln,
+              "CUTLASS coop 128x256", dy, W2, plain);
+  cutlass_row(template_tag<CutlassGemm<T128x128, C1, Ping, EpiPing, Plain>>{}, pln,
+              "CUTLASS ping 128x128", dy, W2, plain);
 
   const char* bwd = "dpre = dy.W2^T * gelu'(pre)";
   add(bwd, "cuBLASLt DGELU", cublaslt_best(lt, s, R, F, d, dy, W2, true, ref, EPILOGUE_DGELU,
                                            pre), "");
-  poison();
-  us = cutlass_time<CutlassGemm<T128x256, C1, Coop, EpiCoop, DGelu>>(s, R, F, d, dy, W2, out,
-                                                                      dgelu);
-  cutlass_row(bwd, "CUTLASS coop 128x256", us, out, ref);
-  poison();
-  us = cutlass_time<CutlassGemm<T128x256, C2, Coop, EpiCoop, DGelu>>(s, R, F, d, dy, W2, out,
-                                                                      dgelu);
-  cutlass_row(bwd, "CUTLASS coop 128x256 2x1", us, out, ref);
-  poison();
-  us = cutlass_time<CutlassGemm<T256x128, C1, Coop, EpiCoop, DGelu>>(s, R, F, d, dy, W2, out,
-                                                                      dgelu);
-  cutlass_row(bwd, "CUTLASS coop 256x128", us, out, ref);
-  poison();
-  us = cutlass_time<CutlassGemm<T128x128, C1, Ping, EpiPing, DGelu>>(s, R, F, d, dy, W2, out,
-                                                                      dgelu);
-  cutlass_row(bwd, "CUTLASS ping 128x128", us, out, ref);
-  poison();
-  us = cutlass_time<CutlassGemm<T128x128, C2, Ping, EpiPing, DGelu>>(s, R, F, d, dy, W2, out,
-                                                                      dgelu);
-  cutlass_row(bwd, "CUTLASS ping 128x128 2x1", us, out, ref);
+  cutlass_row(template_tag<CutlassGemm<T128x256, C1, Coop, EpiCoop, DGelu>>{}, bwd,
+              "CUTLASS coop 128x256", dy, W2, dgelu);
+  cutlass_row(template_tag<CutlassGemm<T128x256, C2, Coop, EpiCoop, DGelu>>{}, bwd,
+              "CUTLASS coop 128x256 2x1", dy, W2, dgelu);
+  cutlass_row(template_tag<CutlassGemm<T256x128, C1, Coop, EpiCoop, DGelu>>{}, bwd,
+              "CUTLASS coop 256x128", dy, W2, dgelu);
+  cutlass_row(template_tag<CutlassGemm<T128x128, C1, Ping, EpiPing, DGelu>>{}, bwd,
+              "CUTLASS ping 128x128", dy, W2, dgelu);
+  cutlass_row(template_tag<CutlassGemm<T128x128, C2, Ping, EpiPing, DGelu>>{}, bwd,
+              "CUTLASS ping 128x128 2x1", dy, W2, dgelu);
 
   const char* fwd = "act = gelu(x.W1), pre saved";
   add(fwd, "cuBLASLt GELU_AUX", cublaslt_best(lt, s, R, F, d, x, W1, false, ref,
                                              EPILOGUE_GELU_AUX, aux_ref), "");
-  poison();
-  us = cutlass_time<CutlassGemm<T128x256, C1, Coop, EpiCoop, GeluAux>>(s, R, F, d, x, W1t, out,
-                                                                        gelu_aux);
-  cutlass_row(fwd, "CUTLASS coop 128x256", us, out, ref, aux_out, aux_ref);
-  poison();
-  us = cutlass_time<CutlassGemm<T128x128, C1, Ping, EpiPing, GeluAux>>(s, R, F, d, x, W1t, out,
-                                                                        gelu_aux);
-  cutlass_row(fwd, "CUTLASS ping 128x128", us, out, ref, aux_out, aux_ref);
+  cutlass_row(template_tag<CutlassGemm<T128x256, C1, Coop, EpiCoop, GeluAux>>{}, fwd,
+              "CUTLASS coop 128x256", x, W1t, gelu_aux, aux_ref);
+  cutlass_row(template_tag<CutlassGemm<T128x128, C1, Ping, EpiPing, GeluAux>>{}, fwd,
+              "CUTLASS ping 128x128", x, W1t, gelu_aux, aux_ref);
 
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, dev));
@@ -432,8 +409,8 @@ int main(int argc, char** argv) {
   std::printf("%-28s %-26s %8s %8s  %s\n", "problem", "implementation", "us", "TFLOP/s", "output");
   for (const Row& r : rows) {
     if (std::isnan(r.us))
-      std::printf("%-28s %-26s %8s %8s  refused by CUTLASS or failed at its first launch\n", r.problem.c_str(), r.impl.c_str(),
-                  "-", "-");
+      std::printf("%-28s %-26s %8s %8s  refused by CUTLASS or failed at its first launch\n",
+                  r.problem.c_str(), r.impl.c_str(), "-", "-");
     else
       std::printf("%-28s %-26s %8.1f %8.0f  %s\n", r.problem.c_str(), r.impl.c_str(), r.us,
                   r.tflops, r.note.c_str());
