@@ -236,6 +236,12 @@ class Ops:
 
     # --- embedding -------------------------------------------------------------------------------
     def embed_fwd(self, tokens: int, wte: int, wpe: int, out: int, B: int, T: int, d: int) -> None:
+        """out = wte[tokens] + wpe (time-major rows): a warp a row in 16-byte vectors where the
+        rows are whole vectors (k_embed_fwd_rows), else an element a thread; the same bits."""
+        if d % (VEC_BYTES // self.esize) == 0 and out % VEC_BYTES == 0:
+            self._go("k_embed_fwd_rows", -(-B * T // ROWS_PER_BLOCK), out, tokens, wte, wpe, B,
+                     T, d)
+            return
         self._go("k_embed_fwd", _blocks(B * T * d), out, tokens, wte, wpe, B, T, d)
 
     def embed_bwd(self, dout: int, buckets: tuple[int, int, int, int], dwte: int, dwpe: int,

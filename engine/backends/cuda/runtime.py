@@ -25,6 +25,7 @@ ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Argument formats for PyCUDA's prepared launches: P pointer, i int32, q int64, f float32.
 SIGNATURES: dict[str, str] = {
     "k_embed_fwd": "PPPPiii",
+    "k_embed_fwd_rows": "PPPPiii",
     "k_fill": "Pqiiqq",
     "k_embed_bwd": "PPPPPPPiiii",
     "k_layernorm_fwd": "PPPPPPii",

@@ -12,6 +12,14 @@
 // 220 to 153 µs and k_loss_fwd_bwd from 189 to 143 at R = 8192, ldv = 8512 on the H200, the
 // same bits (NOTES.md, tenth session). Ops launches them with THREADS = 256.
 #define LOSS_BOUNDS __launch_bounds__(256, 3)
+// The act_t-logits kernels keep a row in half the registers (Cached): 4 blocks an SM, at most
+// 64 registers, no spills for bf16 (5 would spill). With float activations they are the float
+// kernels (never launched: the backend keeps float32 logits then).
+#if ANDREA_ACT != 0
+#define LOSS_LP_BOUNDS __launch_bounds__(256, 4)
+#else
+#define LOSS_LP_BOUNDS LOSS_BOUNDS
+#endif
 
 // Thread t's share of a row of ldv floats (ldv % 4 == 0, 16-byte aligned): the float4s
 // q = t, t + blockDim.x, ..., slot j holding q = t + j·blockDim.x. A row that fits is read from
@@ -34,23 +42,47 @@ __device__ __forceinline__ float4 load4(const act_t* z, int q) {
 }
 #endif
 
+// What a thread keeps of a row that fits: four columns per slot as stored (float4 for float
+// logits, Act4 for act_t ones: half the registers, so more rows in flight an SM), converted to
+// float where used (exact: the same values, the same bits).
 template <typename Z>
-__device__ __forceinline__ void row_load(float4 (&zc)[LOSS_CACHE], const Z* z, int ldv) {
+struct Cached {
+    typedef float4 type;
+};
+#if ANDREA_ACT != 0
+template <>
+struct Cached<act_t> {
+    typedef Act4 type;
+};
+#endif
+__device__ __forceinline__ float4 as_f4(const float4& v) { return v; }
+__device__ __forceinline__ float4 as_f4(const Act4& a) {
+    return make_float4(to_f(a.v[0]), to_f(a.v[1]), to_f(a.v[2]), to_f(a.v[3]));
+}
+__device__ __forceinline__ float4 load_raw(const float* z, int q) { return load4(z, q); }
+#if ANDREA_ACT != 0
+__device__ __forceinline__ Act4 load_raw(const act_t* z, int q) {
+    return reinterpret_cast<const Act4*>(z)[q];
+}
+#endif
+
+template <typename Z, typename C>
+__device__ __forceinline__ void row_load(C (&zc)[LOSS_CACHE], const Z* z, int ldv) {
 #pragma unroll
     for (int j = 0; j < LOSS_CACHE; j++) {
         const int q = threadIdx.x + j * blockDim.x;
-        if (q * 4 < ldv) zc[j] = load4(z, q);
+        if (q * 4 < ldv) zc[j] = load_raw(z, q);
     }
 }
 
 // z[tgt] from the row row_load left in registers, into *out by the thread holding it (before a
 // barrier: the one inside row_lse), so that no thread waits on a load of its own for it.
-__device__ __forceinline__ void cached_target(const float4 (&zc)[LOSS_CACHE], int tgt,
-                                              float* out) {
+template <typename C>
+__device__ __forceinline__ void cached_target(const C (&zc)[LOSS_CACHE], int tgt, float* out) {
 #pragma unroll
     for (int j = 0; j < LOSS_CACHE; j++) {
         if ((int)threadIdx.x + j * (int)blockDim.x == tgt >> 2) {
-            const float4 v = zc[j];
+            const float4 v = as_f4(zc[j]);
             const int i = tgt & 3;
             *out = i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
         }
@@ -77,21 +109,21 @@ __device__ __forceinline__ float vec_sumexp(float4 v, int q, int V, float m, flo
 // then each thread's Σ exp(z - max) over its float4s in order, the threads' sums added in a
 // fixed order (block_sum). Shared by k_loss_fwd and k_loss_fwd_bwd (same bits); zc: the row
 // as row_load leaves it when row_fits(ldv), else unused (the row is read from z).
-template <typename Z>
-__device__ __forceinline__ float row_lse(const float4 (&zc)[LOSS_CACHE], const Z* z, int V,
-                                         int ldv, float* shared) {
+template <typename Z, typename C>
+__device__ __forceinline__ float row_lse(const C (&zc)[LOSS_CACHE], const Z* z, int V, int ldv,
+                                         float* shared) {
     float m = -INFINITY, s = 0.0f;
     if (row_fits(ldv)) {
 #pragma unroll
         for (int j = 0; j < LOSS_CACHE; j++) {
             const int q = threadIdx.x + j * blockDim.x;
-            if (q * 4 < ldv) m = vec_max(zc[j], q, V, m);
+            if (q * 4 < ldv) m = vec_max(as_f4(zc[j]), q, V, m);
         }
         m = block_max(m, shared);
 #pragma unroll
         for (int j = 0; j < LOSS_CACHE; j++) {
             const int q = threadIdx.x + j * blockDim.x;
-            if (q * 4 < ldv) s = vec_sumexp(zc[j], q, V, m, s);
+            if (q * 4 < ldv) s = vec_sumexp(as_f4(zc[j]), q, V, m, s);
         }
     } else {
         for (int q = threadIdx.x; q * 4 < ldv; q += blockDim.x) m = vec_max(load4(z, q), q, V, m);
@@ -128,8 +160,8 @@ __device__ __forceinline__ void vec_dlogits(act_t* dz, float4 v, int q, float l,
 // The forward of row r (every loss kernel but k_loss_bwd): lse[r] and losses[r] from the row
 // z of V used columns; returns the lse. A row that fits (row_fits) is left in zc, and z[tgt]
 // comes from there, so that the row may be overwritten after the barriers inside row_lse.
-template <typename Z>
-__device__ __forceinline__ float row_loss(float4 (&zc)[LOSS_CACHE], float* losses, float* lse,
+template <typename Z, typename C>
+__device__ __forceinline__ float row_loss(C (&zc)[LOSS_CACHE], float* losses, float* lse,
                                           const Z* z, int r, int tgt, int V, int ldv) {
     __shared__ float shared[32];
     __shared__ float zt;
@@ -158,7 +190,7 @@ __device__ __forceinline__ void loss_fwd_row(float* losses, float* lse, const Z*
                                              const int* targets, int B, int T, int V, int ldv) {
     const int r = blockIdx.x;
     if (r >= B * T) return;
-    float4 zc[LOSS_CACHE];
+    typename Cached<Z>::type zc[LOSS_CACHE];
     row_loss(zc, losses, lse, logits + (long)r * ldv, r, row_target(targets, r, B, T), V, ldv);
 }
 
@@ -181,7 +213,7 @@ extern "C" __global__ void LOSS_BOUNDS k_loss_fwd(float* losses, float* lse, con
 // numpy twin: ops.loss_fwd (after its matmul, on logits in the compute precision)
 // >   np.log(s, out=losses[r0:r1])
 // k_loss_fwd on z stored as act_t (CudaBackend.logits_lp): the same bits on the same values.
-extern "C" __global__ void LOSS_BOUNDS k_loss_fwd_lp(float* losses, float* lse, const act_t* logits,
+extern "C" __global__ void LOSS_LP_BOUNDS k_loss_fwd_lp(float* losses, float* lse, const act_t* logits,
                                          const int* targets, int B, int T, int V, int ldv) {
     loss_fwd_row(losses, lse, logits, targets, B, T, V, ldv);
 }
@@ -217,7 +249,7 @@ __device__ __forceinline__ void loss_fwd_bwd_row(float* losses, float* lse, act_
     const Z* z = logits + (long)r * ldv;
     const bool fits = row_fits(ldv);
     const int tgt = row_target(targets, r, B, T);
-    float4 zc[LOSS_CACHE];
+    typename Cached<Z>::type zc[LOSS_CACHE];
     const float l = row_loss(zc, losses, lse, z, r, tgt, V, ldv);
     act_t* dz = dlogits + (long)r * ldv;
     const float sc = scale[0];
@@ -225,7 +257,7 @@ __device__ __forceinline__ void loss_fwd_bwd_row(float* losses, float* lse, act_
 #pragma unroll
         for (int j = 0; j < LOSS_CACHE; j++) {
             const int q = threadIdx.x + j * blockDim.x;
-            if (q * 4 < ldv) vec_dlogits(dz, zc[j], q, l, tgt, sc, V);
+            if (q * 4 < ldv) vec_dlogits(dz, as_f4(zc[j]), q, l, tgt, sc, V);
         }
     } else {
         for (int q = threadIdx.x; q * 4 < ldv; q += blockDim.x)
@@ -250,7 +282,7 @@ extern "C" __global__ void LOSS_BOUNDS k_loss_fwd_bwd(float* losses, float* lse,
 // values. dlogits may be the logits buffer itself (each row is read before it is written:
 // every thread holds its share of the row in registers once row_fits, which the backend
 // checks before it aliases them).
-extern "C" __global__ void LOSS_BOUNDS k_loss_fwd_bwd_lp(float* losses, float* lse, act_t* dlogits,
+extern "C" __global__ void LOSS_LP_BOUNDS k_loss_fwd_bwd_lp(float* losses, float* lse, act_t* dlogits,
                                              const act_t* logits, const int* targets,
                                              const float* scale, int B, int T, int V, int ldv) {
     loss_fwd_bwd_row(losses, lse, dlogits, logits, targets, scale, B, T, V, ldv);

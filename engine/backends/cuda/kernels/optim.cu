@@ -162,6 +162,30 @@ __host__ __device__ __forceinline__ int seg_flag(const int* seg_decay, const int
     return (seg_decay && seg_decay[s] ? SEG_DECAY : 0) | (seg_qkv ? seg_qkv[s] << 1 : 0);
 }
 
+// Four low-precision values, one store (8 bytes for bf16/fp16, 16 for float).
+struct alignas(4 * sizeof(act_t)) Act4 {
+    act_t v[4];
+};
+
+// The group's new values pa[0..3] rounded into p_lp at ats[0..3] (one value when !vec): one
+// 4-wide store where the four places follow each other from a multiple of 4 (the common case:
+// a layer's W_Q, W_K, W_V rows are d contiguous elements, d % 4 == 0 in the models), else one
+// store each. The same values in the same places either way.
+__device__ __forceinline__ void store_lp(act_t* p_lp, const long (&ats)[4], const float* pa,
+                                         bool vec) {
+    if (vec && (ats[0] & 3) == 0 && ats[1] == ats[0] + 1 && ats[2] == ats[0] + 2 &&
+        ats[3] == ats[0] + 3) {
+        Act4 o;
+#pragma unroll
+        for (int k = 0; k < 4; k++) o.v[k] = to_act(pa[k]);
+        *reinterpret_cast<Act4*>(p_lp + ats[0]) = o;
+        return;
+    }
+#pragma unroll
+    for (int k = 0; k < 4; k++)
+        if (k == 0 || vec) p_lp[ats[k]] = to_act(pa[k]);
+}
+
 // AdamW over elements [begin, end) of the flat buffers (begin a multiple of 4) with g·gm·gc
 // as the gradient (each product rounded to float, as separate k_grad_scale passes would have
 // stored it); the body of k_adamw and k_adamw_step. Each element's arithmetic is the same
@@ -199,6 +223,7 @@ __device__ __forceinline__ void adamw_body(float* p, act_t* p_lp, const float* g
         float* pa = &p4.x;
         float* ma = &m4.x;
         float* va = &v4.x;
+        long ats[4];  // the elements' places in p_lp
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             if (k > 0 && !vec) break;
@@ -211,11 +236,9 @@ __device__ __forceinline__ void adamw_body(float* p, act_t* p_lp, const float* g
             va[k] = vi;
             pa[k] = pi - lr * ((mi / bc1) / (sqrtf(vi / bc2) + eps) +
                                (flags[lo] & SEG_DECAY ? wd * pi : 0.0f));
-            if (p_lp) {
-                at = lp_walk(i0 + k, lo, starts, flags, d, at, &seg, &col);
-                p_lp[at] = to_act(pa[k]);
-            }
+            if (p_lp) ats[k] = at = lp_walk(i0 + k, lo, starts, flags, d, at, &seg, &col);
         }
+        if (p_lp) store_lp(p_lp, ats, pa, vec);
         if (vec) {
             *reinterpret_cast<float4*>(p + i0) = p4;
             *reinterpret_cast<float4*>(m + i0) = m4;
