@@ -195,6 +195,60 @@ def andrea_clock(bk: Any) -> Clock:
     return Clock(mark, lambda a, b: b.time_since(a), finish)
 
 
+class EnergyMeter:
+    """A GPU's total-energy counter (NVML, millijoules; it moves about every 100 ms on the H200:
+    NOTES.md, tenth session), read every `every_s` in a thread: `watts(t0, t1)` is the average
+    power between its first and last change inside [t0, t1] (time.perf_counter seconds), None
+    when fewer than three changes fall inside (under about 0.2 s) or where the counter cannot be
+    read. At the power limit a step's time is its energy over the limit, so the joules per step
+    say what a faster step would have to save (NOTES.md, sixteenth session)."""
+
+    def __init__(self, read: Callable[[], int], every_s: float = 0.002) -> None:
+        import threading
+
+        self.read, self.every_s = read, every_s
+        self.points: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="energy", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def open(cls, index: int = 0) -> EnergyMeter | None:
+        """GPU `index`'s meter through pynvml (the `nvml` extra), or None without it."""
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
+        except Exception:  # no NVML, no GPU, or a GPU without the counter
+            return None
+        return cls(lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(handle))
+
+    def _run(self) -> None:
+        last = None
+        while not self._stop.is_set():
+            try:
+                e = self.read()
+            except Exception:
+                return
+            if e != last:
+                self.points.append((time.perf_counter(), e))
+                last = e
+            self._stop.wait(self.every_s)
+
+    def watts(self, t0: float, t1: float) -> float | None:
+        inside = [p for p in self.points if t0 <= p[0] <= t1]
+        if len(inside) < 3 or inside[-1][0] <= inside[0][0]:
+            return None
+        (ta, ea), (tb, eb) = inside[0], inside[-1]
+        return (eb - ea) / 1e3 / (tb - ta)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def sustained_ms(step: Callable[[int], None], clock: Clock, n: int) -> list[float]:
     """n steps back to back, as a training run takes them (step(i) queues step i and returns
     when the implementation lets the host go on), and each step's device time: the interval
@@ -523,16 +577,19 @@ def bench_telemetry(key: str, steps: int, rounds: int) -> dict[str, float]:
 
 def bench_sustained(key: str, impls: dict[str, tuple[Callable[..., None], Any]],
                     clocks: dict[str, Clock], toks: list[np.ndarray], t_counter: dict[str, int],
-                    n: int) -> dict[str, dict[str, Any]]:
+                    n: int, meter: EnergyMeter | None = None) -> dict[str, dict[str, Any]]:
     """The engine (one-graph step) and each PyTorch mode for n steps back to back, twice, in
     turn (the second pass in reverse order): the median step of all but the first third of
     each run (steps 101..300 of 300, about andrea-train's median of steps 100..300), which is
-    where a long run holds the GPU at its power limit while short rounds may not. A run that
-    fails is reported as {"failed": why} and not run again; the others go on."""
+    where a long run holds the GPU at its power limit while short rounds may not. With a
+    meter, each run's average power over the same part ("W", the median of the two runs) and
+    the energy of a median step ("J" = W x ms). A run that fails is reported as
+    {"failed": why} and not run again; the others go on."""
     names = [n_ for n_ in impls if n_ == "andrea" or n_.startswith("torch")]
     names = [n_ for n_ in names if not (n_ == "andrea" and not impls[n_][1].fused_step)]
     skip = n // 3
     times: dict[str, list[float]] = {n_: [] for n_ in names}
+    watts: dict[str, list[float]] = {n_: [] for n_ in names}
     failed: dict[str, str] = {}
     for order in (names, names[::-1]):
         for name in order:
@@ -548,7 +605,12 @@ def bench_sustained(key: str, impls: dict[str, tuple[Callable[..., None], Any]],
                     step(toks[(t0 + i) % len(toks)], t0 + i)
             try:
                 clocks[name].finish()
+                t0 = time.perf_counter()
                 times[name] += sustained_ms(one, clocks[name], n)[skip:]
+                t1 = time.perf_counter()
+                w = meter.watts(t0 + (t1 - t0) * skip / n, t1) if meter is not None else None
+                if w is not None:
+                    watts[name].append(w)
             except Exception as e:
                 failed[name] = f"failed: {type(e).__name__}: {e}"[:120]
                 print(f"  {key} sustained {name}: {failed[name]}", flush=True)
@@ -559,9 +621,14 @@ def bench_sustained(key: str, impls: dict[str, tuple[Callable[..., None], Any]],
         t = sorted(t)
         out[name] = {"ms": statistics.median(t), "p10": t[len(t) // 10],
                      "p90": t[9 * len(t) // 10], "steps": len(t)}
+        energy = ""
+        if watts[name]:
+            w = statistics.median(watts[name])
+            out[name].update(W=w, J=w * out[name]["ms"] / 1e3)
+            energy = f"; {w:.0f} W, {out[name]['J']:.2f} J a step"
         print(f"  {key} sustained {name}: median {out[name]['ms']:.2f} ms (p10 "
               f"{out[name]['p10']:.2f}, p90 {out[name]['p90']:.2f}; steps {skip + 1}..{n} of two"
-              f" runs of {n})", flush=True)
+              f" runs of {n}{energy})", flush=True)
     return out
 
 
@@ -643,9 +710,14 @@ def bench_model(key: str, torch_variants: list[str], steps: int, rounds: int,
                     if n.startswith("torch") and m}
         near = [n for n, ms in torch_ms.items() if ms <= 1.3 * min(torch_ms.values())]
         if near:  # nothing to compare the engine's long runs with otherwise
-            notes.setdefault(key, {})["sustained"] = bench_sustained(
-                key, {n: impls[n] for n in ("andrea", *near) if n in impls}, clocks, toks,
-                t_counter, sustained)
+            meter = EnergyMeter.open()
+            try:
+                notes.setdefault(key, {})["sustained"] = bench_sustained(
+                    key, {n: impls[n] for n in ("andrea", *near) if n in impls}, clocks, toks,
+                    t_counter, sustained, meter)
+            finally:
+                if meter is not None:
+                    meter.close()
     for name, _, _ in andreas:
         if name in impls:
             impls[name][1].close()

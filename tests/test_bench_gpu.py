@@ -155,6 +155,40 @@ def test_rounds_and_long_runs_take_each_step_once_in_order():
         assert out[name]["steps"] == 12 and out[name]["ms"] == 1.0
 
 
+def test_energy_meter_averages_power_between_counter_changes():
+    """watts() takes the counter's first and last change inside the window (the counter moves
+    in steps, so the window's own ends would cut a step in two), and says None when too few
+    changes fall inside."""
+    b = _bench()
+    m = b.EnergyMeter(lambda: 0, every_s=0.001)
+    m.close()
+    m.points = [(0.95, 900), (1.0, 1000), (1.1, 71000), (1.2, 141000), (1.3, 211000),
+                (1.35, 246000)]
+    assert m.watts(1.0, 1.3) == pytest.approx(700.0)  # 210 J over 0.3 s
+    assert m.watts(0.99, 1.31) == pytest.approx(700.0)
+    assert m.watts(1.05, 1.25) is None  # two changes inside
+
+
+def test_energy_meter_reads_in_a_thread_until_closed():
+    b = _bench()
+    import time
+
+    count = [0]
+
+    def read() -> int:
+        count[0] += 1
+        return count[0] // 3  # the counter changes every third read
+
+    m = b.EnergyMeter(read, every_s=0.001)
+    time.sleep(0.05)
+    m.close()
+    n = count[0]
+    time.sleep(0.01)
+    assert count[0] == n and len(m.points) >= 3
+    assert [e for _, e in m.points] == sorted({e for _, e in m.points})
+    assert b.EnergyMeter.open(10 ** 6) is None  # no such GPU (or no NVML here): no meter
+
+
 def test_a_long_run_that_fails_is_reported_and_the_others_go_on():
     b = _bench()
     bk = FakeBackend()
