@@ -22,7 +22,7 @@ extern "C" __global__ void k_embed_fwd(act_t* x, const int* tokens, const float*
 // numpy twin: ops.embed_fwd (one warp a row)
 // >   np.take(wte, tokens, axis=0, out=out, mode="clip")
 // >   out += wpe[:T]
-// k_embed_fwd's values, the same bits (each element the same float add, rounded once), for
+// k_embed_fwd's values, the same bits (each element the same float add, then the same to_act), for
 // rows of whole 16-byte vectors (d % VEC == 0, x 16-byte aligned; Ops.embed_fwd checks): a
 // warp a row, each lane VEC columns at a time, so that a thread does no 64-bit division per
 // element and the stores are 16 bytes wide.
@@ -47,7 +47,7 @@ extern "C" __global__ void k_embed_fwd_rows(act_t* x, const int* tokens, const f
 }
 
 #define EMBED_BATCH 8  // rows whose loads a thread of k_embed_bwd issues before adding them
-// k_embed_bwd: 3 blocks of 256 threads an SM, at most 85 registers (the vector path's batch of
+// k_embed_bwd: 3 blocks of 256 threads an SM, at most 80 registers (the vector path's batch of
 // loads), no spills.
 #define EMBED_BOUNDS __launch_bounds__(256, 3)
 
