@@ -196,17 +196,18 @@ def andrea_clock(bk: Any) -> Clock:
 
 
 class EnergyMeter:
-    """A GPU's total-energy counter (NVML, millijoules; it moves about every 100 ms on the H200:
-    NOTES.md, tenth session), read every `every_s` in a thread: `watts(t0, t1)` is the average
-    power between its first and last change inside [t0, t1] (time.perf_counter seconds), None
-    when fewer than three changes fall inside (under about 0.2 s) or where the counter cannot be
-    read. At the power limit a step's time is its energy over the limit, so the joules per step
-    say what a faster step would have to save (NOTES.md, sixteenth session)."""
+    """A GPU's total-energy counter (engine.run.telemetry.Nvml.energy_mj: millijoules, moving
+    about every 100 ms on the H200, NOTES.md tenth session), read every `every_s` in a thread:
+    `watts(t0, t1)` is the average power between its first and last change inside [t0, t1]
+    (time.perf_counter seconds), None when fewer than three changes fall inside (under about
+    0.2 s). At the power limit a step's time is its energy over the limit, so the joules per
+    step say what a faster step would have to save (NOTES.md, sixteenth session)."""
 
-    def __init__(self, read: Callable[[], int], every_s: float = 0.002) -> None:
+    def __init__(self, read: Callable[[], int | None], every_s: float = 0.002,
+                 on_close: Callable[[], None] | None = None) -> None:
         import threading
 
-        self.read, self.every_s = read, every_s
+        self.read, self.every_s, self.on_close = read, every_s, on_close
         self.points: list[tuple[float, int]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="energy", daemon=True)
@@ -214,23 +215,22 @@ class EnergyMeter:
 
     @classmethod
     def open(cls, index: int = 0) -> EnergyMeter | None:
-        """GPU `index`'s meter through pynvml (the `nvml` extra), or None without it."""
-        try:
-            import pynvml
+        """GPU `index`'s meter, or None without NVML (the `nvml` extra) or the counter."""
+        from engine.run.telemetry import Nvml
 
-            pynvml.nvmlInit()
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
-        except Exception:  # no NVML, no GPU, or a GPU without the counter
+        nvml = Nvml.open([index])
+        if nvml is None:
             return None
-        return cls(lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(handle))
+        if nvml.energy_mj() is None:
+            nvml.close()
+            return None
+        return cls(nvml.energy_mj, on_close=nvml.close)
 
     def _run(self) -> None:
         last = None
         while not self._stop.is_set():
-            try:
-                e = self.read()
-            except Exception:
+            e = self.read()
+            if e is None:  # the counter went away: no more points
                 return
             if e != last:
                 self.points.append((time.perf_counter(), e))
@@ -247,6 +247,8 @@ class EnergyMeter:
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
+        if self.on_close is not None:
+            self.on_close()
 
 
 def sustained_ms(step: Callable[[int], None], clock: Clock, n: int) -> list[float]:

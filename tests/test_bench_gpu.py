@@ -179,14 +179,48 @@ def test_energy_meter_reads_in_a_thread_until_closed():
         count[0] += 1
         return count[0] // 3  # the counter changes every third read
 
-    m = b.EnergyMeter(read, every_s=0.001)
+    closed = []
+    m = b.EnergyMeter(read, every_s=0.001, on_close=lambda: closed.append(True))
     time.sleep(0.05)
     m.close()
     n = count[0]
     time.sleep(0.01)
-    assert count[0] == n and len(m.points) >= 3
+    assert count[0] == n and len(m.points) >= 3 and closed == [True]
     assert [e for _, e in m.points] == sorted({e for _, e in m.points})
-    assert b.EnergyMeter.open(10 ** 6) is None  # no such GPU (or no NVML here): no meter
+    gone = b.EnergyMeter(lambda: None, every_s=0.001)  # a counter NVML stops reporting
+    gone._thread.join(timeout=1)
+    assert not gone._thread.is_alive() and gone.points == []
+    gone.close()
+
+
+def test_energy_meter_opens_through_telemetry_nvml(monkeypatch):
+    """EnergyMeter.open reads the counter through engine.run.telemetry.Nvml: None where NVML
+    is missing or the GPU does not report the counter (NVML then shut down), else a meter that
+    shuts NVML down when closed."""
+    from engine.run import telemetry
+
+    b = _bench()
+    shut: list[str] = []
+
+    class FakeNvml:
+        def __init__(self, energy: int | None) -> None:
+            self.energy = energy
+
+        def energy_mj(self) -> int | None:
+            return self.energy
+
+        def close(self) -> None:
+            shut.append("closed")
+
+    monkeypatch.setattr(telemetry.Nvml, "open", classmethod(lambda cls, idx: None))
+    assert b.EnergyMeter.open() is None
+    monkeypatch.setattr(telemetry.Nvml, "open", classmethod(lambda cls, idx: FakeNvml(None)))
+    assert b.EnergyMeter.open() is None and shut == ["closed"]
+    monkeypatch.setattr(telemetry.Nvml, "open", classmethod(lambda cls, idx: FakeNvml(5)))
+    m = b.EnergyMeter.open()
+    assert m is not None
+    m.close()
+    assert shut == ["closed", "closed"] and m.points[0][1] == 5
 
 
 def test_a_long_run_that_fails_is_reported_and_the_others_go_on():

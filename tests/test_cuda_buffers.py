@@ -445,3 +445,24 @@ def test_the_optimizer_kernels_read_the_hyper_parameters_where_the_host_puts_the
             for a, b in (("bc1", "bc1_alt"), ("bc2", "bc2_alt"))}
     assert want <= {" ".join(x.split()) for x in re.findall(r"hp\[\d+\] = hp\[\d+\]", body)}
     assert f"hp[{HP_FIELDS.index('alt_if_skipped')}] != 0.0f" in body
+
+
+@pytest.mark.parametrize(("precision", "step"), [("bf16", 8), ("fp16", 8), ("fp32", 16)])
+def test_adamw_wants_its_low_precision_copy_aligned_for_four(precision, step):
+    """AdamW stores the low-precision copy 4 elements at a time (optim.cu store_lp): Ops refuses
+    a params_lp not aligned for that before any launch, on both of its entry points."""
+    from engine.backends.cuda.ops import Ops
+
+    o = Ops({}, None, None, precision)
+    launched: list[str] = []
+    o._go = lambda name, *a, **k: launched.append(name)
+    base = 1 << 20
+    o.adamw(1, base, 2, 3, 4, 5, 6, 1, 64, 1e-3, 0.9, 0.95, 1e-8, 0.1, 1)
+    o.adamw_step(1, base + step, 2, 3, 4, 5, 6, 1, 0, 64, 7)
+    assert launched == ["k_adamw", "k_adamw_step"]
+    for bad in (base + step // 2, base + 2):
+        with pytest.raises(ValueError, match="not aligned"):
+            o.adamw(1, bad, 2, 3, 4, 5, 6, 1, 64, 1e-3, 0.9, 0.95, 1e-8, 0.1, 1)
+        with pytest.raises(ValueError, match="not aligned"):
+            o.adamw_step(1, bad, 2, 3, 4, 5, 6, 1, 0, 64, 7)
+    assert launched == ["k_adamw", "k_adamw_step"]

@@ -194,6 +194,11 @@ class FakeNvml(types.ModuleType):
         assert clock == self.NVML_CLOCK_SM
         return 1980
 
+    def nvmlDeviceGetTotalEnergyConsumption(self, h: int) -> int:
+        if h == 1:
+            raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
+        return 123_456_789
+
 
 def test_telemetry_reads_nvml_through_a_stand_in(monkeypatch) -> None:
     fake = FakeNvml()
@@ -227,6 +232,14 @@ def test_telemetry_finds_the_gpu_cuda_visible_devices_names_by_uuid(monkeypatch)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-bbbb,GPU-aaaa")
     (g,) = SystemSampler(lambda r: None, lambda: 1, gpus=[0]).sample().gpus
     assert g.index == 1 and g.util == 91.0
+
+
+def test_nvml_energy_counter_of_the_first_gpu(monkeypatch) -> None:
+    """Nvml.energy_mj (scripts/bench_gpu.py's EnergyMeter reads it): the first GPU's counter,
+    None where the GPU does not report it."""
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml())
+    assert Nvml.open([0, 1]).energy_mj() == 123_456_789
+    assert Nvml.open([1]).energy_mj() is None
 
 
 def test_telemetry_without_nvml_and_cpu_meter(monkeypatch) -> None:

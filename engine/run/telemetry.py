@@ -126,6 +126,11 @@ class Nvml:
                 sm_clock_mhz=float(clock) if clock is not None else math.nan))
         return out
 
+    def energy_mj(self) -> int | None:
+        """The first GPU's total-energy counter (millijoules since the driver loaded; NVML
+        moves it about every 100 ms), or None where it is not reported."""
+        return self._get("nvmlDeviceGetTotalEnergyConsumption", self.handles[0][1])
+
     def close(self) -> None:
         try:
             self.nvml.nvmlShutdown()

@@ -99,7 +99,7 @@ def test_embed_vector_paths_same_bits(env, rng):
     bits of the element-a-thread kernels: the forward against k_embed_fwd, the backward
     against its own scalar path, taken on a copy of dout one element off 16-byte alignment.
     One token holds 60 of the rows, so a bucket runs past the batch of loads."""
-    from engine.backends.cuda.ops import _blocks
+    from engine.backends.cuda.ops import ROWS_PER_BLOCK, _blocks
 
     precision, o, dev = env
     tokens = rng.integers(0, V, (B, T)).astype(np.int32)
@@ -107,11 +107,13 @@ def test_embed_vector_paths_same_bits(env, rng):
     flat[rng.permutation(R)[:60]] = 7
     wte, wpe = rng.normal(0, 1, (V, D)), rng.normal(0, 1, (S, D))
     d_tok, d_wte, d_wpe = dev.put(tokens, "i32"), dev.put(wte, "f32"), dev.put(wpe, "f32")
-    vec, scalar = dev.empty((T, B, D)), dev.empty((T, B, D))
-    o.embed_fwd(d_tok, d_wte, d_wpe, vec, B, T, D)
+    vec, scalar, ops = (dev.empty((T, B, D)) for _ in range(3))
+    o._go("k_embed_fwd_rows", -(-R // ROWS_PER_BLOCK), vec, d_tok, d_wte, d_wpe, B, T, D)
     o._go("k_embed_fwd", _blocks(R * D), scalar, d_tok, d_wte, d_wpe, B, T, D)
+    o.embed_fwd(d_tok, d_wte, d_wpe, ops, B, T, D)  # Ops' choice between the two
     assert not np.isnan(dev.get(vec)).any()
     assert np.array_equal(dev.get(vec), dev.get(scalar))
+    assert np.array_equal(dev.get(ops), dev.get(scalar))
 
     dout = rounded(rng.normal(0, 1, (T * B, D)), precision)
     tok_tm = tokens.T.reshape(-1)
@@ -122,12 +124,11 @@ def test_embed_vector_paths_same_bits(env, rng):
     buckets = (dev.put(np.array([starts.size]), "i32"),
                dev.put(np.r_[srt[starts], pad[: R - starts.size]], "i32"),
                dev.put(np.r_[starts, R, pad[: R - starts.size]], "i32"), dev.put(order, "i32"))
-    esize = 4 if precision == "fp32" else 2
     aligned = dev.put(dout)
     off = dev.put(np.r_[0.0, dout.reshape(-1)])  # element 1 on: 2 or 4 bytes past alignment
     g0w, g0p = rng.normal(0, 1, (V, D)), rng.normal(0, 1, (S, D))
     got = {}
-    for name, dx in (("vector", aligned), ("scalar", off + esize)):
+    for name, dx in (("vector", aligned), ("scalar", off + o.esize)):
         gw, gp = dev.put(g0w, "f32"), dev.put(g0p, "f32")
         o.embed_bwd(dx, buckets, gw, gp, B, T, D)
         got[name] = (dev.get(gw), dev.get(gp))

@@ -649,6 +649,14 @@ class Ops:
         if seg_qkv and not 0 < d * d < 2**31:
             raise ValueError(f"seg_qkv needs the model width d (0 < d² < 2^31), got d={d}")
 
+    def _check_lp(self, params_lp: int, seg_qkv: int, d: int) -> None:
+        """AdamW's arguments for the low-precision copy: seg_qkv's d, and params_lp aligned
+        for the kernel's 4-wide stores (optim.cu store_lp: 4 elements, 8 or 16 bytes)."""
+        self._check_lp_rows(seg_qkv, d)
+        if params_lp % (4 * self.esize):
+            raise ValueError(f"params_lp {params_lp:#x} is not aligned to {4 * self.esize} "
+                             f"bytes (AdamW stores 4 elements at a time)")
+
     def adamw(self, params: int, params_lp: int, grads: int, m: int, v: int, seg_start: int,
               seg_decay: int, nseg: int, n: int, lr: float, beta1: float, beta2: float,
               eps: float, weight_decay: float, t: int, gs: float = 1.0, *, seg_qkv: int = 0,
@@ -656,7 +664,7 @@ class Ops:
         """gs: a pending gradient scale (the clip), folded into the update. seg_qkv: the device
         table (int32 per tensor, buffers.qkv_seg_table) of the tensors that params_lp keeps in
         rows, with d the model width (0: params_lp in the flat layout, as params)."""
-        self._check_lp_rows(seg_qkv, d)
+        self._check_lp(params_lp, seg_qkv, d)
         bc1, bc2 = 1.0 - beta1**t, 1.0 - beta2**t
         self._go("k_adamw", _blocks(-(-n // 4), cap=2048), params, params_lp, grads, m, v,
                  seg_start, seg_decay, seg_qkv, nseg, d, n, lr, beta1, beta2, eps,
@@ -676,7 +684,7 @@ class Ops:
         (nothing when the step is skipped); the same bits whichever ranges a step is split
         into. seg_qkv, d: as in adamw."""
         assert begin % 4 == 0, f"adamw_step: begin {begin} is not a multiple of 4 (float4 groups)"
-        self._check_lp_rows(seg_qkv, d)
+        self._check_lp(params_lp, seg_qkv, d)
         self._go("k_adamw_step", _blocks(-(-(end - begin) // 4), cap=2048), params, params_lp,
                  grads, m, v, seg_start, seg_decay, seg_qkv, nseg, d, begin, end, upd,
                  stream=stream)

@@ -111,6 +111,11 @@ __device__ __forceinline__ Vec load_vec(const act_t* p) {
 __device__ __forceinline__ void store_vec(act_t* p, const Vec& v) {
     *reinterpret_cast<int4*>(p) = v.raw;
 }
+
+// Four act_t as one 8-byte (bf16, fp16) or 16-byte (float) word: one load or store of four.
+struct alignas(4 * sizeof(act_t)) Act4 {
+    act_t v[4];
+};
 __device__ __forceinline__ bool aligned16(const void* p) {
     return (reinterpret_cast<unsigned long long>(p) & 15) == 0;
 }

@@ -22,10 +22,10 @@ extern "C" __global__ void k_embed_fwd(act_t* x, const int* tokens, const float*
 // numpy twin: ops.embed_fwd (one warp a row)
 // >   np.take(wte, tokens, axis=0, out=out, mode="clip")
 // >   out += wpe[:T]
-// k_embed_fwd's values, the same bits (each element the same float add, then the same to_act), for
-// rows of whole 16-byte vectors (d % VEC == 0, x 16-byte aligned; Ops.embed_fwd checks): a
-// warp a row, each lane VEC columns at a time, so that a thread does no 64-bit division per
-// element and the stores are 16 bytes wide.
+// k_embed_fwd's values, the same bits (each element the same float add, then the same
+// to_act), for rows of whole 16-byte vectors (d % VEC == 0, x 16-byte aligned; Ops.embed_fwd
+// checks): a warp a row, each lane VEC columns at a time, so that a thread does no 64-bit
+// division per element and the stores are 16 bytes wide.
 extern "C" __global__ void k_embed_fwd_rows(act_t* x, const int* tokens, const float* wte,
                                             const float* wpe, int B, int T, int d) {
     const int lane = threadIdx.x & 31;

@@ -26,10 +26,6 @@
 // memory once, into registers (`cached`); a longer one is streamed on each pass.
 __device__ __forceinline__ bool row_fits(int ldv) { return ldv <= LOSS_CACHE * 4 * (int)blockDim.x; }
 
-// Four act_t stored as one 8- or 16-byte word.
-struct alignas(4 * sizeof(act_t)) Act4 {
-    act_t v[4];
-};
 
 // Columns 4q .. 4q + 3 of a row of logits, as floats.
 __device__ __forceinline__ float4 load4(const float* z, int q) {

@@ -162,20 +162,15 @@ __host__ __device__ __forceinline__ int seg_flag(const int* seg_decay, const int
     return (seg_decay && seg_decay[s] ? SEG_DECAY : 0) | (seg_qkv ? seg_qkv[s] << 1 : 0);
 }
 
-// Four low-precision values, one store (8 bytes for bf16/fp16, 16 for float).
-struct alignas(4 * sizeof(act_t)) Act4 {
-    act_t v[4];
-};
-
 // The group's new values pa[0..3] rounded into p_lp at ats[0..3] (one value when !vec): one
-// 4-wide store where the four places follow each other from an address aligned for it (every
-// group of a tensor stored in place; a layer's W_Q, W_K, W_V rows of d elements, d % 4 == 0 in
-// the models, but for groups that cross a row), else one store each. The same values in the
-// same places either way.
+// 4-wide store where the four places follow each other from a multiple of 4 (the common case:
+// a layer's W_Q, W_K, W_V rows are d contiguous elements, d % 4 == 0 in the models), else one
+// store each. The same values in the same places either way. p_lp itself must be aligned for
+// an Act4 (Ops._check_lp checks it; the memory plan aligns every buffer to 256 bytes).
 __device__ __forceinline__ void store_lp(act_t* p_lp, const long (&ats)[4], const float* pa,
                                          bool vec) {
-    if (vec && reinterpret_cast<unsigned long long>(p_lp + ats[0]) % sizeof(Act4) == 0 &&
-        ats[1] == ats[0] + 1 && ats[2] == ats[0] + 2 && ats[3] == ats[0] + 3) {
+    if (vec && (ats[0] & 3) == 0 && ats[1] == ats[0] + 1 && ats[2] == ats[0] + 2 &&
+        ats[3] == ats[0] + 3) {
         Act4 o;
 #pragma unroll
         for (int k = 0; k < 4; k++) o.v[k] = to_act(pa[k]);
