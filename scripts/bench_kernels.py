@@ -1,17 +1,28 @@
-"""GPU kernel benchmark: the LayerNorm backward of one layer (dx, dγ, dβ) at the step's shapes,
-as the CUDA backend can run it, timed with CUDA events on one stream. Prints a table per shape.
+"""GPU kernel benchmark: the memory-bound kernels of a step at its shapes, as the CUDA backend
+runs them, timed with CUDA events on one stream. Prints a table per op and shape.
 
-    python3 scripts/bench_kernels.py [--shapes 8192x768,8192x384] [--reps 200] [--rounds 5]
+    python3 scripts/bench_kernels.py [--ops layernorm,loss] [--shapes 8192x768,8192x384]
+                                     [--vocab 8449] [--reps 200] [--rounds 5]
 
-Variants (each the same op, Ops.layernorm_bwd with accumulate, bf16):
+`layernorm`: the LayerNorm backward of one layer (dx, dγ, dβ), each variant the same op
+(Ops.layernorm_bwd with accumulate, bf16):
 - `three kernels`: k_layernorm_bwd, then k_layernorm_bwd_params + k_colsum_reduce (the unfused
   path; in the step the sums run on the weight-gradient stream, here on the one stream);
 - `three kernels, dx only`: k_layernorm_bwd alone, what the unfused path leaves on the main
   stream;
 - `fused, R rows`: k_layernorm_bwd_fused with chunks of R rows, then k_colsum_chunks.
 
-Rounds are interleaved; the table shows the median of the rounds' medians (µs per call) and
-each variant's time as a ratio to the three kernels' in the same run.
+Each variant's time is shown as a ratio to the three kernels' in the same run.
+
+`loss`: the step's cross-entropy kernel (k_loss_fwd_bwd_lp: bf16 logits [R, ldv] in, dlogits
+written over them, as CudaBackend runs it) for R = 8192 rows and V = --vocab, against its
+peer, a device-to-device copy of the same bytes: where a row fits the kernel's registers
+(ldv <= ops.LOSS_ROW_MAX) the row read once and written once is all its memory traffic, so the
+copy is the speed the memory allows (a longer row is read three times, into a buffer of its
+own). Calls after the first run on the dlogits the one before left: the kernel's work depends
+on the targets, not on the values.
+
+Rounds are interleaved; the tables show the median of the rounds' times (µs per call).
 """
 
 from __future__ import annotations
@@ -32,13 +43,121 @@ def bf16_bits(a: np.ndarray) -> np.ndarray:
     return (np.asarray(a, np.float32).view(np.uint32) >> 16).astype(np.uint16)
 
 
+def time_rounds(variants: dict[str, Callable[[], None]], rounds: int, reps: int, drv,
+                stream) -> dict[str, list[float]]:
+    """µs per call of each variant: `reps` calls between two events, in `rounds` interleaved
+    rounds (after one warm-up call each)."""
+    for f in variants.values():  # compile, warm
+        f()
+    stream.synchronize()
+    e0, e1 = drv.Event(), drv.Event()
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(rounds):
+        for name, f in variants.items():
+            e0.record(stream)
+            for _ in range(reps):
+                f()
+            e1.record(stream)
+            e1.synchronize()
+            times[name].append(e1.time_since(e0) * 1e3 / reps)
+    return times
+
+
+def bench_layernorm(gpu, R: int, d: int, fused_rows: list[int], rounds: int, reps: int) -> None:
+    from engine.backends.cuda.ops import LN_PARAMS_ROWS, ROWS_PER_BLOCK, Ops
+
+    drv, stream = gpu.drv, gpu.stream
+    rng = np.random.default_rng(0)
+    o = Ops(gpu.kernels("bf16"), None, stream, "bf16")
+    x, dout, res = (drv.to_device(bf16_bits(rng.normal(0, 1, (R, d)))) for _ in range(3))
+    dx = drv.mem_alloc(R * d * 2)
+    mean = drv.to_device(rng.normal(0, 0.1, R).astype(np.float32))
+    rstd = drv.to_device(rng.uniform(0.5, 1.5, R).astype(np.float32))
+    gamma = drv.to_device(rng.normal(1, 0.1, d).astype(np.float32))
+    dgb = drv.to_device(np.zeros(2 * d, np.float32))
+    part = drv.mem_alloc(-(-R // min([*fused_rows, LN_PARAMS_ROWS])) * 2 * d * 4)
+    dout_, x_, gamma_, mean_, rstd_, dx_, dgb_, part_, res_ = (
+        int(p) for p in (dout, x, gamma, mean, rstd, dx, dgb, part, res))
+
+    def call(fused: bool, rows: int = 0, dx_only: bool = False) -> None:
+        if dx_only:
+            o._go("k_layernorm_bwd", -(-R // ROWS_PER_BLOCK), dx_, res_, dout_, x_, mean_, rstd_,
+                  gamma_, R, d, 1)
+            return
+        if rows:
+            o.ln_fused_rows = rows
+        o.layernorm_bwd(dout_, x_, gamma_, mean_, rstd_, dx_, dgb_, part_, R, d, True,
+                        resid=res_, fused=fused)
+
+    variants: dict[str, Callable[[], None]] = {
+        "three kernels": lambda: call(False),
+        "three kernels, dx only": lambda: call(False, dx_only=True),
+    }
+    if o.fused_ln_bwd_ok(d, dx_, res_, dout_, x_):
+        for rows in fused_rows:
+            variants[f"fused, {rows} rows"] = lambda rows=rows: call(True, rows)
+    times = time_rounds(variants, rounds, reps, drv, stream)
+    ref = statistics.median(times["three kernels"])
+    mb = R * d * 2 * 4 / 1e6
+    print(f"\nLayerNorm backward R={R} d={d}: {mb:.1f} MB of dout, x, resid and dx a call")
+    print(f"  {'variant':<24} {'us/call':>8} {'spread':>7} {'vs three':>9} {'GB/s (dx)':>9}")
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        spread = (max(ts) - min(ts)) / med * 100
+        print(f"  {name:<24} {med:8.2f} {spread:6.1f}% {med / ref:9.2f} {mb / med * 1e3:9.0f}")
+    for a in (x, dout, res, dx, mean, rstd, gamma, dgb, part):
+        a.free()
+
+
+def bench_loss(gpu, R: int, V: int, rounds: int, reps: int) -> None:
+    from engine.backends.cuda.buffers import logits_ld
+    from engine.backends.cuda.ops import LOSS_ROW_MAX, Ops
+
+    drv, stream = gpu.drv, gpu.stream
+    rng = np.random.default_rng(1)
+    o = Ops(gpu.kernels("bf16"), None, stream, "bf16")
+    ldv = logits_ld(V)
+    nbytes = R * ldv * 2
+    logits = drv.to_device(bf16_bits(rng.normal(0, 3, (R, ldv))))
+    other = drv.mem_alloc(nbytes)
+    targets = drv.to_device(rng.integers(0, V, R).astype(np.int32))
+    scale = drv.to_device(np.array([1.0 / R], np.float32))
+    lse, losses = drv.mem_alloc(R * 4), drv.mem_alloc(R * 4)
+    z, peer = int(logits), int(other)
+    # dlogits over the logits, as the step runs it where the row fits the registers
+    dz = z if ldv <= LOSS_ROW_MAX else peer
+    variants: dict[str, Callable[[], None]] = {
+        "k_loss_fwd_bwd_lp": lambda: o._go("k_loss_fwd_bwd_lp", R, int(losses), int(lse), dz, z,
+                                           int(targets), int(scale), R, 1, V, ldv),
+        "copy of the same bytes": lambda: drv.memcpy_dtod_async(peer, z, nbytes, stream),
+    }
+    times = time_rounds(variants, rounds, reps, drv, stream)
+    ref = statistics.median(times["copy of the same bytes"])
+    mb = 2 * nbytes / 1e6
+    print(f"\nloss R={R} V={V} (ldv {ldv}), bf16 logits: {mb:.1f} MB read and written a call")
+    print(f"  {'variant':<24} {'us/call':>8} {'spread':>7} {'vs copy':>9} {'GB/s':>9}")
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        spread = (max(ts) - min(ts)) / med * 100
+        print(f"  {name:<24} {med:8.2f} {spread:6.1f}% {med / ref:9.2f} {mb / med * 1e3:9.0f}")
+    for a in (logits, other, targets, scale, lse, losses):
+        a.free()
+
+
+OPS = ("layernorm", "loss")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", default="8192x768,8192x384", help="rows x d, comma-separated")
+    ap.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, of {', '.join(OPS)}")
+    ap.add_argument("--shapes", default="8192x768,8192x384",
+                    help="LayerNorm rows x d, comma-separated")
+    ap.add_argument("--vocab", type=int, default=8449, help="the loss's V (8192 rows)")
     ap.add_argument("--reps", type=int, default=200, help="calls per timing")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--rows", default="16,32,64", help="chunk rows of the fused variants")
     args = ap.parse_args()
+    ops = [x for x in args.ops.split(",") if x]
     try:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
         fused_rows = [int(r) for r in args.rows.split(",")]
@@ -48,6 +167,11 @@ def main() -> int:
         print(f"bench_kernels: --shapes wants ROWSxD[,ROWSxD...] and --rows integers, got "
               f"{args.shapes!r} / {args.rows!r}", file=sys.stderr)
         return 2
+    bad = [x for x in ops if x not in OPS]
+    if bad or not ops or args.vocab < 1 or args.reps < 1 or args.rounds < 1:
+        print(f"bench_kernels: --ops wants some of {', '.join(OPS)} (got {args.ops!r}); "
+              f"--vocab, --reps and --rounds positive integers", file=sys.stderr)
+        return 2
 
     from engine.backends import cuda_status
 
@@ -55,69 +179,16 @@ def main() -> int:
     if not usable:
         print(f"bench_kernels: needs a CUDA GPU with pycuda: {why}", file=sys.stderr)
         return 2
-    from engine.backends.cuda.ops import LN_PARAMS_ROWS, ROWS_PER_BLOCK, Ops
     from engine.backends.cuda.runtime import Gpu
 
     gpu = Gpu.get()
-    drv, stream = gpu.drv, gpu.stream
-    precision = "bf16"
-    print(f"LayerNorm backward, one call (accumulate, {precision}) on {gpu.describe(precision)}; "
-          f"median of {args.rounds} interleaved rounds of {args.reps} calls")
-    rng = np.random.default_rng(0)
-    for R, d in shapes:
-        o = Ops(gpu.kernels(precision), None, stream, precision)
-        x, dout, res = (drv.to_device(bf16_bits(rng.normal(0, 1, (R, d)))) for _ in range(3))
-        dx = drv.mem_alloc(R * d * 2)
-        mean = drv.to_device(rng.normal(0, 0.1, R).astype(np.float32))
-        rstd = drv.to_device(rng.uniform(0.5, 1.5, R).astype(np.float32))
-        gamma = drv.to_device(rng.normal(1, 0.1, d).astype(np.float32))
-        dgb = drv.to_device(np.zeros(2 * d, np.float32))
-        part = drv.mem_alloc(-(-R // min([*fused_rows, LN_PARAMS_ROWS])) * 2 * d * 4)
-        ptrs = [int(p) for p in (dout, x, gamma, mean, rstd, dx, dgb, part)]
-
-        def call(fused: bool, rows: int = 0, dx_only: bool = False,
-                 ptrs: list[int] = ptrs, o: Ops = o, R: int = R, d: int = d,
-                 res: int = int(res)) -> None:
-            dout_, x_, gamma_, mean_, rstd_, dx_, dgb_, part_ = ptrs
-            if dx_only:
-                o._go("k_layernorm_bwd", -(-R // ROWS_PER_BLOCK), dx_, res, dout_, x_, mean_,
-                      rstd_, gamma_, R, d, 1)
-                return
-            if rows:
-                o.ln_fused_rows = rows
-            o.layernorm_bwd(dout_, x_, gamma_, mean_, rstd_, dx_, dgb_, part_, R, d, True,
-                            resid=res, fused=fused)
-
-        variants: dict[str, Callable[[], None]] = {
-            "three kernels": lambda call=call: call(False),
-            "three kernels, dx only": lambda call=call: call(False, dx_only=True),
-        }
-        if o.fused_ln_bwd_ok(d, *(int(p) for p in (dx, res, dout, x))):
-            for rows in fused_rows:
-                variants[f"fused, {rows} rows"] = lambda call=call, rows=rows: call(True, rows)
-        e0, e1 = drv.Event(), drv.Event()
-        times: dict[str, list[float]] = {k: [] for k in variants}
-        for f in variants.values():  # compile, warm
-            f()
-        stream.synchronize()
-        for _ in range(args.rounds):
-            for name, f in variants.items():
-                e0.record(stream)
-                for _ in range(args.reps):
-                    f()
-                e1.record(stream)
-                e1.synchronize()
-                times[name].append(e1.time_since(e0) * 1e3 / args.reps)
-        ref = statistics.median(times["three kernels"])
-        print(f"\nR={R} d={d}: {R * d * 2 * 4 / 1e6:.1f} MB of dout, x, resid and dx a call")
-        print(f"  {'variant':<24} {'us/call':>8} {'spread':>7} {'vs three':>9} {'GB/s (dx)':>9}")
-        for name, ts in times.items():
-            med = statistics.median(ts)
-            spread = (max(ts) - min(ts)) / med * 100
-            print(f"  {name:<24} {med:8.2f} {spread:6.1f}% {med / ref:9.2f} "
-                  f"{R * d * 2 * 4 / med / 1e3:9.0f}")
-        for p in (x, dout, res, dx, mean, rstd, gamma, dgb, part):
-            p.free()
+    print(f"{gpu.describe('bf16')}: median of {args.rounds} interleaved rounds of {args.reps} "
+          f"calls")
+    if "layernorm" in ops:
+        for R, d in shapes:
+            bench_layernorm(gpu, R, d, fused_rows, args.rounds, args.reps)
+    if "loss" in ops:
+        bench_loss(gpu, 8192, args.vocab, args.rounds, args.reps)
     return 0
 
 

@@ -466,3 +466,27 @@ def test_adamw_wants_its_low_precision_copy_aligned_for_four(precision, step):
         with pytest.raises(ValueError, match="not aligned"):
             o.adamw_step(1, bad, 2, 3, 4, 5, 6, 1, 0, 64, 7)
     assert launched == ["k_adamw", "k_adamw_step"]
+
+
+def test_the_loss_kernels_want_rows_of_whole_octets():
+    """kernels/loss.cu reads and writes a row 8 columns at a time: Ops refuses a logits row
+    length that is not a multiple of 8, or shorter than V, before any launch."""
+    from engine.backends.cuda.buffers import logits_ld
+    from engine.backends.cuda.ops import Ops
+
+    o = Ops({}, None, None, "bf16")
+    launched: list[str] = []
+    o._go = lambda name, *a, **k: launched.append(name)
+    o._mm = lambda *a, **k: launched.append("gemm")
+    o._writes = lambda *a: None
+    args = (1, 2, 3, 4, 5, 6)
+    o.loss_fwd(*args, 8, 1024, 8449, logits_ld(8449), 768, 8512, lp=True)
+    assert launched == ["gemm", "k_loss_fwd_lp"]
+    for V, ldv in ((8449, 8452), (8449, 8448), (301, 300)):
+        with pytest.raises(ValueError, match="multiple of 8"):
+            o.loss_fwd(*args, 8, 1024, V, ldv, 768, 8512)
+        with pytest.raises(ValueError, match="multiple of 8"):
+            o.loss_fwd_bwd(*args, 7, 8, 8, 1024, V, ldv, 768, 8512, lp=True)
+        with pytest.raises(ValueError, match="multiple of 8"):
+            o.loss_bwd(1, 2, 3, 4, 5, 6, 7, 8, 9, 8, 1024, V, ldv, 768, 8512)
+    assert launched == ["gemm", "k_loss_fwd_lp"]

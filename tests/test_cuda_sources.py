@@ -53,13 +53,13 @@ def test_compiles_for_sm90(src, tmp_path):
 
 
 def test_the_loss_row_held_in_registers_is_the_one_ops_knows():
-    """ops.LOSS_ROW_MAX (where dlogits may overwrite the logits) is kernels/loss.cu's LOSS_CACHE
-    float4s a thread of an Ops block: a row past it is streamed, and streamed rows must not be
+    """ops.LOSS_ROW_MAX (where dlogits may overwrite the logits) is kernels/loss.cu's LOSS_OCTETS
+    octets (8 columns) a thread of an Ops block: a row past it is streamed, and streamed rows must not be
     overwritten while they are read."""
     from engine.backends.cuda.ops import LOSS_ROW_MAX, THREADS
 
     text = (KERNEL_DIR / "loss.cu").read_text()
-    cache = int(re.search(r"^#define LOSS_CACHE (\d+)", text, re.M).group(1))
+    octets = int(re.search(r"^#define LOSS_OCTETS (\d+)", text, re.M).group(1))
     bounds = re.search(r"^#define LOSS_BOUNDS __launch_bounds__\((\d+), \d+\)", text, re.M)
-    assert LOSS_ROW_MAX == cache * 4 * THREADS
+    assert LOSS_ROW_MAX == octets * 8 * THREADS
     assert int(bounds.group(1)) == THREADS

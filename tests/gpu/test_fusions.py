@@ -144,8 +144,8 @@ def test_layernorm_bwd_params_vector_path_is_the_scalar_path(env, rng, D, rows):
 
 @pytest.mark.parametrize("V", [301, 13001])
 def test_loss_fwd_bwd_is_loss_fwd_then_loss_bwd(env, rng, V):
-    """V = 301: the row kept in registers; 13001 (past LOSS_CACHE float4s per thread): the row
-    streamed from memory on each pass."""
+    """V = 301: the row kept in registers; 13001 (past LOSS_OCTETS octets a thread, ops.LOSS_ROW_MAX
+    columns): the row streamed from memory on each pass."""
     precision, o, dev = env
     D = 64
     ldv = -(-V // 64) * 64

@@ -54,7 +54,7 @@ LN_FUSED_SHARED = 48 << 10  # its shared column sums must fit the default limit
 # backend: the chunks are its GEMMs' shapes, so its bits)
 ATTN_CHUNK = 256
 NORM_BLOCKS = 1024
-LOSS_ROW_MAX = 12 * 4 * THREADS  # kernels/loss.cu: a row held in registers (LOSS_CACHE float4s)
+LOSS_ROW_MAX = 5 * 8 * THREADS  # kernels/loss.cu: a row held in registers (LOSS_OCTETS octets)
 NORM_RANGE_BLOCKS = 256  # k_grad_norm_ranges' blocks per range (its partials: this many a range)
 MAX_GRID = 8192
 VEC_BYTES = 16
@@ -566,9 +566,17 @@ class Ops:
     # it), the logits GEMM computes ldv columns (the padding ones are never read) and the dx GEMM
     # runs over K = ldv (dlogits is 0 there). dwte's GEMM keeps M = V: it writes gradients.
     # lp: the logits in the compute precision (CudaBackend.logits_lp), else float32.
+    @staticmethod
+    def _check_ldv(V: int, ldv: int) -> None:
+        """The loss kernels read and write rows in octets of 8 columns, 16-byte aligned."""
+        if ldv < V or ldv % 8:
+            raise ValueError(f"logits rows of ldv={ldv} columns for V={V}: the loss kernels want "
+                             f"ldv >= V and a multiple of 8 (buffers.logits_ld)")
+
     def loss_fwd(self, x: int, wte: int, targets: int, logits: int, lse: int, losses: int,
                  B: int, T: int, V: int, ldv: int, d: int, wte_rows: int,
                  lp: bool = False) -> None:
+        self._check_ldv(V, ldv)
         R = B * T
         vg = ldv if wte_rows >= ldv else V
         self._mm(logits, x, wte, R, vg, d, tb=True, out32=not lp, ldc=ldv)
@@ -582,6 +590,7 @@ class Ops:
         training step, whose loss scale is known before the forward. Then loss_bwd_gemms.
         With lp, dlogits may be the logits buffer (k_loss_fwd_bwd_lp reads each row before it
         writes it, for rows of up to LOSS_ROW_MAX columns)."""
+        self._check_ldv(V, ldv)
         R = B * T
         vg = ldv if wte_rows >= ldv else V
         if dlogits == logits and not (lp and ldv <= LOSS_ROW_MAX):
@@ -596,6 +605,7 @@ class Ops:
                  dx: int, dwte: int, dlogits: int, B: int, T: int, V: int, ldv: int, d: int,
                  wte_rows: int) -> None:
         """scale: device pointer to loss_scale/(B*T). dx overwritten, dwte += dzᵀ @ x."""
+        self._check_ldv(V, ldv)
         R = B * T
         self._writes(dlogits)
         self._go("k_loss_bwd", R, dlogits, logits, lse, targets, scale, B, T, V, ldv)

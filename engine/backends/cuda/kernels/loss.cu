@@ -6,165 +6,213 @@
 // whatever z is stored in: the `_lp` kernels give the bits of the float ones on z's values.
 #include "common.cuh"
 
-#define LOSS_CACHE 12  // float4s per thread kept in registers: rows of up to 12·4·blockDim.x floats
-// The row kernels are latency-bound (one block a row, the row loaded once): 3 blocks of 256
-// threads an SM instead of 2 (at most 85 registers, no spills) took k_loss_fwd_bwd_lp from
-// 220 to 153 µs and k_loss_fwd_bwd from 189 to 143 at R = 8192, ldv = 8512 on the H200, the
-// same bits (NOTES.md, tenth session). Ops launches them with THREADS = 256.
-#define LOSS_BOUNDS __launch_bounds__(256, 3)
-// The act_t-logits kernels keep a row in half the registers (Cached): 4 blocks an SM, at most
-// 64 registers, no spills for bf16 (5 would spill). With float activations they are the float
-// kernels (never launched: the backend keeps float32 logits then).
+// A row is handled in octets, 8 consecutive columns (ldv % 8 == 0, rows 16-byte aligned): one
+// 16-byte load of act_t logits, two of float ones. Thread t's octets are o = t, t + blockDim.x,
+// ..., slot j holding o = t + j·blockDim.x, so the float and the act_t kernels add the same
+// values in the same order (the `_lp` kernels give the float kernels' bits on z's values).
+#define LOSS_OCTETS 5  // octets per thread kept in registers: rows of up to 40·blockDim.x columns
+// The row kernels are latency-bound (one block a row, the row loaded once, one barrier): as
+// many rows in flight as the registers allow. k_loss_fwd_bwd_lp at R = 8192, ldv = 8512 on the
+// H200 (scripts/bench_kernels.py --ops loss): 89.5 µs, against 69.0 for a copy of the same
+// bytes; 138.8 µs before, with float4s 12 a thread and two block reductions. The float ones
+// keep 40 floats a thread, 4 blocks of 256 threads an SM (at most 64 registers, no spills).
+// Ops launches them with THREADS = 256.
+#define LOSS_BOUNDS __launch_bounds__(256, 4)
+// The act_t-logits kernels keep a row as stored, half the registers: 6 blocks an SM (at most
+// 40 registers, no spills for bf16; 6 octets a thread would spill there). With float
+// activations they are the float kernels (never launched: the backend keeps float32 logits).
 #if ANDREA_ACT != 0
-#define LOSS_LP_BOUNDS __launch_bounds__(256, 4)
+#define LOSS_LP_BOUNDS __launch_bounds__(256, 6)
 #else
 #define LOSS_LP_BOUNDS LOSS_BOUNDS
 #endif
+#define LOG2E 1.4426950408889634f
 
-// Thread t's share of a row of ldv floats (ldv % 4 == 0, 16-byte aligned): the float4s
-// q = t, t + blockDim.x, ..., slot j holding q = t + j·blockDim.x. A row that fits is read from
-// memory once, into registers (`cached`); a longer one is streamed on each pass.
-__device__ __forceinline__ bool row_fits(int ldv) { return ldv <= LOSS_CACHE * 4 * (int)blockDim.x; }
+__device__ __forceinline__ bool row_fits(int ldv) { return ldv <= LOSS_OCTETS * 8 * (int)blockDim.x; }
 
-
-// Columns 4q .. 4q + 3 of a row of logits, as floats.
-__device__ __forceinline__ float4 load4(const float* z, int q) {
-    return reinterpret_cast<const float4*>(z)[q];
+// 2^x, the hardware's approximation (what __expf is built on): exp(z - c) is ex2(z·log2 e - c·log2 e),
+// one fused multiply-add and one ex2 an element.
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
 }
-#if ANDREA_ACT != 0
-__device__ __forceinline__ float4 load4(const act_t* z, int q) {
-    const Act4 a = reinterpret_cast<const Act4*>(z)[q];
-    return make_float4(to_f(a.v[0]), to_f(a.v[1]), to_f(a.v[2]), to_f(a.v[3]));
-}
-#endif
 
-// What a thread keeps of a row that fits: four columns per slot as stored (float4 for float
-// logits, Act4 for act_t ones: half the registers, so more rows in flight an SM), converted to
-// float where used (exact: the same values, the same bits).
+// An octet as stored: float logits in two float4s, act_t ones in one Vec (VEC == 8 for bf16,
+// fp16); load_oct reads octet o of a row, unpack gives its 8 values as floats (exact).
+struct OctF {
+    float4 a, b;
+};
+__device__ __forceinline__ OctF load_oct(const float* z, int o) {
+    const float4* p = reinterpret_cast<const float4*>(z) + 2 * o;
+    return {p[0], p[1]};
+}
+__device__ __forceinline__ void unpack(const OctF& c, float (&f)[8]) {
+    f[0] = c.a.x, f[1] = c.a.y, f[2] = c.a.z, f[3] = c.a.w;
+    f[4] = c.b.x, f[5] = c.b.y, f[6] = c.b.z, f[7] = c.b.w;
+}
 template <typename Z>
-struct Cached {
-    typedef float4 type;
+struct Cached {  // what a thread keeps of a row that fits, an octet a slot
+    typedef OctF type;
 };
 #if ANDREA_ACT != 0
+static_assert(VEC == 8, "an octet of act_t logits is one 16-byte Vec");
+__device__ __forceinline__ Vec load_oct(const act_t* z, int o) { return load_vec(z + 8 * o); }
+__device__ __forceinline__ void unpack(const Vec& c, float (&f)[8]) {
+#pragma unroll
+    for (int i = 0; i < 8; i++) f[i] = to_f(c[i]);
+}
 template <>
 struct Cached<act_t> {
-    typedef Act4 type;
+    typedef Vec type;
 };
 #endif
-__device__ __forceinline__ float4 as_f4(const float4& v) { return v; }
-__device__ __forceinline__ float4 as_f4(const Act4& a) {
-    return make_float4(to_f(a.v[0]), to_f(a.v[1]), to_f(a.v[2]), to_f(a.v[3]));
+
+// Octet o's 8 dlogits, stored at dz + 8·o as act_t (one or two 16-byte stores).
+__device__ __forceinline__ void store_oct(act_t* dz, int o, const act_t (&v)[8]) {
+    int4* p = reinterpret_cast<int4*>(dz + 8 * o);
+    const int4* q = reinterpret_cast<const int4*>(v);
+#pragma unroll
+    for (int k = 0; k < (int)(8 * sizeof(act_t) / 16); k++) p[k] = q[k];
 }
-__device__ __forceinline__ float4 load_raw(const float* z, int q) { return load4(z, q); }
-#if ANDREA_ACT != 0
-__device__ __forceinline__ Act4 load_raw(const act_t* z, int q) {
-    return reinterpret_cast<const Act4*>(z)[q];
-}
-#endif
 
 template <typename Z, typename C>
-__device__ __forceinline__ void row_load(C (&zc)[LOSS_CACHE], const Z* z, int ldv) {
+__device__ __forceinline__ void row_load(C (&zc)[LOSS_OCTETS], const Z* z, int ldv) {
 #pragma unroll
-    for (int j = 0; j < LOSS_CACHE; j++) {
-        const int q = threadIdx.x + j * blockDim.x;
-        if (q * 4 < ldv) zc[j] = load_raw(z, q);
+    for (int j = 0; j < LOSS_OCTETS; j++) {
+        const int o = threadIdx.x + j * blockDim.x;
+        if (o * 8 < ldv) zc[j] = load_oct(z, o);
     }
 }
 
-// z[tgt] from the row row_load left in registers, into *out by the thread holding it (before a
-// barrier: the one inside row_lse), so that no thread waits on a load of its own for it.
-template <typename C>
-__device__ __forceinline__ void cached_target(const C (&zc)[LOSS_CACHE], int tgt, float* out) {
+// The max over the columns < V of octet o (exact in any order).
+// (Both test o * 8 + 8 <= V first: at most one octet a row straddles V; the others are all
+// columns < V, or all padding.)
+__device__ __forceinline__ float oct_max(const float (&f)[8], int o, int V, float m) {
+    const bool whole = o * 8 + 8 <= V;
 #pragma unroll
-    for (int j = 0; j < LOSS_CACHE; j++) {
-        if ((int)threadIdx.x + j * (int)blockDim.x == tgt >> 2) {
-            const float4 v = as_f4(zc[j]);
-            const int i = tgt & 3;
-            *out = i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
-        }
-    }
-}
-
-// max and Σ exp(x - m) over the columns < V of one float4 at column 4q, in column order
-__device__ __forceinline__ float vec_max(float4 v, int q, int V, float m) {
-    const float e[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++)
-        if (q * 4 + i < V) m = fmaxf(m, e[i]);
+    for (int i = 0; i < 8; i++)
+        if (whole || o * 8 + i < V) m = fmaxf(m, f[i]);
     return m;
 }
-__device__ __forceinline__ float vec_sumexp(float4 v, int q, int V, float m, float s) {
-    const float e[4] = {v.x, v.y, v.z, v.w};
+// s + Σ exp(z - m) over the columns < V of octet o, in column order; mL = m·log2 e.
+__device__ __forceinline__ float oct_sumexp(const float (&f)[8], int o, int V, float mL, float s) {
+    const bool whole = o * 8 + 8 <= V;
 #pragma unroll
-    for (int i = 0; i < 4; i++)
-        if (q * 4 + i < V) s = __fadd_rn(s, __expf(__fsub_rn(e[i], m)));
+    for (int i = 0; i < 8; i++)
+        if (whole || o * 8 + i < V) s = __fadd_rn(s, ex2(__fmaf_rn(f[i], LOG2E, -mL)));
     return s;
 }
 
-// The log-sum-exp of row z (V used of its ldv floats): the max first (exact in any order),
-// then each thread's Σ exp(z - max) over its float4s in order, the threads' sums added in a
-// fixed order (block_sum). Shared by k_loss_fwd and k_loss_fwd_bwd (same bits); zc: the row
-// as row_load leaves it when row_fits(ldv), else unused (the row is read from z).
-template <typename Z, typename C>
-__device__ __forceinline__ float row_lse(const C (&zc)[LOSS_CACHE], const Z* z, int V, int ldv,
-                                         float* shared) {
-    float m = -INFINITY, s = 0.0f;
-    if (row_fits(ldv)) {
-#pragma unroll
-        for (int j = 0; j < LOSS_CACHE; j++) {
-            const int q = threadIdx.x + j * blockDim.x;
-            if (q * 4 < ldv) m = vec_max(as_f4(zc[j]), q, V, m);
-        }
-        m = block_max(m, shared);
-#pragma unroll
-        for (int j = 0; j < LOSS_CACHE; j++) {
-            const int q = threadIdx.x + j * blockDim.x;
-            if (q * 4 < ldv) s = vec_sumexp(as_f4(zc[j]), q, V, m, s);
-        }
-    } else {
-        for (int q = threadIdx.x; q * 4 < ldv; q += blockDim.x) m = vec_max(load4(z, q), q, V, m);
-        m = block_max(m, shared);
-        for (int q = threadIdx.x; q * 4 < ldv; q += blockDim.x)
-            s = vec_sumexp(load4(z, q), q, V, m, s);
-    }
-    s = block_sum(s, shared);
-    // The butterflies leave each lane a sum in its own order: lanes may differ in the last
-    // bit. Every thread takes thread 0's value, the one k_loss_fwd stores, so k_loss_fwd_bwd's
-    // dlogits are k_loss_bwd's bits.
-    const float l = m + logf(s);
-    __syncthreads();  // every warp has read block_sum's partials
-    if (threadIdx.x == 0) shared[0] = l;
+// A thread's (max, Σ exp(z - max)), combined across the block: (m, s) ⊕ (m', s') = (M, s·e^(m-M)
+// + s'·e^(m'-M)), M = max(m, m'); an empty share is (-inf, 0).
+struct MaxSum {
+    float m, s;
+};
+// The share holding the max keeps its sum as it is (s·e^0); the other is scaled.
+__device__ __forceinline__ float ms_scaled(MaxSum a, float m) {
+    if (a.m == m) return a.s;
+    return a.m == -INFINITY ? 0.0f : __fmul_rn(a.s, ex2(__fmul_rn(__fsub_rn(a.m, m), LOG2E)));
+}
+__device__ __forceinline__ MaxSum ms_add(MaxSum a, MaxSum b) {
+    const float m = fmaxf(a.m, b.m);
+    if (m == -INFINITY) return {m, 0.0f};
+    return {m, __fadd_rn(ms_scaled(a, m), ms_scaled(b, m))};
+}
+// A butterfly over lanes 0 .. 2k - 1 (k = 16: the whole warp): lane 0 ends with their sum in a
+// fixed order (other lanes in orders of their own).
+__device__ __forceinline__ MaxSum warp_ms(MaxSum v, int k) {
+    for (; k > 0; k >>= 1)
+        v = ms_add(v, {__shfl_xor_sync(0xffffffffu, v.m, k), __shfl_xor_sync(0xffffffffu, v.s, k)});
+    return v;
+}
+// The row's log-sum-exp from every thread's share, in a fixed order, one barrier: a butterfly
+// in each warp, then a butterfly over the warps' results (lanes past the warp count hold
+// (-inf, 0)), which every warp runs alike on the same shared values; each thread takes its
+// lane 0's result, so the whole block has one value. shared: 64 floats, written once per block.
+__device__ __forceinline__ float block_lse(MaxSum v, float* shared) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarp = blockDim.x >> 5;
+    v = warp_ms(v, 16);
+    if (lane == 0) shared[warp] = v.m, shared[32 + warp] = v.s;
     __syncthreads();
-    return shared[0];
+    v = lane < nwarp ? MaxSum{shared[lane], shared[32 + lane]} : MaxSum{-INFINITY, 0.0f};
+    int k = 1;  // the butterfly over the nwarp results: 4, 2, 1 for 8 warps
+    while (2 * k < nwarp) k <<= 1;
+    v = warp_ms(v, k);
+    const float m = __shfl_sync(0xffffffffu, v.m, 0), s = __shfl_sync(0xffffffffu, v.s, 0);
+    return m + logf(s);
 }
 
-// dz = scale·(softmax(z) - onehot(target)) for the float4 at column 4q of one row, padding
-// columns V <= j < ldv set to 0 (rounded as written: no contraction).
-__device__ __forceinline__ void vec_dlogits(act_t* dz, float4 v, int q, float l, int tgt,
-                                            float sc, int V) {
-    const float e[4] = {v.x, v.y, v.z, v.w};
-    Act4 out;
+// The log-sum-exp of row z (V used of its ldv columns): each thread's max over its octets,
+// then its Σ exp(z - max) over them in order, then block_lse. zc: the row as row_load leaves
+// it when row_fits(ldv), else unused (the row is read from z on each pass).
+template <typename Z, typename C>
+__device__ __forceinline__ float row_lse(const C (&zc)[LOSS_OCTETS], const Z* z, int V, int ldv,
+                                         float* shared) {
+    float m = -INFINITY, s = 0.0f, f[8];
+    if (row_fits(ldv)) {
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const int j = q * 4 + i;
-        const float p = __expf(__fsub_rn(e[i], l));
-        out.v[i] = to_act(j < V ? __fmul_rn(__fsub_rn(p, j == tgt ? 1.0f : 0.0f), sc) : 0.0f);
+        for (int j = 0; j < LOSS_OCTETS; j++) {
+            const int o = threadIdx.x + j * blockDim.x;
+            if (o * 8 < ldv) unpack(zc[j], f), m = oct_max(f, o, V, m);
+        }
+        const float mL = __fmul_rn(m, LOG2E);
+#pragma unroll
+        for (int j = 0; j < LOSS_OCTETS; j++) {
+            const int o = threadIdx.x + j * blockDim.x;
+            if (o * 8 < ldv) unpack(zc[j], f), s = oct_sumexp(f, o, V, mL, s);
+        }
+    } else {
+        for (int o = threadIdx.x; o * 8 < ldv; o += blockDim.x)
+            unpack(load_oct(z, o), f), m = oct_max(f, o, V, m);
+        const float mL = __fmul_rn(m, LOG2E);
+        for (int o = threadIdx.x; o * 8 < ldv; o += blockDim.x)
+            unpack(load_oct(z, o), f), s = oct_sumexp(f, o, V, mL, s);
     }
-    *reinterpret_cast<Act4*>(dz + q * 4) = out;
+    return block_lse({m, s}, shared);
+}
+
+// dz = scale·(softmax(z) - onehot(target)) for octet o of a row, softmax(z) = exp(z - lse),
+// padding columns V <= j < ldv set to 0 (rounded as written: no contraction).
+__device__ __forceinline__ void oct_dlogits(act_t* dz, const float (&f)[8], int o, float lL,
+                                            int tgt, float sc, int V) {
+    alignas(16) act_t out[8];  // stored as 16-byte words (store_oct)
+    if (o * 8 + 8 <= V && (tgt >> 3) != o) {  // the common octet: no padding, not the target
+#pragma unroll
+        for (int i = 0; i < 8; i++) out[i] = to_act(__fmul_rn(ex2(__fmaf_rn(f[i], LOG2E, -lL)), sc));
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const int j = o * 8 + i;
+            const float p = ex2(__fmaf_rn(f[i], LOG2E, -lL));
+            out[i] = to_act(j < V ? __fmul_rn(__fsub_rn(p, j == tgt ? 1.0f : 0.0f), sc) : 0.0f);
+        }
+    }
+    store_oct(dz, o, out);
 }
 
 // The forward of row r (every loss kernel but k_loss_bwd): lse[r] and losses[r] from the row
 // z of V used columns; returns the lse. A row that fits (row_fits) is left in zc, and z[tgt]
-// comes from there, so that the row may be overwritten after the barriers inside row_lse.
+// comes from there (written to shared by the thread holding it, before block_lse's barrier),
+// so that the row may be overwritten once row_lse returns.
 template <typename Z, typename C>
-__device__ __forceinline__ float row_loss(C (&zc)[LOSS_CACHE], float* losses, float* lse,
+__device__ __forceinline__ float row_loss(C (&zc)[LOSS_OCTETS], float* losses, float* lse,
                                           const Z* z, int r, int tgt, int V, int ldv) {
-    __shared__ float shared[32];
+    __shared__ float shared[64];
     __shared__ float zt;
     const bool fits = row_fits(ldv);
     if (fits) {
         row_load(zc, z, ldv);
-        cached_target(zc, tgt, &zt);
+#pragma unroll
+        for (int j = 0; j < LOSS_OCTETS; j++) {
+            if ((int)threadIdx.x + j * (int)blockDim.x == tgt >> 3) {
+                float f[8];
+                unpack(zc[j], f);
+#pragma unroll
+                for (int i = 0; i < 8; i++)
+                    if (i == (tgt & 7)) zt = f[i];
+            }
+        }
     }
     const float l = row_lse(zc, z, V, ldv, shared);
     if (threadIdx.x == 0) {
@@ -186,7 +234,7 @@ __device__ __forceinline__ void loss_fwd_row(float* losses, float* lse, const Z*
                                              const int* targets, int B, int T, int V, int ldv) {
     const int r = blockIdx.x;
     if (r >= B * T) return;
-    typename Cached<Z>::type zc[LOSS_CACHE];
+    typename Cached<Z>::type zc[LOSS_OCTETS];
     row_loss(zc, losses, lse, logits + (long)r * ldv, r, row_target(targets, r, B, T), V, ldv);
 }
 
@@ -227,11 +275,12 @@ extern "C" __global__ void k_loss_bwd(act_t* dlogits, const float* logits, const
                                       int ldv) {
     const int r = blockIdx.x;
     if (r >= B * T) return;
-    const float4* z4 = reinterpret_cast<const float4*>(logits + (long)r * ldv);
-    const float l = lse[r], sc = scale[0];
+    const float* z = logits + (long)r * ldv;
+    const float lL = __fmul_rn(lse[r], LOG2E), sc = scale[0];
     const int tgt = row_target(targets, r, B, T);
-    for (int q = threadIdx.x; q * 4 < ldv; q += blockDim.x)
-        vec_dlogits(dlogits + (long)r * ldv, z4[q], q, l, tgt, sc, V);
+    float f[8];
+    for (int o = threadIdx.x; o * 8 < ldv; o += blockDim.x)
+        unpack(load_oct(z, o), f), oct_dlogits(dlogits + (long)r * ldv, f, o, lL, tgt, sc, V);
 }
 
 // One row of k_loss_fwd_bwd, k_loss_fwd_bwd_lp.
@@ -245,19 +294,20 @@ __device__ __forceinline__ void loss_fwd_bwd_row(float* losses, float* lse, act_
     const Z* z = logits + (long)r * ldv;
     const bool fits = row_fits(ldv);
     const int tgt = row_target(targets, r, B, T);
-    typename Cached<Z>::type zc[LOSS_CACHE];
+    typename Cached<Z>::type zc[LOSS_OCTETS];
     const float l = row_loss(zc, losses, lse, z, r, tgt, V, ldv);
     act_t* dz = dlogits + (long)r * ldv;
-    const float sc = scale[0];
+    const float lL = __fmul_rn(l, LOG2E), sc = scale[0];
+    float f[8];
     if (fits) {
 #pragma unroll
-        for (int j = 0; j < LOSS_CACHE; j++) {
-            const int q = threadIdx.x + j * blockDim.x;
-            if (q * 4 < ldv) vec_dlogits(dz, as_f4(zc[j]), q, l, tgt, sc, V);
+        for (int j = 0; j < LOSS_OCTETS; j++) {
+            const int o = threadIdx.x + j * blockDim.x;
+            if (o * 8 < ldv) unpack(zc[j], f), oct_dlogits(dz, f, o, lL, tgt, sc, V);
         }
     } else {
-        for (int q = threadIdx.x; q * 4 < ldv; q += blockDim.x)
-            vec_dlogits(dz, load4(z, q), q, l, tgt, sc, V);
+        for (int o = threadIdx.x; o * 8 < ldv; o += blockDim.x)
+            unpack(load_oct(z, o), f), oct_dlogits(dz, f, o, lL, tgt, sc, V);
     }
 }
 
