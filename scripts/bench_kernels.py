@@ -63,6 +63,17 @@ def time_rounds(variants: dict[str, Callable[[], None]], rounds: int, reps: int,
     return times
 
 
+def print_table(times: dict[str, list[float]], ref: str, vs: str, rate: str, mb: float) -> None:
+    """One row a variant: median µs a call, the rounds' spread, the ratio to variant `ref`'s
+    median, and `mb` megabytes a call as GB/s."""
+    base = statistics.median(times[ref])
+    print(f"  {'variant':<24} {'us/call':>8} {'spread':>7} {vs:>9} {rate:>9}")
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        spread = (max(ts) - min(ts)) / med * 100
+        print(f"  {name:<24} {med:8.2f} {spread:6.1f}% {med / base:9.2f} {mb / med * 1e3:9.0f}")
+
+
 def bench_layernorm(gpu, R: int, d: int, fused_rows: list[int], rounds: int, reps: int) -> None:
     from engine.backends.cuda.ops import LN_PARAMS_ROWS, ROWS_PER_BLOCK, Ops
 
@@ -97,14 +108,9 @@ def bench_layernorm(gpu, R: int, d: int, fused_rows: list[int], rounds: int, rep
         for rows in fused_rows:
             variants[f"fused, {rows} rows"] = lambda rows=rows: call(True, rows)
     times = time_rounds(variants, rounds, reps, drv, stream)
-    ref = statistics.median(times["three kernels"])
     mb = R * d * 2 * 4 / 1e6
     print(f"\nLayerNorm backward R={R} d={d}: {mb:.1f} MB of dout, x, resid and dx a call")
-    print(f"  {'variant':<24} {'us/call':>8} {'spread':>7} {'vs three':>9} {'GB/s (dx)':>9}")
-    for name, ts in times.items():
-        med = statistics.median(ts)
-        spread = (max(ts) - min(ts)) / med * 100
-        print(f"  {name:<24} {med:8.2f} {spread:6.1f}% {med / ref:9.2f} {mb / med * 1e3:9.0f}")
+    print_table(times, "three kernels", "vs three", "GB/s (dx)", mb)
     for a in (x, dout, res, dx, mean, rstd, gamma, dgb, part):
         a.free()
 
@@ -132,14 +138,9 @@ def bench_loss(gpu, R: int, V: int, rounds: int, reps: int) -> None:
         "copy of the same bytes": lambda: drv.memcpy_dtod_async(peer, z, nbytes, stream),
     }
     times = time_rounds(variants, rounds, reps, drv, stream)
-    ref = statistics.median(times["copy of the same bytes"])
     mb = 2 * nbytes / 1e6
     print(f"\nloss R={R} V={V} (ldv {ldv}), bf16 logits: {mb:.1f} MB read and written a call")
-    print(f"  {'variant':<24} {'us/call':>8} {'spread':>7} {'vs copy':>9} {'GB/s':>9}")
-    for name, ts in times.items():
-        med = statistics.median(ts)
-        spread = (max(ts) - min(ts)) / med * 100
-        print(f"  {name:<24} {med:8.2f} {spread:6.1f}% {med / ref:9.2f} {mb / med * 1e3:9.0f}")
+    print_table(times, "copy of the same bytes", "vs copy", "GB/s", mb)
     for a in (logits, other, targets, scale, lse, losses):
         a.free()
 
