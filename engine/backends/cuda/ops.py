@@ -107,9 +107,12 @@ class Ops:
         self.side_ln = os.environ.get("ANDREA_SIDE_LN", "1") != "0"
 
     def _go(self, name: str, grid: int | tuple[int, int], *args: Any, shared: int = 0,
-            stream: Any = None) -> None:
+            stream: Any = None, threads: int = THREADS) -> None:
+        """Launch kernel `name` on the stream (or `stream`): grid blocks of `threads` threads
+        (THREADS everywhere in the engine; other sizes only where a kernel allows them, for
+        scripts/bench_kernels.py)."""
         g = grid if isinstance(grid, tuple) else (grid, 1)
-        self.k[name].prepared_async_call(g, (THREADS, 1, 1), stream or self.stream, *args,
+        self.k[name].prepared_async_call(g, (threads, 1, 1), stream or self.stream, *args,
                                          shared_size=shared)
         if self.debug:
             self._sync(name)
