@@ -173,11 +173,14 @@ def main() -> int:
         print(f"bench_kernels: --shapes wants ROWSxD[,ROWSxD...] and --rows integers, got "
               f"{args.shapes!r} / {args.rows!r}", file=sys.stderr)
         return 2
-    bad = [x for x in ops if x not in OPS]
-    if bad or not ops or args.vocab < 1 or args.reps < 1 or args.rounds < 1:
-        print(f"bench_kernels: --ops wants some of {', '.join(OPS)} (got {args.ops!r}); "
-              f"--vocab, --reps and --rounds positive integers", file=sys.stderr)
+    if not ops or any(x not in OPS for x in ops):
+        print(f"bench_kernels: --ops wants some of {', '.join(OPS)}, comma-separated, got "
+              f"{args.ops!r}", file=sys.stderr)
         return 2
+    for flag, value in (("--vocab", args.vocab), ("--reps", args.reps), ("--rounds", args.rounds)):
+        if value < 1:
+            print(f"bench_kernels: {flag} wants a positive integer, got {value}", file=sys.stderr)
+            return 2
 
     from engine.backends import cuda_status
 

@@ -23,7 +23,9 @@ def _bench():
 @pytest.mark.parametrize(("args", "says"), [
     (["--ops", "loss,foo"], "--ops wants some of layernorm, loss"),
     (["--ops", ""], "--ops wants some of layernorm, loss"),
-    (["--vocab", "0"], "--vocab, --reps and --rounds positive"),
+    (["--vocab", "0"], "--vocab wants a positive integer, got 0"),
+    (["--reps", "-2"], "--reps wants a positive integer, got -2"),
+    (["--rounds", "0"], "--rounds wants a positive integer, got 0"),
     (["--shapes", "8192"], "--shapes wants ROWSxD"),
     (["--rows", "x"], "--rows integers"),
 ])
