@@ -9,8 +9,8 @@ runs them, timed with CUDA events on one stream. Prints a table per op and shape
 - `three kernels`: k_layernorm_bwd, then k_layernorm_bwd_params + k_colsum_reduce (the unfused
   path; in the step the sums run on the weight-gradient stream, here on the one stream);
 - `three kernels, dx only`: k_layernorm_bwd alone, what the unfused path leaves on the main
-  stream; `dx only, 128 threads` / `64 threads`: the same kernel launched in smaller blocks
-  (the engine launches 256);
+  stream, in the engine's blocks (ops.LN_BWD_THREADS, 128); `dx only, 256 threads` / `64
+  threads`: the same kernel in other blocks;
 - `fused, R rows`: k_layernorm_bwd_fused with chunks of R rows, then k_colsum_chunks.
 
 Each variant's time is shown as a ratio to the three kernels' in the same run.
@@ -76,7 +76,7 @@ def print_table(times: dict[str, list[float]], ref: str, vs: str, rate: str, mb:
 
 
 def bench_layernorm(gpu, R: int, d: int, fused_rows: list[int], rounds: int, reps: int) -> None:
-    from engine.backends.cuda.ops import LN_PARAMS_ROWS, THREADS, Ops
+    from engine.backends.cuda.ops import LN_BWD_THREADS, LN_PARAMS_ROWS, Ops
 
     drv, stream = gpu.drv, gpu.stream
     rng = np.random.default_rng(0)
@@ -91,7 +91,8 @@ def bench_layernorm(gpu, R: int, d: int, fused_rows: list[int], rounds: int, rep
     dout_, x_, gamma_, mean_, rstd_, dx_, dgb_, part_, res_ = (
         int(p) for p in (dout, x, gamma, mean, rstd, dx, dgb, part, res))
 
-    def call(fused: bool, rows: int = 0, dx_only: bool = False, threads: int = THREADS) -> None:
+    def call(fused: bool, rows: int = 0, dx_only: bool = False,
+             threads: int = LN_BWD_THREADS) -> None:
         if dx_only:  # a warp a row, whatever the block size
             o._go("k_layernorm_bwd", -(-R // (threads // 32)), dx_, res_, dout_, x_, mean_, rstd_,
                   gamma_, R, d, 1, threads=threads)
@@ -104,9 +105,8 @@ def bench_layernorm(gpu, R: int, d: int, fused_rows: list[int], rounds: int, rep
     variants: dict[str, Callable[[], None]] = {
         "three kernels": lambda: call(False),
         "three kernels, dx only": lambda: call(False, dx_only=True),
-        # smaller blocks: more of them fit an SM's registers (72 a thread: 3 blocks of 256
-        # threads, 24 warps; 7 of 128, 28 warps), and the last wave is finer
-        "dx only, 128 threads": lambda: call(False, dx_only=True, threads=128),
+        # at 72 registers a thread: 3 blocks of 256 threads an SM (24 warps), 7 of 128 (28)
+        "dx only, 256 threads": lambda: call(False, dx_only=True, threads=256),
         "dx only, 64 threads": lambda: call(False, dx_only=True, threads=64),
     }
     if o.fused_ln_bwd_ok(d, dx_, res_, dout_, x_):

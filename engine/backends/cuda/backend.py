@@ -244,6 +244,7 @@ class CudaBackend:
                        if self._cuda.flag("ANDREA_GELU_FUSION") else None)
             self.ops = Ops(gpu.kernels(precision), self.blas, self.stream, precision, self.lt,
                            cudnn=self.cudnn, cudnn_ws=cws, attn_chunk=chunk)
+        self.main_priority = self._set_stream_priorities()
         self.fp8_mlp = (Fp8Mlp(self.ops, plan, shapes.n_layer, shapes.d_model, shapes.d_ff,
                                self.ops.act, self.train.R) if self.fp8 else None)
         self.fused_step = self.fusions
@@ -541,6 +542,30 @@ class CudaBackend:
         fusions: the run directory keeps it so that --resume runs the same ones."""
         return self.gemm.export_plan() if self.gemm is not None else None
 
+    def _set_stream_priorities(self) -> int:
+        """The main stream (the step's chain) at the greatest priority, the weight-gradient
+        stream at the least: where both have blocks waiting for SMs, the main stream's are
+        served first (the kernel nodes of a graph keep the priority of the stream they were
+        captured from: graphs.py). ANDREA_STREAM_PRIORITY=0, or no second stream: both at the
+        least, the streams' default. The same kernels in the same order: the same bits.
+        Returns the main stream's priority (the all-reduce stream takes it too)."""
+        least, greatest = graphs.stream_priority_range()
+        on = self.side is not None and os.environ.get("ANDREA_STREAM_PRIORITY", "1") != "0"
+        self.stream_priority = on
+        if self.side is not None:
+            graphs.set_stream_priority(self.side.handle, least)
+        self.main_priority = greatest if on else least
+        self._claim_main_stream()
+        return self.main_priority
+
+    def _claim_main_stream(self) -> None:
+        """The main stream is the process's (runtime.Gpu), shared by every backend in it: give
+        it this backend's priority before this backend captures or issues work (another
+        backend may have set its own since)."""
+        if self.gpu.stream_priority != self.main_priority:
+            graphs.set_stream_priority(self.stream.handle, self.main_priority)
+            self.gpu.stream_priority = self.main_priority
+
     def describe(self) -> str:
         """One line: attention, GEMMs and fusions as they run."""
         gemm = "cuBLAS (heuristic choices)"
@@ -560,8 +585,10 @@ class CudaBackend:
         over = ", dlogits over them" if self.train.dlogits_in_logits else ""
         logits = (f"; logits in {'fp16' if self.precision == 'fp16' else 'bf16'}{over} "
                   f"(ANDREA_LOGITS_LP)" if self.logits_lp else "")
+        prio = ("; the main stream's kernels before the weight-gradient stream's "
+                "(ANDREA_STREAM_PRIORITY)" if self.stream_priority else "")
         return (f"attention {self.attention_info}; GEMMs {gemm}; fusions "
-                f"{'on' if self.fusions else 'off'}{rows}{resid}{logits}{fp8}")
+                f"{'on' if self.fusions else 'off'}{prio}{rows}{resid}{logits}{fp8}")
 
     @property
     def fp8_gemms(self) -> list[str]:
@@ -812,6 +839,7 @@ class CudaBackend:
     def _run(self, key: tuple[Any, ...], issue: Callable[[], None]) -> None:
         """Issue the work directly, or through a graph captured on first use per key (kind, T,
         and for a step whether an update is pending before it and left pending after it)."""
+        self._claim_main_stream()
         if not self.use_graphs:
             issue()
             return
@@ -1117,6 +1145,7 @@ class CudaBackend:
         gradients they sum are then overwritten or zeroed by the step)."""
         if self.comm is None:
             self.comm = self.drv.Stream(flags=1)
+            graphs.set_stream_priority(self.comm.handle, self.main_priority)
             self.ops.reserve_events(16 * self.shapes.n_layer + 32)
         if key not in self._graphs and self.use_graphs:
             self.stream.synchronize()

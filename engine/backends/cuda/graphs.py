@@ -11,6 +11,13 @@ the tokens) are read from device memory the host fills before each launch.
 cuBLASLt zero inside their calls) into kernel nodes of kernels/fill.cu's k_fill before
 instantiating: on the H200 the step graph's GPU sat idle for a median 3–4 µs (up to 7) before
 each memset node, 1.6 µs before a kernel node (NOTES.md). The bytes written are the same.
+
+Stream priorities: a captured kernel node keeps the priority of the stream it was captured
+from, and graphs are instantiated to run with these per-node priorities
+(CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY), so that where two streams' kernels wait for SMs
+the block scheduler serves the higher one first (`set_stream_priority`; the backend puts its
+main stream above the weight-gradient stream). Streams made by PyCUDA start at the least
+priority, so graphs of such streams alone run as before.
 """
 
 from __future__ import annotations
@@ -28,6 +35,9 @@ NODE_TYPES = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "graph", 5: "
               6: "event_wait", 7: "event_record", 8: "ext_signal", 9: "ext_wait", 10: "mem_alloc",
               11: "mem_free", 12: "batch_mem_op", 13: "conditional"}
 
+LAUNCH_ATTRIBUTE_PRIORITY = 8  # CU_LAUNCH_ATTRIBUTE_PRIORITY: for streams and kernel nodes
+INSTANTIATE_USE_NODE_PRIORITY = 8  # CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY
+
 FILL_BLOCK = 256  # k_fill's threads per block
 FILL_MAX_BLOCKS = 1024  # blocks along a row (the kernel strides over the rest)
 
@@ -43,6 +53,10 @@ class _KernelParams(C.Structure):  # CUDA_KERNEL_NODE_PARAMS (v2)
                 ("blockDimZ", C.c_uint), ("sharedMemBytes", C.c_uint),
                 ("kernelParams", C.POINTER(C.c_void_p)), ("extra", C.POINTER(C.c_void_p)),
                 ("kern", C.c_void_p), ("ctx", C.c_void_p)]
+
+
+class _LaunchAttrValue(C.Union):  # CUlaunchAttributeValue (64 bytes), its priority member
+    _fields_ = [("priority", C.c_int), ("_size", C.c_ubyte * 64)]
 
 
 class _EdgeData(C.Structure):  # CUgraphEdgeData
@@ -83,12 +97,18 @@ def _driver() -> C.CDLL:
         lib.cuModuleLoad.argtypes = [C.POINTER(vp), C.c_char_p]
         lib.cuModuleGetFunction.argtypes = [C.POINTER(vp), vp, C.c_char_p]
         lib.cuModuleUnload.argtypes = [vp]
+        lib.cuCtxGetStreamPriorityRange.argtypes = [C.POINTER(C.c_int), C.POINTER(C.c_int)]
+        lib.cuStreamSetAttribute.argtypes = [vp, C.c_int, C.POINTER(_LaunchAttrValue)]
+        lib.cuGraphKernelNodeGetAttribute.argtypes = [vp, C.c_int, C.POINTER(_LaunchAttrValue)]
+        lib.cuGraphKernelNodeSetAttribute.argtypes = [vp, C.c_int, C.POINTER(_LaunchAttrValue)]
         for f in ("cuStreamBeginCapture_v2", "cuStreamEndCapture", "cuGraphInstantiateWithFlags",
                   "cuGraphLaunch", "cuGraphExecDestroy", "cuGraphDestroy", "cuGetErrorString",
                   "cuGraphGetNodes", "cuGraphNodeGetType", "cuGraphMemsetNodeGetParams",
                   "cuGraphNodeGetDependencies_v2", "cuGraphNodeGetDependentNodes_v2",
                   "cuGraphAddKernelNode_v2", "cuGraphAddDependencies_v2", "cuGraphDestroyNode",
-                  "cuModuleLoad", "cuModuleGetFunction", "cuGraphClone", "cuModuleUnload"):
+                  "cuModuleLoad", "cuModuleGetFunction", "cuGraphClone", "cuModuleUnload",
+                  "cuCtxGetStreamPriorityRange", "cuStreamSetAttribute",
+                  "cuGraphKernelNodeGetAttribute", "cuGraphKernelNodeSetAttribute"):
             getattr(lib, f).restype = C.c_int
         _lib = lib
     return _lib
@@ -100,6 +120,24 @@ def _check(status: int, what: str) -> None:
         _driver().cuGetErrorString(status, C.byref(msg))
         text = msg.value.decode() if msg.value else "unknown"
         raise RunError(f"{what} failed: CUDA error {status} ({text})")
+
+
+def stream_priority_range() -> tuple[int, int]:
+    """(least, greatest) stream priority of the current context; greatest is the smaller number
+    (on the H200: 0 and -5)."""
+    least, greatest = C.c_int(), C.c_int()
+    _check(_driver().cuCtxGetStreamPriorityRange(C.byref(least), C.byref(greatest)),
+           "cuCtxGetStreamPriorityRange")
+    return least.value, greatest.value
+
+
+def set_stream_priority(stream_handle: int, priority: int) -> None:
+    """The priority of the kernels launched into the stream from now on (and of the kernel
+    nodes captured from it)."""
+    v = _LaunchAttrValue()
+    v.priority = priority
+    _check(_driver().cuStreamSetAttribute(C.c_void_p(stream_handle), LAUNCH_ATTRIBUTE_PRIORITY,
+                                          C.byref(v)), "cuStreamSetAttribute")
 
 
 def _nodes(graph: C.c_void_p) -> list[tuple[C.c_void_p, str]]:
@@ -115,6 +153,19 @@ def _nodes(graph: C.c_void_p) -> list[tuple[C.c_void_p, str]]:
         _check(lib.cuGraphNodeGetType(nodes[i], C.byref(t)), "cuGraphNodeGetType")
         out.append((C.c_void_p(nodes[i]), NODE_TYPES.get(t.value, f"type{t.value}")))
     return out
+
+
+def _kernel_priority(node: C.c_void_p) -> int | None:
+    """A kernel node's priority; None for a node of another type."""
+    lib = _driver()
+    t = C.c_int(-1)
+    _check(lib.cuGraphNodeGetType(node, C.byref(t)), "cuGraphNodeGetType")
+    if t.value != 0:
+        return None
+    v = _LaunchAttrValue()
+    _check(lib.cuGraphKernelNodeGetAttribute(node, LAUNCH_ATTRIBUTE_PRIORITY, C.byref(v)),
+           "cuGraphKernelNodeGetAttribute")
+    return v.priority
 
 
 def _edges(query: Callable[..., int], node: C.c_void_p) -> tuple[Any, Any, int]:
@@ -207,6 +258,15 @@ def memsets_as_kernels(graph: C.c_void_p, fill: FillKernel) -> list[Fill]:
         new = C.c_void_p()
         _check(lib.cuGraphAddKernelNode_v2(C.byref(new), graph, deps, n_in, C.byref(kp)),
                "cuGraphAddKernelNode")
+        # a memset has no priority: the fill takes the most urgent of its neighbours' (the
+        # kernel of the library call that zeroes its counter, on the same stream)
+        near = [q for q in (_kernel_priority(C.c_void_p(x)) for x in (*outs[:n_out], *deps[:n_in]))
+                if q is not None]
+        if near:
+            v = _LaunchAttrValue()
+            v.priority = min(near)
+            _check(lib.cuGraphKernelNodeSetAttribute(new, LAUNCH_ATTRIBUTE_PRIORITY, C.byref(v)),
+                   "cuGraphKernelNodeSetAttribute")
         if n_out:
             _check(lib.cuGraphAddDependencies_v2(graph, (C.c_void_p * n_out)(*[new] * n_out),
                                                  outs, out_data, n_out),
@@ -244,7 +304,8 @@ def _with_fills(graph: C.c_void_p, fill: FillKernel) -> tuple[C.c_void_p | None,
 
 def _instantiate(graph: C.c_void_p) -> tuple[C.c_void_p, int]:
     exec_ = C.c_void_p()
-    return exec_, _driver().cuGraphInstantiateWithFlags(C.byref(exec_), graph, 0)
+    return exec_, _driver().cuGraphInstantiateWithFlags(C.byref(exec_), graph,
+                                                        INSTANTIATE_USE_NODE_PRIORITY)
 
 
 class CudaGraph:
@@ -265,6 +326,19 @@ class CudaGraph:
         out: dict[str, int] = {}
         for _, name in _nodes(self._graph):
             out[name] = out.get(name, 0) + 1
+        return out
+
+    def kernel_priorities(self) -> dict[int, int]:
+        """Kernel nodes of the captured graph by their priority (what each runs with)."""
+        lib = _driver()
+        out: dict[int, int] = {}
+        for node, name in _nodes(self._graph):
+            if name == "kernel":
+                v = _LaunchAttrValue()
+                _check(lib.cuGraphKernelNodeGetAttribute(node, LAUNCH_ATTRIBUTE_PRIORITY,
+                                                         C.byref(v)),
+                       "cuGraphKernelNodeGetAttribute")
+                out[v.priority] = out.get(v.priority, 0) + 1
         return out
 
     def close(self) -> None:

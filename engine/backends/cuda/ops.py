@@ -46,6 +46,10 @@ from engine.errors import RunError
 
 THREADS = 256
 ROWS_PER_BLOCK = THREADS // 32  # one warp per row
+# k_layernorm_bwd's block (a warp a row): at 72 registers a thread, blocks of 128 fit 7 an SM
+# (28 warps, against 24 in blocks of 256) and retire sooner beside the weight-gradient stream's
+# GEMMs; ANDREA-120M's andrea-train step 11.675 -> 11.544 ms on the H200 (NOTES.md)
+LN_BWD_THREADS = 128
 LN_ROWS_PER_CHUNK = 64  # rows per column-sum chunk of the unfused LayerNorm backward
 LN_PARAMS_ROWS = 64  # the most k_layernorm_bwd_params takes per chunk (8 per warp, 8 warps)
 LN_FUSED_ROWS = 32  # rows per block (chunk) of k_layernorm_bwd_fused: 4 per warp
@@ -109,8 +113,8 @@ class Ops:
     def _go(self, name: str, grid: int | tuple[int, int], *args: Any, shared: int = 0,
             stream: Any = None, threads: int = THREADS) -> None:
         """Launch kernel `name` on the stream (or `stream`): grid blocks of `threads` threads
-        (THREADS everywhere in the engine; other sizes only where a kernel allows them, for
-        scripts/bench_kernels.py)."""
+        (THREADS, except k_layernorm_bwd's LN_BWD_THREADS; other sizes only where a kernel
+        allows them, for scripts/bench_kernels.py)."""
         g = grid if isinstance(grid, tuple) else (grid, 1)
         self.k[name].prepared_async_call(g, (threads, 1, 1), stream or self.stream, *args,
                                          shared_size=shared)
@@ -300,8 +304,8 @@ class Ops:
             self._go("k_colsum_chunks", -(-2 * d // 32), dgamma_beta, partial, nchunk, 2 * d, ow)
             return
         rows = LN_FUSED_ROWS if fused else self.ln_rows
-        self._go("k_layernorm_bwd", -(-R // ROWS_PER_BLOCK), dx, src, dout, x, mean, rstd, gamma,
-                 R, d, int(accumulate))
+        self._go("k_layernorm_bwd", -(-R // (LN_BWD_THREADS // 32)), dx, src, dout, x, mean,
+                 rstd, gamma, R, d, int(accumulate), threads=LN_BWD_THREADS)
         nchunk = -(-R // rows)
         assert rows <= LN_PARAMS_ROWS, rows
         tile = 32 * VEC_BYTES // self.esize  # columns per block: a warp's 16-byte vectors

@@ -120,6 +120,7 @@ class Gpu:
         self.ctx.push()
         atexit.register(self._close)
         self.stream = drv.Stream(flags=1)  # CU_STREAM_NON_BLOCKING: capturable
+        self.stream_priority: int | None = None  # as the last backend set it (None: default)
         major, minor = self.dev.compute_capability()
         self.arch = f"sm_{major}{minor}"
         self.total_mem = self.dev.total_memory()
