@@ -137,7 +137,20 @@ class FakeDriver:
         clone._obj.value = gid
         return 0
 
+    def cuGraphKernelNodeGetAttribute(self, node, attr, v) -> int:
+        assert attr == graphs.LAUNCH_ATTRIBUTE_PRIORITY
+        t, params = self._graph_of(h(node))["nodes"][h(node)]
+        assert t == "kernel", t
+        v._obj.priority = params.get("priority", 0)
+        return 0
+
+    def cuGraphKernelNodeSetAttribute(self, node, attr, v) -> int:
+        assert attr == graphs.LAUNCH_ATTRIBUTE_PRIORITY
+        self._graph_of(h(node))["nodes"][h(node)][1]["priority"] = v._obj.priority
+        return 0
+
     def cuGraphInstantiateWithFlags(self, exec_, graph, flags) -> int:
+        self.instantiate_flags = flags
         edited = any(t == "kernel" and p.get("func") == FILL_FUNC
                      for t, p in self.graphs[h(graph)]["nodes"].values())
         if self._fail("instantiate_edited" if edited else "instantiate"):
@@ -222,6 +235,22 @@ def test_each_memset_becomes_a_fill_with_its_edges(fake: FakeDriver, fill: FillK
     assert node["grid"] == FillKernel.grid(100, 1, 7)
     assert by_dst[0x2000].value == 0xDEADBEEF and by_dst[0x3002].pitch == 0  # 1 row: no pitch
     assert fake.alive() == {h(g._graph)}  # the original went, the edited clone runs
+
+
+def test_a_fill_takes_its_most_urgent_neighbours_priority(fake: FakeDriver,
+                                                          fill: FillKernel) -> None:
+    """A memset has no priority; its k_fill takes the smallest (most urgent) of the kernel nodes
+    it is joined to (a memset neighbour has none; one already replaced counts as a kernel), and
+    the graph is instantiated to run with the nodes' priorities."""
+    sample_graph(fake, {"k1": ("kernel", {"func": 1, "priority": 0}),
+                        "k3": ("kernel", {"func": 3, "priority": -5})})
+    g = graphs.capture(1, lambda: None, fill)
+    kept = fake.graphs[h(g._graph)]["nodes"]
+    got = {f.dst: kept[f.node][1]["priority"] for f in g.fills}
+    # m0 -> k1 (0); k1 -> m1 -> m2 (a memset); m1's fill -> m2 -> k2 (0), k3 (-5); k1 -> m3 -> k3
+    assert got == {0x1000: 0, 0x2000: 0, 0x3002: -5, 0x4000: -5}
+    assert g.kernel_priorities() == {0: 4, -5: 3}
+    assert fake.instantiate_flags == graphs.INSTANTIATE_USE_NODE_PRIORITY
 
 
 @pytest.mark.parametrize("kind", ["mem_alloc", "conditional", "graph"])
