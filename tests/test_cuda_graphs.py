@@ -239,17 +239,20 @@ def test_each_memset_becomes_a_fill_with_its_edges(fake: FakeDriver, fill: FillK
 
 def test_a_fill_takes_its_most_urgent_neighbours_priority(fake: FakeDriver,
                                                           fill: FillKernel) -> None:
-    """A memset has no priority; its k_fill takes the smallest (most urgent) of the kernel nodes
-    it is joined to (a memset neighbour has none; one already replaced counts as a kernel), and
-    the graph is instantiated to run with the nodes' priorities."""
-    sample_graph(fake, {"k1": ("kernel", {"func": 1, "priority": 0}),
-                        "k3": ("kernel", {"func": 3, "priority": -5})})
+    """A memset has no priority; its k_fill takes that of the kernel nodes after it (the most
+    urgent of several), else of those before it (a memset neighbour has none; one already
+    replaced counts as a kernel), and the graph is instantiated to run with the nodes'
+    priorities."""
+    sample_graph(fake, {"k1": ("kernel", {"func": 1, "priority": -5}),
+                        "k2": ("kernel", {"func": 2, "priority": 0}),
+                        "k3": ("kernel", {"func": 3, "priority": -3})})
     g = graphs.capture(1, lambda: None, fill)
     kept = fake.graphs[h(g._graph)]["nodes"]
     got = {f.dst: kept[f.node][1]["priority"] for f in g.fills}
-    # m0 -> k1 (0); k1 -> m1 -> m2 (a memset); m1's fill -> m2 -> k2 (0), k3 (-5); k1 -> m3 -> k3
-    assert got == {0x1000: 0, 0x2000: 0, 0x3002: -5, 0x4000: -5}
-    assert g.kernel_priorities() == {0: 4, -5: 3}
+    # m0 -> k1 (-5); k1 (-5) -> m1 -> m2, a memset then: k1's; k1 (-5) -> m2's fill: after it
+    # k2 (0) and k3 (-3), not m1's fill before it; k1 (-5) -> m3 -> k3 (-3)
+    assert got == {0x1000: -5, 0x2000: -5, 0x3002: -3, 0x4000: -3}
+    assert g.kernel_priorities() == {-5: 3, 0: 1, -3: 3}
     assert fake.instantiate_flags == graphs.INSTANTIATE_USE_NODE_PRIORITY
 
 

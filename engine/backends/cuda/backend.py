@@ -244,7 +244,7 @@ class CudaBackend:
                        if self._cuda.flag("ANDREA_GELU_FUSION") else None)
             self.ops = Ops(gpu.kernels(precision), self.blas, self.stream, precision, self.lt,
                            cudnn=self.cudnn, cudnn_ws=cws, attn_chunk=chunk)
-        self.main_priority = self._set_stream_priorities()
+        self._set_stream_priorities()
         self.fp8_mlp = (Fp8Mlp(self.ops, plan, shapes.n_layer, shapes.d_model, shapes.d_ff,
                                self.ops.act, self.train.R) if self.fp8 else None)
         self.fused_step = self.fusions
@@ -542,29 +542,33 @@ class CudaBackend:
         fusions: the run directory keeps it so that --resume runs the same ones."""
         return self.gemm.export_plan() if self.gemm is not None else None
 
-    def _set_stream_priorities(self) -> int:
+    def _set_stream_priorities(self) -> None:
         """The main stream (the step's chain) at the greatest priority, the weight-gradient
         stream at the least: where both have blocks waiting for SMs, the main stream's are
         served first (the kernel nodes of a graph keep the priority of the stream they were
-        captured from: graphs.py). ANDREA_STREAM_PRIORITY=0, or no second stream: both at the
-        least, the streams' default. The same kernels in the same order: the same bits.
-        Returns the main stream's priority (the all-reduce stream takes it too)."""
-        least, greatest = graphs.stream_priority_range()
-        on = self.side is not None and os.environ.get("ANDREA_STREAM_PRIORITY", "1") != "0"
-        self.stream_priority = on
-        if self.side is not None:
+        captured from: graphs.py). ANDREA_STREAM_PRIORITY=0, or no second stream: no priority
+        set (both at the least, the streams' default; the main stream put back there if another
+        backend raised it). The same kernels in the same order: the same bits. The all-reduce
+        stream takes the main stream's priority (_ready_to_reduce)."""
+        self.priority_on = (self.side is not None
+                            and os.environ.get("ANDREA_STREAM_PRIORITY", "1") != "0")
+        self.main_priority: int | None = None  # None: the default (the least)
+        if self.priority_on:
+            least, self.main_priority = graphs.stream_priority_range()
             graphs.set_stream_priority(self.side.handle, least)
-        self.main_priority = greatest if on else least
         self._claim_main_stream()
-        return self.main_priority
 
     def _claim_main_stream(self) -> None:
         """The main stream is the process's (runtime.Gpu), shared by every backend in it: give
         it this backend's priority before this backend captures or issues work (another
         backend may have set its own since)."""
-        if self.gpu.stream_priority != self.main_priority:
-            graphs.set_stream_priority(self.stream.handle, self.main_priority)
-            self.gpu.stream_priority = self.main_priority
+        if self.gpu.stream_priority == self.main_priority:
+            return
+        priority = self.main_priority
+        if priority is None:  # back to the default
+            priority = graphs.stream_priority_range()[0]
+        graphs.set_stream_priority(self.stream.handle, priority)
+        self.gpu.stream_priority = self.main_priority
 
     def describe(self) -> str:
         """One line: attention, GEMMs and fusions as they run."""
@@ -586,7 +590,7 @@ class CudaBackend:
         logits = (f"; logits in {'fp16' if self.precision == 'fp16' else 'bf16'}{over} "
                   f"(ANDREA_LOGITS_LP)" if self.logits_lp else "")
         prio = ("; the main stream's kernels before the weight-gradient stream's "
-                "(ANDREA_STREAM_PRIORITY)" if self.stream_priority else "")
+                "(ANDREA_STREAM_PRIORITY)" if self.priority_on else "")
         return (f"attention {self.attention_info}; GEMMs {gemm}; fusions "
                 f"{'on' if self.fusions else 'off'}{prio}{rows}{resid}{logits}{fp8}")
 
@@ -873,6 +877,7 @@ class CudaBackend:
     # --- the interface ----------------------------------------------------------------------------
     def forward_backward(self, inputs: np.ndarray, targets: np.ndarray,
                          loss_scale: float = 1.0, separate: bool = False) -> np.ndarray:
+        self._claim_main_stream()
         self._settle_update()
         if separate:
             # This micro-batch's gradient on its own, then one add (see the interface).
@@ -1043,6 +1048,7 @@ class CudaBackend:
         several micro-batches, or a data-parallel all-reduce outside the step): grads·grad_mult
         → norm → clip and AdamW when finite, on the device, in one graph, with train_step's
         very kernels and bits. Returns (the norm, the clip factor used)."""
+        self._claim_main_stream()
         if not self.fused_step:
             raise RunError("optimizer_step needs the fused step (fusions on)")
         if t < 1:
@@ -1145,7 +1151,8 @@ class CudaBackend:
         gradients they sum are then overwritten or zeroed by the step)."""
         if self.comm is None:
             self.comm = self.drv.Stream(flags=1)
-            graphs.set_stream_priority(self.comm.handle, self.main_priority)
+            if self.main_priority is not None:
+                graphs.set_stream_priority(self.comm.handle, self.main_priority)
             self.ops.reserve_events(16 * self.shapes.n_layer + 32)
         if key not in self._graphs and self.use_graphs:
             self.stream.synchronize()
@@ -1162,6 +1169,7 @@ class CudaBackend:
         return self._row_means(b, T)
 
     def logits_last(self, tokens: np.ndarray) -> np.ndarray:
+        self._claim_main_stream()
         self._settle_update()
         b, s = self.sample, self.shapes
         x = self._check_tokens(np.asarray(tokens).reshape(1, -1), "tokens", 1)
@@ -1193,6 +1201,7 @@ class CudaBackend:
         return out
 
     def load_params(self, params: np.ndarray) -> None:
+        self._claim_main_stream()
         self._settle_update()
         self._put(self.p, params, "params")
         self._params_to_lp()
@@ -1242,6 +1251,7 @@ class CudaBackend:
             self.drv.memcpy_dtoh(out, ptr)
 
     def zero_grads(self) -> None:
+        self._claim_main_stream()
         self._settle_update()
         self.drv.memset_d32_async(self.g, 0, self.n, self.stream)
         self._pending_scale = 1.0
@@ -1265,6 +1275,7 @@ class CudaBackend:
         self._pending_scale = float(s)
 
     def grad_norm(self) -> float:
+        self._claim_main_stream()
         self._settle_update()
         partials, norm = self._plan["norm_partials"], self._plan["norm"]
         if self.fusions:
@@ -1279,6 +1290,7 @@ class CudaBackend:
 
     def adamw(self, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
               t: int) -> None:
+        self._claim_main_stream()
         self._settle_update()
         lp = self.plp if self.precision != "fp32" else 0
         self.ops.adamw(self.p, lp, self.g, self.m, self.v, self._plan["seg_start"],

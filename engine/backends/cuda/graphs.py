@@ -258,10 +258,13 @@ def memsets_as_kernels(graph: C.c_void_p, fill: FillKernel) -> list[Fill]:
         new = C.c_void_p()
         _check(lib.cuGraphAddKernelNode_v2(C.byref(new), graph, deps, n_in, C.byref(kp)),
                "cuGraphAddKernelNode")
-        # a memset has no priority: the fill takes the most urgent of its neighbours' (the
-        # kernel of the library call that zeroes its counter, on the same stream)
-        near = [q for q in (_kernel_priority(C.c_void_p(x)) for x in (*outs[:n_out], *deps[:n_in]))
-                if q is not None]
+        # a memset has no priority: the fill takes its stream's, that is the kernels' after it
+        # (the library call that zeroes its counter), else before it (a fork's first node may
+        # depend on the other stream's kernel), the most urgent where there are several
+        after, before = (
+            [q for q in (_kernel_priority(C.c_void_p(x)) for x in nodes_[:n]) if q is not None]
+            for nodes_, n in ((outs, n_out), (deps, n_in)))
+        near = after or before
         if near:
             v = _LaunchAttrValue()
             v.priority = min(near)
@@ -329,7 +332,10 @@ class CudaGraph:
         return out
 
     def kernel_priorities(self) -> dict[int, int]:
-        """Kernel nodes of the captured graph by their priority (what each runs with)."""
+        """Kernel nodes of the captured graph by their priority (what each runs with); {} once
+        closed."""
+        if not self._graph:
+            return {}
         lib = _driver()
         out: dict[int, int] = {}
         for node, name in _nodes(self._graph):
