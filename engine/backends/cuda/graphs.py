@@ -56,7 +56,7 @@ class _KernelParams(C.Structure):  # CUDA_KERNEL_NODE_PARAMS (v2)
 
 
 class _LaunchAttrValue(C.Union):  # CUlaunchAttributeValue (64 bytes), its priority member
-    _fields_ = [("priority", C.c_int), ("_size", C.c_ubyte * 64)]
+    _fields_ = [("priority", C.c_int), ("_size", C.c_ubyte * 64), ("_align", C.c_uint64)]
 
 
 class _EdgeData(C.Structure):  # CUgraphEdgeData
@@ -336,15 +336,12 @@ class CudaGraph:
         closed."""
         if not self._graph:
             return {}
-        lib = _driver()
         out: dict[int, int] = {}
         for node, name in _nodes(self._graph):
             if name == "kernel":
-                v = _LaunchAttrValue()
-                _check(lib.cuGraphKernelNodeGetAttribute(node, LAUNCH_ATTRIBUTE_PRIORITY,
-                                                         C.byref(v)),
-                       "cuGraphKernelNodeGetAttribute")
-                out[v.priority] = out.get(v.priority, 0) + 1
+                q = _kernel_priority(node)
+                assert q is not None
+                out[q] = out.get(q, 0) + 1
         return out
 
     def close(self) -> None:
