@@ -543,32 +543,16 @@ class CudaBackend:
         return self.gemm.export_plan() if self.gemm is not None else None
 
     def _set_stream_priorities(self) -> None:
-        """The main stream (the step's chain) at the greatest priority, the weight-gradient
-        stream at the least: where both have blocks waiting for SMs, the main stream's are
-        served first (the kernel nodes of a graph keep the priority of the stream they were
-        captured from: graphs.py). ANDREA_STREAM_PRIORITY=0, or no second stream: no priority
-        set (both at the least, the streams' default; the main stream put back there if another
-        backend raised it). The same kernels in the same order: the same bits. The all-reduce
-        stream takes the main stream's priority (_ready_to_reduce)."""
+        """The weight-gradient stream one priority below the main stream (which runs at the
+        greatest: runtime.Gpu): where both have blocks waiting for SMs, the main stream's (the
+        step's chain) are served first; the kernel nodes of a graph keep the priority of the
+        stream they were captured from (graphs.py). ANDREA_STREAM_PRIORITY=0: both at the
+        greatest, equal. The same kernels in the same order: the same bits."""
         self.priority_on = (self.side is not None
                             and os.environ.get("ANDREA_STREAM_PRIORITY", "1") != "0")
-        self.main_priority: int | None = None  # None: the default (the least)
-        if self.priority_on:
-            least, self.main_priority = graphs.stream_priority_range()
-            graphs.set_stream_priority(self.side.handle, least)
-        self._claim_main_stream()
-
-    def _claim_main_stream(self) -> None:
-        """The main stream is the process's (runtime.Gpu), shared by every backend in it: give
-        it this backend's priority before this backend captures or issues work (another
-        backend may have set its own since)."""
-        if self.gpu.stream_priority == self.main_priority:
-            return
-        priority = self.main_priority
-        if priority is None:  # back to the default
-            priority = graphs.stream_priority_range()[0]
-        graphs.set_stream_priority(self.stream.handle, priority)
-        self.gpu.stream_priority = self.main_priority
+        if self.side is not None:
+            least, greatest = self.gpu.stream_priorities
+            graphs.set_stream_priority(self.side.handle, least if self.priority_on else greatest)
 
     def describe(self) -> str:
         """One line: attention, GEMMs and fusions as they run."""
@@ -843,7 +827,6 @@ class CudaBackend:
     def _run(self, key: tuple[Any, ...], issue: Callable[[], None]) -> None:
         """Issue the work directly, or through a graph captured on first use per key (kind, T,
         and for a step whether an update is pending before it and left pending after it)."""
-        self._claim_main_stream()
         if not self.use_graphs:
             issue()
             return
@@ -877,7 +860,6 @@ class CudaBackend:
     # --- the interface ----------------------------------------------------------------------------
     def forward_backward(self, inputs: np.ndarray, targets: np.ndarray,
                          loss_scale: float = 1.0, separate: bool = False) -> np.ndarray:
-        self._claim_main_stream()
         self._settle_update()
         if separate:
             # This micro-batch's gradient on its own, then one add (see the interface).
@@ -1048,7 +1030,6 @@ class CudaBackend:
         several micro-batches, or a data-parallel all-reduce outside the step): grads·grad_mult
         → norm → clip and AdamW when finite, on the device, in one graph, with train_step's
         very kernels and bits. Returns (the norm, the clip factor used)."""
-        self._claim_main_stream()
         if not self.fused_step:
             raise RunError("optimizer_step needs the fused step (fusions on)")
         if t < 1:
@@ -1151,8 +1132,7 @@ class CudaBackend:
         gradients they sum are then overwritten or zeroed by the step)."""
         if self.comm is None:
             self.comm = self.drv.Stream(flags=1)
-            if self.main_priority is not None:
-                graphs.set_stream_priority(self.comm.handle, self.main_priority)
+            graphs.set_stream_priority(self.comm.handle, self.gpu.stream_priorities[1])
             self.ops.reserve_events(16 * self.shapes.n_layer + 32)
         if key not in self._graphs and self.use_graphs:
             self.stream.synchronize()
@@ -1169,7 +1149,6 @@ class CudaBackend:
         return self._row_means(b, T)
 
     def logits_last(self, tokens: np.ndarray) -> np.ndarray:
-        self._claim_main_stream()
         self._settle_update()
         b, s = self.sample, self.shapes
         x = self._check_tokens(np.asarray(tokens).reshape(1, -1), "tokens", 1)
@@ -1201,7 +1180,6 @@ class CudaBackend:
         return out
 
     def load_params(self, params: np.ndarray) -> None:
-        self._claim_main_stream()
         self._settle_update()
         self._put(self.p, params, "params")
         self._params_to_lp()
@@ -1251,7 +1229,6 @@ class CudaBackend:
             self.drv.memcpy_dtoh(out, ptr)
 
     def zero_grads(self) -> None:
-        self._claim_main_stream()
         self._settle_update()
         self.drv.memset_d32_async(self.g, 0, self.n, self.stream)
         self._pending_scale = 1.0
@@ -1275,7 +1252,6 @@ class CudaBackend:
         self._pending_scale = float(s)
 
     def grad_norm(self) -> float:
-        self._claim_main_stream()
         self._settle_update()
         partials, norm = self._plan["norm_partials"], self._plan["norm"]
         if self.fusions:
@@ -1290,7 +1266,6 @@ class CudaBackend:
 
     def adamw(self, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
               t: int) -> None:
-        self._claim_main_stream()
         self._settle_update()
         lp = self.plp if self.precision != "fp32" else 0
         self.ops.adamw(self.p, lp, self.g, self.m, self.v, self._plan["seg_start"],

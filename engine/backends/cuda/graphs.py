@@ -15,9 +15,9 @@ each memset node, 1.6 µs before a kernel node (NOTES.md). The bytes written are
 Stream priorities: a captured kernel node keeps the priority of the stream it was captured
 from, and graphs are instantiated to run with these per-node priorities
 (CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY), so that where two streams' kernels wait for SMs
-the block scheduler serves the higher one first (`set_stream_priority`; the backend puts its
-main stream above the weight-gradient stream). Streams made by PyCUDA start at the least
-priority, so graphs of such streams alone run as before.
+the block scheduler serves the higher one first (`set_stream_priority`: runtime.Gpu puts the
+main stream at the greatest priority, a backend its weight-gradient stream below it). Graphs
+whose streams share one priority run as before.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ THREADS = 256
 ROWS_PER_BLOCK = THREADS // 32  # one warp per row
 # k_layernorm_bwd's block (a warp a row): at 72 registers a thread, blocks of 128 fit 7 an SM
 # (28 warps, against 24 in blocks of 256) and retire sooner beside the weight-gradient stream's
-# GEMMs; ANDREA-120M's andrea-train step 11.675 -> 11.544 ms on the H200 (NOTES.md)
+# GEMMs (NOTES.md, eighteenth session: faster alone; in the step within the passes' spread)
 LN_BWD_THREADS = 128
 LN_ROWS_PER_CHUNK = 64  # rows per column-sum chunk of the unfused LayerNorm backward
 LN_PARAMS_ROWS = 64  # the most k_layernorm_bwd_params takes per chunk (8 per warp, 8 warps)

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from engine.backends.cuda import KERNEL_DIR
+from engine.backends.cuda import KERNEL_DIR, graphs
 from engine.errors import RunError
 
 ACT_CODE = {"fp32": 0, "bf16": 1, "fp16": 2}
@@ -120,7 +120,10 @@ class Gpu:
         self.ctx.push()
         atexit.register(self._close)
         self.stream = drv.Stream(flags=1)  # CU_STREAM_NON_BLOCKING: capturable
-        self.stream_priority: int | None = None  # as the last backend set it (None: default)
+        # (least, greatest) stream priority; the main stream runs at the greatest, a backend's
+        # weight-gradient stream below it (CudaBackend._set_stream_priorities)
+        self.stream_priorities = graphs.stream_priority_range()
+        graphs.set_stream_priority(self.stream.handle, self.stream_priorities[1])
         major, minor = self.dev.compute_capability()
         self.arch = f"sm_{major}{minor}"
         self.total_mem = self.dev.total_memory()

@@ -22,8 +22,8 @@ differ from an uninterrupted run). Two kinds:
 
 Besides these, `values` holds the attention path the backend picked ("attention": "cudnn" or
 "classic"; ANDREA_ATTENTION only says what to prefer). ops.py reads ANDREA_SIDE_LN (where the
-LayerNorm parameter sums run) and the backend ANDREA_STREAM_PRIORITY (the main stream above the
-weight-gradient stream); the same bits either way, so neither is recorded.
+LayerNorm parameter sums run) and the backend ANDREA_STREAM_PRIORITY (the weight-gradient
+stream below the main stream); the same bits either way, so neither is recorded.
 """
 
 from __future__ import annotations
