@@ -4,10 +4,12 @@ same run. Prints one table per model, and with --profile the per-kernel profile 
 
     python3 scripts/bench_gpu.py [--models 120M,12M] [--torch eager,compile,reduce-overhead]
                                  [--steps 30] [--rounds 3] [--profile 120M,12M] [--json FILE]
-                                 [--sustained 300]
+                                 [--sustained 300] [--lead-s 1.5]
 
 Implementations, each built (and compiled) once, then timed in interleaved rounds of --steps
-steps back to back (the round's time over its steps; PyTorch's step has no synchronize and the
+steps back to back, each round after --lead-s seconds (1.5) of the same implementation's steps,
+untimed, so that no round inherits the GPU's power state from the one before it (the round's
+time over its steps; PyTorch's step has no synchronize and the
 engine queues the next step behind the running one, so neither waits for the host inside a
 round, except `andrea before`, driven from the host, and the `-sync` PyTorch variants); the
 table shows the median of the rounds and the spread between them. With
@@ -54,6 +56,7 @@ from engine.model.layout import ModelShapes, init_params, n_params, tensor_table
 from engine.model.optim import clip_scale
 
 PEAK_BF16 = 989e12
+LEAD_S = 1.5  # seconds of untimed steps before each timed round (timed_round)
 MODELS = {
     "120M": ModelShapes(n_layer=12, d_model=768, n_head=12, d_ff=3072, vocab_size=8449,
                         seq_len=1024),
@@ -634,9 +637,44 @@ def bench_sustained(key: str, impls: dict[str, tuple[Callable[..., None], Any]],
     return out
 
 
+def play(name: str, step: Callable[..., None], toks: list[np.ndarray],
+         t_counter: dict[str, int], n: int) -> None:
+    """n steps of one implementation back to back, continuing its step count (the engine's with
+    the next batch queued behind each, as andrea-train queues it; the last one queues none)."""
+    for i in range(n):
+        t_counter[name] += 1
+        c = t_counter[name]
+        ahead = ((toks[(c + 1) % len(toks)],) if name.startswith("andrea") and i + 1 < n
+                 else ())
+        step(toks[c % len(toks)], c, *ahead)
+
+
+def timed_round(name: str, step: Callable[..., None], clock: Clock, toks: list[np.ndarray],
+                t_counter: dict[str, int], steps: int, lead_s: float,
+                now: Callable[[], float] = time.perf_counter) -> float:
+    """One round of one implementation: at least lead_s seconds of its own steps, untimed, then
+    `steps` steps timed from the first one's start to the last one's end; seconds a step.
+
+    The lead puts the GPU at this implementation's own load before it is timed. Without it a
+    round inherits the power limiter's state from the round before it: in the nineteenth
+    session (NOTES.md) the engine's first 120M round, after an idle spell, took 11.36 ms and
+    its next two, after PyTorch's rounds, 11.88 and 12.01; PyTorch reduce-overhead's rounds,
+    after torch.compile's, 14.26–14.35 ms, against 14.61 in its 300-step runs."""
+    clock.finish()
+    end = now() + lead_s
+    while now() < end:
+        play(name, step, toks, t_counter, steps)
+    clock.finish()
+    t0 = now()
+    play(name, step, toks, t_counter, steps)
+    clock.finish()
+    return (now() - t0) / steps
+
+
 def bench_model(key: str, torch_variants: list[str], steps: int, rounds: int,
                 notes: dict[str, Any], variants: tuple[str, ...] = (),
-                fp8: bool = False, sustained: int = 0) -> list[dict[str, Any]]:
+                fp8: bool = False, sustained: int = 0,
+                lead_s: float = 0.0) -> list[dict[str, Any]]:
     s = MODELS[key]
     toks = batches(s)
     impls: dict[str, tuple[Callable[..., None], Any]] = {}
@@ -688,22 +726,15 @@ def bench_model(key: str, torch_variants: list[str], steps: int, rounds: int,
                 notes[key][name]["gemm_timing"] = {"problems": timed, "best_ms": best,
                                                    "first_choice_ms": first}
                 notes[key][name]["gemms"] = gemm_rates(bk.gemm.export_plan())
-    # rounds: `steps` steps back to back, timed from the first step's start to the last one's
-    # end (every implementation queues ahead where it can: PyTorch without a host sync inside
-    # the step, the engine with the next step queued behind the running one)
+    # rounds: `steps` steps back to back after lead_s of untimed ones (timed_round), timed from
+    # the first step's start to the last one's end (every implementation queues ahead where it
+    # can: PyTorch without a host sync inside the step, the engine with the next step queued
+    # behind the running one)
     medians: dict[str, list[float]] = {n: [] for n in impls}
     for rnd in range(rounds):
         for name, (step, _) in impls.items():
-            clocks[name].finish()
-            t0 = time.perf_counter()
-            for i in range(steps):
-                t_counter[name] += 1
-                c = t_counter[name]
-                ahead = ((toks[(c + 1) % len(toks)],) if name.startswith("andrea")
-                         and i + 1 < steps else ())
-                step(toks[c % len(toks)], c, *ahead)
-            clocks[name].finish()
-            medians[name].append((time.perf_counter() - t0) / steps)
+            medians[name].append(timed_round(name, step, clocks[name], toks, t_counter, steps,
+                                             lead_s))
             print(f"  {key} round {rnd + 1} {name}: {medians[name][-1] * 1e3:.2f} ms", flush=True)
     if sustained:
         # the PyTorch modes within 1.3x of the fastest one's rounds (eager and compile are
@@ -754,6 +785,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=3,
                     help="time every implementation this many times, interleaved")
+    ap.add_argument("--lead-s", type=float, default=LEAD_S, metavar="S",
+                    help="seconds of an implementation's own steps, untimed, before each of its "
+                         f"rounds (default {LEAD_S}; 0: none, as before the nineteenth session)")
     ap.add_argument("--json", default="")
     ap.add_argument("--profile", default="", help="models to profile per kernel, e.g. 120M,12M")
     ap.add_argument("--profile-paths", default="before,after",
@@ -784,6 +818,10 @@ def main() -> int:
         if value < 1:
             print(f"bench_gpu.py: {flag}: expected at least 1, got {value}", file=sys.stderr)
             return 2
+    if not 0 <= args.lead_s <= 60:  # also refuses nan
+        print(f"bench_gpu.py: --lead-s: expected seconds from 0 to 60, got {args.lead_s}",
+              file=sys.stderr)
+        return 2
     if args.sustained and args.sustained < 3:
         print(f"bench_gpu.py: --sustained: expected 0 (none) or at least 3 steps, got "
               f"{args.sustained}", file=sys.stderr)
@@ -817,10 +855,11 @@ def main() -> int:
             print(f"\nANDREA-{key} loss at step 1, same weights and tokens: engine {ours:.5f}, "
                   f"PyTorch {theirs:.5f} (|diff| {abs(ours - theirs):.2e})")
         out["rows"] += bench_model(key, variants, args.steps, args.rounds, out["notes"],
-                                   switched, args.fp8, args.sustained)
+                                   switched, args.fp8, args.sustained, args.lead_s)
     print(f"\nGPU benchmark: B={B}, T=1024, one full step (fwd, bwd, clip, AdamW); median of "
-          f"{args.rounds} interleaved rounds of {args.steps} steps back to back (± the spread "
-          f"between rounds); MFU = tok/s·(6N + 6·L·d·T)/989 TFLOP/s")
+          f"{args.rounds} interleaved rounds of {args.steps} steps back to back, each after "
+          f"{args.lead_s:g} s of its own steps untimed (± the spread between rounds); MFU = "
+          f"tok/s·(6N + 6·L·d·T)/989 TFLOP/s")
     print(f"{'model':<12} {'implementation':<24} {'ms/step':>8} {'tok/s':>9} {'MFU':>6} "
           f"{'vs andrea':>9}  note")
     for r in out["rows"]:

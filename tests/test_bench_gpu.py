@@ -121,13 +121,11 @@ def test_rounds_and_long_runs_take_each_step_once_in_order():
     bk = FakeBackend()
     toks = batches(4)
     step = b.andrea_step(bk)
-    t = 0
-    for _ in range(2):  # two rounds of 5 steps, as bench_model runs them
-        for i in range(5):
-            t += 1
-            ahead = (toks[(t + 1) % 4],) if i + 1 < 5 else ()
-            step(toks[t % 4], t, *ahead)
+    rounds = {"andrea": 0}
+    for _ in range(2):  # two rounds of 5 steps, as bench_model's timed_round plays them
+        b.play("andrea", step, toks, rounds, 5)
         assert bk.queued == []
+    t = rounds["andrea"]
     torch_steps: list[int] = []
     log: list[str] = []
     tstream = FakeStream()
@@ -153,6 +151,35 @@ def test_rounds_and_long_runs_take_each_step_once_in_order():
     assert torch_steps == list(range(101, 119)) and counter == {"andrea": 28, "torch x": 118}
     for name in ("andrea", "torch x"):  # steps 4..9 of each of the two runs
         assert out[name]["steps"] == 12 and out[name]["ms"] == 1.0
+
+
+def test_a_round_is_timed_after_its_own_untimed_lead():
+    """timed_round runs the implementation's own steps for at least lead_s (whole rounds of
+    them, the step count going on), waits for them, and only then times `steps` steps; the
+    engine's next batch is queued behind each step and nothing is left queued."""
+    b = _bench()
+    bk = FakeBackend()
+    toks = batches(4)
+    step = b.andrea_step(bk)
+    t = [0.0]
+    waits: list[int] = []  # the steps launched when the clock waited for all queued work
+
+    def now() -> float:  # each reading of the clock one tenth of a second later
+        t[0] += 0.1
+        return t[0]
+
+    clock = b.Clock(lambda: None, lambda a, e: 0.0,
+                    lambda: waits.append(len([w for w in bk.stream.work if w != "mark"])))
+    counter = {"andrea": 0}
+    per_step = b.timed_round("andrea", step, clock, toks, counter, 5, lead_s=0.25, now=now)
+    # end = 0.1 + 0.25; readings 0.2 and 0.3 are before it, 0.4 is not: two lead rounds
+    assert waits == [0, 10, 15] and counter == {"andrea": 15}
+    assert [w for w in bk.stream.work if w != "mark"] == [f"step {i}" for i in range(1, 16)]
+    assert bk.tokens == [i % 4 for i in range(1, 16)] and bk.queued == []
+    assert per_step == pytest.approx(0.1 / 5)  # two readings of the clock around the timed steps
+    no_lead = b.timed_round("andrea", step, clock, toks, counter, 5, lead_s=0.0, now=now)
+    assert counter == {"andrea": 20} and waits[-3:] == [15, 15, 20]
+    assert no_lead == pytest.approx(0.1 / 5)
 
 
 def test_energy_meter_averages_power_between_counter_changes():
@@ -261,6 +288,8 @@ def test_a_misspelt_torch_variant_is_refused(name):
     (["--steps", "0"], "--steps: expected at least 1, got 0"),
     (["--rounds", "-1"], "--rounds: expected at least 1, got -1"),
     (["--sustained", "2"], "--sustained: expected 0 (none) or at least 3 steps, got 2"),
+    (["--lead-s", "-1"], "--lead-s: expected seconds from 0 to 60, got -1.0"),
+    (["--lead-s", "nan"], "--lead-s: expected seconds from 0 to 60, got nan"),
     (["--torch", "reduce-overhead,eagre"], "--torch: PyTorch variant 'eagre': expected one of"),
 ])
 def test_bad_arguments_get_one_line_and_exit_status_2(args, says):
