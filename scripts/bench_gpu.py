@@ -7,12 +7,12 @@ same run. Prints one table per model, and with --profile the per-kernel profile 
                                  [--sustained 300] [--lead-s 1.5]
 
 Implementations, each built (and compiled) once, then timed in interleaved rounds of --steps
-steps back to back, each round after --lead-s seconds (1.5) of the same implementation's steps,
-untimed, so that no round inherits the GPU's power state from the one before it (the round's
-time over its steps; PyTorch's step has no synchronize and the
+steps back to back (the round's time over its steps; PyTorch's step has no synchronize and the
 engine queues the next step behind the running one, so neither waits for the host inside a
-round, except `andrea before`, driven from the host, and the `-sync` PyTorch variants); the
-table shows the median of the rounds and the spread between them. With
+round, except `andrea before`, driven from the host, and the `-sync` PyTorch variants). Each
+round comes after at least --lead-s seconds (1.5) of the same implementation's steps, untimed,
+so that no round inherits the GPU's power state from the round before it. The table shows the
+median of the rounds and the spread between them. With
 --sustained N, the engine and the PyTorch modes within 1.3x of the fastest also run N steps back
 to back, twice in turn, timed step by step with events on their streams: the median of steps
 N/3+1..N, where a long run holds the GPU at its power limit (andrea-train's measure):
@@ -674,7 +674,7 @@ def timed_round(name: str, step: Callable[..., None], clock: Clock, toks: list[n
 def bench_model(key: str, torch_variants: list[str], steps: int, rounds: int,
                 notes: dict[str, Any], variants: tuple[str, ...] = (),
                 fp8: bool = False, sustained: int = 0,
-                lead_s: float = 0.0) -> list[dict[str, Any]]:
+                lead_s: float = LEAD_S) -> list[dict[str, Any]]:
     s = MODELS[key]
     toks = batches(s)
     impls: dict[str, tuple[Callable[..., None], Any]] = {}
@@ -786,8 +786,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3,
                     help="time every implementation this many times, interleaved")
     ap.add_argument("--lead-s", type=float, default=LEAD_S, metavar="S",
-                    help="seconds of an implementation's own steps, untimed, before each of its "
-                         f"rounds (default {LEAD_S}; 0: none, as before the nineteenth session)")
+                    help="at least this many seconds (0 to 60) of an implementation's own "
+                         f"steps, untimed, before each of its rounds (default {LEAD_S}; 0: none, "
+                         "as before the nineteenth session)")
     ap.add_argument("--json", default="")
     ap.add_argument("--profile", default="", help="models to profile per kernel, e.g. 120M,12M")
     ap.add_argument("--profile-paths", default="before,after",
@@ -836,7 +837,9 @@ def main() -> int:
     if not usable:
         print(f"bench_gpu.py: needs a CUDA GPU with pycuda: {why}", file=sys.stderr)
         return 2
-    out: dict[str, Any] = {"rows": [], "notes": {}, "profile": {}, "loss_check": {}}
+    out: dict[str, Any] = {"rows": [], "notes": {}, "profile": {}, "loss_check": {},
+                           "timing": {"steps": args.steps, "rounds": args.rounds,
+                                      "lead_s": args.lead_s, "sustained": args.sustained}}
     for key in [m for m in args.profile.split(",") if m]:
         for name, opts in (("before", BEFORE), ("after", AFTER), ("fp8", FP8)):
             if name not in args.profile_paths.split(","):
@@ -857,8 +860,8 @@ def main() -> int:
         out["rows"] += bench_model(key, variants, args.steps, args.rounds, out["notes"],
                                    switched, args.fp8, args.sustained, args.lead_s)
     print(f"\nGPU benchmark: B={B}, T=1024, one full step (fwd, bwd, clip, AdamW); median of "
-          f"{args.rounds} interleaved rounds of {args.steps} steps back to back, each after "
-          f"{args.lead_s:g} s of its own steps untimed (± the spread between rounds); MFU = "
+          f"{args.rounds} interleaved rounds of {args.steps} steps back to back, each after at "
+          f"least {args.lead_s:g} s of its own steps untimed (± the spread between rounds); MFU = "
           f"tok/s·(6N + 6·L·d·T)/989 TFLOP/s")
     print(f"{'model':<12} {'implementation':<24} {'ms/step':>8} {'tok/s':>9} {'MFU':>6} "
           f"{'vs andrea':>9}  note")

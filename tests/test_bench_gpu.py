@@ -168,18 +168,23 @@ def test_a_round_is_timed_after_its_own_untimed_lead():
         t[0] += 0.1
         return t[0]
 
-    clock = b.Clock(lambda: None, lambda a, e: 0.0,
-                    lambda: waits.append(len([w for w in bk.stream.work if w != "mark"])))
+    def finish() -> None:  # waiting for the queued work takes a second
+        waits.append(len([w for w in bk.stream.work if w != "mark"]))
+        t[0] += 1.0
+
+    clock = b.Clock(lambda: None, lambda a, e: 0.0, finish)
     counter = {"andrea": 0}
     per_step = b.timed_round("andrea", step, clock, toks, counter, 5, lead_s=0.25, now=now)
-    # end = 0.1 + 0.25; readings 0.2 and 0.3 are before it, 0.4 is not: two lead rounds
+    # end = 1.1 + 0.25; readings 1.2 and 1.3 are before it, 1.4 is not: two lead rounds
     assert waits == [0, 10, 15] and counter == {"andrea": 15}
     assert [w for w in bk.stream.work if w != "mark"] == [f"step {i}" for i in range(1, 16)]
     assert bk.tokens == [i % 4 for i in range(1, 16)] and bk.queued == []
-    assert per_step == pytest.approx(0.1 / 5)  # two readings of the clock around the timed steps
+    assert bk.most_queued == 2  # the next batch queued behind each step
+    # the timed steps from the clock's reading after the lead's wait to the one after theirs
+    assert per_step == pytest.approx(1.1 / 5)
     no_lead = b.timed_round("andrea", step, clock, toks, counter, 5, lead_s=0.0, now=now)
     assert counter == {"andrea": 20} and waits[-3:] == [15, 15, 20]
-    assert no_lead == pytest.approx(0.1 / 5)
+    assert no_lead == pytest.approx(1.1 / 5)
 
 
 def test_energy_meter_averages_power_between_counter_changes():
