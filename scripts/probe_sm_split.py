@@ -11,7 +11,7 @@ step a CUDA graph replayed back to back at the power cap. Variants:
   serial     AdamW(l) then GEMMs(l), one stream
   side       AdamW on a second stream (low priority), GEMMs(l) waits for AdamW(l): the engine today
   part K     as side, GEMMs with an SM carveout of K, AdamW a persistent grid on ~K SMs
-Median ms of the last 2/3 of the replays; NVML average power over them.
+Median ms of the last 2/3 of the replays (about 1.5 s of them); NVML's average power over them.
 """
 import os
 import statistics
@@ -33,7 +33,6 @@ torch.backends.cuda.preferred_blas_library("cublaslt")
 dev = torch.device("cuda")
 R, D, F, L = 8192, 768, 3072, 12
 N_LAYER = 12 * D * D + 13 * D  # about 7.1M params a layer
-NSM = torch.cuda.get_device_properties(0).multi_processor_count
 
 
 @triton.jit
@@ -139,7 +138,16 @@ def energy():
     return pynvml.nvmlDeviceGetTotalEnergyConsumption(NV) if NV else None  # mJ
 
 
-def run(g, stream, n=400):
+def run(g, stream, window_s=1.5):
+    """Replays back to back: the median ms of the last two thirds, and NVML's average power over
+    them. Their number makes that part last about window_s (at least 400 replays): NVML's
+    energy counter moves about every 100 ms, so a shorter window reads it too coarsely."""
+    with torch.cuda.stream(stream):
+        t0 = time.perf_counter()
+        for _ in range(20):
+            g.replay()
+        torch.cuda.synchronize()
+    n = max(400, int(1.5 * window_s / ((time.perf_counter() - t0) / 20)))
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
     with torch.cuda.stream(stream):
         ends[0].record(stream)
