@@ -18,9 +18,16 @@ import statistics
 import sys
 import time
 
-import torch
-import triton
-import triton.language as tl
+try:
+    import torch
+    import triton
+    import triton.language as tl
+except ImportError as e:
+    print(f"probe_sm_split.py: needs PyTorch and Triton ({e})", file=sys.stderr)
+    sys.exit(2)
+if not torch.cuda.is_available():
+    print("probe_sm_split.py: needs a CUDA GPU", file=sys.stderr)
+    sys.exit(2)
 
 try:
     import pynvml
@@ -166,7 +173,13 @@ def run(g, stream, window_s=1.5):
 
 
 def main():
-    ks = [int(a) for a in os.environ.get("KS", "8,16,24,32").split(",")]
+    raw = os.environ.get("KS", "8,16,24,32")
+    nsm = torch.cuda.get_device_properties(0).multi_processor_count
+    ks = [int(a) for a in raw.split(",") if a.strip().isdigit()]
+    if len(ks) != len(raw.split(",")) or not all(0 < k < nsm for k in ks):
+        print(f"probe_sm_split.py: KS: expected SM counts from 1 to {nsm - 1}, comma-separated, "
+              f"got {raw!r}", file=sys.stderr)
+        return 2
     data = make()
     # carveout check: one GEMM at carveout 0 and 66
     x, _, W, out, _ = data
