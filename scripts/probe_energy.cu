@@ -2,18 +2,20 @@
 // through HBM save (issue 11; the step is paid in joules at the power limit).
 //
 //   nvcc -O3 -arch=sm_90a scripts/probe_energy.cu -lcublas -ldl -o /tmp/probe_energy
-//   /tmp/probe_energy sms [SECONDS]      AdamW's traffic (30 bytes an element, 96M elements) and a
-//                                        copy on k SMs, alone and after 12 GEMMs
+//   /tmp/probe_energy sms [SECONDS]      AdamW's traffic (30 bytes an element over ANDREA-120M's
+//                                        92.2M parameters) and a copy on k SMs, alone and after 12
+//                                        GEMMs
 //   /tmp/probe_energy lmhead [SECONDS]   the LM head and an in-place pass over its logits, whole or
 //                                        in row chunks whose logits could stay in L2
 //   /tmp/probe_energy grads [SECONDS]    the 120M step's weight gradients as the engine keeps them
 //                                        (float) against bf16: 12 layers' weight-gradient GEMMs,
 //                                        the norm's pass over them, AdamW
 //
-// Each variant is a CUDA graph replayed back to back for SECONDS (default 1.5) after 0.4 s of
-// warm-up; its energy is NVML's total-energy counter (it moves every 100 ms) from the first
-// change after the warm-up to the end, its time CUDA events over the same replays. Two or three
-// passes, every other one in reverse order. Prints µs, GB/s, W, mJ and the SM clock of each.
+// Each variant is a CUDA graph replayed for SECONDS (default 1.5; four replays queued between two
+// host waits) after 0.4 s of warm-up. NVML's total-energy counter moves about every 100 ms, so the
+// measured window runs from one change of it to another, and CUDA events time the same replays.
+// Two or three passes, every other one in reverse order. Prints µs, GB/s, W, mJ and the SM
+// clock of each.
 // Built on the device (it has nvcc and cuBLAS's headers); nothing of the engine.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -24,7 +26,6 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -50,16 +51,29 @@ struct Nvml {
     int (*clock)(void*, int, unsigned*) = nullptr;
     void* dev = nullptr;
 
+    // The NVML device of CUDA device 0, found by its PCI bus id (NVML's indices ignore
+    // CUDA_VISIBLE_DEVICES); false when the library, the device or its energy counter is missing.
     bool open() {
         void* h = dlopen("libnvidia-ml.so.1", RTLD_NOW);
         if (!h) return false;
         auto init = (int (*)())dlsym(h, "nvmlInit_v2");
-        auto handle = (int (*)(unsigned, void**))dlsym(h, "nvmlDeviceGetHandleByIndex_v2");
+        auto by_bus = (int (*)(const char*, void**))dlsym(h, "nvmlDeviceGetHandleByPciBusId_v2");
         energy = (int (*)(void*, unsigned long long*))dlsym(h, "nvmlDeviceGetTotalEnergyConsumption");
         clock = (int (*)(void*, int, unsigned*))dlsym(h, "nvmlDeviceGetClockInfo");
-        return init && handle && energy && clock && init() == 0 && handle(0, &dev) == 0;
+        char bus[32];
+        unsigned long long e;
+        return init && by_bus && energy && clock && init() == 0 &&
+               cudaDeviceGetPCIBusId(bus, sizeof bus, 0) == cudaSuccess && by_bus(bus, &dev) == 0 &&
+               energy(dev, &e) == 0;
     }
-    unsigned long long mj() const { unsigned long long e = 0; energy(dev, &e); return e; }
+    unsigned long long mj() const {
+        unsigned long long e = 0;
+        if (energy(dev, &e) != 0) {
+            fprintf(stderr, "probe_energy: NVML's energy counter could not be read\n");
+            exit(1);
+        }
+        return e;
+    }
     unsigned sm_mhz() const { unsigned c = 0; clock(dev, 1 /* NVML_CLOCK_SM */, &c); return c; }
 };
 static Nvml nvml;
@@ -98,7 +112,7 @@ __device__ __forceinline__ float4 load4(const __nv_bfloat16* g, long q) {
 }
 
 // The engine's AdamW traffic: p, m, v, g read (g as G: float, the engine's, or bf16), p, m, v
-// written, p's bf16 copy written.
+// written, p's bf16 copy written. n a multiple of 4 (every caller's is).
 template <class G>
 __global__ void k_adamw(float* p, __nv_bfloat16* p_lp, const G* g, float* m, float* v, long n) {
     const long nq = n / 4;
@@ -106,7 +120,7 @@ __global__ void k_adamw(float* p, __nv_bfloat16* p_lp, const G* g, float* m, flo
         float4 g4 = load4(g, q), p4 = reinterpret_cast<float4*>(p)[q];
         float4 m4 = reinterpret_cast<float4*>(m)[q], v4 = reinterpret_cast<float4*>(v)[q];
         float *ga = &g4.x, *pa = &p4.x, *ma = &m4.x, *va = &v4.x;
-        __nv_bfloat16 lp[4];
+        __align__(8) __nv_bfloat16 lp[4];
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             ma[k] = 0.9f * ma[k] + 0.1f * ga[k];
@@ -121,7 +135,8 @@ __global__ void k_adamw(float* p, __nv_bfloat16* p_lp, const G* g, float* m, flo
     }
 }
 
-// The gradient norm's pass: block partial sums of squares (the engine's k_grad_norm_ranges).
+// A stand-in for the gradient norm's pass (the engine's k_grad_norm_ranges): each block's sum of
+// squares of its share. n a multiple of 4.
 template <class G>
 __global__ void k_sumsq(float* partials, const G* g, long n) {
     __shared__ float warp_sums[32];
@@ -158,11 +173,12 @@ __global__ void k_logits_pass(__nv_bfloat16* x, long n8) {
 
 // --- measuring ----------------------------------------------------------------------------------
 struct Reading {
-    double us, watts, mj;  // per call of `enqueue`
-    unsigned mhz;          // the SM clock halfway through
+    double us, watts, mj;  // µs and mJ a call of `enqueue`; the average power
+    unsigned mhz;          // the SM clock halfway through, read while replays run
 };
 
-// `calls` calls of enqueue in one graph, replayed back to back for `seconds`.
+// `calls` calls of enqueue in one graph, replayed for about `seconds`, from one change of the
+// energy counter to another.
 template <class F>
 static Reading measure(cudaStream_t st, F enqueue, int calls, double seconds) {
     using clock = std::chrono::steady_clock;
@@ -177,28 +193,37 @@ static Reading measure(cudaStream_t st, F enqueue, int calls, double seconds) {
         for (int i = 0; i < 4; i++) CK(cudaGraphLaunch(ge, st));
         CK(cudaStreamSynchronize(st));
     }
-    const unsigned long long e0 = nvml.mj();
-    unsigned long long e1;
-    while ((e1 = nvml.mj()) == e0) {  // start the window at a change of the counter
-        CK(cudaGraphLaunch(ge, st));
-        CK(cudaStreamSynchronize(st));
-    }
+    // replays one at a time until the counter moves: the window starts and ends at a change
+    auto until_change = [&](long* replays) {
+        const auto t = clock::now();
+        const unsigned long long before = nvml.mj();
+        for (;; ++*replays) {
+            const unsigned long long now = nvml.mj();
+            if (now != before) return now;
+            if (since(t) > 2.0) {
+                fprintf(stderr, "probe_energy: NVML's energy counter did not move in 2 s\n");
+                exit(1);
+            }
+            CK(cudaGraphLaunch(ge, st));
+            CK(cudaStreamSynchronize(st));
+        }
+    };
+    long replays = 0;
+    const unsigned long long e1 = until_change(&replays);
     cudaEvent_t a, b;
     CK(cudaEventCreate(&a));
     CK(cudaEventCreate(&b));
     CK(cudaEventRecord(a, st));
-    long replays = 0;
+    replays = 0;
     unsigned mhz = 0;
-    for (auto t = clock::now();;) {
+    for (auto t = clock::now(); since(t) < seconds;) {
         for (int i = 0; i < 4; i++, replays++) CK(cudaGraphLaunch(ge, st));
+        if (!mhz && since(t) > seconds / 2) mhz = nvml.sm_mhz();
         CK(cudaStreamSynchronize(st));
-        const double el = since(t);
-        if (!mhz && el > seconds / 2) mhz = nvml.sm_mhz();
-        if (el > seconds) break;
     }
+    const unsigned long long e2 = until_change(&replays);
     CK(cudaEventRecord(b, st));
     CK(cudaEventSynchronize(b));
-    const unsigned long long e2 = nvml.mj();
     float ms;
     CK(cudaEventElapsedTime(&ms, a, b));
     CK(cudaGraphExecDestroy(ge));
@@ -212,7 +237,7 @@ static Reading measure(cudaStream_t st, F enqueue, int calls, double seconds) {
 static void row(const char* what, const Reading& r, double bytes) {
     char gbs[16] = "";
     if (bytes > 0) snprintf(gbs, sizeof gbs, "%.0f", bytes / r.us / 1e3);
-    printf("%-44s %9.1f %7s %6.0f %9.3f %6u\n", what, r.us, gbs, r.watts, r.mj, r.mhz);
+    printf("%-52s %9.1f %7s %6.0f %9.3f %6u\n", what, r.us, gbs, r.watts, r.mj, r.mhz);
 }
 
 struct Blas {
@@ -224,14 +249,12 @@ struct Blas {
         CK(cudaMalloc(&ws, 32 << 20));
         CB(cublasSetWorkspace(h, ws, 32 << 20));
     }
-    // Row-major C[M, N] = A[M, K] · op(B), bf16 in, fp32 accumulation; B is [K, N], or [N, K]
-    // when tb. out32: C in float.
-    void mm(void* c, const void* a, const void* b, int M, int N, int K, bool tb, bool out32 = false,
-            int ldc = 0, int lda = 0) {
+    // Row-major C[M, N] = A[M, K] · op(B), bf16 in and out, fp32 accumulation; B is [K, N], or
+    // [N, K] when tb.
+    void mm(void* c, const void* a, const void* b, int M, int N, int K, bool tb) {
         const float one = 1.0f, zero = 0.0f;
         CB(cublasGemmEx(h, tb ? CUBLAS_OP_T : CUBLAS_OP_N, CUBLAS_OP_N, N, M, K, &one, b, CUDA_R_16BF,
-                        tb ? K : N, a, CUDA_R_16BF, lda ? lda : K, &zero, c,
-                        out32 ? CUDA_R_32F : CUDA_R_16BF, ldc ? ldc : N, CUBLAS_COMPUTE_32F,
+                        tb ? K : N, a, CUDA_R_16BF, K, &zero, c, CUDA_R_16BF, N, CUBLAS_COMPUTE_32F,
                         CUBLAS_GEMM_DEFAULT));
     }
     // Row-major C[M, N] = A[K, M]ᵀ · B[K, N] (a weight gradient), C in float (or bf16: out16).
@@ -253,7 +276,7 @@ static T* alloc(long n) {
 
 // --- sms: memory-bound traffic on k SMs -----------------------------------------------------------
 static void sms(cudaStream_t st, Blas& blas, int nsm, double seconds) {
-    const long n = 96L << 20, nc = 64L << 20;  // AdamW's elements; the copy's floats each way
+    const long n = 92248320L, nc = 64L << 20;  // ANDREA-120M's parameters; the copy's floats each way
     float *p = alloc<float>(n), *g = alloc<float>(n), *m = alloc<float>(n), *v = alloc<float>(n);
     __nv_bfloat16* p_lp = alloc<__nv_bfloat16>(n);
     float *src = alloc<float>(nc), *dst = alloc<float>(nc);
@@ -283,7 +306,7 @@ static void sms(cudaStream_t st, Blas& blas, int nsm, double seconds) {
         printf("  %-28s on %ld SMs\n", gr.name.c_str(), std::unique(ids.begin(), ids.end()) - ids.begin());
     }
     const double adamw_bytes = n * 30.0, copy_bytes = nc * 8.0;
-    printf("\n%-44s %9s %7s %6s %9s %6s\n", "variant", "us", "GB/s", "W", "mJ", "MHz");
+    printf("\n%-52s %9s %7s %6s %9s %6s\n", "variant", "us", "GB/s", "W", "mJ", "MHz");
     for (int pass = 0; pass < 2; pass++) {
         row(("pass " + std::to_string(pass) + " GEMM 8192x3072x768").c_str(),
             measure(st, [&] { blas.mm(C, A, B, M, N, K, false); }, 20, seconds), 0);
@@ -323,7 +346,7 @@ static void lmhead(cudaStream_t st, Blas& blas, double seconds) {
         }
         blas.mm_ta(dw, logits, x, V, d, R, V, d);
     };
-    printf("\n%-44s %9s %7s %6s %9s %6s\n", "LM head and a pass over the logits", "us", "", "W", "mJ", "MHz");
+    printf("\n%-52s %9s %7s %6s %9s %6s\n", "LM head and a pass over the logits", "us", "", "W", "mJ", "MHz");
     const int chunks[] = {8192, 4096, 2048, 1024, 512};
     for (int pass = 0; pass < 3; pass++)
         for (int i = 0; i < 5; i++) {
@@ -368,7 +391,7 @@ static void grads(cudaStream_t st, Blas& blas, double seconds) {
         if (bf16) k_adamw<<<2048, 256, 0, st>>>(p, p_lp, g16, m, v, n);
         else k_adamw<<<2048, 256, 0, st>>>(p, p_lp, g32, m, v, n);
     };
-    printf("\n%-44s %9s %7s %6s %9s %6s\n", "weight gradients of 12 layers (84.9M)", "us", "", "W", "mJ", "MHz");
+    printf("\n%-52s %9s %7s %6s %9s %6s\n", "weight gradients of 12 layers (84.9M)", "us", "", "W", "mJ", "MHz");
     for (int pass = 0; pass < 3; pass++)
         for (int i = 0; i < 2; i++) {
             const bool bf16 = (i == 1) != (pass == 1);
