@@ -466,6 +466,32 @@ def test_the_build_interpreter_sees_the_same_recipe(flex_python: str) -> None:
     assert r.stdout.split()[1] == ",".join(flex_build.ARG_NAMES)
 
 
+@pytest.mark.slow
+def test_the_dq_accumulator_is_stored_first_not_zeroed(flex_python: str, tmp_path: Path) -> None:
+    """flex_build_main.first_dq_stores, read in the PTX the build emits: the preprocess writes
+    no zeros (it used to zero the float32 dQ accumulator), and every bulk add of a dQ
+    contribution into the accumulator is the rank-0 contribution's bulk store otherwise."""
+    env = {**os.environ, "CUTE_DSL_KEEP": "ptx", "CUTE_DSL_DUMP_DIR": str(tmp_path)}
+    r = subprocess.run([flex_python, str(flex_build.BUILD_SCRIPT), "compile", str(tmp_path / "f.o"),
+                        "ptxcheck", "64", "bf16"], capture_output=True, text=True, timeout=900,
+                       stdin=subprocess.DEVNULL, env=env, cwd=tmp_path)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-2000:]
+    (ptx,) = tmp_path.glob("*.ptx")
+    entries = re.split(r"^\.visible \.entry ", ptx.read_text(), flags=re.M)[1:]
+    pre = [e for e in entries if "backward_preprocess" in e.split("(")[0]]
+    main = [e for e in entries if "FlexAttentionBackwardSm90" in e.split("(")[0]]
+    assert len(pre) == 1 and len(main) == 1
+    assert "st.global" in pre[0]  # it still writes dPsum and LSE·log2 e
+    assert re.search(r"st\.global\.v\d\.b32\s+\[[^]]+\],\s*\{0f00000000", pre[0]) is None
+    adds = re.findall(r"^(.*)cp\.reduce\.async\.bulk\.global\.shared::cta\.bulk_group\.add\.f32 (.*);$",
+                      main[0], flags=re.M)
+    stores = re.findall(r"^@first cp\.async\.bulk\.global\.shared::cta\.bulk_group (.*);$", main[0],
+                        flags=re.M)
+    # the partial and the full blocks' loops, each for two dQ warp groups (BWD_CONFIG)
+    assert len(adds) == 4 and all(guard == "@!first " for guard, _ in adds)
+    assert sorted(ops for _, ops in adds) == sorted(stores)
+
+
 def test_build_exports_the_entry_point_and_caches(flex_python: str, library: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     assert library.is_file() and library.suffix == ".so"

@@ -149,8 +149,10 @@ def test_flex_backward_matches_cudnn_and_numpy_eager_and_replayed(flex, rng, B, 
     attn_bwd_cudnn with and without `flex`) on the same bf16 inputs: dQ, dK, dV within 2e-2 of
     numpy's float64 (the bound tests/gpu/test_cudnn.py gives cuDNN's), within FLEX_VS_CUDNN of
     cuDNN's and every 128-row block within BLOCK_ULPS bf16 ulps of cuDNN's; the flex
-    call twice the same bits; captured in a CUDA graph (dq_sem's memset a k_fill node), two
-    replays the eager bits."""
+    call twice the same bits, the first over a dQ accumulator of NaNs (nothing zeroes it: each
+    query block's first contribution stores, flex_build_main.first_dq_stores, so an element no
+    contribution wrote would come out NaN); captured in a CUDA graph (dq_sem's memset a k_fill
+    node), two replays the eager bits."""
     from engine.backends.cuda import flex_attn, graphs
     from engine.backends.cuda.cudnn_attn import CudnnAttention
     from engine.backends.cuda.memory import Plan
@@ -180,6 +182,9 @@ def test_flex_backward_matches_cudnn_and_numpy_eager_and_replayed(flex, rng, B, 
         qkvp, dop = dev.put(rows), dev.put(tm(dout))
         out, stats = dev.empty((T, B, d)), dev.empty((B, H, T), "f32")
         o.attn_fwd_cudnn(qkvp, out, stats, B, T, d, R * d)
+        acc = plan["flex.dq_accum"]
+        gpu.drv.memset_d32(acc, 0x7FC00000, scratch_bytes(B, T, H)["dq_accum"] // 4)
+        gpu.drv.Context.synchronize()  # the memset runs on the legacy stream
         got = {}
         for name in ("cudnn", "flex", "flex again"):
             o.flex = None if name == "cudnn" else fa

@@ -24,7 +24,9 @@ The entry point's arguments, in the order of `ARG_NAMES` (all tensors DLTensor*,
   mLSE        f32 [B, H, T], last stride 1
   mdQ mdK mdV like mQ
   mLSE2 mdPsum f32 [B, H, T] (scratch, written by the preprocess)
-  mdQacc      f32 [B, H, T·64] (scratch, zeroed by the preprocess)
+  mdQacc      f32 [B, H, T·64] (scratch: with deterministic, each query block's rank-0 dQ
+              contribution stores and the others add, and nothing zeroes it (`first_dq_stores`);
+              without (a variant), the preprocess zeroes it and every contribution adds)
   mSem        i32 [B, H, T/128, 1] (must be zero on entry)
   cnt idx fcnt fidx order forder off foff masks (flex_plan.py)
   scale (float), seqlen (int). The stream is TVM FFI's environment stream for the first tensor's
@@ -35,7 +37,8 @@ The entry point's arguments, in the order of `ARG_NAMES` (all tensors DLTensor*,
 The kernels' constructor arguments: `BWD_CONFIG`, the main kernel's (FlexAttentionBackwardSm90),
 today the frontend's own for SM90, hd 64, deterministic (dispatch.py:1383-1395, 1616-1634;
 backward_config.py:104-115); the preprocess and the dQ postprocess take what they need from it
-as the frontend's dispatch derives it (`kernel_args`: dispatch.py:1485-1494, 1806-1824).
+as the frontend's dispatch derives it (`kernel_args`: dispatch.py:1485-1494, 1806-1824), but for
+the dQ accumulator: with deterministic the preprocess is not given it (`first_dq_stores`).
 tile_m and tile_n stay 128: flex_plan.py's plan is in 128x128 blocks.
 The plan depends on two other entries (flex_plan.py builds it for BWD_CONFIG as it is):
 - SdP_swapAB: the masks' bits follow the S/dP MMA's accumulator layout, which it transposes.
@@ -52,6 +55,7 @@ adapts the plan to its manifest.
 """
 
 # No `from __future__ import annotations`: cute.jit reads the wrapper's annotations as objects.
+import contextlib
 import importlib.metadata
 import importlib.util
 import inspect
@@ -200,6 +204,85 @@ def kernel_args(cfg: dict) -> dict:
             "post_accum_row_major": False}
 
 
+# The PTX of a dQ contribution: a bulk copy of the tile from shared to global memory where its
+# write rank ($3) is 0 (the query block's first contribution), the frontend's bulk float add
+# into the accumulator otherwise. Both complete through the same bulk group, which the kernel
+# waits on before it passes the query block's semaphore to the next rank.
+DQ_STORE_OR_ADD_PTX = (
+    "{\n.reg .pred first;\nsetp.eq.s32 first, $3, 0;\n"
+    "@first cp.async.bulk.global.shared::cta.bulk_group [$0], [$1], $2;\n"
+    "@!first cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;\n}")
+
+
+@contextlib.contextmanager
+def first_dq_stores(sites: int):
+    """While the deterministic main kernel is compiled inside, its rank-0 dQ contribution to
+    each query block is a store instead of an add.
+
+    The frontend zeroes the float32 dQ accumulator in the preprocess (25 MB a layer at 120M)
+    and then adds every key block's contribution to it in write-rank order. Where every query
+    block has contributions of ranks 0, 1, ..., k-1 (the frontend's ranks and flex_plan.py's
+    causal plan: rank 0 is the diagonal block with spt, key block 0 without), storing rank 0
+    gives the same sums without the zeroing, and the preprocess is given no mdQacc. A mask with
+    a query block that no key block reaches would leave that block unwritten. 0 + x = x in
+    float (the bulk add rounds to nearest even and keeps subnormals), so the values are the
+    frontend's way's but for the sign of a zero whose every contribution is -0.
+    How: while the kernel is traced, `_store_one_dQaccum_sm90` (plan/kernels/packed_mask.py,
+    SM90 dQ stores, which takes the rank as `lock_value`) runs with its rank on a stack, and the
+    bulk add it calls (`copy_utils.cpasync_reduce_bulk_add_f32`) emits DQ_STORE_OR_ADD_PTX with
+    that rank; outside it, the bulk add is the frontend's. On leaving, both are the frontend's
+    again, and a ValueError says so where the trace did not emit `sites` of them (the partial
+    and the full blocks' loops, each a store per dQ warp group): a frontend that no longer
+    calls them so would otherwise leave the accumulator unzeroed and dQ wrong. Raises
+    ValueError up front where the frontend no longer has these functions as TESTED_VERSIONS
+    has them."""
+    from cudnn.flex_attention._compat import copy_utils
+    from cudnn.flex_attention.plan.kernels import packed_mask
+    from cutlass import Int32
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import dsl_user_op
+
+    store_one = getattr(packed_mask, "_store_one_dQaccum_sm90", None)
+    bulk_add = getattr(copy_utils, "cpasync_reduce_bulk_add_f32", None)
+    if (store_one is None or bulk_add is None
+            or "lock_value" not in inspect.signature(store_one).parameters):
+        raise ValueError("the frontend's SM90 dQ store is not the one first_dq_stores was "
+                         "written for")
+    ranks: list = []  # the write rank of the dQ contribution being traced
+    emitted = [0]
+
+    @dsl_user_op
+    def store_or_add(smem_ptr, gmem_ptr, store_bytes, *, loc=None, ip=None):
+        if not ranks:
+            return bulk_add(smem_ptr, gmem_ptr, store_bytes, loc=loc, ip=ip)
+        llvm.inline_asm(
+            None,
+            [gmem_ptr.llvm_ptr, smem_ptr.toint(loc=loc, ip=ip).ir_value(),
+             Int32(store_bytes).ir_value(), Int32(ranks[-1]).ir_value()],
+            DQ_STORE_OR_ADD_PTX, "l,r,r,r", has_side_effects=True, is_align_stack=False)
+        emitted[0] += 1
+
+    def store_one_ranked(*args, **kwargs):
+        if not kwargs.get("deterministic") or "lock_value" not in kwargs:
+            raise ValueError("first_dq_stores: a dQ store without deterministic=True and its rank")
+        ranks.append(kwargs["lock_value"])
+        try:
+            return store_one(*args, **kwargs)
+        finally:
+            ranks.pop()
+
+    copy_utils.cpasync_reduce_bulk_add_f32 = store_or_add
+    packed_mask._store_one_dQaccum_sm90 = store_one_ranked
+    try:
+        yield
+    finally:
+        copy_utils.cpasync_reduce_bulk_add_f32 = bulk_add
+        packed_mask._store_one_dQaccum_sm90 = store_one
+    if emitted[0] != sites:
+        raise ValueError(f"first_dq_stores: the trace emitted {emitted[0]} dQ stores-or-adds, "
+                         f"expected {sites}")
+
+
 def compile_object(obj: Path, name: str, head_dim: int, dtype: str,
                    overrides: dict | None = None) -> dict:
     """Compile the fused backward for sm_90a and write the ELF object `obj` exporting
@@ -229,11 +312,14 @@ def compile_object(obj: Path, name: str, head_dim: int, dtype: str,
     )
     from cudnn.flex_attention.kernels.sm90.bwd.backward import FlexAttentionBackwardSm90
     from cudnn.flex_attention.plan.kernels import BlockSparseTensors
-    from cutlass import Float32, Int32, Uint32
+    from cutlass import Float32, Int32, Uint32, const_expr
 
+    zero_acc = not cfg["deterministic"]  # without write ranks (a variant) the adds need zeros
     dt = cutlass.BFloat16 if dtype == "bf16" else cutlass.Float16
+    # padded offsets for dPsum and LSE2, as the preprocess takes them by itself when it is
+    # given mdQacc (they only matter with cu_seqlens, which this call has not)
     pre = FlexAttentionBackwardPreprocess(dt, head_dim, head_dim, derived["pre_tile_m"],
-                                          use_padded_offsets=False)
+                                          use_padded_offsets=True)
     bwd_kernel = FlexAttentionBackwardSm90(dt, head_dim, head_dim, 1, **cfg)
     post = FlexAttentionBackwardPostprocess(
         dt, head_dim, 90, derived["post_tile_m"], derived["post_num_threads"],
@@ -248,7 +334,10 @@ def compile_object(obj: Path, name: str, head_dim: int, dtype: str,
                  fidx: cute.Tensor, order: cute.Tensor, forder: cute.Tensor, off: cute.Tensor,
                  foff: cute.Tensor, masks: cute.Tensor, scale: Float32, seqlen: Int32,
                  stream: cuda.CUstream):
-        pre(mO, mdO, mdPsum, mLSE, mLSE2, mdQacc, None, None, seqlen, stream)
+        if const_expr(zero_acc):
+            pre(mO, mdO, mdPsum, mLSE, mLSE2, mdQacc, None, None, seqlen, stream)
+        else:
+            pre(mO, mdO, mdPsum, mLSE, mLSE2, None, None, None, seqlen, stream)
         bs = BlockSparseTensors(cnt, idx, fcnt, fidx, None, order, forder, off, foff, masks,
                                 None, None)
         bwd_kernel(mQ, mK, mV, mdO, mLSE2, mdPsum, mdQacc, mdK, mdV, scale, None, None, mSem,
@@ -288,7 +377,10 @@ def compile_object(obj: Path, name: str, head_dim: int, dtype: str,
     args = [fake[name] for name in ARG_NAMES]
     args.append(cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True))
     t0 = time.time()
-    fn = cute.compile(flex_bwd, *args, options="--enable-tvm-ffi")
+    # the partial and the full blocks' loops, each a store per dQ warp group
+    first = first_dq_stores(2 * (1 if cfg["dQ_single_wg"] else 2))
+    with contextlib.nullcontext() if zero_acc else first:
+        fn = cute.compile(flex_bwd, *args, options="--enable-tvm-ffi")
     seconds = time.time() - t0
     fn.export_to_c(str(obj), name)
     words = plan_mask_words(cutlass, cute, dt, cfg)
