@@ -214,6 +214,12 @@ DQ_STORE_OR_ADD_PTX = (
     "@!first cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;\n}")
 
 
+def dq_store_sites(cfg: dict) -> int:
+    """The main kernel's dQ stores per trace: the partial and the full blocks' loops, each one
+    per dQ warp group (two, or one with dQ_single_wg)."""
+    return 2 * (1 if cfg["dQ_single_wg"] else 2)
+
+
 @contextlib.contextmanager
 def first_dq_stores(sites: int):
     """While the deterministic main kernel is compiled inside, its rank-0 dQ contribution to
@@ -231,8 +237,8 @@ def first_dq_stores(sites: int):
     SM90 dQ stores, which takes the rank as `lock_value`) runs with its rank on a stack, and the
     bulk add it calls (`copy_utils.cpasync_reduce_bulk_add_f32`) emits DQ_STORE_OR_ADD_PTX with
     that rank; outside it, the bulk add is the frontend's. On leaving, both are the frontend's
-    again, and a ValueError says so where the trace did not emit `sites` of them (the partial
-    and the full blocks' loops, each a store per dQ warp group): a frontend that no longer
+    again, and a ValueError says so where the trace did not emit `sites` of them
+    (`dq_store_sites`): a frontend that no longer
     calls them so would otherwise leave the accumulator unzeroed and dQ wrong. Raises
     ValueError up front where the frontend no longer has these functions as TESTED_VERSIONS
     has them."""
@@ -249,10 +255,11 @@ def first_dq_stores(sites: int):
         raise ValueError("the frontend's SM90 dQ store is not the one first_dq_stores was "
                          "written for")
     ranks: list = []  # the write rank of the dQ contribution being traced
-    emitted = [0]
+    emitted = 0
 
     @dsl_user_op
     def store_or_add(smem_ptr, gmem_ptr, store_bytes, *, loc=None, ip=None):
+        nonlocal emitted
         if not ranks:
             return bulk_add(smem_ptr, gmem_ptr, store_bytes, loc=loc, ip=ip)
         llvm.inline_asm(
@@ -260,7 +267,7 @@ def first_dq_stores(sites: int):
             [gmem_ptr.llvm_ptr, smem_ptr.toint(loc=loc, ip=ip).ir_value(),
              Int32(store_bytes).ir_value(), Int32(ranks[-1]).ir_value()],
             DQ_STORE_OR_ADD_PTX, "l,r,r,r", has_side_effects=True, is_align_stack=False)
-        emitted[0] += 1
+        emitted += 1
 
     def store_one_ranked(*args, **kwargs):
         if not kwargs.get("deterministic") or "lock_value" not in kwargs:
@@ -278,8 +285,8 @@ def first_dq_stores(sites: int):
     finally:
         copy_utils.cpasync_reduce_bulk_add_f32 = bulk_add
         packed_mask._store_one_dQaccum_sm90 = store_one
-    if emitted[0] != sites:
-        raise ValueError(f"first_dq_stores: the trace emitted {emitted[0]} dQ stores-or-adds, "
+    if emitted != sites:
+        raise ValueError(f"first_dq_stores: the trace emitted {emitted} dQ stores-or-adds, "
                          f"expected {sites}")
 
 
@@ -377,9 +384,7 @@ def compile_object(obj: Path, name: str, head_dim: int, dtype: str,
     args = [fake[name] for name in ARG_NAMES]
     args.append(cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True))
     t0 = time.time()
-    # the partial and the full blocks' loops, each a store per dQ warp group
-    first = first_dq_stores(2 * (1 if cfg["dQ_single_wg"] else 2))
-    with contextlib.nullcontext() if zero_acc else first:
+    with contextlib.nullcontext() if zero_acc else first_dq_stores(dq_store_sites(cfg)):
         fn = cute.compile(flex_bwd, *args, options="--enable-tvm-ffi")
     seconds = time.time() - t0
     fn.export_to_c(str(obj), name)
