@@ -432,7 +432,8 @@ def test_the_optimizer_kernels_read_the_hyper_parameters_where_the_host_puts_the
                       "UPD_SKIP": len(HP_FIELDS) + 1}
     assert UPD_WORDS == len(HP_FIELDS) + 2
     # k_adamw_step: upd[0] .. upd[7] are lr, beta1, beta2, eps, weight_decay, bc1, bc2, grad_mult
-    call = re.search(r"adamw_body\(p, p_lp, g, m, v, seg_start, seg_decay, seg_qkv, nseg, d, "
+    call = re.search(r"adamw_body\(p, p_lp, g, g_lp, m, v, seg_start, seg_decay, seg_qkv, "
+                     r"seg_glp, nseg, d, "
                      r"begin, end, (upd\[\d\], ){8}upd\[UPD_GC\]\)", " ".join(src.split()))
     assert call, "k_adamw_step's call of adamw_body"
     assert HP_FIELDS[:8] == ("lr", "beta1", "beta2", "eps", "weight_decay", "bc1", "bc2",

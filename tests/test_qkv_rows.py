@@ -228,7 +228,9 @@ int main() {
     std::vector<int> qkv(nseg), flags(nseg);
     for (auto& s : starts) if (scanf("%ld", &s) != 1) return 1;
     for (auto& q : qkv) if (scanf("%d", &q) != 1) return 1;
-    for (int s = 0; s < nseg; s++) flags[s] = seg_flag(nullptr, qkv.data(), s);
+    // every tensor flagged as having its gradient in g_lp too: the walk must not change
+    const std::vector<int> glp(nseg, 1);
+    for (int s = 0; s < nseg; s++) flags[s] = seg_flag(nullptr, qkv.data(), glp.data(), s);
     for (long i = 0; i < starts[nseg]; i++) {  // k_params_to_lp
         const int s = seg_of(starts.data(), nseg, i);
         int col;

@@ -101,6 +101,9 @@ class Ops:
         # the fused step's single micro-batch WRITES the parameter gradients (GEMMs with beta 0,
         # the LayerNorm and position sums stored) instead of zeroing them and adding
         self.overwrite_grads = False
+        # ... and writes the layers' weight gradients in the compute precision, into the
+        # backend's grads_lp (CudaBackend.grads_lp; with overwrite_grads only)
+        self.wgrad_lp = False
         # ANDREA_CUDA_SYNC=1: wait for every launch and name the one that fails (the backend then
         # runs without graphs): for finding an illegal address, not for speed
         self.debug = os.environ.get("ANDREA_CUDA_SYNC", "0") == "1"
@@ -173,17 +176,22 @@ class Ops:
         return ev
 
     def _wgrad(self, out: int, a: int, b: int, M: int, N: int, K: int, reads: tuple[int, ...],
-               **kw: Any) -> None:
-        """dW += op(a) @ op(b) into a float32 gradient. With a side stream: after everything the
-        main stream has queued so far, on the side stream, and the buffers in `reads` (gradient
-        buffers the main stream rewrites later) are marked so that the main stream waits for
-        this GEMM before it writes them (`_writes`). Same GEMM, same algorithm: same bits."""
+               layer: bool = True, **kw: Any) -> None:
+        """dW += op(a) @ op(b) into a float32 gradient; a layer's weight matrix (`layer`) with
+        `wgrad_lp`: dW = op(a) @ op(b) in the compute precision (out points into grads_lp). With
+        a side stream: after everything the main stream has queued so far, on the side stream,
+        and the buffers in `reads` (gradient buffers the main stream rewrites later) are marked
+        so that the main stream waits for this GEMM before it writes them (`_writes`). Same
+        GEMM, same algorithm: same bits."""
+        lp = self.wgrad_lp and layer
+        if lp and not self.overwrite_grads:
+            raise ValueError("Ops._wgrad: wgrad_lp writes the gradients, it needs overwrite_grads")
         beta = 0.0 if self.overwrite_grads else 1.0
         if self.side is None:
-            self._mm(out, a, b, M, N, K, out32=True, beta=beta, **kw)
+            self._mm(out, a, b, M, N, K, out32=not lp, beta=beta, **kw)
             return
         self._to_side()
-        self._mm(out, a, b, M, N, K, out32=True, beta=beta, side=True, **kw)
+        self._mm(out, a, b, M, N, K, out32=not lp, beta=beta, side=True, **kw)
         done = self._event()
         done.record(self.side)
         for ptr in reads:
@@ -629,7 +637,8 @@ class Ops:
         R = B * T
         vg = ldv if wte_rows >= ldv else V
         mg = ldv if self.gemm is not None and ldv - V <= pad_rows else V
-        self._wgrad(dwte, dlogits, x, mg, d, R, (dlogits, dwte), ta=True, lda=ldv)
+        self._wgrad(dwte, dlogits, x, mg, d, R, (dlogits, dwte), layer=False, ta=True,
+                    lda=ldv)
         self._writes(dx)
         self._mm(dx, dlogits, wte, R, d, vg, lda=ldv)
 
@@ -643,16 +652,26 @@ class Ops:
         self._go("k_grad_norm_final", 1, norm, partials, n)
 
     def grad_norm_ranges(self, grads: int, cuts: int, first: int, count: int, partials: int,
-                         gs: float = 1.0, gs_dev: int = 0, side: bool = False) -> None:
+                         gs: float = 1.0, gs_dev: int = 0, side: bool = False, *,
+                         grads_lp: int = 0, kinds: int = 0) -> None:
         """The partials of ranges first .. first + count - 1 of the device table cuts (int64
         [ranges + 1], float4-aligned begins) into partials[r·NORM_RANGE_BLOCKS ...], for
         grad_norm_final over all of them once every range is in. gs_dev: a device float
         holding the gradient scale instead of gs (0: use gs). side: on the weight-gradient
         stream after everything queued so far on the main one (a range the backward has just
-        completed), when there is one."""
+        completed), when there is one. grads_lp, kinds: the compute-precision gradients and the
+        device table (int32 [ranges]) of the ranges read from there (0: all from grads)."""
+        if bool(grads_lp) != bool(kinds):
+            raise ValueError("grad_norm_ranges: grads_lp and kinds go together")
         stream = self._to_side() if side and self.side is not None else None
-        self._go("k_grad_norm_ranges", (NORM_RANGE_BLOCKS, count), partials, grads, cuts, first,
-                 gs, gs_dev, stream=stream)
+        self._go("k_grad_norm_ranges", (NORM_RANGE_BLOCKS, count), partials, grads, grads_lp,
+                 cuts, kinds, first, gs, gs_dev, stream=stream)
+
+    def grads_from_lp(self, grads: int, grads_lp: int, cuts: int, kinds: int,
+                      count: int) -> None:
+        """grads[i] = grads_lp[i] over the ranges 0 .. count - 1 of the norm's table whose kind
+        is 1 (k_grads_from_lp): the fused bf16 step's weight gradients back in float32."""
+        self._go("k_grads_from_lp", (NORM_RANGE_BLOCKS, count), grads, grads_lp, cuts, kinds, 0)
 
     def grad_scale(self, grads: int, n: int, s: float) -> None:
         self._go("k_grad_scale", _blocks(n), grads, n, s)
@@ -666,26 +685,33 @@ class Ops:
         if seg_qkv and not 0 < d * d < 2**31:
             raise ValueError(f"seg_qkv needs the model width d (0 < d² < 2^31), got d={d}")
 
-    def _check_lp(self, params_lp: int, seg_qkv: int, d: int) -> None:
-        """AdamW's arguments for the low-precision copy: seg_qkv's d, and params_lp aligned
-        for the kernel's 4-wide stores (optim.cu store_lp: 4 elements, 8 or 16 bytes)."""
+    def _check_lp(self, params_lp: int, seg_qkv: int, d: int, grads_lp: int = 0,
+                  seg_glp: int = 0) -> None:
+        """AdamW's arguments for the low-precision copies: seg_qkv's d, params_lp and grads_lp
+        aligned for the kernel's 4-wide stores and loads (optim.cu store_lp, load4: 4 elements,
+        8 or 16 bytes), grads_lp with its table and the copy it belongs beside."""
         self._check_lp_rows(seg_qkv, d)
-        if params_lp % (4 * self.esize):
-            raise ValueError(f"params_lp {params_lp:#x} is not aligned to {4 * self.esize} "
-                             f"bytes (AdamW stores 4 elements at a time)")
+        if bool(grads_lp) != bool(seg_glp) or (grads_lp and not params_lp):
+            raise ValueError("AdamW: grads_lp needs seg_glp and params_lp (the bf16 step's)")
+        for name, ptr in (("params_lp", params_lp), ("grads_lp", grads_lp)):
+            if ptr % (4 * self.esize):
+                raise ValueError(f"{name} {ptr:#x} is not aligned to {4 * self.esize} bytes "
+                                 f"(AdamW stores and loads 4 elements at a time)")
 
     def adamw(self, params: int, params_lp: int, grads: int, m: int, v: int, seg_start: int,
               seg_decay: int, nseg: int, n: int, lr: float, beta1: float, beta2: float,
               eps: float, weight_decay: float, t: int, gs: float = 1.0, *, seg_qkv: int = 0,
-              d: int = 0) -> None:
+              d: int = 0, grads_lp: int = 0, seg_glp: int = 0) -> None:
         """gs: a pending gradient scale (the clip), folded into the update. seg_qkv: the device
         table (int32 per tensor, buffers.qkv_seg_table) of the tensors that params_lp keeps in
-        rows, with d the model width (0: params_lp in the flat layout, as params)."""
-        self._check_lp(params_lp, seg_qkv, d)
+        rows, with d the model width (0: params_lp in the flat layout, as params). grads_lp,
+        seg_glp: the compute-precision gradients and the device table (int32 per tensor,
+        buffers.grads_lp_table) of the tensors whose gradient is read from there (0: none)."""
+        self._check_lp(params_lp, seg_qkv, d, grads_lp, seg_glp)
         bc1, bc2 = 1.0 - beta1**t, 1.0 - beta2**t
-        self._go("k_adamw", _blocks(-(-n // 4), cap=2048), params, params_lp, grads, m, v,
-                 seg_start, seg_decay, seg_qkv, nseg, d, n, lr, beta1, beta2, eps,
-                 weight_decay, bc1, bc2, gs)
+        self._go("k_adamw", _blocks(-(-n // 4), cap=2048), params, params_lp, grads, grads_lp,
+                 m, v, seg_start, seg_decay, seg_qkv, seg_glp, nseg, d, n, lr, beta1, beta2,
+                 eps, weight_decay, bc1, bc2, gs)
 
     def step_clip(self, upd: int, hp: int, norm: int, clip: int, skipped: int) -> None:
         """The step's clip factor (clip[0]) and non-finite skip (skipped[0]) from the norm of
@@ -696,15 +722,16 @@ class Ops:
 
     def adamw_step(self, params: int, params_lp: int, grads: int, m: int, v: int,
                    seg_start: int, seg_decay: int, nseg: int, begin: int, end: int, upd: int,
-                   stream: Any = None, *, seg_qkv: int = 0, d: int = 0) -> None:
+                   stream: Any = None, *, seg_qkv: int = 0, d: int = 0, grads_lp: int = 0,
+                   seg_glp: int = 0) -> None:
         """adamw over elements [begin, end) (begin a multiple of 4) as step_clip decided it
         (nothing when the step is skipped); the same bits whichever ranges a step is split
-        into. seg_qkv, d: as in adamw."""
+        into. seg_qkv, d, grads_lp, seg_glp: as in adamw."""
         assert begin % 4 == 0, f"adamw_step: begin {begin} is not a multiple of 4 (float4 groups)"
-        self._check_lp(params_lp, seg_qkv, d)
+        self._check_lp(params_lp, seg_qkv, d, grads_lp, seg_glp)
         self._go("k_adamw_step", _blocks(-(-(end - begin) // 4), cap=2048), params, params_lp,
-                 grads, m, v, seg_start, seg_decay, seg_qkv, nseg, d, begin, end, upd,
-                 stream=stream)
+                 grads, grads_lp, m, v, seg_start, seg_decay, seg_qkv, seg_glp, nseg, d, begin,
+                 end, upd, stream=stream)
 
     def step_hp(self, hp: int, skipped: int) -> None:
         """The bias corrections of hp as Adam's step count stands (k_step_hp)."""

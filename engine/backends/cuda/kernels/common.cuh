@@ -2,8 +2,9 @@
 //
 // Each .cu file is compiled on its own (`nvcc -arch=sm_90 -std=c++17 -O3 --cubin FILE`); the
 // backend compiles it once per precision with -DANDREA_ACT=0 (fp32), 1 (bf16, default), 2 (fp16).
-// Master weights, gradients, Adam moments and LayerNorm statistics are always float; act_t is the
-// type of activations, activation gradients and the low-precision weight copy used by the GEMMs.
+// Master weights, gradients, Adam moments and LayerNorm statistics are float; act_t is the type of
+// activations, activation gradients and the low-precision weight copy used by the GEMMs, and of
+// the layers' weight gradients where the fused bf16 step keeps them so (optim.cu g_lp).
 //
 // Twins: every k_ kernel opens with `// numpy twin: ops.NAME` (engine/backends/numpy/ops.py) and
 // quotes, on lines marked `// >`, the numpy lines it implements; a kernel with no numpy

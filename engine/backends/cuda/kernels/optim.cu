@@ -1,4 +1,5 @@
-// Gradient norm, clipping and AdamW over the flat fp32 buffers (DESIGN §3 utility kernels, §4).
+// Gradient norm, clipping and AdamW over the flat fp32 buffers (DESIGN §3 utility kernels, §4),
+// and the fused bf16 step's weight gradients kept in the compute precision (g_lp).
 #include "common.cuh"
 
 // The partial sum of squares of one block of the grid (see k_grad_norm_partial).
@@ -44,38 +45,84 @@ extern "C" __global__ void k_grad_norm_final(float* norm, const float* partials,
     if (threadIdx.x == 0) norm[0] = s;
 }
 
+// Four consecutive gradients as floats, in one load: a float4, or (the compute precision's
+// g_lp) an Act4 of 8 bytes. p must be aligned for it (a multiple of 4 elements from a buffer
+// of the memory plan, which aligns each to 256 bytes).
+__device__ __forceinline__ void load4(float (&e)[4], const float* p) {
+    const float4 v = *reinterpret_cast<const float4*>(p);
+    e[0] = v.x;
+    e[1] = v.y;
+    e[2] = v.z;
+    e[3] = v.w;
+}
+#if ANDREA_ACT != 0
+__device__ __forceinline__ void load4(float (&e)[4], const act_t* p) {
+    const Act4 a = *reinterpret_cast<const Act4*>(p);
+#pragma unroll
+    for (int k = 0; k < 4; k++) e[k] = to_f(a.v[k]);
+}
+#endif
+
+// The sum of the squares of g[0 .. n)·sc over this block's grid-stride share of the groups of
+// four, then of the tail's elements (k_grad_norm_ranges).
+template <typename G>
+__device__ __forceinline__ float sum_squares(const G* g, long n, float sc) {
+    const long nq = n / 4, stride = (long)gridDim.x * blockDim.x;
+    float s = 0.0f;
+    for (long q = blockIdx.x * (long)blockDim.x + threadIdx.x; q < nq; q += stride) {
+        float e[4];
+        load4(e, g + q * 4);
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const float x = e[k] * sc;
+            s += x * x;
+        }
+    }
+    for (long i = nq * 4 + blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += stride) {
+        const float x = to_f(g[i]) * sc;
+        s += x * x;
+    }
+    return s;
+}
+
 // numpy twin: ops.grad_norm_partial (over ranges of the flat buffer)
 // >   g = grads[j * block : (j + 1) * block]
 // >   partials[j] = np.dot(g, g)
 // The fused backend's partials: range r = first + blockIdx.y is [cuts[r], cuts[r + 1]) (cuts
 // int64, each range's begin a multiple of 4), and block (x, y) sums the squares of its
-// grid-stride share of that range's float4 groups (then of the tail's elements), into
+// grid-stride share of that range's groups of four (then of the tail's elements), into
 // partials[r·gridDim.x + x]. A range's partials are the same bits whether it is launched alone
 // (as the backward completes it: CudaBackend._backward) or with every other (grid.y = all
 // ranges): the host-driven grad_norm and the one-graph step agree. gs as in
 // k_grad_norm_partial, or gs_dev[0] when gs_dev is not null (the step's staged grad_mult).
-// Then k_grad_norm_final over all ranges' partials, in order.
-extern "C" __global__ void k_grad_norm_ranges(float* partials, const float* g, const long* cuts,
-                                              int first, float gs, const float* gs_dev) {
+// g_lp (may be null): the layers' weight gradients in the compute precision (the fused bf16
+// step's, buffers.GRAD_LP_TENSORS), at the same flat indices as g; a range with kinds[r] != 0
+// is read from there, as 8-byte groups of four (buffers.norm_ranges cuts the ranges where the
+// kind changes). Then k_grad_norm_final over all ranges' partials, in order.
+extern "C" __global__ void k_grad_norm_ranges(float* partials, const float* g, const act_t* g_lp,
+                                              const long* cuts, const int* kinds, int first,
+                                              float gs, const float* gs_dev) {
     __shared__ float shared[32];
     const int r = first + blockIdx.y;
-    const long begin = cuts[r], n = cuts[r + 1] - begin, nq = n / 4;
+    const long begin = cuts[r], n = cuts[r + 1] - begin;
     const float sc = gs_dev ? gs_dev[0] : gs;
-    const float4* g4 = reinterpret_cast<const float4*>(g + begin);
-    const long stride = (long)gridDim.x * blockDim.x;
-    float s = 0.0f;
-    for (long q = blockIdx.x * (long)blockDim.x + threadIdx.x; q < nq; q += stride) {
-        const float4 v = g4[q];
-        const float e[4] = {v.x * sc, v.y * sc, v.z * sc, v.w * sc};
-#pragma unroll
-        for (int k = 0; k < 4; k++) s += e[k] * e[k];
-    }
-    for (long i = nq * 4 + blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += stride) {
-        const float x = g[begin + i] * sc;
-        s += x * x;
-    }
+    float s = g_lp && kinds[r] ? sum_squares(g_lp + begin, n, sc) : sum_squares(g + begin, n, sc);
     s = block_sum(s, shared);
     if (threadIdx.x == 0) partials[(long)r * gridDim.x + blockIdx.x] = s;
+}
+
+// numpy twin: none — numpy keeps every gradient in float (its ops run in one dtype). The fused
+// bf16 step leaves the layers' weight gradients in g_lp (the compute precision, the flat layout
+// of g); anything else that reads or adds to the gradients first has them written back here as
+// floats (exact: every act_t is a float): g[i] = g_lp[i] over the ranges [cuts[r], cuts[r + 1])
+// with kinds[r] != 0, r = first + blockIdx.y (the table of k_grad_norm_ranges).
+extern "C" __global__ void k_grads_from_lp(float* g, const act_t* g_lp, const long* cuts,
+                                           const int* kinds, int first) {
+    const int r = first + blockIdx.y;
+    if (!kinds[r]) return;
+    for (long i = cuts[r] + blockIdx.x * (long)blockDim.x + threadIdx.x; i < cuts[r + 1];
+         i += (long)gridDim.x * blockDim.x)
+        g[i] = to_f(g_lp[i]);
 }
 
 // numpy twin: ops.grad_scale
@@ -103,7 +150,8 @@ extern "C" __global__ void k_grad_add(float* g, const float* other, long n) {
 #define HP_MAX_NORM 8  // buffers.HP_FIELDS.index("max_norm")
 #define UPD_GC 12      // k_step_clip's upd: HP_FIELDS (12 floats), then the clip factor,
 #define UPD_SKIP 13    // then 1.0 when the step is skipped (buffers.UPD_WORDS = 14)
-#define SEG_DECAY 1    // adamw_body's flags per tensor (seg_flag): bit 0 decay, then seg_qkv
+#define SEG_DECAY 1    // adamw_body's flags per tensor (seg_flag): bit 0 decay, bits 1-2 seg_qkv,
+#define SEG_GLP 8      // bit 3: its gradient is read from g_lp
 
 // Where the GEMM copy p_lp keeps the flat elements. A layer's W_Q, W_K, W_V are three [d,d]
 // tensors one after the other from `base` (DESIGN §2); where the backend runs Q, K, V in rows
@@ -149,17 +197,18 @@ __host__ __device__ __forceinline__ long lp_next(long at, int qkv, int d, int* c
 __host__ __device__ __forceinline__ long lp_walk(long i, int s, const long* starts,
                                                  const int* flags, int d, long at, int* seg,
                                                  int* col) {
-    const int qkv = flags[s] >> 1;
+    const int qkv = (flags[s] >> 1) & 3;  // bits 1-2 (seg_flag), not SEG_GLP's
     const bool fresh = *seg != s;
     *seg = s;
     return fresh ? lp_index(i, starts[s], qkv, d, col) : lp_next(at, qkv, d, col);
 }
 
 // Tensor s's flags for adamw_body: SEG_DECAY when it decays, seg_qkv << 1 (seg_qkv may be null:
-// nothing permuted).
+// nothing permuted), SEG_GLP when seg_glp (may be null: none) says its gradient is in g_lp.
 __host__ __device__ __forceinline__ int seg_flag(const int* seg_decay, const int* seg_qkv,
-                                                 int s) {
-    return (seg_decay && seg_decay[s] ? SEG_DECAY : 0) | (seg_qkv ? seg_qkv[s] << 1 : 0);
+                                                 const int* seg_glp, int s) {
+    return (seg_decay && seg_decay[s] ? SEG_DECAY : 0) | (seg_qkv ? seg_qkv[s] << 1 : 0) |
+           (seg_glp && seg_glp[s] ? SEG_GLP : 0);
 }
 
 // The group's new values pa[0..3] rounded into p_lp at ats[0..3] (one value when !vec): one
@@ -186,16 +235,23 @@ __device__ __forceinline__ void store_lp(act_t* p_lp, const long (&ats)[4], cons
 // as the gradient (each product rounded to float, as separate k_grad_scale passes would have
 // stored it); the body of k_adamw and k_adamw_step. Each element's arithmetic is the same
 // whichever range it falls in: a step split into ranges gives the bits of one launch. p_lp
-// receives each new value where lp_walk says (seg_qkv, d: see lp_index).
-__device__ __forceinline__ void adamw_body(float* p, act_t* p_lp, const float* g, float* m,
-                                           float* v, const long* seg_start, const int* seg_decay,
-                                           const int* seg_qkv, int nseg, int d, long begin,
-                                           long end, float lr, float b1, float b2, float eps,
-                                           float wd, float bc1, float bc2, float gm, float gc) {
+// receives each new value where lp_walk says (seg_qkv, d: see lp_index). The gradient of a
+// tensor that seg_glp names is read from g_lp (the compute precision, g's flat layout: the fused
+// bf16 step's weight gradients), one 8-byte load for a group of four in one such tensor; g_lp
+// and seg_glp null: every gradient from g.
+__device__ __forceinline__ void adamw_body(float* p, act_t* p_lp, const float* g,
+                                           const act_t* g_lp, float* m, float* v,
+                                           const long* seg_start, const int* seg_decay,
+                                           const int* seg_qkv, const int* seg_glp, int nseg,
+                                           int d, long begin, long end, float lr, float b1,
+                                           float b2, float eps, float wd, float bc1, float bc2,
+                                           float gm, float gc) {
     __shared__ long starts[ADAMW_MAX_SEGS + 1];
     __shared__ int flags[ADAMW_MAX_SEGS];
+    if (!g_lp) seg_glp = nullptr;
     for (int i = threadIdx.x; i <= nseg; i += blockDim.x) starts[i] = seg_start[i];
-    for (int i = threadIdx.x; i < nseg; i += blockDim.x) flags[i] = seg_flag(seg_decay, seg_qkv, i);
+    for (int i = threadIdx.x; i < nseg; i += blockDim.x)
+        flags[i] = seg_flag(seg_decay, seg_qkv, seg_glp, i);
     __syncthreads();
     const long n = end - begin;
     const long nq = n / 4;  // float4 groups; the tail (n % 4) goes element by element
@@ -207,13 +263,23 @@ __device__ __forceinline__ void adamw_body(float* p, act_t* p_lp, const float* g
         long at = 0;  // where the group's elements go in p_lp (lp_walk)
         int seg = -1, col = 0;
         float4 g4, p4, m4, v4;
+        // the group's gradients all in g_lp (one tensor, as where the tensors' sizes are
+        // multiples of 4), all in g, or (a group across tensors of both kinds) element by element
+        const bool lp0 = flags[lo] & SEG_GLP, one = i0 + 3 < starts[lo + 1];
         if (vec) {
-            g4 = *reinterpret_cast<const float4*>(g + i0);
+            if (lp0 && one) {
+                float e[4];
+                load4(e, g_lp + i0);
+                g4 = make_float4(e[0], e[1], e[2], e[3]);
+            } else {
+                g4 = *reinterpret_cast<const float4*>(g + i0);
+            }
             p4 = *reinterpret_cast<const float4*>(p + i0);
             m4 = *reinterpret_cast<const float4*>(m + i0);
             v4 = *reinterpret_cast<const float4*>(v + i0);
         } else {
-            g4.x = g[i0]; p4.x = p[i0]; m4.x = m[i0]; v4.x = v[i0];
+            g4.x = lp0 ? to_f(g_lp[i0]) : g[i0];
+            p4.x = p[i0]; m4.x = m[i0]; v4.x = v[i0];
         }
         float* ga = &g4.x;
         float* pa = &p4.x;
@@ -224,7 +290,8 @@ __device__ __forceinline__ void adamw_body(float* p, act_t* p_lp, const float* g
         for (int k = 0; k < 4; k++) {
             if (k > 0 && !vec) break;
             while (i0 + k >= starts[lo + 1]) lo++;  // a tensor boundary inside the group
-            const float gk = __fmul_rn(__fmul_rn(ga[k], gm), gc);
+            const float gr = vec && !one && (flags[lo] & SEG_GLP) ? to_f(g_lp[i0 + k]) : ga[k];
+            const float gk = __fmul_rn(__fmul_rn(gr, gm), gc);
             const float mi = b1 * ma[k] + (1.0f - b1) * gk;
             const float vi = b2 * va[k] + (1.0f - b2) * gk * gk;
             const float pi = pa[k];
@@ -258,13 +325,15 @@ __device__ __forceinline__ void adamw_body(float* p, act_t* p_lp, const float* g
 // - p_lp (may be null) receives the rounded low-precision copy of p that the GEMMs read, each
 //   layer's W_Q, W_K, W_V side by side in rows where seg_qkv says so (lp_index; seg_qkv null:
 //   every element in place, d unused): a layout of the GEMM copy, which numpy does not have.
+// - g_lp, seg_glp (may be null): the tensors whose gradient is in g_lp (adamw_body).
 // Four elements per thread (16-byte float loads).
-extern "C" __global__ void k_adamw(float* p, act_t* p_lp, const float* g, float* m, float* v,
-                                   const long* seg_start, const int* seg_decay,
-                                   const int* seg_qkv, int nseg, int d, long n, float lr, float b1,
-                                   float b2, float eps, float wd, float bc1, float bc2, float gs) {
-    adamw_body(p, p_lp, g, m, v, seg_start, seg_decay, seg_qkv, nseg, d, 0, n, lr, b1, b2, eps,
-               wd, bc1, bc2, gs, 1.0f);
+extern "C" __global__ void k_adamw(float* p, act_t* p_lp, const float* g, const act_t* g_lp,
+                                   float* m, float* v, const long* seg_start,
+                                   const int* seg_decay, const int* seg_qkv, const int* seg_glp,
+                                   int nseg, int d, long n, float lr, float b1, float b2,
+                                   float eps, float wd, float bc1, float bc2, float gs) {
+    adamw_body(p, p_lp, g, g_lp, m, v, seg_start, seg_decay, seg_qkv, seg_glp, nseg, d, 0, n,
+               lr, b1, b2, eps, wd, bc1, bc2, gs, 1.0f);
 }
 
 // numpy twin: none — the trainer's clip and non-finite skip (engine/model/optim.py clip_scale,
@@ -296,14 +365,16 @@ extern "C" __global__ void k_step_clip(float* upd, const float* hp, const float*
 // records the skip); else g·gm·gc is the gradient, rounded as the separate passes would round
 // it. Split into ranges (one per layer), it runs in the next step's graph beside the forward.
 // p_lp, seg_qkv, d: as in k_adamw (the permutation stays inside each layer's 3d² range, so a
-// range that cuts a layer's W_Q, W_K, W_V writes its own elements' places, wherever they are).
-extern "C" __global__ void k_adamw_step(float* p, act_t* p_lp, const float* g, float* m, float* v,
-                                        const long* seg_start, const int* seg_decay,
-                                        const int* seg_qkv, int nseg, int d, long begin, long end,
-                                        const float* upd) {
+// range that cuts a layer's W_Q, W_K, W_V writes its own elements' places, wherever they are);
+// g_lp, seg_glp: as in k_adamw (the fused bf16 step's weight gradients).
+extern "C" __global__ void k_adamw_step(float* p, act_t* p_lp, const float* g, const act_t* g_lp,
+                                        float* m, float* v, const long* seg_start,
+                                        const int* seg_decay, const int* seg_qkv,
+                                        const int* seg_glp, int nseg, int d, long begin,
+                                        long end, const float* upd) {
     if (upd[UPD_SKIP] != 0.0f) return;
-    adamw_body(p, p_lp, g, m, v, seg_start, seg_decay, seg_qkv, nseg, d, begin, end, upd[0],
-               upd[1], upd[2], upd[3], upd[4], upd[5], upd[6], upd[7], upd[UPD_GC]);
+    adamw_body(p, p_lp, g, g_lp, m, v, seg_start, seg_decay, seg_qkv, seg_glp, nseg, d, begin,
+               end, upd[0], upd[1], upd[2], upd[3], upd[4], upd[5], upd[6], upd[7], upd[UPD_GC]);
 }
 
 // numpy twin: none — the host's Adam step count, kept right on the device when a step is
