@@ -108,7 +108,8 @@ VARIANTS = {"andrea no QKV rows": {"ANDREA_QKV_ROWS": "0"},
             "andrea with resid GEMM": {"ANDREA_RESID_GEMM": "1"},
             "andrea 32 GEMM candidates": {"ANDREA_GEMM_CANDIDATES": "32"},
             "andrea memset nodes": {"ANDREA_MEMSET_KERNELS": "0"},
-            "andrea fp32 logits": {"ANDREA_LOGITS_LP": "0"}}
+            "andrea fp32 logits": {"ANDREA_LOGITS_LP": "0"},
+            "andrea fp32 weight grads": {"ANDREA_GRADS_LP": "0"}}
 
 
 def flops_per_token(s: ModelShapes) -> float:

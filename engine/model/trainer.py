@@ -194,7 +194,8 @@ class Trainer:
         grad_mult = 1.0 / (n_micro * self.world * self.scaler.scale)
         if getattr(self.backend, "fused_step", False):
             # on the device, with the one-graph step's kernels: the same bits as train_step
-            # (so two ranks of one micro-batch match one rank of two, clipped or not)
+            # with float32 gradients (so two ranks of one micro-batch match one rank of two,
+            # clipped or not; a one-rank train_step may keep bf16 ones: ANDREA_GRADS_LP)
             b1, b2 = o.betas
             norm, scale = self.backend.optimizer_step(
                 grad_mult=grad_mult, lr=lr, beta1=b1, beta2=b2, eps=o.eps,

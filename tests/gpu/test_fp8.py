@@ -140,6 +140,8 @@ def backend(precision: str, **kw):
     from engine.backends.cuda import CudaBackend
 
     bk = CudaBackend(SHAPES, 4, precision, tune=False, **kw)
+    # the FP8 MLP writes its own float32 weight gradients: never the bf16 ones of ANDREA_GRADS_LP
+    assert not (precision == "fp8" and bk.grads_lp)
     bk.load_params(init_params(SHAPES, seed=5))
     return bk
 

@@ -420,11 +420,15 @@ def test_train_step_is_the_host_driven_step(attention):
 
 
 @pytest.mark.parametrize("max_norm", [1e9, 0.05])
-def test_optimizer_step_is_the_end_of_train_step(max_norm):
+def test_optimizer_step_is_the_end_of_train_step(max_norm, monkeypatch):
     """forward_backward + optimizer_step (the path of several micro-batches, or of an all-reduce
-    outside the step) against the one-graph train_step: the same bits, clipped or not; and the
-    gradient buckets of a data-parallel step tile the flat gradient in backward order."""
+    outside the step) against the one-graph train_step with float32 gradients (ANDREA_GRADS_LP=0:
+    the others' kind; tests/gpu/test_grads_lp.py compares the bf16 ones): the same bits, clipped
+    or not; and the gradient buckets of a data-parallel step tile the flat gradient in backward
+    order."""
     from engine.backends.cuda import CudaBackend
+
+    monkeypatch.setenv("ANDREA_GRADS_LP", "0")
 
     params = init_params(SHAPES, seed=6)
     rng = np.random.default_rng(4)

@@ -43,8 +43,11 @@ from engine.backends.cuda import flex_attn, graphs
 from engine.backends.cuda.buffers import (
     HP_FIELDS,
     BatchBuffers,
+    grads_lp_table,
+    layer_ranges,
     logits_ld,
     lp_positions,
+    norm_ranges,
     plan_memory,
     qkv_seg_table,
 )
@@ -188,10 +191,25 @@ class CudaBackend:
         self.logits_lp = (self.fusions and precision != "fp32"
                           and self._cuda.flag("ANDREA_LOGITS_LP",
                                               default=not self._cuda.recorded))
+        # The layers' weight gradients in the compute precision (fusions, bf16, no FP8, d_model
+        # a multiple of 4, buffers.GRAD_LP_TENSORS): where a fused step writes its gradients
+        # (one micro-batch at full length, one rank), its weight-gradient GEMMs round them to
+        # bf16 as PyTorch's autocast does, and the norm and AdamW read half the bytes; every
+        # other path keeps float32 (`_settle_glp`). It changes the bits, so it is recorded; a
+        # run resumed from a record written before it keeps float32 gradients.
+        # Not in fp8 (its precision here is bf16, but its MLP writes its own float32
+        # gradients). The setting also cuts the norm's ranges where the kind would change
+        # (`norm_by_kind`) wherever it is on: with gradient accumulation (separate_micro, whose
+        # steps add float32 gradients and keep no bf16 ones) as well, so that one GPU of two
+        # micro-batches sums the norm in the order two GPUs of one do (DESIGN §11).
+        norm_by_kind = (self.fusions and precision == "bf16" and not self.fp8
+                        and shapes.d_model % 4 == 0
+                        and self._cuda.flag("ANDREA_GRADS_LP", default=not self._cuda.recorded))
+        self.grads_lp = norm_by_kind and not separate_micro
         plan, self.train, self.sample = plan_memory(shapes, micro_batch, precision,
                                                     self.attention, self.fusions, cudnn_ws,
                                                     separate_micro, self.qkv_rows,
-                                                    self.logits_lp)
+                                                    self.logits_lp, self.grads_lp, norm_by_kind)
         if self.fp8:
             plan_fp8(plan, shapes.n_layer, shapes.d_model, shapes.d_ff, self.train.R)
         if self.flex is not None:  # its scratch and plan arrays, at the backward's one shape
@@ -267,6 +285,10 @@ class CudaBackend:
         self._cuda.carry_recorded()
         self._update_pending = False
         self.p, self.g = plan["params"], plan["grads"]
+        self.glp = plan["grads_lp"] if self.grads_lp else 0
+        # the gradients of GRAD_LP_TENSORS are in grads_lp, not in grads (after a step that
+        # wrote them so, until `_settle_glp`)
+        self._glp_live = False
         self.plp = plan["params_lp"] if precision != "fp32" else self.p
         # the kernels' table of the tensors the GEMM copy keeps in rows (0: none; cuDNN, and so
         # the rows, never run in fp32, where the GEMMs read the masters)
@@ -295,7 +317,8 @@ class CudaBackend:
         self._done = [drv.Event(drv.event_flags.DISABLE_TIMING) for _ in range(STEP_SLOTS)]
         self._queued: collections.deque[tuple[int, int]] = collections.deque()
         self._prepared: tuple[int, int] | None = None  # (slot, T)
-        self._update_ranges = self._ranges_by_layer()
+        self._update_ranges = layer_ranges(shapes)
+        self._norm = norm_ranges(shapes, norm_by_kind)  # the gradient norm's ranges
         # Everything starts at zero: rows past a short sequence are then finite (cuDNN's
         # full-length graphs read them; see cudnn_attn.py).
         for group in ("activations", "scratch") + (("flex",) if self.flex is not None else ()):
@@ -308,9 +331,12 @@ class CudaBackend:
         self.seg_start = np.array([t.offset for t in self.table] + [n], dtype=np.int64)
         self.seg_decay = np.array([len(t.shape) == 2 for t in self.table], dtype=np.int32)
         drv.memcpy_htod(plan["seg_start"], self.seg_start)
-        if self.fusions:  # the gradient norm's ranges: the update's (embeddings, each layer)
-            cuts = [begin for begin, _ in self._update_ranges] + [n]
-            drv.memcpy_htod(plan["norm_cuts"], np.array(cuts, dtype=np.int64))
+        if self.fusions:  # the gradient norm's ranges: the update's (embeddings, each layer),
+            # each cut where its gradients' kind changes (grads_lp)
+            drv.memcpy_htod(plan["norm_cuts"], self._norm.cuts)
+            drv.memcpy_htod(plan["norm_kinds"], self._norm.kinds)
+        if self.grads_lp:
+            drv.memcpy_htod(plan["seg_glp"], grads_lp_table(shapes))
         drv.memcpy_htod(plan["seg_decay"], self.seg_decay)
         if self.seg_qkv is not None:
             drv.memcpy_htod(plan["seg_qkv"], self.seg_qkv)
@@ -473,6 +499,9 @@ class CudaBackend:
         drv, n = self.drv, self.n
         for ptr in (self.p, self.g, self.m, self.v):
             drv.memset_d32_async(ptr, 0, n, self.stream)
+        if self.glp:
+            drv.memset_d16_async(self.glp, 0, n, self.stream)
+        self._glp_live = False
         self._params_to_lp()
 
     def _params_to_lp(self) -> None:
@@ -512,9 +541,13 @@ class CudaBackend:
             # as train_step runs at full length (the weight-gradient GEMMs with beta 0): those
             # are the problems to time
             self.ops.overwrite_grads = self.fused_step and self.write_grads
+            self.ops.wgrad_lp = self.ops.overwrite_grads and self.grads_lp
             self._forward(b, T, loss=True, train=True)
             self._backward(b, T)
-            self.ops.overwrite_grads = False
+            if self.ops.wgrad_lp and tune:  # a data-parallel step's float32 weight gradients
+                self.ops.wgrad_lp = False
+                self._backward(b, T)
+            self.ops.overwrite_grads = self.ops.wgrad_lp = False
             self.ops.join()
             s = self.sample
             Ts = self._stage(s, tok[:1, :-1], None, 1.0)
@@ -522,7 +555,7 @@ class CudaBackend:
             self.stream.synchronize()
         finally:
             self.ops.side = side
-            self.ops.overwrite_grads = False
+            self.ops.overwrite_grads = self.ops.wgrad_lp = False
             if self.gemm is not None:
                 self.gemm.tuning = False
                 self.gemm.timer = None
@@ -573,10 +606,12 @@ class CudaBackend:
         over = ", dlogits over them" if self.train.dlogits_in_logits else ""
         logits = (f"; logits in {'fp16' if self.precision == 'fp16' else 'bf16'}{over} "
                   f"(ANDREA_LOGITS_LP)" if self.logits_lp else "")
+        glp = ("; the layers' weight gradients in bf16 (ANDREA_GRADS_LP)" if self.grads_lp
+               else "")
         prio = ("; the main stream's kernels before the weight-gradient stream's "
                 "(ANDREA_STREAM_PRIORITY)" if self.priority_on else "")
         return (f"attention {self.attention_info}; GEMMs {gemm}; fusions "
-                f"{'on' if self.fusions else 'off'}{prio}{rows}{resid}{logits}{fp8}")
+                f"{'on' if self.fusions else 'off'}{prio}{rows}{resid}{logits}{glp}{fp8}")
 
     @property
     def fp8_gemms(self) -> list[str]:
@@ -595,6 +630,12 @@ class CudaBackend:
 
     def _g32(self, name: str) -> int:
         return self.g + self.off[name] * 4
+
+    def _gw(self, name: str) -> int:
+        """Where the backward writes a layer matrix's weight gradient: grads_lp (the compute
+        precision, the flat layout of grads) in a step that keeps them there (Ops.wgrad_lp),
+        else the float32 buffer."""
+        return self.glp + self.off[name] * self.es if self.ops.wgrad_lp else self._g32(name)
 
     # --- the model --------------------------------------------------------------------------------
     def _attention_fwd(self, b: BatchBuffers, a: dict[str, int], T: int) -> None:
@@ -733,7 +774,7 @@ class CudaBackend:
             st1, st2 = a["ln1_stats"], a["ln2_stats"]
             # x[l+1] = xmid + mlp(ln2(xmid)); cur holds d x[l+1]
             mlp = (cur, a["ln2"], self._w(h + "mlp.W_1"), self._w(h + "mlp.W_2"), a["pre"],
-                   a["act"], dln, self._g32(h + "mlp.W_1"), self._g32(h + "mlp.W_2"),
+                   a["act"], dln, self._gw(h + "mlp.W_1"), self._gw(h + "mlp.W_2"),
                    dpre[l % 2])
             if self.fp8_mlp is not None:
                 self.fp8_mlp.backward(l, *mlp, R)
@@ -744,7 +785,7 @@ class CudaBackend:
                             resid=cur, fused=fln)
             # xmid = x[l] + attn(ln1(x[l])); nxt holds d xmid
             o.attn_out_bwd(nxt, a["att"], self._w(h + "attn.W_O"), datt,
-                           self._g32(h + "attn.W_O"), R, d)
+                           self._gw(h + "attn.W_O"), R, d)
             dq = dqkv[l % 2]
             if self.attention == "cudnn":
                 if R < b.R:  # the full-length graph: rows past T must add nothing (dO = 0)
@@ -755,10 +796,10 @@ class CudaBackend:
                 o.attn_bwd(datt, a["qkv"], a["probs"], H, dq, b.at("scores"), B, T, d, slab)
             if self.qkv_rows:
                 o.attn_qkv_bwd_rows(dq, a["ln1"], self._w(h + "attn.W_Q"), dln,
-                                    self._g32(h + "attn.W_Q"), R, d)
+                                    self._gw(h + "attn.W_Q"), R, d)
             else:
                 o.attn_qkv_bwd(dq, a["ln1"], self._w(h + "attn.W_Q"), dln,
-                               self._g32(h + "attn.W_Q"), R, d, slab)
+                               self._gw(h + "attn.W_Q"), R, d, slab)
             o.layernorm_bwd(dln, b.at("x", l), self._p32(h + "ln1.gamma"), st1, st1 + R * 4,
                             cur, self._g32(h + "ln1.gamma"), part, R, d, accumulate=True,
                             resid=nxt, fused=fln)
@@ -861,6 +902,7 @@ class CudaBackend:
     def forward_backward(self, inputs: np.ndarray, targets: np.ndarray,
                          loss_scale: float = 1.0, separate: bool = False) -> np.ndarray:
         self._settle_update()
+        self._settle_glp()  # the float32 buffer whole before it is added to
         if separate:
             # This micro-batch's gradient on its own, then one add (see the interface).
             if not self.separate_micro:
@@ -878,6 +920,7 @@ class CudaBackend:
         """(device pointer, float32 count, stream) of the live gradient buffer, every deferred
         scale settled: what a data-parallel all-reduce sums in place, on this stream."""
         self._settle_update()
+        self._settle_glp()
         self._settle_scale()
         return self.g, self.n, self.stream
 
@@ -950,13 +993,18 @@ class CudaBackend:
         # beta 0, the LayerNorm and position sums stored): no zeroing pass over the 4·n bytes.
         # A shorter sequence leaves position rows unwritten: zero, then add, as usual.
         write = T == self.S and self.write_grads
+        # ... and with grads_lp, on one rank, the layers' weight gradients into grads_lp
+        lp = self.grads_lp and write and reducer is None
         if reducer is not None or not write:
             # the gradients are summed eagerly before a data-parallel capture, or zeroed first:
             # the update still pending (it reads them) goes before, on its own
             self._settle_update()
+            self._glp_live = False  # float32 gradients, written or zeroed whole by this step
         pending = self._update_pending  # the step ahead left its update to this graph
+        # (a deferred update is a step's with `write` on one rank: its gradients' kind is lp's)
+        assert not pending or self._glp_live == lp
         defer = self.defer_update and reducer is None and write
-        key = ("step" if reducer is None else "step-ddp", T, pending, defer)
+        key = ("step" if reducer is None else "step-ddp", T, pending, defer, lp)
         if reducer is not None:
             self._ready_to_reduce(reducer, key)
         buckets = self.grad_buckets()
@@ -968,7 +1016,7 @@ class CudaBackend:
 
         def norm_range(i: int) -> None:  # bucket i complete: its range's share of the norm
             L = self.shapes.n_layer  # (beside the backward, after the side's gradient work)
-            self._norm_ranges(L - i if i < L else 0, 1, side=True)
+            self._norm_ranges(*self._norm.groups[L - i if i < L else 0], side=True, lp=lp)
 
         def issue() -> None:
             o = self.ops
@@ -981,20 +1029,21 @@ class CudaBackend:
                 self._update_pending = False  # applied now: a failure below must not repeat it
             if not write:
                 self.drv.memset_d32_async(self.g, 0, self.n, self.stream)
-            o.overwrite_grads = write
+            o.overwrite_grads, o.wgrad_lp = write, lp
             try:
                 self._forward(b, T, loss=True, train=True, ready=ready)
                 # the gradient norm's partials as the backward completes each range, beside it;
                 # data parallel: after the all-reduce, at the end
                 self._backward(b, T, reduce_bucket if reducer is not None else norm_range)
             finally:
-                o.overwrite_grads = False
+                o.overwrite_grads = o.wgrad_lp = False
             o.join()
             if reducer is not None:
                 o.wait_for(self.comm)
-            self._optimizer_tail(b, apply=not defer, partials=reducer is not None)
+            self._optimizer_tail(b, apply=not defer, partials=reducer is not None, lp=lp)
 
         self._run(key, issue)
+        self._glp_live = lp
         self._update_pending = defer
         self._copy_results(self.h_res[slot], T)
         self._done[slot].record(self.stream)
@@ -1029,13 +1078,15 @@ class CudaBackend:
         """The end of `train_step` on the gradients accumulated since `zero_grads` (after
         several micro-batches, or a data-parallel all-reduce outside the step): grads·grad_mult
         → norm → clip and AdamW when finite, on the device, in one graph, with train_step's
-        very kernels and bits. Returns (the norm, the clip factor used)."""
+        very kernels, and its bits where train_step keeps float32 gradients (not with
+        `grads_lp`). Returns (the norm, the clip factor used)."""
         if not self.fused_step:
             raise RunError("optimizer_step needs the fused step (fusions on)")
         if t < 1:
             raise ValueError(f"optimizer_step: t is the 1-based Adam step, got {t}")
         b = self.train
         self._settle_update()
+        self._settle_glp()
         self._settle_scale()
         h = self.h_io[b.p]
         b.stage_hp(h, self._hp(grad_mult, lr, beta1, beta2, eps, weight_decay, t, max_norm))
@@ -1060,70 +1111,80 @@ class CudaBackend:
                 "bc2_alt": 1.0 - beta2**alt, "alt_if_skipped": 1.0 if behind else 0.0}
 
     def _norm_ranges(self, first: int, count: int, side: bool = False, gs: float = 1.0,
-                     staged: bool = True) -> None:
-        """The gradient norm's partials of ranges first .. first + count - 1 (the update's:
-        embeddings, then each layer), scaled by the training buffers' staged grad_mult
-        (staged) or by gs."""
+                     staged: bool = True, lp: bool = False) -> None:
+        """The gradient norm's partials of its ranges first .. first + count - 1 (buffers.
+        norm_ranges: the update's, embeddings then each layer, cut where the kind changes),
+        scaled by the training buffers' staged grad_mult (staged) or by gs; lp: the layers'
+        weight gradients read from grads_lp."""
         gm = self.train.io()["hp"] + 4 * HP_FIELDS.index("grad_mult") if staged else 0
+        glp = {"grads_lp": self.glp, "kinds": self._plan["norm_kinds"]} if lp else {}
         self.ops.grad_norm_ranges(self.g, self._plan["norm_cuts"], first, count,
-                                  self._plan["norm_partials"], gs=gs, gs_dev=gm, side=side)
+                                  self._plan["norm_partials"], gs=gs, gs_dev=gm, side=side,
+                                  **glp)
 
     def _norm_final(self) -> None:
         self.ops.grad_norm_final(self._plan["norm_partials"], self._plan["norm"],
-                                 NORM_RANGE_BLOCKS * len(self._update_ranges))
+                                 NORM_RANGE_BLOCKS * len(self._norm))
 
-    def _optimizer_tail(self, b: BatchBuffers, apply: bool = True, partials: bool = True) -> None:
+    def _optimizer_tail(self, b: BatchBuffers, apply: bool = True, partials: bool = True,
+                        lp: bool = False) -> None:
         """grads·grad_mult → norm → clip (or skip) → AdamW, reading the hyper-parameters staged
         in b's io block; the norm and the clip factor stay in the plan's `norm` and `clip`, and
         the update's values in `update`. apply False: the update is left pending. partials
-        False: the norm's partials are already there (the backward queued them)."""
+        False: the norm's partials are already there (the backward queued them). lp: the
+        layers' weight gradients are in grads_lp."""
         o, io = self.ops, b.io()
         norm = self._plan["norm"]
         if partials:
-            self._norm_ranges(0, len(self._update_ranges))
+            self._norm_ranges(0, len(self._norm), lp=lp)
         self._norm_final()
         o.step_clip(self._plan["update"], io["hp"], norm, self._plan["clip"],
                     self._plan["skipped"])
         if apply:
-            self._adamw_range(0, self.n)
+            self._adamw_range(0, self.n, lp=lp)
 
-    def _adamw_range(self, begin: int, end: int, stream: Any = None) -> None:
-        lp = self.plp if self.precision != "fp32" else 0
-        self.ops.adamw_step(self.p, lp, self.g, self.m, self.v, self._plan["seg_start"],
+    def _adamw_range(self, begin: int, end: int, stream: Any = None, lp: bool = False) -> None:
+        """The step's AdamW (k_step_clip's record) over [begin, end); lp: the layers' weight
+        gradients read from grads_lp."""
+        plp = self.plp if self.precision != "fp32" else 0
+        glp = {"grads_lp": self.glp, "seg_glp": self._plan["seg_glp"]} if lp else {}
+        self.ops.adamw_step(self.p, plp, self.g, self.m, self.v, self._plan["seg_start"],
                             self._plan["seg_decay"], self.nseg, begin, end,
-                            self._plan["update"], stream=stream, **self._lp_rows())
-
-    def _ranges_by_layer(self) -> list[tuple[int, int]]:
-        """The flat parameters cut where each layer's begin (rounded up to a 16-byte float
-        group): the embeddings, then layer 0 .. L-1, the last with the final LayerNorm. A
-        layer's few elements before its cut are in the range before it, applied earlier."""
-        L, n = self.shapes.n_layer, self.n
-        cuts = [0] + [min(n, -(-self.off[f"h.{l}.ln1.gamma"] // 4) * 4) for l in range(L)]
-        return [(a, b) for a, b in zip(cuts, [*cuts[1:], n], strict=True)]
+                            self._plan["update"], stream=stream, **self._lp_rows(), **glp)
 
     def _apply_update(self, beside: bool) -> Callable[[int], None] | None:
         """Queue the pending update (k_step_clip's record). beside: the layers' ranges on the
         weight-gradient stream, returning the `ready` of `_forward` (layer l's forward waits for
         its range); else one launch on the main stream. Same bits either way."""
-        o = self.ops
+        o, lp = self.ops, self._glp_live  # where the pending step left its gradients
         if not beside or o.side is None:
-            self._adamw_range(0, self.n)
+            self._adamw_range(0, self.n, lp=lp)
             return None
         o._to_side()
         done = []
         for begin, end in self._update_ranges[1:]:
-            self._adamw_range(begin, end, stream=o.side)
+            self._adamw_range(begin, end, stream=o.side, lp=lp)
             ev = o._event()
             ev.record(o.side)
             done.append(ev)
-        self._adamw_range(*self._update_ranges[0])  # the embeddings, read first
+        self._adamw_range(*self._update_ranges[0], lp=lp)  # the embeddings, read first
         return lambda l: self.stream.wait_for_event(done[min(l, len(done) - 1)])
 
     def _settle_update(self) -> None:
         """Apply a step's pending update now (before the state is read or used)."""
         if self._update_pending:
-            self._run(("update", 0), lambda: self._apply_update(beside=False))
+            self._run(("update", self._glp_live), lambda: self._apply_update(beside=False))
             self._update_pending = False
+
+    def _settle_glp(self) -> None:
+        """The layers' weight gradients a step left in grads_lp written into the float32
+        buffer (exact), before anything else reads or adds to it: read_grads, the host-driven
+        norm and AdamW, accumulation, an all-reduce see the very gradients the step used.
+        After `_settle_update` (the update pending reads grads_lp)."""
+        if self._glp_live:
+            self.ops.grads_from_lp(self.g, self.glp, self._plan["norm_cuts"],
+                                   self._plan["norm_kinds"], len(self._norm))
+            self._glp_live = False
 
     def _ready_to_reduce(self, reducer: Any, key: tuple[Any, ...]) -> None:
         """Before the data-parallel step's graph is captured: the all-reduce stream, events for
@@ -1213,6 +1274,7 @@ class CudaBackend:
 
     def read_grads(self) -> np.ndarray:
         self._settle_update()
+        self._settle_glp()
         self._settle_scale()
         return self._get(self.g)
 
@@ -1232,6 +1294,7 @@ class CudaBackend:
         self._settle_update()
         self.drv.memset_d32_async(self.g, 0, self.n, self.stream)
         self._pending_scale = 1.0
+        self._glp_live = False
 
     def _settle_scale(self) -> None:
         if self._pending_scale != 1.0:
@@ -1246,6 +1309,7 @@ class CudaBackend:
         g·s to float exactly as a separate pass would have stored it (same bits). A second
         scale while one is pending settles the first, so s1 then s2 stays fl(fl(g·s1)·s2)."""
         self._settle_update()
+        self._settle_glp()
         if float(s) == 1.0:
             return
         self._settle_scale()
@@ -1253,9 +1317,10 @@ class CudaBackend:
 
     def grad_norm(self) -> float:
         self._settle_update()
+        self._settle_glp()
         partials, norm = self._plan["norm_partials"], self._plan["norm"]
         if self.fusions:
-            self._norm_ranges(0, len(self._update_ranges), gs=self._pending_scale, staged=False)
+            self._norm_ranges(0, len(self._norm), gs=self._pending_scale, staged=False)
             self._norm_final()
         else:
             self.ops.grad_norm_partial(self.g, self.n, partials, self._pending_scale)
@@ -1267,6 +1332,7 @@ class CudaBackend:
     def adamw(self, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
               t: int) -> None:
         self._settle_update()
+        self._settle_glp()
         lp = self.plp if self.precision != "fp32" else 0
         self.ops.adamw(self.p, lp, self.g, self.m, self.v, self._plan["seg_start"],
                        self._plan["seg_decay"], self.nseg, self.n, float(lr), float(beta1),

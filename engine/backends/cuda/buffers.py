@@ -240,9 +240,84 @@ def lp_positions(seg_start: np.ndarray, seg_qkv: np.ndarray, d: int) -> np.ndarr
     return pos
 
 
+# The tensors whose gradients the fused bf16 step keeps in the compute precision (`grads_lp`,
+# CudaBackend.grads_lp): each layer's weight matrices, which only their weight-gradient GEMMs
+# write. The embeddings (wte's sum of the LM head's GEMM and the embedding's scatter) and the
+# LayerNorms' parameters keep float32 gradients.
+GRAD_LP_TENSORS = ("attn.W_Q", "attn.W_K", "attn.W_V", "attn.W_O", "mlp.W_1", "mlp.W_2")
+
+
+def grads_lp_table(shapes: ModelShapes) -> np.ndarray:
+    """The kernels' seg_glp (kernels/optim.cu adamw_body): int32 per tensor of the layout's
+    table, 1 where the tensor's gradient is one of GRAD_LP_TENSORS'."""
+    def in_lp(name: str) -> bool:  # "h.3.attn.W_Q" is layer 3's "attn.W_Q"
+        h, _, rest = name.partition(".")
+        return h == "h" and rest.partition(".")[2] in GRAD_LP_TENSORS
+
+    return np.array([in_lp(t.name) for t in tensor_table(shapes)], np.int32)
+
+
+def layer_ranges(shapes: ModelShapes) -> list[tuple[int, int]]:
+    """The flat parameters cut where each layer begins (rounded up to a 16-byte float group):
+    the embeddings, then layer 0 .. L-1, the last with the final LayerNorm: the ranges the
+    fused step's AdamW runs over, one per layer beside the forward (CudaBackend._apply_update).
+    A layer's few elements before its cut are in the range before it, applied earlier."""
+    off = {t.name: t.offset for t in tensor_table(shapes)}
+    n = n_params(shapes)
+    cuts = [0] + [min(n, -(-off[f"h.{l}.ln1.gamma"] // 4) * 4) for l in range(shapes.n_layer)]
+    return list(zip(cuts, [*cuts[1:], n], strict=True))
+
+
+@dataclass(frozen=True)
+class NormRanges:
+    """The gradient norm's ranges (k_grad_norm_ranges): each of `layer_ranges` cut where the
+    gradient's kind changes. cuts: int64 [ranges + 1]; kinds: int32 [ranges], 1 where the range
+    is read from grads_lp; groups: for each layer range, (first, count) of its norm ranges."""
+
+    cuts: np.ndarray
+    kinds: np.ndarray
+    groups: list[tuple[int, int]]
+
+    def __len__(self) -> int:
+        return len(self.kinds)
+
+
+def norm_ranges(shapes: ModelShapes, grads_lp: bool) -> NormRanges:
+    """The norm's ranges; without grads_lp, one per layer range (kind 0). With it, each layer's
+    [ln1][W_Q .. W_O][ln2][W_1, W_2] are four ranges, kinds 0 1 0 1: every cut must then be a
+    multiple of 4 (the kernels read groups of four), which d_model % 4 == 0 gives."""
+    lp = grads_lp_table(shapes) if grads_lp else np.zeros(len(tensor_table(shapes)), np.int32)
+    table = tensor_table(shapes)
+    cuts: list[int] = []
+    kinds: list[int] = []
+    groups: list[tuple[int, int]] = []
+    for begin, end in layer_ranges(shapes):
+        first = len(kinds)
+        at, kind = begin, None
+        for t, k in zip(table, lp, strict=True):
+            lo, hi = max(t.offset, begin), min(t.offset + t.size, end)
+            if lo >= hi:
+                continue
+            if kind is not None and k != kind:
+                cuts.append(at)
+                kinds.append(kind)
+                at = lo
+            kind = int(k)
+        if kind is not None:
+            cuts.append(at)
+            kinds.append(kind)
+        groups.append((first, len(kinds) - first))
+    cuts.append(n_params(shapes))
+    if grads_lp and any(c % 4 for c in cuts):
+        raise ValueError(f"norm_ranges: grads_lp needs every cut a multiple of 4 "
+                         f"(d_model % 4 == 0), got d_model {shapes.d_model}")
+    return NormRanges(np.array(cuts, np.int64), np.array(kinds, np.int32), groups)
+
+
 def plan_memory(shapes: ModelShapes, micro_batch: int, precision: str,
                 attention: str = "classic", fused: bool = False, cudnn_workspace: int = 0,
-                separate_micro: bool = False, qkv_rows: bool = False, logits_lp: bool = False
+                separate_micro: bool = False, qkv_rows: bool = False, logits_lp: bool = False,
+                grads_lp: bool = False, norm_by_kind: bool | None = None
                 ) -> tuple[Plan, BatchBuffers, BatchBuffers]:
     """The whole memory plan (DESIGN §5), not yet allocated: weights, grads, Adam m and v, the
     training and sampling buffers, and the step's own scratch. Returns (plan, train, sample).
@@ -250,15 +325,26 @@ def plan_memory(shapes: ModelShapes, micro_batch: int, precision: str,
     qkv_rows: Q, K, V side by side in rows (qkv and dqkv then hold [R,3d], same size), and the
     GEMM copy's W_Q, W_K, W_V too, which adds only the kernels' table of them (seg_qkv,
     `qkv_seg_table`); logits_lp: the training buffers' logits in the compute precision
-    (BatchBuffers; the sampling buffer's stay float32, for logits_last)."""
+    (BatchBuffers; the sampling buffer's stay float32, for logits_last); grads_lp: the fused
+    bf16 step's weight gradients in the compute precision (GRAD_LP_TENSORS; `grads_lp`, the
+    flat layout of `grads`, with the optimizer's seg_glp); norm_by_kind (default grads_lp):
+    the norm's ranges cut where the gradients' kind changes (norm_ranges), with their table of
+    kinds."""
     if logits_lp and not fused:  # the unfused k_loss_bwd reads float32 logits
         raise ValueError("plan_memory: logits_lp needs the fused path")
+    if grads_lp and not (fused and precision == "bf16"):
+        raise ValueError("plan_memory: grads_lp needs the fused path in bf16")
+    norm_by_kind = grads_lp if norm_by_kind is None else norm_by_kind
+    if grads_lp and not norm_by_kind:
+        raise ValueError("plan_memory: grads_lp reads the norm's ranges by kind")
     n, es, ldv = n_params(shapes), ACT_BYTES[precision], logits_ld(shapes.vocab_size)
     plan = Plan()
     plan.add("weights", "params", n * 4)
     if precision != "fp32":
         plan.add("weights", "params_lp", n * es)
     plan.add("grads", "grads", n * 4)
+    if grads_lp:
+        plan.add("grads", "grads_lp", n * es)
     if separate_micro:  # the sum so far, while a micro-batch forms its own gradient
         plan.add("grads", "grads_save", n * 4)
     plan.add("adam_m", "m", n * 4)
@@ -270,14 +356,16 @@ def plan_memory(shapes: ModelShapes, micro_batch: int, precision: str,
     sample.plan(plan)
     nseg = len(tensor_table(shapes))
     # the norm's partials: k_grad_norm_partial's, or (fused) k_grad_norm_ranges' over the
-    # embeddings and each layer (norm_cuts: the ranges' bounds, CudaBackend._ranges_by_layer)
-    ranges = shapes.n_layer + 1
+    # embeddings and each layer (norm_cuts, norm_kinds: norm_ranges)
+    ranges = len(norm_ranges(shapes, norm_by_kind)) if fused else 0
     partials = max(NORM_BLOCKS, NORM_RANGE_BLOCKS * ranges) if fused else NORM_BLOCKS
     for name, nbytes in (("cublas_ws", WORKSPACE_BYTES), ("norm_partials", partials * 4),
                          ("norm", 4), ("seg_start", (nseg + 1) * 8), ("seg_decay", nseg * 4)):
         plan.add("scratch", name, nbytes)
     if qkv_rows:
         plan.add("scratch", "seg_qkv", nseg * 4)
+    if grads_lp:
+        plan.add("scratch", "seg_glp", nseg * 4)
     if attention == "cudnn":
         plan.add("scratch", "cudnn_ws", cudnn_workspace)
     if fused:  # the weight-gradient stream's cuBLAS workspace; the norm's ranges; clip;
@@ -285,6 +373,7 @@ def plan_memory(shapes: ModelShapes, micro_batch: int, precision: str,
         # the last step's update as k_step_clip decided it (k_adamw_step reads it)
         plan.add("scratch", "cublas_ws2", WORKSPACE_BYTES)
         plan.add("scratch", "norm_cuts", (ranges + 1) * 8)
+        plan.add("scratch", "norm_kinds", ranges * 4)
         plan.add("scratch", "clip", 4)
         plan.add("scratch", "skipped", 4)
         plan.add("scratch", "update", UPD_WORDS * 4)
