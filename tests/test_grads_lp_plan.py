@@ -16,6 +16,7 @@ from engine.backends.cuda.buffers import (
 )
 from engine.backends.cuda.ops import NORM_RANGE_BLOCKS, Ops
 from engine.model.layout import ModelShapes, n_params, tensor_table
+from tests.test_cuda_buffers import _FakeDrv
 
 M120 = ModelShapes(n_layer=12, d_model=768, n_head=12, d_ff=3072, vocab_size=8449, seq_len=1024)
 TINY = ModelShapes(n_layer=3, d_model=128, n_head=4, d_ff=512, vocab_size=8449, seq_len=64)
@@ -23,19 +24,9 @@ ODD = ModelShapes(n_layer=3, d_model=24, n_head=3, d_ff=40, vocab_size=97, seq_l
 ODD_D = ModelShapes(n_layer=2, d_model=3, n_head=3, d_ff=5, vocab_size=11, seq_len=5)
 
 
-class _FakeDrv:
-    """Allocations at made-up addresses, 1 GiB apart (the plan's arithmetic only)."""
-
-    def __init__(self) -> None:
-        self.next = 1 << 30
-
-    def mem_alloc(self, size: int) -> int:
-        self.next += 1 << 30
-        return self.next
-
-
-def _kind_of_each_element(s: ModelShapes) -> np.ndarray:
-    """1 for every element of a layer's weight matrix, 0 elsewhere, by the tensor names."""
+def kind_of_each_element(s: ModelShapes) -> np.ndarray:
+    """1 for every element of a layer's weight matrix, 0 elsewhere, from the tensor names (not
+    through buffers.grads_lp_table: the tests' own reading of GRAD_LP_TENSORS)."""
     out = np.zeros(n_params(s), np.int32)
     for t in tensor_table(s):
         h, _, rest = t.name.partition(".")
@@ -70,7 +61,7 @@ def test_the_norm_ranges_partition_the_buffer_by_layer_and_kind(shapes, lp):
         at += count
     assert at == len(r)
     # every element of a range has the range's kind
-    want = _kind_of_each_element(shapes) if lp else np.zeros(n, np.int32)
+    want = kind_of_each_element(shapes) if lp else np.zeros(n, np.int32)
     for k in range(len(r)):
         assert np.all(want[r.cuts[k] : r.cuts[k + 1]] == r.kinds[k])
     if not lp:  # one range a layer: the partials as before the grads_lp table

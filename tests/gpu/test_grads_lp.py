@@ -12,23 +12,14 @@ import numpy as np
 import pytest
 from devarrays import DevArrays, rounded
 
-from engine.backends.cuda.buffers import GRAD_LP_TENSORS
-from engine.model.layout import ModelShapes, init_params, tensor_table
+from engine.model.layout import ModelShapes, init_params
+from tests.test_grads_lp_plan import kind_of_each_element
 
 pytestmark = pytest.mark.gpu
 
 SHAPES = ModelShapes(n_layer=2, d_model=128, n_head=2, d_ff=512, vocab_size=8449, seq_len=64)
 HP = {"loss_scale": 1.0, "lr": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8,
       "weight_decay": 0.1, "max_norm": 1.0}
-
-
-def _matrix_mask() -> np.ndarray:
-    mask = np.zeros(sum(t.size for t in tensor_table(SHAPES)), bool)
-    for t in tensor_table(SHAPES):
-        h, _, rest = t.name.partition(".")
-        if h == "h" and rest.split(".", 1)[1] in GRAD_LP_TENSORS:
-            mask[t.offset : t.offset + t.size] = True
-    return mask
 
 
 def _backend(monkeypatch: pytest.MonkeyPatch, on: bool):
@@ -55,7 +46,7 @@ def test_the_step_reads_the_bf16_gradients_it_wrote(monkeypatch: pytest.MonkeyPa
     update: Adam's first step is about lr·sign(g), so the weights after it agree closely (AdamW
     read each gradient at its own place)."""
     x = _tokens(1)[0]
-    mask = _matrix_mask()
+    mask = kind_of_each_element(SHAPES).astype(bool)
     out = {}
     for on in (True, False):
         bk = _backend(monkeypatch, on)

@@ -282,12 +282,12 @@ class NormRanges:
         return len(self.kinds)
 
 
-def norm_ranges(shapes: ModelShapes, grads_lp: bool) -> NormRanges:
-    """The norm's ranges; without grads_lp, one per layer range (kind 0). With it, each layer's
+def norm_ranges(shapes: ModelShapes, by_kind: bool) -> NormRanges:
+    """The norm's ranges; without by_kind, one per layer range (kind 0). With it, each layer's
     [ln1][W_Q .. W_O][ln2][W_1, W_2] are four ranges, kinds 0 1 0 1: every cut must then be a
     multiple of 4 (the kernels read groups of four), which d_model % 4 == 0 gives."""
-    lp = grads_lp_table(shapes) if grads_lp else np.zeros(len(tensor_table(shapes)), np.int32)
     table = tensor_table(shapes)
+    lp = grads_lp_table(shapes) if by_kind else np.zeros(len(table), np.int32)
     cuts: list[int] = []
     kinds: list[int] = []
     groups: list[tuple[int, int]] = []
@@ -308,8 +308,8 @@ def norm_ranges(shapes: ModelShapes, grads_lp: bool) -> NormRanges:
             kinds.append(kind)
         groups.append((first, len(kinds) - first))
     cuts.append(n_params(shapes))
-    if grads_lp and any(c % 4 for c in cuts):
-        raise ValueError(f"norm_ranges: grads_lp needs every cut a multiple of 4 "
+    if by_kind and any(c % 4 for c in cuts):
+        raise ValueError(f"norm_ranges: by kind needs every cut a multiple of 4 "
                          f"(d_model % 4 == 0), got d_model {shapes.d_model}")
     return NormRanges(np.array(cuts, np.int64), np.array(kinds, np.int32), groups)
 
