@@ -50,7 +50,7 @@ class LinePanel(Widget):
             text = Text(text)
         lines = text.split("\n", allow_blank=True)
         keys = [(ln.plain, tuple(ln.spans), str(ln.style)) for ln in lines]
-        if len(keys) != len(self._keys):
+        if len(keys) != len(self._keys) or not self.is_attached:  # detached: laid out on mount
             self._keys = keys
             self._lines = [self._content(ln) for ln in lines]
             self._rows = [None] * len(lines)

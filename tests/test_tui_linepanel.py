@@ -134,3 +134,25 @@ def test_selected_text_is_drawn_and_copied_as_a_static_does() -> None:
                 await pilot.pause()
 
     asyncio.run(go())
+
+
+def test_a_panel_off_the_screen_takes_updates_and_draws_them_once_back() -> None:
+    """A timer can redraw the dashboard while the app tears its screens down (seen under load:
+    Textual's NoScreen from the text-selection lookup). Off the screen an update keeps the text;
+    mounted again, the panel draws the last one."""
+    async def go() -> None:
+        app = Pair()
+        async with app.run_test(size=(40, 30)) as pilot:
+            lp, st = app.query_one("#lp", LinePanel), app.query_one("#st", Static)
+            lp.update(sample(1))
+            await pilot.pause()
+            await lp.remove()
+            for n in (2, 3):  # same line count: the row-by-row path, which asks for the screen
+                lp.update(sample(n))
+            await app.mount(lp, before=st)
+            st.update(sample(3))
+            await pilot.pause()
+            assert rows(app, "lp") == rows(app, "st")
+            assert "step 3" in rows(app, "lp")[1]
+
+    asyncio.run(go())
