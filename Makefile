@@ -20,7 +20,7 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --numprocesses=auto --maxprocesses=4
 
 nvcc-check:
 	scripts/nvcc-check

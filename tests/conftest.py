@@ -13,6 +13,11 @@ from typing import Any
 
 import pytest
 
+# The suite runs engines side by side (pytest-xdist, `make test`). OpenBLAS's worker threads spin
+# while they wait, so on a 2-core machine two engines of 2 threads each spent the CPU waiting on
+# each other: one thread per process (set before numpy loads; engine processes inherit it).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "experiments" / "ANDREA-tiny-TRAIN.json"
 # The built-in data lives where `make run` puts it, so tests and the demo prepare it once.
