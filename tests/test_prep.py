@@ -103,6 +103,8 @@ def test_shard_is_documents_encoded_and_separated_by_eot(prepared):
 def test_second_run_skips_everything(prepared):
     cfg, result, _ = prepared
     mtimes = {p: os.stat(p).st_mtime_ns for p in result.shard_paths.values()}
+    manifest = Path(cfg.data.dir) / "manifest.json"
+    before = os.stat(manifest)
     log = []
     again = prepare(cfg, progress=lambda e: log.append(e.message))
     assert not again.trained_tokenizer
@@ -110,6 +112,8 @@ def test_second_run_skips_everything(prepared):
     assert again.tokenizer_sha == result.tokenizer_sha and again.tokens == result.tokens
     assert {p: os.stat(p).st_mtime_ns for p in again.shard_paths.values()} == mtimes
     assert sum("skipped" in m for m in log) == 4  # tokenizer + 3 sources
+    after = os.stat(manifest)  # not rewritten: the same file (os.replace gives a new inode)
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
 
 
 def test_changed_source_is_re_encoded_alone_and_damaged_shard_rebuilt(corpus, tmp_path):

@@ -316,7 +316,7 @@ def test_resume_keeps_the_runs_max_steps(tmp_path: Path, write_config) -> None:
 @pytest.mark.slow
 def test_resume_refuses_when_the_data_changed(tmp_path: Path, prepared_data: Path) -> None:
     data = tmp_path / "data"
-    shutil.copytree(prepared_data, data)
+    shutil.copytree(prepared_data, data, ignore=shutil.ignore_patterns(".*"))  # no lock, no temp files
     text = tmp_path / "mine.txt"
     text.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog\n"
                             for i in range(400)))

@@ -22,7 +22,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory, prepared_data: Path) -> Pa
     """A run directory with one final checkpoint, trained on its own copy of the data (so a
     test may take the tokenizer away)."""
     root = tmp_path_factory.mktemp("sample")
-    shutil.copytree(DATA_DIR, root / "data")
+    shutil.copytree(DATA_DIR, root / "data", ignore=shutil.ignore_patterns(".*"))  # no lock, no temp files
     cfg = micro_config_dict(max_steps=3)
     cfg["data"]["dir"] = str(root / "data")
     (root / "cfg.json").write_text(json.dumps(cfg))

@@ -111,8 +111,16 @@ def _read_manifest(path: Path) -> dict:
 
 
 def _write_manifest(path: Path, manifest: dict) -> None:
+    """Replace the manifest atomically, and only when it changed: every engine start prepares,
+    and a rewrite of an up-to-date directory would swap files under whoever copies or reads it."""
+    text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
+    try:
+        if path.read_text(encoding="utf-8") == text:
+            return
+    except (OSError, UnicodeDecodeError):
+        pass  # missing or unreadable: written below
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")  # unique: preps may overlap
-    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
 
 
