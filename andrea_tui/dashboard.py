@@ -179,6 +179,8 @@ class DashboardView:
     def redraw_charts_if_due(self) -> None:
         """The chart timer: redraw when the dashboard shows, the data moved and the CPU budget
         allows."""
+        if not self.app.screen_stack:
+            return  # torn down: Textual stops the timers after it has removed the screens
         top = self.app.screen
         if top is not self.screen and not top.is_modal:
             return  # the dashboard is covered: nothing to draw until it is shown again

@@ -54,6 +54,7 @@ class LinePanel(Widget):
             self._keys = keys
             self._lines = [self._content(ln) for ln in lines]
             self._rows = [None] * len(lines)
+            self._selected_rows = None
             self.refresh(layout=True)
             return
         changed = [i for i, (a, b) in enumerate(zip(self._keys, keys, strict=True)) if a != b]

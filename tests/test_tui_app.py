@@ -509,3 +509,20 @@ def test_small_terminal_keeps_charts_and_side_panels(tmp_path: Path, size) -> No
             assert "loss" in screen_text(app)
 
     run(go())
+
+
+def test_timers_firing_after_the_screens_are_gone_do_nothing(tmp_path: Path) -> None:
+    """Textual stops an app's timers after it has removed its screens, so under load a control
+    tick or a chart redraw can run with no screen left (it raised ScreenStackError/NoScreen)."""
+    paths = write_run(tmp_path / "run", 30, status="running")
+    app = AndreaApp(paths.root)
+
+    async def go() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            while not app.history_loaded:
+                await pilot.pause(0.05)
+        assert not app.screen_stack
+        app.view.redraw_charts_if_due()
+        app._tick()
+
+    asyncio.run(go())

@@ -130,6 +130,13 @@ def test_selected_text_is_drawn_and_copied_as_a_static_does() -> None:
                 await pilot.pause()
                 assert [lp.render_line(y) for y in range(lp.size.height)] == \
                     [st.render_line(y) for y in range(st.size.height)], mine
+                longer = sample(9)
+                longer.append("\none line more")  # the line count changes while selected
+                lp.update(longer)
+                st.update(longer)
+                await pilot.pause()
+                assert [lp.render_line(y) for y in range(lp.size.height)] == \
+                    [st.render_line(y) for y in range(st.size.height)], mine
                 app.screen.selections = {}
                 await pilot.pause()
 
