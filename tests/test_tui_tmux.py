@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -43,8 +44,16 @@ def tiny_config(tmp: Path) -> Path:
     return path
 
 
+# A tmux server of this test process's own: a session's shell gets the environment of the
+# process that started the server, so a shared one (the developer's, another test worker's)
+# would hand over its own XDG_CONFIG_HOME and settings. The server ends with the test that
+# started it: the next test starts one again with its own environment.
+TMUX_SOCKET = Path(tempfile.gettempdir()) / f"andrea-test-tmux-{os.getpid()}"
+TMUX = ["tmux", "-S", str(TMUX_SOCKET)]
+
+
 def tmux(*args: str) -> str:
-    return subprocess.run(["tmux", *args], capture_output=True, text=True, check=False,
+    return subprocess.run([*TMUX, *args], capture_output=True, text=True, check=False,
                           timeout=10).stdout
 
 
@@ -74,12 +83,13 @@ def checkpoints(run_dir: Path, reason: str) -> list[dict]:
 def session():
     name = f"andrea-test-{os.getpid()}"
     yield name
-    tmux("kill-session", "-t", name)
+    tmux("kill-server")
+    TMUX_SOCKET.unlink(missing_ok=True)  # tmux leaves it behind
 
 
 def start_tmux(session: str, command: str) -> None:
     env = f"cd {ROOT} && unset COLUMNS LINES; PYTHONPATH={ROOT} TERM=xterm-256color "
-    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "140", "-y", "45",
+    subprocess.run([*TMUX, "new-session", "-d", "-s", session, "-x", "140", "-y", "45",
                     env + command], check=True, timeout=10)
 
 
@@ -167,7 +177,7 @@ def test_resize_and_alert_in_tmux(tmp_path: Path, session: str) -> None:
     try:
         # Started at another size: a first resize that changes nothing sends no SIGWINCH, and
         # tmux may size a new pane only after its program has read the size.
-        subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "100", "-y", "30",
+        subprocess.run([*TMUX, "new-session", "-d", "-s", session, "-x", "100", "-y", "30",
                         f"cd {ROOT} && unset COLUMNS LINES; PYTHONPATH={ROOT} TERM=xterm-256color "
                         f"XDG_CONFIG_HOME={tmp_path} {PY} -m andrea_tui.cli attach {run_dir}; "
                         "sleep 60"], check=True, timeout=10)
