@@ -255,8 +255,6 @@ class AndreaApp(App[str]):
 
     def _tick(self) -> None:
         """The control tick: read every file, check the engine, follow a stop to its end."""
-        if not self.screen_stack:
-            return  # torn down: Textual stops the timers after it has removed the screens
         sup = self.supervisor
         self.pacer.poll_all()
         self._check_engine()

@@ -512,8 +512,9 @@ def test_small_terminal_keeps_charts_and_side_panels(tmp_path: Path, size) -> No
 
 
 def test_timers_firing_after_the_screens_are_gone_do_nothing(tmp_path: Path) -> None:
-    """Textual stops an app's timers after it has removed its screens, so under load a control
-    tick or a chart redraw can run with no screen left (it raised ScreenStackError/NoScreen)."""
+    """Textual stops an app's timers after it has removed its screens (a test's teardown), so
+    under load a control tick or a chart redraw can run with no screen left: the chart timer
+    raised ScreenStackError, the tick NoScreen from a LinePanel it redrew."""
     paths = write_run(tmp_path / "run", 30, status="running")
     app = AndreaApp(paths.root)
 

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -44,12 +44,10 @@ def tiny_config(tmp: Path) -> Path:
     return path
 
 
-# A tmux server of this test process's own: a session's shell gets the environment of the
-# process that started the server, so a shared one (the developer's, another test worker's)
-# would hand over its own XDG_CONFIG_HOME and settings. The server ends with the test that
-# started it: the next test starts one again with its own environment.
-TMUX_SOCKET = Path(tempfile.gettempdir()) / f"andrea-test-tmux-{os.getpid()}"
-TMUX = ["tmux", "-S", str(TMUX_SOCKET)]
+# Each test runs its own tmux server (the `session` fixture points TMUX at it): a session's
+# shell gets the environment of the process that started the server, so a shared one (the
+# developer's, another test worker's) would hand over its own XDG_CONFIG_HOME and settings.
+TMUX = ["tmux"]
 
 
 def tmux(*args: str) -> str:
@@ -80,11 +78,13 @@ def checkpoints(run_dir: Path, reason: str) -> list[dict]:
 
 
 @pytest.fixture
-def session():
-    name = f"andrea-test-{os.getpid()}"
-    yield name
+def session(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The tmux session of a test, on a server of its own, ended with the test."""
+    home = Path(tempfile.mkdtemp(prefix="andrea-tmux-", dir="/tmp"))  # a socket path: 107 bytes
+    monkeypatch.setattr(sys.modules[__name__], "TMUX", ["tmux", "-S", str(home / "socket")])
+    yield "andrea-test"
     tmux("kill-server")
-    TMUX_SOCKET.unlink(missing_ok=True)  # tmux leaves it behind
+    shutil.rmtree(home, ignore_errors=True)
 
 
 def start_tmux(session: str, command: str) -> None:

@@ -113,14 +113,15 @@ def _read_manifest(path: Path) -> dict:
 def _write_manifest(path: Path, manifest: dict) -> None:
     """Replace the manifest atomically, and only when it changed: every engine start prepares,
     and a rewrite of an up-to-date directory would swap files under whoever copies or reads it."""
-    text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
+    data = (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode("utf-8")
     try:
-        if path.read_text(encoding="utf-8") == text:
-            return
-    except (OSError, UnicodeDecodeError):
+        with open(path, "rb") as f:  # read no more than the new text: the file may be anything
+            if os.fstat(f.fileno()).st_size == len(data) and f.read(len(data)) == data:
+                return
+    except OSError:
         pass  # missing or unreadable: written below
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")  # unique: preps may overlap
-    tmp.write_text(text, encoding="utf-8")
+    tmp.write_bytes(data)
     os.replace(tmp, path)
 
 
