@@ -16,11 +16,9 @@ from engine.backends.cuda.buffers import (
 )
 from engine.backends.cuda.ops import NORM_RANGE_BLOCKS, Ops
 from engine.model.layout import ModelShapes, n_params, tensor_table
-from tests.test_cuda_buffers import _FakeDrv
+from tests.test_cuda_buffers import M120, ODD, _FakeDrv
 
-M120 = ModelShapes(n_layer=12, d_model=768, n_head=12, d_ff=3072, vocab_size=8449, seq_len=1024)
 TINY = ModelShapes(n_layer=3, d_model=128, n_head=4, d_ff=512, vocab_size=8449, seq_len=64)
-ODD = ModelShapes(n_layer=3, d_model=24, n_head=3, d_ff=40, vocab_size=97, seq_len=7)
 ODD_D = ModelShapes(n_layer=2, d_model=3, n_head=3, d_ff=5, vocab_size=11, seq_len=5)
 
 

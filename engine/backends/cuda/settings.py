@@ -16,9 +16,9 @@ differ from an uninterrupted run). Two kinds:
   residual adds in the GEMM epilogues; off by default), ANDREA_LOGITS_LP (the training logits
   in the compute precision; off where a resumed record predates it), ANDREA_GRADS_LP (the
   layers' weight gradients in bf16 where a bf16 step writes them; off where a resumed record
-  predates it), ANDREA_FLEX_BWD (the flex
-  deterministic attention backward instead of cuDNN's; on for a new run, off where a resumed
-  record predates it, recorded off where it cannot run: flex_attn.py);
+  predates it), ANDREA_FLEX_BWD (the flex deterministic attention backward instead of cuDNN's;
+  on for a new run, off where a resumed record predates it, recorded off where it cannot run:
+  flex_attn.py);
 - counts (`CudaSettings.count`: an integer from 1): ANDREA_ATTN_CHUNK (the classic attention's
   queries per causal chunk, the shapes of its GEMMs).
 
