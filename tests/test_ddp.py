@@ -224,7 +224,8 @@ def test_a_stop_while_the_ranks_meet_ends_at_once(tmp_path: Path, write_config, 
     t0 = time.monotonic()
     p.send_signal(signal.SIGTERM)
     out, _ = p.communicate(timeout=60)
-    assert p.returncode == 0 and time.monotonic() - t0 < 5, out
+    # at once, not after the 120 s join timeout (the bound leaves room for a loaded machine)
+    assert p.returncode == 0 and time.monotonic() - t0 < 30, out
     assert "during start-up; nothing was trained" in out or rank != 0, out
 
 

@@ -121,16 +121,14 @@ def test_sigusr1_snapshot_keeps_training_and_trajectory(straight: dict, tmp_path
 
 
 @pytest.mark.slow
-def test_a_storm_of_100_sigusr1_in_one_second(straight: dict, tmp_path: Path) -> None:
+def test_a_storm_of_100_sigusr1(straight: dict, tmp_path: Path) -> None:
     ref = straight[1]
     run = tmp_path / "run"
     proc = start_engine(ref["cfg"], run)
     wait_for_step(run, 3, proc)
-    t0 = time.monotonic()
     for _ in range(100):
         os.kill(proc.pid, signal.SIGUSR1)  # raises if the engine died
         time.sleep(0.002)
-    assert time.monotonic() - t0 < 1.0
     assert proc.poll() is None, "the engine did not survive the storm"
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 0, out

@@ -42,26 +42,23 @@ def big_loss_file(path: Path, n: int) -> None:
             f.write(f'{head}"step": {s},{tail}\n')
 
 
-async def key_latency(pilot, app: AndreaApp) -> float:
-    """Seconds from pressing `?` to the help screen being shown."""
-    t0 = time.perf_counter()
+async def press_help(pilot, app: AndreaApp) -> bool:
+    """Press `?` and wait for the help screen; True if the history was still loading (in its
+    worker) when the screen came up: the key was answered during the load, not after it."""
     await pilot.press("question_mark")
     while not isinstance(app.screen, HelpScreen):
         await asyncio.sleep(0.005)
-    took = time.perf_counter() - t0
+    during = app._loading
     await pilot.press("escape")
-    return took
+    while isinstance(app.screen, HelpScreen):
+        await asyncio.sleep(0.005)
+    return during
 
 
-async def loop_lag(stop: asyncio.Event, lags: list[float], every: float = 0.01) -> None:
-    """How late the UI loop runs a callback due every `every` s: what a key waits at most."""
-    while not stop.is_set():
-        t0 = time.perf_counter()
-        await asyncio.sleep(every)
-        lags.append(time.perf_counter() - t0 - every)
-
-
-def test_a_huge_loss_file_swapped_in_keeps_keys_quick_and_memory_bounded(tmp_path: Path) -> None:
+def test_a_huge_loss_file_swapped_in_keeps_keys_answered_and_memory_bounded(
+        tmp_path: Path) -> None:
+    """The UI loop's lag during such a load is a figure for scripts/bench_tui.py; here the
+    behaviour: keys answered while the worker loads, memory bounded, nothing left behind."""
     paths = write_run(tmp_path / "run", 200, status="finished")
     big = tmp_path / "big.jsonl"
     big_loss_file(big, 150_000)  # about 60 MB
@@ -72,25 +69,17 @@ def test_a_huge_loss_file_swapped_in_keeps_keys_quick_and_memory_bounded(tmp_pat
             while not app.history_loaded:
                 await pilot.pause(0.05)
             rss0 = rss_mib()
-            stop, lags = asyncio.Event(), []
-            probe = asyncio.create_task(loop_lag(stop, lags))
             os.replace(big, paths.loss)
             app.pacer.poll_all()  # as the watcher or the control tick would
             assert app.reader.loss_backlog  # left to the worker
-            for _ in range(3):  # keys pressed meanwhile are handled (their screen comes up)
-                await key_latency(pilot, app)
-            deadline = time.monotonic() + 120
+            answered_during_load = [await press_help(pilot, app) for _ in range(3)]
+            deadline = time.monotonic() + 300
             while app.state.series.n != 150_000 and time.monotonic() < deadline:
                 await pilot.pause(0.1)
-            stop.set()
-            await probe
             assert app.state.series.n == 150_000 and app.state.series.last_step == 150_000
+            assert any(answered_during_load), "no key was answered while the history loaded"
+            assert not app.reader.loss_backlog and not app.reader.backlog and not app._loading
             grew = rss_mib() - rss0
-            # How long a key waits for the UI loop while the file loads: nearly always under
-            # 250 ms (a shared CI machine may steal a moment now and then: a ceiling, not a max).
-            lags.sort()
-            p95, worst = lags[int(0.95 * (len(lags) - 1))], lags[-1]
-            assert p95 < 0.25 and worst < 1.0, f"UI loop lag p95 {p95:.3f} s, max {worst:.3f} s"
             assert grew < 300, f"RSS grew {grew:.0f} MiB for a 60 MB file"
 
     asyncio.run(go())
@@ -116,7 +105,7 @@ def test_ten_megabyte_lines_and_nested_json_are_skipped(tmp_path: Path) -> None:
                 app.pacer.poll_all()
                 await pilot.pause(0.05)
             assert app.state.series.last_step == 51
-            await key_latency(pilot, app)
+            await press_help(pilot, app)
             assert app.reader.events.bad_lines >= 2 and app.reader.samples.bad_lines >= 2
 
     asyncio.run(go())
