@@ -35,6 +35,7 @@ rule do change ids (so the test can fail).
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Iterator
 from typing import BinaryIO
 
 from engine.errors import UserError
@@ -66,6 +67,30 @@ def split_text(text: str, size: int) -> list[str]:
         start = cut
     pieces.append(text[start:])
     return pieces
+
+
+def split_stream(chunks: Iterable[str], size: int) -> Iterator[str]:
+    """The text that `chunks` make one after the other, in pieces of about `size` characters
+    cut only at safe places (as split_text), never joined whole: beyond the chunks themselves
+    it holds about `size` characters at a time (more only where no safe cut is near). The
+    chunks may be cut anywhere; the pieces may be encoded one by one."""
+    held: list[str] = []
+    n_held = 0
+    want = size  # look for a cut once this much is held
+    for chunk in chunks:
+        for at in range(0, len(chunk), size):
+            piece = chunk if len(chunk) <= size else chunk[at : at + size]
+            held.append(piece)
+            n_held += len(piece)
+            if n_held < want:
+                continue
+            pieces = split_text("".join(held), size)
+            yield from pieces[:-1]
+            rest = pieces[-1]  # its end is not known to be a safe place until more comes
+            held, n_held = [rest], len(rest)
+            want = size if n_held < size else 2 * n_held  # no cut near: wait for twice as much
+    if n_held:
+        yield "".join(held)
 
 
 def next_cut_in_file(f: BinaryIO, pos: int, limit: int, where: str) -> int:

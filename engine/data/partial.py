@@ -111,7 +111,7 @@ class PartialShard:
         if tokens.size and int(tokens.max()) >= self.vocab_size:
             raise ValueError(f"token {int(tokens.max())} out of range for vocab {self.vocab_size}")
         try:
-            self._f.write(tokens.astype("<u2", copy=False).tobytes())
+            self._f.write(memoryview(np.ascontiguousarray(tokens, dtype="<u2")))  # no copy
         except OSError as e:
             raise self._error(e) from None
         w = self.written

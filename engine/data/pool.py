@@ -2,9 +2,10 @@
 back in part order, whatever order the workers finish in.
 
 Each worker loads the tokenizer and the encoder once, then reads and encodes one part at a time:
-its pieces cut to SEGMENT_CHARS at safe places (engine.data.cuts), `<|endoftext|>` after each
-document. At most WINDOW_PER_JOB parts per worker are out or waiting to be written, so memory
-stays bounded however large the source. Workers end with their parent (a kill -9 of prep takes
+its text in segments of SEGMENT_CHARS cut at safe places (engine.data.reader.read_segments),
+`<|endoftext|>` after each document, and gives the memory it freed back to the system. At most
+WINDOW_PER_JOB parts per worker are out or waiting to be written, so memory stays bounded
+however large the source. Workers end with their parent (a kill -9 of prep takes
 them along), ignore Ctrl+C (the parent decides), and a worker that dies is reported, not waited
 for.
 """
@@ -24,15 +25,17 @@ from typing import Any
 
 import numpy as np
 
-from engine.data.cuts import split_text
 from engine.data.encoders import Encoder, make_encoder
 from engine.data.plan import Part
-from engine.data.reader import read_part
+from engine.data.reader import read_segments
 from engine.data.tokenizer import load_tokenizer
 from engine.errors import RunError, UserError
 
 SEGMENT_CHARS = 1 << 16  # text per encode call: HF's per-call memory grows with it
 WINDOW_PER_JOB = 2
+# Tokens go to the parent in messages of at most this many: a message is held twice while it is
+# received (multiprocessing reads it into a buffer, then copies it out), a part's tokens once.
+SEND_TOKENS = 1 << 19
 POLL_S = 0.1
 
 
@@ -53,10 +56,9 @@ def encode_part(encoder: Encoder, eot_id: int, part: Part) -> tuple[np.ndarray, 
     chunks: list[np.ndarray] = []
     eot = np.array([eot_id], dtype=np.uint16)
     docs = 0
-    for text, ends in read_part(part):
-        for segment in split_text(text, SEGMENT_CHARS):
-            if segment:
-                chunks.append(encoder.encode(segment))
+    for segment, ends in read_segments(part, SEGMENT_CHARS):
+        if segment:
+            chunks.append(encoder.encode(segment))
         if ends:
             chunks.append(eot)
             docs += 1
@@ -69,6 +71,15 @@ def die_with_parent() -> None:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def give_back_memory() -> None:
+    """glibc: return the heap's free pages to the system. A long conversation's strings, freed,
+    would otherwise stay in this process's resident memory under the next part's."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):
         pass
 
@@ -105,8 +116,11 @@ def _worker(conn: Connection, parent_pid: int, tok_path: str, vocab_size: int, t
             conn.send(("error", index, f"encoding part {index} failed: "
                        + "".join(traceback.format_exception_only(e)).strip(), "run"))
             continue
-        conn.send(("ok", index, docs, part.nbytes))
-        conn.send_bytes(tokens.tobytes())
+        conn.send(("ok", index, docs, part.nbytes, int(tokens.size)))
+        for lo in range(0, tokens.size, SEND_TOKENS):
+            conn.send_bytes(tokens[lo : lo + SEND_TOKENS])
+        del tokens
+        give_back_memory()
 
 
 class EncoderPool:
@@ -182,8 +196,13 @@ class EncoderPool:
                     raise error
                 done[index] = error
                 return
-            _, index, docs, nbytes = msg
-            tokens = np.frombuffer(conn.recv_bytes(), dtype=np.uint16)
+            _, index, docs, nbytes, n = msg
+            tokens = np.empty(n, dtype=np.uint16)
+            at = 0
+            while at < n:
+                chunk = np.frombuffer(conn.recv_bytes(), dtype=np.uint16)
+                tokens[at : at + chunk.size] = chunk
+                at += chunk.size
         except (EOFError, OSError):
             raise self._died(w, None) from None
         done[index] = PartResult(index, tokens, nbytes, docs)

@@ -5,7 +5,8 @@
   tokenizer's ids, else HF `tokenizers` (engine.data.encoders). Tokens are written in document
   order, so a shard is the same file whatever `--jobs` and whichever encoder.
 - Streaming: no document is ever read whole (a large file is read in PART_BYTES pieces cut at
-  safe places); memory is bounded by the parts in flight, not by the corpus.
+  safe places; of JSONL, one line at a time, engine.data.reader); memory is bounded by the parts
+  in flight and the longest line, not by the corpus.
 - Resumable: a shard is written part by part and committed every COMMIT_S (engine.data.partial);
   a run after an interruption (a stop, kill -9, a full disk) continues where it stopped and says
   so. Temporary files of processes that died are removed at start. One prep at a time per data
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from engine import jsonio
+from engine import infile, jsonio
 from engine.config import Config, SourceConfig, load_config
 from engine.data.encoders import ENCODERS, choose_encoder
 from engine.data.partial import PartialShard
@@ -115,7 +116,8 @@ def _write_manifest(path: Path, manifest: dict) -> None:
     and a rewrite of an up-to-date directory would swap files under whoever copies or reads it."""
     data = (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode("utf-8")
     try:
-        with open(path, "rb") as f:  # read no more than the new text: the file may be anything
+        # read no more than the new text: the file may be anything (a FIFO is not opened)
+        with infile.open_regular(path) as f:
             if os.fstat(f.fileno()).st_size == len(data) and f.read(len(data)) == data:
                 return
     except OSError:

@@ -1,34 +1,70 @@
 """Reading a part (engine.data.plan) as text pieces: the documents of `iter_documents`, cut at
 safe places, with bounded memory.
 
-`read_part` yields (text, ends_document) pairs: encode each text, and put `<|endoftext|>` after
-the pieces that end a document. Errors name the file and the byte, or the line for JSONL.
+`read_segments` is what prep encodes: (text, ends_document) pairs of at most about `size`
+characters, cut only at safe places (engine.data.cuts); encode each and put `<|endoftext|>` after
+those that end a document. A JSONL line is read, decoded and parsed alone, and its conversation
+goes out in segments without ever being joined, so a long conversation costs its encoder process
+about its line in bytes plus twice its text (the line's characters, then the parsed values),
+once, whatever the size of the part: lines of up to MAX_LINE_BYTES, longer ones refused with
+the file and line. `read_part` gives the same text in whole documents (a test's reference).
+Errors name the file and the byte, or the line for JSONL.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import BinaryIO
 
-from engine.data.cuts import MAX_UNCUT_BYTES, next_cut_in_file, next_line_start
+from engine.data.cuts import MAX_UNCUT_BYTES, next_cut_in_file, next_line_start, split_stream
 from engine.data.gutenberg import body_of
 from engine.data.plan import Part, Span
-from engine.data.sources import decode_text, render_conversation
+from engine.data.sources import conversation_pieces, decode_text
 from engine.errors import UserError
 
 Piece = tuple[str, bool]
+Chunks = tuple[Sequence[str], bool]  # a piece's text as strings to take one after the other
+MAX_LINE_BYTES = MAX_UNCUT_BYTES  # one JSONL line (a conversation) is held whole while read
+
+
+def read_segments(part: Part, size: int) -> Iterator[Piece]:
+    """The part's text in pieces of about `size` characters cut at safe places, each with
+    whether it ends a document (the last piece of a document; it may be empty)."""
+    for chunks, ends in _read_chunks(part):
+        if sum(map(len, chunks)) <= size:  # most documents: one piece, as it is
+            yield "".join(chunks), ends
+            continue
+        held: str | None = None
+        for segment in split_stream(chunks, size):
+            if held is not None:
+                yield held, False
+            held = segment
+        del chunks  # not held while the next document is read
+        yield held or "", ends
 
 
 def read_part(part: Part) -> Iterator[Piece]:
+    """The part's text as whole pieces (a document, or the piece of a large one in this part)."""
+    for chunks, ends in _read_chunks(part):
+        yield "".join(chunks), ends
+
+
+def _read_chunks(part: Part) -> Iterator[Chunks]:
     for text in part.texts:
-        yield text, True
+        yield (text,), True
     for span in part.spans:
-        yield from read_span(span)
+        yield from _span_chunks(span)
 
 
 def read_span(span: Span) -> Iterator[Piece]:
+    """The span's text as whole pieces (read_part for one span)."""
+    for chunks, ends in _span_chunks(span):
+        yield "".join(chunks), ends
+
+
+def _span_chunks(span: Span) -> Iterator[Chunks]:
     try:
         f = open(span.path, "rb")
         size = os.fstat(f.fileno()).st_size
@@ -46,13 +82,14 @@ def read_span(span: Span) -> Iterator[Piece]:
             data = f.read()
             body = body_of(data)
             text = decode_text(data[body.start : body.end], span.path, body.start)
+            del data
             if text.strip():
-                yield text, True
+                yield (text,), True
         else:
             yield from _text(f, span)
 
 
-def _text(f: BinaryIO, span: Span) -> Iterator[Piece]:
+def _text(f: BinaryIO, span: Span) -> Iterator[Chunks]:
     first, last = span.lo == span.doc_lo, span.hi == span.doc_hi
     start = span.lo if first else next_cut_in_file(f, span.lo, span.doc_hi, span.path)
     end = span.hi if last else next_cut_in_file(f, span.hi, span.doc_hi, span.path)
@@ -60,29 +97,13 @@ def _text(f: BinaryIO, span: Span) -> Iterator[Piece]:
     text = decode_text(f.read(end - start), span.path, start)
     if first and last and not text.strip():
         return  # a blank document is left out
-    yield text, last
+    yield (text,), last
 
 
-def _jsonl(f: BinaryIO, span: Span) -> Iterator[Piece]:
+def _jsonl(f: BinaryIO, span: Span) -> Iterator[Chunks]:
+    """The conversations of the lines that start in the span, one line in memory at a time."""
     start = next_line_start(f, span.lo, span.size) if span.lo else 0
     end = next_line_start(f, span.hi, span.size) if span.hi < span.size else span.size
-    if end - start > span.hi - span.lo + MAX_UNCUT_BYTES:
-        raise UserError(f"{span.path}:{_line_at(f, start)}: a line longer than "
-                        f"{MAX_UNCUT_BYTES >> 20} MB: expected one conversation per line")
-    f.seek(start)
-    data = f.read(end - start)
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        at = start + e.start
-        raise UserError(
-            f"{span.path}:{_line_at(f, at)}: byte {at}: expected UTF-8 text"
-        ) from None
-    if "\r" in text:
-        text = text.replace("\r\n", "\n").replace("\r", "\n")
-    lines = text.split("\n")
-    if lines and not lines[-1]:
-        lines.pop()  # the text after the last line break
     first_line: list[int] = []  # counted only when an error needs it
 
     def where(i: int) -> str:
@@ -90,23 +111,59 @@ def _jsonl(f: BinaryIO, span: Span) -> Iterator[Piece]:
             first_line.append(_line_at(f, start))
         return f"{span.path}:{first_line[0] + i}"
 
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
+    at, i = start, 0  # the byte and the line (counted from `start`) being read
+    f.seek(start)
+    while at < end:
+        raw = f.readline(min(end - at, MAX_LINE_BYTES + 2))
+        if not raw:
+            break
+        line_at, at = at, at + len(raw)
+        n = len(raw) - raw.endswith(b"\n")
+        n -= raw.endswith(b"\r\n")  # CRLF ends one line
+        if n > MAX_LINE_BYTES:
+            raise UserError(f"{where(i)}: {_too_long()}")
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{where(i)}: not valid JSON ({e.msg} at column {e.colno})") from None
-        except RecursionError:
-            raise UserError(f"{where(i)}: JSON nested too deeply") from None
-        except ValueError as e:  # e.g. an integer of more digits than Python converts
-            raise UserError(f"{where(i)}: not usable JSON ({e})") from None
-        try:
-            doc = render_conversation(record, "")
-        except UserError:
-            render_conversation(record, where(i))  # raises again, naming the line
-            raise
-        yield doc, True
+            text = str(memoryview(raw)[:n], "utf-8")
+        except UnicodeDecodeError as e:
+            bad = line_at + e.start
+            raise UserError(
+                f"{span.path}:{_line_at(f, bad)}: byte {bad}: expected UTF-8 text"
+            ) from None
+        del raw
+        lines = text.split("\r") if "\r" in text else [text]  # a lone CR ends a line too
+        del text
+        for k in range(len(lines)):
+            line, lines[k] = lines[k], ""  # held here only until it is parsed
+            i += 1
+            if not line or line.isspace():  # blank (strip() would copy a long line)
+                continue
+            record = _parse(line, where, i - 1)
+            del line
+            try:
+                chunks = conversation_pieces(record, "")
+            except UserError:
+                conversation_pieces(record, where(i - 1))  # raises again, naming the line
+                raise
+            del record
+            yield chunks, True
+            del chunks
+
+
+def _too_long() -> str:
+    limit = (f"{MAX_LINE_BYTES >> 20} MB" if MAX_LINE_BYTES >= 1 << 20
+             else f"{MAX_LINE_BYTES:,} bytes")
+    return f"a line longer than {limit}: expected one conversation per line"
+
+
+def _parse(line: str, where: Callable[[int], str], i: int) -> object:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{where(i)}: not valid JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise UserError(f"{where(i)}: JSON nested too deeply") from None
+    except ValueError as e:  # e.g. an integer of more digits than Python converts
+        raise UserError(f"{where(i)}: not usable JSON ({e})") from None
 
 
 def _line_at(f: BinaryIO, offset: int) -> int:

@@ -14,9 +14,12 @@ from collections.abc import Iterator, Sequence
 from engine.config import SourceConfig
 from engine.data.builtin import even_selection
 from engine.data.plan import plan_source
-from engine.data.reader import read_part
+from engine.data.reader import read_segments
 
 SAMPLE_PART_BYTES = (16 << 10, 1 << 20)  # the bounds of a sample piece
+# The text goes to the trainer in segments cut at safe places (engine.data.cuts): the same words
+# as whole documents, so the same tokenizer, without a long document held whole.
+SAMPLE_SEGMENT_CHARS = 1 << 16
 
 
 def training_budgets(totals: list[int], train_bytes: int) -> list[int]:
@@ -46,13 +49,18 @@ def training_texts(sources: Sequence[SourceConfig], train_bytes: int) -> Iterato
                 break
             if i not in keep:
                 continue
-            for text, _ in read_part(part):
+            skip = False  # the rest of a document cut to fit is not taken
+            for text, ends in read_segments(part, SAMPLE_SEGMENT_CHARS):
                 room = budget - taken
                 if room <= 0:
                     break
+                if skip or not text:
+                    skip = skip and not ends
+                    continue
                 data = text.encode("utf-8")
                 if len(data) > room:
                     text = data[:room].decode("utf-8", "ignore")
                     data = text.encode("utf-8")
+                    skip = not ends
                 taken += len(data)
                 yield text

@@ -21,6 +21,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -85,12 +86,19 @@ def file_kind(source: SourceConfig, path: Path) -> str:
 
 def render_conversation(record: object, where: str) -> str:
     """One Hermes-3 record as text with role markers; `where` (file:line) names it in errors."""
+    return "".join(conversation_pieces(record, where))
+
+
+def conversation_pieces(record: object, where: str) -> list[str]:
+    """The text of render_conversation as consecutive strings (markers, line breaks and the
+    turns' values themselves, not copied): a long conversation need not be joined to be encoded
+    (engine.data.cuts.split_stream). The whole record is checked before anything is returned."""
     if not isinstance(record, dict):
         raise UserError(f"{where}: expected a JSON object, got {type(record).__name__}")
     turns = record.get("conversations")
     if not isinstance(turns, list) or not turns:
         raise UserError(f"{where}: conversations: expected a non-empty list, got {turns!r:.60}")
-    parts = []
+    parts: list[str] = []
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict):
             raise UserError(
@@ -107,15 +115,26 @@ def render_conversation(record: object, where: str) -> str:
                 f"{where}: conversations[{i}].value: expected a string, got "
                 f"{type(value).__name__}"
             )
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:  # JSON can escape a lone surrogate; it is not text
+        bad = _lone_surrogate(value)
+        if bad >= 0:  # JSON can escape a lone surrogate; it is not text
             raise UserError(
-                f"{where}: conversations[{i}].value: character {e.start}: expected text, got "
-                f"a lone surrogate (\\u{ord(value[e.start]):04x})"
-            ) from None
-        parts.append(f"{ROLE_MARKERS[role]}\n{value}")
-    return "\n".join(parts)
+                f"{where}: conversations[{i}].value: character {bad}: expected text, got "
+                f"a lone surrogate (\\u{ord(value[bad]):04x})"
+            )
+        parts += [*(["\n"] if parts else []), ROLE_MARKERS[role], "\n", value]
+    return parts
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate(value: str) -> int:
+    """The index of the first lone surrogate in `value`, or -1 (found without an encoded copy
+    of a value that may be megabytes long)."""
+    if value.isascii():  # known without a look at the characters
+        return -1
+    m = _SURROGATE.search(value)
+    return m.start() if m else -1
 
 
 def decode_text(data: bytes, where: str, offset: int = 0) -> str:
