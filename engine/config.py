@@ -14,7 +14,9 @@ import dataclasses
 import difflib
 import glob
 import math
+import os
 import re
+import stat
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
@@ -346,14 +348,33 @@ def parse_config(raw: Any, origin: str, base_dir: Path | str, *,
 
 
 def load_config(path: str | Path) -> Config:
-    """Read, validate and resolve an experiment config; raises ConfigError (exit status 2)."""
+    """Read, validate and resolve an experiment config; raises ConfigError (exit status 2).
+
+    The config may come through a pipe (`andrea-train <(cat cfg.json)`): it is read to its end
+    (engine.infile.PIPE_WAIT_S at most), and its relative paths are taken from the current
+    directory. Any other non-regular file (a FIFO nobody writes to, a device) is refused."""
     p = Path(path)
     try:
+        piped = stat.S_ISFIFO(os.stat(p).st_mode)
+    except OSError:
+        piped = False  # load_file says what is wrong
+    try:
         raw = jsonio.load_file(p, max_bytes=jsonio.CONFIG_BYTES,
-                               object_pairs_hook=_no_duplicate_keys)
+                               object_pairs_hook=_no_duplicate_keys, pipe_ok=True)
     except jsonio.JsonError as e:
         raise ConfigError(str(e)) from None
-    return parse_config(raw, str(path), p.resolve().parent)
+    return parse_config(raw, str(path), Path.cwd() if piped else p.resolve().parent)
+
+
+def config_from_bytes(data: bytes, origin: str, base_dir: Path | str) -> Config:
+    """`load_config` of a config already read (a pipe gives its bytes once): `origin` names it
+    in messages, relative paths are taken from `base_dir`; raises ConfigError (exit status 2)."""
+    try:
+        raw = jsonio.loads(data, origin, max_bytes=jsonio.CONFIG_BYTES,
+                           object_pairs_hook=_no_duplicate_keys)
+    except jsonio.JsonError as e:
+        raise ConfigError(str(e)) from None
+    return parse_config(raw, origin, base_dir)
 
 
 def _check_relations(cfg: Config, fail: Fail) -> None:

@@ -18,6 +18,7 @@ from engine.config import ModelConfig
 from engine.errors import UserError
 
 INIT_STD = 0.02
+INIT_CHUNK = 1 << 22  # values drawn per call (about 0.1 s): a stop is answered between calls
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,12 @@ def init_params(shapes: ModelShapes, seed: int) -> np.ndarray:
             std = INIT_STD
             if t.name.endswith("attn.W_O") or t.name.endswith("mlp.W_2"):
                 std *= residual_scale
-            dst[:] = rng.standard_normal(t.size, dtype=np.float32) * np.float32(std)
+            # in chunks, drawn in place: the same numbers as one draw of the whole tensor, no
+            # temporary copy, and no single call long enough to keep a stop signal waiting
+            for start in range(0, t.size, INIT_CHUNK):
+                part = dst[start : start + INIT_CHUNK]
+                rng.standard_normal(dtype=np.float32, out=part)
+                part *= np.float32(std)
     return flat
 
 

@@ -29,6 +29,7 @@ from engine.run.checkpoint import (
     list_checkpoints,
     load_checkpoint,
     prune,
+    summarize,
     tensor_stats,
     verify_checkpoint,
 )
@@ -206,7 +207,8 @@ def _cmd_inspect(path: Path, as_json: bool) -> int:
             else:
                 print(f"{r['path']}: INVALID: {r['invalid_reason']}")
     if bad:
-        raise CheckpointInvalid(f"{len(bad)} of {len(dirs)} checkpoints invalid: " + "; ".join(bad))
+        raise CheckpointInvalid(f"{len(bad)} of {len(dirs)} checkpoints invalid: "
+                                + summarize(bad, sep="; "))
     return 0
 
 
@@ -215,19 +217,18 @@ def _cmd_verify(path: Path) -> int:
     bad: list[str] = []
     for d in dirs:
         try:
-            verify_checkpoint(d)
+            st = verify_checkpoint(d)
         except CheckpointInvalid as e:
             if single:
                 raise
             print(f"invalid {d}: {e}")
             bad.append(d.name)
             continue
-        st = json.loads((d / STATE_FILE).read_bytes())
         print(f"valid {d} (step {st['step']}, {st['reason']}, "
               f"{st['model_ckpt']['size']:,} bytes)")
     if bad:
         raise CheckpointInvalid(
-            f"{path}: {len(bad)} of {len(dirs)} checkpoints invalid: {', '.join(bad)}"
+            f"{path}: {len(bad)} of {len(dirs)} checkpoints invalid: {summarize(bad)}"
         )
     return 0
 
@@ -243,7 +244,7 @@ def _cmd_prune(path: Path, keep: int, dry_run: bool) -> int:
     if not dry_run and engine_alive(run_dir)[0]:
         raise UserError(f"{run_dir}: an engine is training there; prune once it has stopped "
                         "(or look with --dry-run)")
-    gone = prune(root, keep, REASONS, dry_run=dry_run)
+    gone = prune(root, keep, REASONS, dry_run=dry_run, all_or_nothing=True)
     verb = "would remove" if dry_run else "removed"
     for g in gone:
         print(f"{verb} {g}")

@@ -26,7 +26,8 @@ class ControlRefused(UserError):
 def _lock_free(lock_path: Path) -> bool:
     """True when nobody holds `engine.lock` (we could take it; released at once)."""
     try:
-        fd = os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC)
+        # O_NONBLOCK: a FIFO in the lock's place must not keep us waiting in open()
+        fd = os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
         return True
     try:

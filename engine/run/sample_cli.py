@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -23,6 +24,7 @@ import numpy as np
 
 from engine.config import Config, parse_config
 from engine.errors import UserError, cli_entry
+from engine.infile import NotRegularFile, check_regular
 
 MAX_TOKENS = 65536
 HOLD_TOKENS = 4  # a UTF-8 character is at most 4 bytes, so at most 4 byte-level tokens
@@ -69,6 +71,22 @@ def check_args(args: argparse.Namespace, cfg: Config) -> tuple[int, float, int]:
     return args.tokens, temperature, top_k
 
 
+def check_prompt(prompt: str) -> str:
+    """The prompt, when it is text. On the command line, bytes that are not UTF-8 arrive as
+    lone surrogates (Python's surrogateescape): the tokenizer takes text only and the runs
+    were trained on UTF-8, so such a prompt is refused, naming the first bad byte."""
+    try:
+        raw = os.fsencode(prompt)
+    except UnicodeEncodeError as e:
+        raise UserError(f"--prompt: not valid UTF-8 at character {e.start}") from None
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"--prompt: not valid UTF-8 at byte {e.start} (0x{raw[e.start]:02x}); "
+                        "the prompt must be UTF-8 text") from None
+    return prompt
+
+
 def resolve_checkpoint(path: Path) -> Path:
     """`path` when it is a checkpoint directory; for a run or checkpoints directory, its newest
     checkpoint that verifies. UserError when there is none."""
@@ -109,12 +127,18 @@ def load_run_tokenizer(path: Path, cfg: Config, state: dict[str, Any], ckpt: Pat
     """The tokenizer the checkpoint was trained with, or a UserError saying what is wrong."""
     from engine.data.tokenizer import load_tokenizer
 
-    if not path.is_file() and override:
+    if not path.exists() and override:
         raise UserError(f"--tokenizer {path}: no such file")
-    if not path.is_file():
+    if not path.exists():
         raise UserError(f"{path}: tokenizer file not found ({ckpt.name}'s config: "
                         "data.tokenizer.path); prepare the run's data again (andrea-prep "
                         "CONFIG.json) or pass --tokenizer PATH")
+    try:
+        check_regular(path)  # a FIFO or a device is never opened
+    except NotRegularFile:
+        raise
+    except OSError as e:
+        raise UserError(f"{path}: cannot read: {e.strerror or e}") from None
     tok = load_tokenizer(path, cfg.model.vocab_size)
     data = state.get("data") if isinstance(state.get("data"), dict) else {}
     want = data.get("tokenizer_sha256")
@@ -179,6 +203,7 @@ def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from engine.backends import resolve_backend
     from engine.run.checkpoint import load_checkpoint
 
+    check_prompt(args.prompt)
     path = resolve_checkpoint(Path(args.checkpoint))
     ck = load_checkpoint(path)
     cfg = checkpoint_config(ck.state, path)

@@ -2,12 +2,18 @@
 
 Counting (instead of a bare flag) lets the loop tell how many requests arrived, so it can record
 each one it noticed and coalesce those that came while a snapshot was pending or being written.
+
+One exception: inside `interrupting()` (the start-up's long calls that have no step boundary to
+wait for and nothing to save: reading a config from a pipe, building the trainer) a stop raises
+KeyboardInterrupt at once, which ends the start with nothing trained.
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
+from collections.abc import Iterator
 from types import FrameType
 
 
@@ -19,6 +25,7 @@ class SignalFlags:
         self.stop_signal: int | None = None
         # While starting up (data prep can take a while) a second stop signal aborts at once.
         self.starting = True
+        self._interrupting = False  # inside interrupting(): a stop raises at once
         self._seen_snapshots = 0
 
     def install(self) -> None:
@@ -38,10 +45,26 @@ class SignalFlags:
         self.snapshot_requests += 1
 
     def _on_stop(self, signum: int, frame: FrameType | None) -> None:
-        if self.stop_signal is None:
+        first = self.stop_signal is None
+        if first:
             self.stop_signal = signum
-        elif self.starting:
+        if self._interrupting or (self.starting and not first):
+            self._interrupting = False  # one KeyboardInterrupt is enough
             raise KeyboardInterrupt  # nothing trained yet, nothing to save: give up now
+
+    @contextlib.contextmanager
+    def interrupting(self) -> Iterator[None]:
+        """Within: a stop signal (or one that came before) raises KeyboardInterrupt at once,
+        wherever the main thread is (between two bytecodes, or when a long C call returns). For
+        work that can be abandoned at any point: allocating and initialising the trainer, a
+        bounded wait for input."""
+        if self.stop_signal is not None:
+            raise KeyboardInterrupt
+        self._interrupting = True
+        try:
+            yield
+        finally:
+            self._interrupting = False
 
     def take_snapshot_requests(self) -> int:
         """How many SIGUSR1 arrived since the last call."""

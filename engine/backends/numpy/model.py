@@ -91,6 +91,53 @@ def _saved_sizes(s: ModelShapes, B: int, sampling: bool) -> dict[str, int]:
     return sizes
 
 
+COPY_CHUNK = 1 << 22  # values per call of a state copy (tens of ms, first touch included)
+
+
+def _copy(dst: np.ndarray, src: np.ndarray) -> None:
+    """np.copyto in chunks: the first write to a large buffer takes seconds (its pages are
+    mapped then), and a stop signal is answered between two calls, not after all of them."""
+    src = np.asarray(src)
+    for start in range(0, dst.size, COPY_CHUNK):
+        np.copyto(dst[start : start + COPY_CHUNK], src[start : start + COPY_CHUNK])
+
+
+def _scratch_sizes(s: ModelShapes, B: int) -> dict[str, int]:
+    """Region sizes (elements) of the backward's and the optimizer's scratch."""
+    d, F, V = s.d_model, s.d_ff, s.vocab_size
+    N, T = B * s.seq_len, s.seq_len
+    dims = Dims(B=B, T=T, d=d, F=F, H=s.n_head, V=V)
+    return {
+        "ga": N * d,  # ga, gb: the residual stream's gradient, in turn
+        "gb": N * d,
+        "dln": BY_NAME["dln"].elems(dims),
+        "xtmp": N * d,
+        "datt": BY_NAME["datt"].elems(dims),
+        "dqkv": BY_NAME["dqkv"].elems(dims),
+        "dprobs": B * s.n_head * T * T,
+        "dpre": BY_NAME["dpre"].elems(dims),
+        "ftmp": N * F,
+        "gtmp": N * F,
+        "wtmp": max(V * d, d * F, 3 * d * d),
+        "adam": 2 * ops.ADAMW_CHUNK,
+    }
+
+
+def host_plan(shapes: ModelShapes, micro_batch: int, dtype: type = np.float32,
+              separate_micro: bool = False) -> dict[str, int]:
+    """The bytes NumpyBackend(shapes, micro_batch, ...) allocates, by group (its memory_plan,
+    without the total), computed without allocating anything."""
+    n = n_params(shapes)
+    es = np.dtype(dtype).itemsize
+    acts = _saved_sizes(shapes, micro_batch, sampling=False)
+    sample = _saved_sizes(shapes, 1, sampling=True)
+    scratch = _scratch_sizes(shapes, micro_batch)
+    return {"weights": n * es, "grads": n * es * (2 if separate_micro else 1), "adam_m": n * es,
+            "adam_v": n * es, "activations": sum(acts.values()) * es,
+            # the sampling arena and the weight-decay mask count as scratch
+            "scratch": (sum(scratch.values()) + sum(sample.values()) + n) * es}
+
+
 class NumpyBackend:
     """The numpy reference backend (see engine.backends.base.Backend for the interface)."""
 
@@ -121,32 +168,12 @@ class NumpyBackend:
         self.device = f"cpu (numpy {np.__version__}, {blas_threads()} BLAS threads)"
 
         s, B = shapes, micro_batch
-        d, F, V, L = s.d_model, s.d_ff, s.vocab_size, s.n_layer
+        d, L = s.d_model, s.n_layer
         n = n_params(s)
-        N, T = B * s.seq_len, s.seq_len
-        dims = Dims(B=B, T=T, d=d, F=F, H=s.n_head, V=V)
         acts = _saved_sizes(s, B, sampling=False)
-        scratch = {
-            "ga": N * d,  # ga, gb: the residual stream's gradient, in turn
-            "gb": N * d,
-            "dln": BY_NAME["dln"].elems(dims),
-            "xtmp": N * d,
-            "datt": BY_NAME["datt"].elems(dims),
-            "dqkv": BY_NAME["dqkv"].elems(dims),
-            "dprobs": B * s.n_head * T * T,
-            "dpre": BY_NAME["dpre"].elems(dims),
-            "ftmp": N * F,
-            "gtmp": N * F,
-            "wtmp": max(V * d, d * F, 3 * d * d),
-            "adam": 2 * ops.ADAMW_CHUNK,
-        }
+        scratch = _scratch_sizes(s, B)
         sample = _saved_sizes(s, 1, sampling=True)
-        es = self.dtype.itemsize
-        grads = n * es * (2 if separate_micro else 1)
-        hostmem.require({"weights": n * es, "grads": grads, "adam_m": n * es, "adam_v": n * es,
-                         "activations": sum(acts.values()) * es,
-                         "scratch": (sum(scratch.values()) + sum(sample.values()) + n) * es},
-                        "the numpy backend")
+        hostmem.require(host_plan(s, B, dtype, separate_micro), "the numpy backend")
         self._params = np.zeros(n, dtype=self.dtype)
         self._grads = np.zeros(n, dtype=self.dtype)
         self._gsave = np.zeros(n, dtype=self.dtype) if separate_micro else None
@@ -179,13 +206,13 @@ class NumpyBackend:
 
     def load_params(self, params: np.ndarray) -> None:
         self._check_flat("params", params)
-        np.copyto(self._params, params)
+        _copy(self._params, params)
 
     def load_optimizer(self, m: np.ndarray, v: np.ndarray) -> None:
         self._check_flat("adam m", m)
         self._check_flat("adam v", v)
-        np.copyto(self._m, m)
-        np.copyto(self._v, v)
+        _copy(self._m, m)
+        _copy(self._v, v)
 
     @staticmethod
     def _readonly(a: np.ndarray) -> np.ndarray:
