@@ -8,21 +8,26 @@ app reads run directories through it.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine import jsonio
+from engine import infile, jsonio
 from engine.errors import UserError
 from engine.records import (
     Event,
     GemmPlan,
     ResumeEvent,
+    RunStatus,
+    StepOrder,
     StepRecord,
     Unreadable,
+    as_int,
     drop_abandoned,
     latest_by_step,
     parse_all,
@@ -154,16 +159,67 @@ def write_json_atomic(path: Path, obj: Any, *, durable: bool = True) -> None:
                        durable=durable)
 
 
+def _ends_mid_line(fd: int, path: Path) -> bool:
+    """Whether the regular file open on `fd` (at `path`) is not empty and its last byte is not a
+    newline: a crash or a full disk cut its last line short."""
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
+            return False
+        with open(path, "rb") as f:
+            f.seek(st.st_size - 1)
+            return f.read(1) != b"\n"
+    except OSError:
+        return False
+
+
+def open_append(path: Path) -> tuple[int, bool]:
+    """A descriptor appending to `path` (created when missing), with a torn last line ended
+    first: an earlier writer that died or ran out of space mid-line left a fragment, and the
+    next line must not be glued onto it. The newline keeps the fragment as one line of its
+    own, unparsable, which readers count and skip; nothing written before is lost.
+
+    O_APPEND: a line lands at the end even if another run appended to the file before.
+    Returns (fd, torn): `torn` when that newline could not be written yet (a full disk):
+    the caller writes it before its first line."""
+    # O_NONBLOCK: a FIFO in the file's place fails at once (ENXIO) or opens without waiting
+    # for a reader; anything but a regular file is then refused (infile.NotRegularFile).
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK,
+                     0o666)
+    except OSError as e:
+        if e.errno == errno.ENXIO:
+            raise infile.refusal(path, os.stat(path).st_mode) from None
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise infile.refusal(path, mode)
+    os.set_blocking(fd, True)
+    torn = _ends_mid_line(fd, Path(path))
+    if torn:
+        try:
+            torn = os.write(fd, b"\n") != 1
+        except OSError:
+            pass
+    return fd, torn
+
+
 class JsonlWriter:
-    """Appends one JSON object per line; each line is written whole and flushed at once."""
+    """Appends one JSON object per line; each line is written whole and flushed at once, and
+    never onto a torn last line left by an earlier writer (see open_append)."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        # O_APPEND: a line lands at the end even if the file was appended to by an earlier run.
-        self._f = open(self.path, "ab", buffering=0)
+        fd, self._torn = open_append(self.path)
+        self._f = open(fd, "ab", buffering=0)
 
     def write(self, record: dict[str, Any]) -> None:
-        self._f.write((json.dumps(record, separators=(",", ":")) + "\n").encode())
+        line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+        if self._torn:  # the torn line's end could not be written at open: it goes first
+            line = b"\n" + line
+        self._f.write(line)
+        self._torn = False
 
     def close(self) -> None:
         self._f.close()
@@ -247,7 +303,7 @@ class JsonlTail:
         if st.st_size == self._offset:
             return []
         try:
-            with open(self.path, "rb") as f:
+            with infile.open_regular(self.path) as f:  # a FIFO is refused, never waited on
                 f.seek(self._offset)
                 data = f.read(max_bytes)
         except OSError:
@@ -277,7 +333,7 @@ def tail_lines(path: Path, max_bytes: int) -> list[bytes]:
     """The complete lines in the last `max_bytes` of a file (none when it cannot be read): the
     first piece is dropped when the seek may have cut it, the last when it is torn."""
     try:
-        with open(path, "rb") as f:
+        with infile.open_regular(path) as f:  # a FIFO is refused, never waited on
             size = f.seek(0, os.SEEK_END)
             start = max(0, size - max_bytes)
             f.seek(start)
@@ -309,15 +365,33 @@ def read_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
     return records, tail.bad_lines
 
 
+def step_order(run_dir: Path, events: Iterable[Event] = ()) -> StepOrder:
+    """The step-sequence rule of a run (engine.records.StepOrder) as its files tell it: the
+    (re)starts and max_steps in `events` (its events.jsonl, read by the caller), the
+    max_steps of its config.json and state.json."""
+    paths = RunPaths(Path(run_dir))
+    order = StepOrder()
+    order.note(events)
+    config, state = read_json(paths.config), read_json(paths.state)
+    train = config.get("train") if config else None
+    status = RunStatus.from_json(state) if state else None
+    order.limit(as_int(train.get("max_steps"), 1) if isinstance(train, dict) else None,
+                status.max_steps if isinstance(status, RunStatus) else None)
+    return order
+
+
 def read_steps(path: Path) -> tuple[list[StepRecord], int]:
-    """The step records of a `loss.jsonl`, one per step (the later one wins, abandoned
-    timelines dropped when `events.jsonl` beside it says so), and the count of lines skipped."""
+    """The step records of a `loss.jsonl`, one per step (the later one wins), as the files
+    beside it say: abandoned timelines dropped (events.jsonl's resumes), records out of
+    sequence left out (`step_order`); and the count of lines skipped."""
     path = Path(path)
     raw, bad = read_jsonl(path)
     steps, unreadable = parse_all(StepRecord, raw)
     events, _ = read_events(path.with_name(EVENTS))
+    order = step_order(path.parent, events)
     resumes = [e for e in events if isinstance(e, ResumeEvent)]
-    return latest_by_step(drop_abandoned(steps, resumes)), bad + unreadable
+    kept = order.admit(drop_abandoned(steps, resumes))
+    return latest_by_step(kept), bad + unreadable + order.skipped
 
 
 def read_gemm_plan(run_dir: Path) -> GemmPlan | Unreadable:
@@ -338,7 +412,7 @@ def read_events(path: Path) -> tuple[list[Event], int]:
 def tail_text(path: Path, n_lines: int, max_bytes: int = 65536) -> list[str]:
     """The last `n_lines` lines of a text file (the engine log), read from its end."""
     try:
-        with open(path, "rb") as f:
+        with infile.open_regular(path) as f:  # a FIFO is refused, never waited on
             f.seek(0, os.SEEK_END)
             size = f.tell()
             f.seek(max(0, size - max_bytes))

@@ -310,27 +310,35 @@ def signals_reach_every_rank_and_resume_is_bit_exact(tmp_path: Path, write_confi
     assert trajectory(run) == trajectory(straight) and ckpt(run, 30) == ckpt(straight, 30)
 
 
-def test_kill_9_of_one_rank_fails_the_job_in_bounded_time(tmp_path: Path, write_config) -> None:
-    kill_9_of_one_rank_fails_the_job_in_bounded_time(tmp_path, write_config, "numpy")
+@pytest.mark.parametrize("rank", [1, 0])
+def test_kill_9_of_one_rank_fails_the_job_in_bounded_time(tmp_path: Path, write_config,
+                                                          rank: int) -> None:
+    kill_9_of_one_rank_fails_the_job_in_bounded_time(tmp_path, write_config, "numpy", rank)
 
 
 def kill_9_of_one_rank_fails_the_job_in_bounded_time(tmp_path: Path, write_config,
-                                                     backend: str) -> None:
+                                                     backend: str, rank: int = 1) -> None:
     cfg = write_config(micro_config_dict(max_steps=100000))
     run = tmp_path / "run"
     p = gpus(cfg, run, 2, backend=backend)
-    wait_for_step(run, 12, p)  # past the periodic checkpoint at 10
+    wait_for_step(run, 12, p)  # past the periodic checkpoint at 10, once it is written
+    deadline = time.monotonic() + 120
+    while json.loads((run / "state.json").read_text()).get("last_checkpoint") is None:
+        assert time.monotonic() < deadline and p.poll() is None, "no checkpoint was written"
+        time.sleep(0.05)
     info = json.loads((run / "engine.json").read_text())
     t0 = time.monotonic()
-    os.kill(info["ranks"][1]["pid"], signal.SIGKILL)
+    os.kill(info["ranks"][rank]["pid"], signal.SIGKILL)
     out, _ = p.communicate(timeout=120)
     took = time.monotonic() - t0
     assert p.returncode == 1 and took < 40, (took, out)
-    assert "rank 1 ended" in out
+    assert f"rank {rank} ended" in out
     state = json.loads((run / "state.json").read_text())
     assert state["status"] == "failed"
+    assert f"rank {rank} ended" in state["error"], state  # why, and where a resume goes on
+    assert "newest valid checkpoint" in state["error"], state
     events = (run / "events.jsonl").read_text()
-    assert "rank 1 ended" in events
+    assert f"rank {rank} ended" in events
     verify_checkpoint(Path(state["last_checkpoint"]["path"]))
     p = gpus(cfg, run, 2, "--resume", "--max-steps", "14", backend=backend)
     out, _ = p.communicate(timeout=300)

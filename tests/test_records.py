@@ -124,8 +124,8 @@ def test_the_abandoned_rule_on_numbers_and_arrays() -> None:
 
 def test_abandoned_timeline_is_dropped(tmp_path) -> None:
     # Trained to 27, crashed, resumed from the checkpoint at 20 and stopped at 22.
-    before = [{"step": s, "t": 100.0 + s} for s in range(1, 28)]
-    after = [{"step": s, "t": 200.0 + s} for s in (21, 22)]
+    before = [{"step": s, "loss": 3.0, "t": 100.0 + s} for s in range(1, 28)]
+    after = [{"step": s, "loss": 2.0, "t": 200.0 + s} for s in (21, 22)]
     w = JsonlWriter(tmp_path / "loss.jsonl")
     for r in before + after:
         w.write(r)

@@ -23,8 +23,10 @@ import json
 import os
 import queue
 import re
+import resource
 import secrets
 import shutil
+import stat
 import struct
 import threading
 import time
@@ -35,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from engine import jsonio
+from engine import infile, jsonio
 from engine.errors import RunError, UserError
 from engine.runfiles import CHECKPOINTS, fsync_dir, pid_alive
 
@@ -56,6 +58,7 @@ CORE_FIELDS = (
     "state_sha256",
 )
 _INT32_MAX = 2**31 - 1
+NAMED_SKIPPED = 5  # a resume names this many of the entries it passed over, then counts the rest
 
 
 class CheckpointInvalid(UserError):
@@ -252,6 +255,33 @@ def write_checkpoint(
     return CheckpointInfo(final, step, reason, size + len(state_bytes), time.perf_counter() - t0)
 
 
+ROOM_MARGIN_BYTES = 1 << 16  # state.json and the directory entries, beyond model.ckpt
+
+
+def check_room(ckpt_root: Path, step: int, reason: str, n_params: int) -> None:
+    """Raise CheckpointWriteError when a checkpoint of `n_params` cannot be written at all, as
+    known before a byte is written: model.ckpt is above this process's file-size limit
+    (`ulimit -f`), or larger than the free space of the file system. Anything else that fails
+    (or a disk filled meanwhile) is reported by the write itself."""
+    root = Path(ckpt_root)
+    size = HEADER.size + 12 * n_params
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY and size > limit:
+        why = (f"{os.strerror(errno.EFBIG)} [EFBIG]: {MODEL_FILE} is {size:,} bytes, above the "
+               f"file-size limit (ulimit -f) of {limit:,}")
+    else:
+        try:
+            st = os.statvfs(root if root.is_dir() else root.parent)
+        except OSError:
+            return
+        free = (st.f_bfree if os.geteuid() == 0 else st.f_bavail) * st.f_frsize
+        if st.f_blocks == 0 or size + ROOM_MARGIN_BYTES <= free:
+            return  # (a file system that reports no blocks says nothing of its room)
+        why = (f"{os.strerror(errno.ENOSPC)} [ENOSPC]: {MODEL_FILE} needs {size:,} bytes, the "
+               f"file system has {free:,} free")
+    raise CheckpointWriteError(f"{root}: checkpoint step {step} ({reason}) not written: {why}")
+
+
 def cleanup_tmp(ckpt_root: Path) -> list[Path]:
     """Remove leftover `.tmp-*-<pid>-<nonce>` dirs whose writer pid is dead; return them."""
     root = Path(ckpt_root)
@@ -303,25 +333,41 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _check_structure(path: Path) -> tuple[dict[str, Any], int]:
-    """Every check but the hash; returns (state.json object, n_params). Raises CheckpointInvalid."""
+def _check_structure(path: Path, doc: Any = None) -> tuple[dict[str, Any], int]:
+    """Every check but the hash; returns (state.json object, n_params). Raises CheckpointInvalid.
+    `doc`: state.json as the caller already read it (None: read it here)."""
     try:
-        return _check_structure_unguarded(Path(path))
+        return _check_structure_unguarded(Path(path), doc)
     except OSError as e:
         raise CheckpointInvalid(f"{path}: unreadable ({e})") from None
 
 
-def _check_structure_unguarded(path: Path) -> tuple[dict[str, Any], int]:
+def _require_file(f: Path) -> None:
+    """CheckpointInvalid unless `f` is a regular file (a FIFO, a device or a socket is never
+    opened: reading one could wait for ever)."""
+    try:
+        mode = os.stat(f).st_mode
+    except FileNotFoundError:
+        raise CheckpointInvalid(f"{f}: missing") from None
+    if not stat.S_ISREG(mode):
+        raise CheckpointInvalid(str(infile.refusal(f, mode)))
+
+
+def _read_state(state_path: Path) -> Any:
+    try:
+        return jsonio.load_file(state_path, max_bytes=jsonio.STATE_BYTES)
+    except jsonio.JsonError as e:
+        raise CheckpointInvalid(f"unparsable JSON: {e}") from None
+
+
+def _check_structure_unguarded(path: Path, doc: Any = None) -> tuple[dict[str, Any], int]:
     model, state_path = path / MODEL_FILE, path / STATE_FILE
     if not path.is_dir():
         raise CheckpointInvalid(f"{path}: not a checkpoint directory")
     for f in (state_path, model):
-        if not f.is_file():
-            raise CheckpointInvalid(f"{f}: missing")
-    try:
-        doc = jsonio.load_file(state_path, max_bytes=jsonio.STATE_BYTES)
-    except jsonio.JsonError as e:
-        raise CheckpointInvalid(f"unparsable JSON: {e}") from None
+        _require_file(f)
+    if doc is None:
+        doc = _read_state(state_path)
     if not isinstance(doc, dict):
         raise CheckpointInvalid(f"{state_path}: expected a JSON object")
     for k in CORE_FIELDS:
@@ -349,7 +395,7 @@ def _check_structure_unguarded(path: Path) -> tuple[dict[str, Any], int]:
         )
     if mc["size"] != actual:
         raise CheckpointInvalid(f"{state_path}: model_ckpt.size {mc['size']} != file size {actual}")
-    with open(model, "rb") as f:
+    with infile.open_regular(model) as f:
         h_step, h_n = HEADER.unpack(f.read(HEADER.size))
     if h_step != step:
         raise CheckpointInvalid(f"{model}: offset 0: header step {h_step}, state.json says {step}")
@@ -371,43 +417,49 @@ def _hash_mismatch(path: Path, expected: str, got: str) -> CheckpointInvalid:
     )
 
 
-def verify_checkpoint(path: Path, *, check_hash: bool = True) -> None:
-    """Raise CheckpointInvalid(reason) unless `path` is a complete, consistent checkpoint."""
-    doc, _ = _check_structure(Path(path))
+def verify_checkpoint(path: Path, *, check_hash: bool = True,
+                      doc: Any = None) -> dict[str, Any]:
+    """Raise CheckpointInvalid(reason) unless `path` is a complete, consistent checkpoint;
+    returns its state.json object. `doc`: that object as the caller already read it."""
+    doc, _ = _check_structure(Path(path), doc)
     if check_hash:
         h = hashlib.sha256()
         try:
-            with open(Path(path) / MODEL_FILE, "rb") as f:
+            with infile.open_regular(Path(path) / MODEL_FILE) as f:
                 while chunk := f.read(CHUNK_BYTES):
                     h.update(chunk)
         except OSError as e:
             raise CheckpointInvalid(f"{path}: unreadable ({e})") from None
         if h.hexdigest() != doc["model_ckpt"]["sha256"]:
             raise _hash_mismatch(Path(path), doc["model_ckpt"]["sha256"], h.hexdigest())
+    return doc
 
 
 # ---------------------------------------------------------------- listing and loading
 
 
-def _entry(path: Path, check_hash: bool) -> CheckpointEntry:
+def checkpoint_entry(path: Path, *, check_hash: bool = True) -> CheckpointEntry:
+    """One checkpoint directory as a lister shows it (never raises on a bad one); state.json is
+    read once."""
     mt = _NAME_RE.match(path.name)
     step = int(mt.group(1)) if mt else -1
-    try:
-        doc = jsonio.load_file(path / STATE_FILE, max_bytes=jsonio.STATE_BYTES)
-        doc = doc if isinstance(doc, dict) else {}
-    except jsonio.JsonError:
-        doc = {}
     size = 0
     for f in (MODEL_FILE, STATE_FILE):
         try:
-            size += (path / f).stat().st_size
+            st = (path / f).stat()
+            size += st.st_size if stat.S_ISREG(st.st_mode) else 0
         except OSError:
             pass
+    doc: Any = None
     try:
-        verify_checkpoint(path, check_hash=check_hash)  # turns OSError into CheckpointInvalid
+        if (path / STATE_FILE).is_file():
+            doc = _read_state(path / STATE_FILE)
+        # turns OSError into CheckpointInvalid
+        verify_checkpoint(path, check_hash=check_hash, doc=doc)
         valid, why = True, None
     except CheckpointInvalid as e:
         valid, why = False, str(e)
+    doc = doc if isinstance(doc, dict) else {}
     reason = doc.get("reason") if isinstance(doc.get("reason"), str) else None
     wall = doc.get("wall_time") if isinstance(doc.get("wall_time"), (int, float)) else None
     return CheckpointEntry(path, step, reason, wall, size, valid, why)
@@ -421,11 +473,24 @@ def _sort_key(path: Path) -> tuple[int, int]:
 
 def _checkpoint_dirs(root: Path) -> list[Path]:
     try:
-        names = os.listdir(root)
+        with os.scandir(root) as it:  # the directory test comes from the listing itself
+            dirs = [root / e.name for e in it if _NAME_RE.match(e.name) and _is_dir(e)]
     except OSError:
         return []
-    dirs = [root / n for n in names if _NAME_RE.match(n) and (root / n).is_dir()]
     return sorted(dirs, key=_sort_key, reverse=True)
+
+
+def _is_dir(entry: os.DirEntry[str]) -> bool:
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
+
+
+def checkpoint_dirs(path: Path) -> list[Path]:
+    """The `step_*` directories of a run dir or a checkpoints dir, newest first: names and
+    directory tests only, nothing opened (what a browser shows before verifying)."""
+    return _checkpoint_dirs(ckpt_root_of(Path(path)))
 
 
 def list_checkpoints(path: Path, *, check_hash: bool = True) -> list[CheckpointEntry]:
@@ -433,20 +498,48 @@ def list_checkpoints(path: Path, *, check_hash: bool = True) -> list[CheckpointE
 
     Temp dirs (`.tmp-*`) are never listed. `check_hash=False` skips the sha256 (fast listing).
     """
-    return [_entry(p, check_hash) for p in _checkpoint_dirs(ckpt_root_of(Path(path)))]
+    return [checkpoint_entry(p, check_hash=check_hash) for p in checkpoint_dirs(path)]
 
 
 def find_resume_checkpoint(ckpt_root: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
-    """The newest checkpoint that verifies (None if none does) and the newer ones skipped, why."""
+    """The newest checkpoint that verifies (None if none does) and the newer ones skipped, why.
+
+    The skipped list names the first NAMED_SKIPPED; one more item, for the checkpoints
+    directory, counts the rest (a run directory may hold thousands of broken `step_*` entries:
+    one line each would drown the log; `andrea-ckpt verify` lists them all)."""
     skipped: list[tuple[Path, str]] = []
-    for p in _checkpoint_dirs(ckpt_root_of(Path(ckpt_root))):
+    root = ckpt_root_of(Path(ckpt_root))
+    found = None
+    more: list[Path] = []
+    for p in _checkpoint_dirs(root):
         try:
             verify_checkpoint(p)
         except CheckpointInvalid as e:
-            skipped.append((p, str(e)))
+            if len(skipped) < NAMED_SKIPPED:
+                skipped.append((p, str(e)))
+            else:
+                more.append(p)
             continue
-        return p, skipped
-    return None, skipped
+        found = p
+        break
+    if more:
+        skipped.append((root, f"and {len(more):,} more that do not verify ({more[0].name} down "
+                              f"to {more[-1].name}; andrea-ckpt verify {root} lists each)"))
+    return found, skipped
+
+
+
+def resume_point(ckpt_root: Path) -> str:
+    """Where a `--resume` of the run continues, in words: its newest valid checkpoint."""
+    path, _ = find_resume_checkpoint(ckpt_root)
+    if path is None:
+        return "no checkpoint of this run is valid: `--resume` would start it afresh"
+    return f"the newest valid checkpoint is {path}: `--resume` continues from it"
+
+def summarize(items: Sequence[str], first: int = NAMED_SKIPPED, sep: str = ", ") -> str:
+    """`a, b, c` or, for a long list, its first few and `and N more`."""
+    head = sep.join(items[:first])
+    return head if len(items) <= first else f"{head} and {len(items) - first:,} more"
 
 
 def load_checkpoint(path: Path) -> Checkpoint:
@@ -457,7 +550,7 @@ def load_checkpoint(path: Path) -> Checkpoint:
     raw = memoryview(buf).cast("B")
     h = hashlib.sha256()
     try:
-        with open(path / MODEL_FILE, "rb", buffering=0) as f:
+        with infile.open_regular(path / MODEL_FILE, buffering=0) as f:
             h.update(f.read(HEADER.size))
             pos = 0
             while pos < len(raw):
@@ -483,15 +576,28 @@ def _remove_checkpoint(path: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
+def _unwritable(d: Path) -> str | None:
+    """Why entries of directory `d` cannot be renamed or removed; None when they can."""
+    if os.access(d, os.W_OK | os.X_OK):
+        return None
+    try:
+        if os.statvfs(d).f_flag & os.ST_RDONLY:
+            return "read-only file system"
+    except OSError as e:
+        return e.strerror or str(e)
+    return "permission denied"
+
+
 def prune(ckpt_root: Path, keep: int, reasons: Collection[str], *, check_hash: bool = True,
-          dry_run: bool = False) -> list[Path]:
+          dry_run: bool = False, all_or_nothing: bool = False) -> list[Path]:
     """Delete checkpoints whose reason is in `reasons` beyond the newest `keep` valid ones;
     return what was (or, with dry_run, would be) deleted.
 
     Never touches a checkpoint of another reason or whose reason cannot be read, nor the newest
     valid checkpoint of the run (what a resume starts from). Invalid ones older than the oldest
     kept one go too; newer invalid ones stay for inspection. Call it only after a newer
-    checkpoint is committed.
+    checkpoint is committed. `all_or_nothing` (andrea-ckpt prune): where one of them could not
+    be deleted (a read-only directory), UserError before any is, naming the directory and why.
     """
     if keep < 1:
         raise UserError(f"--keep: expected an integer >= 1, got {keep}")
@@ -499,18 +605,35 @@ def prune(ckpt_root: Path, keep: int, reasons: Collection[str], *, check_hash: b
     entries = list_checkpoints(root, check_hash=check_hash)  # newest first
     newest_valid = next((e.path for e in entries if e.valid), None)
     kept = 0
-    removed: list[Path] = []
+    doomed: list[Path] = []
     for e in entries:
         if e.reason not in reasons:
             continue
         if kept < keep or e.path == newest_valid:
             kept += e.valid
             continue
-        if not dry_run:
-            _remove_checkpoint(e.path)
-        removed.append(e.path)
-    if removed and not dry_run:
-        fsync_dir(root)
+        doomed.append(e.path)
+    if dry_run or not doomed:
+        return doomed
+    if all_or_nothing:
+        # a checkpoint goes by a rename in `root`, then its files by unlinks in its own directory
+        for d in (root, *doomed):
+            why = _unwritable(d)
+            if why is not None:
+                raise UserError(f"{d}: cannot delete checkpoints here ({why}); nothing was "
+                                "removed")
+    removed: list[Path] = []
+    for path in doomed:
+        try:
+            _remove_checkpoint(path)
+        except OSError as e:
+            if not all_or_nothing:
+                raise
+            raise UserError(f"{path.parent}: cannot delete {path.name} ({e.strerror or e}); "
+                            f"{len(removed)} checkpoint(s) removed before it, each whole, the "
+                            "others left as they were") from None
+        removed.append(path)
+    fsync_dir(root)
     return removed
 
 

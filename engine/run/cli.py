@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
+import stat
 import sys
 from pathlib import Path
 
 from engine.config import PRECISIONS, load_config
 from engine.errors import UserError, cli_entry
+from engine.run.identity import EngineLock, make_run_dir, unmade_on_refusal
 from engine.run.loop import RunOptions, TrainingRun
 from engine.run.signals import SignalFlags
 from engine.runfiles import refuse_overwrite
@@ -60,7 +61,17 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     if args.gpus > 1 and ("WORLD_SIZE" in os.environ or "SLURM_NTASKS" in os.environ):
         raise UserError("--gpus: this process is already one rank of a launcher's job "
                         "(WORLD_SIZE or SLURM_NTASKS is set): leave --gpus out")
+    if args.gpus > 1 and _is_pipe(args.config):
+        raise UserError(f"{args.config}: --gpus {args.gpus} needs the config as a file (each "
+                        "rank reads it; a pipe such as <(cat cfg.json) gives its bytes once)")
     return args
+
+
+def _is_pipe(path: str) -> bool:
+    try:
+        return stat.S_ISFIFO(os.stat(path).st_mode)
+    except OSError:
+        return False  # load_config says what is wrong
 
 
 @cli_entry
@@ -68,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     flags = SignalFlags()
     flags.install()  # first: SIGUSR1's default action would kill us
     args = _parse(argv)
-    cfg = load_config(args.config)
+    with flags.interrupting():  # a config from a pipe may keep us waiting: a stop ends it
+        cfg = load_config(args.config)
     if args.max_steps is not None:
         cfg = cfg.with_max_steps(args.max_steps)
     if args.precision is not None:
@@ -77,41 +89,34 @@ def main(argv: list[str] | None = None) -> int:
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"{run_dir}: exists and is not a directory")
     refuse_overwrite(run_dir, args.resume)
-    created = not run_dir.exists()
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"--run-dir {run_dir}: cannot create it: {e.strerror or e}") from None
+    created = make_run_dir(run_dir)
     options = RunOptions(resume=args.resume, max_steps=args.max_steps, backend=args.backend,
                          attention=args.attention, retune=args.retune, precision=args.precision)
-    try:
+    # A refusal removes only what this process created, and only while it holds the run's
+    # lock (TrainingRun, _launch); refused because another engine holds it, it removes nothing.
+    with unmade_on_refusal(run_dir, created):
         require_writable(run_dir)
-        if args.gpus > 1:
-            code = _launch(args, run_dir)
-            if code == 2 and created:  # rank 0 refused its input: leave no trace
-                shutil.rmtree(run_dir, ignore_errors=True)
-            return code
-        return TrainingRun(cfg, run_dir, options, flags,
-                           argv if argv is not None else sys.argv).run()
-    except UserError:
-        if created:  # refused: leave no trace of a run that never was
-            shutil.rmtree(run_dir, ignore_errors=True)
-        raise
+    if args.gpus > 1:
+        return _launch(args, run_dir, created)
+    return TrainingRun(cfg, run_dir, options, flags, argv if argv is not None else sys.argv,
+                       created_dir=created).run()
 
 
-def _launch(args: argparse.Namespace, run_dir: Path) -> int:
-    """`--gpus N`: hold the run's lock and run N ranks of this command (engine.run.launch)."""
+def _launch(args: argparse.Namespace, run_dir: Path, created: bool) -> int:
+    """`--gpus N`: hold the run's lock and run N ranks of this command (engine.run.launch).
+    Rank 0 refused its input (exit status 2): it put its files back; the lock file goes too if
+    this process made it, and the run directory if it made that and it is empty."""
     from engine.backends import resolve_backend
-    from engine.run.identity import EngineLock
     from engine.run.launch import run_ranks
 
-    backend, _ = resolve_backend(args.backend)
-    if backend == "cuda":
-        import pycuda.driver as drv
+    with unmade_on_refusal(run_dir, created):
+        backend, _ = resolve_backend(args.backend)
+        if backend == "cuda":
+            import pycuda.driver as drv
 
-        drv.init()
-        if drv.Device.count() < args.gpus:
-            raise UserError(f"--gpus {args.gpus}: this host has {drv.Device.count()} GPU(s)")
+            drv.init()
+            if drv.Device.count() < args.gpus:
+                raise UserError(f"--gpus {args.gpus}: this host has {drv.Device.count()} GPU(s)")
     lock = EngineLock().acquire(run_dir)  # the job's lock, for as long as any rank runs
     rank_argv = [args.config, "--run-dir", str(run_dir), "--backend", backend]
     if args.resume:
@@ -122,9 +127,13 @@ def _launch(args: argparse.Namespace, run_dir: Path) -> int:
         rank_argv += ["--precision", args.precision]
     rank_argv += (["--attention", args.attention] if args.attention else []) + \
         (["--retune"] if args.retune else [])
+    code = 1
     try:
-        return run_ranks(args.gpus, rank_argv, run_dir, cuda=backend == "cuda")
+        code = run_ranks(args.gpus, rank_argv, run_dir, cuda=backend == "cuda")
+        return code
     finally:
+        if code == 2:
+            lock.discard(remove_dir=created)
         lock.release()
 
 

@@ -8,11 +8,13 @@ through, imports this.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -50,49 +52,156 @@ def proc_start_time(pid: int) -> int | None:
         return None
 
 
+def proc_state(pid: int) -> str | None:
+    """The scheduler state of `pid` (/proc/PID/stat field 3: R running, S sleeping, T stopped
+    by a signal, t stopped by a tracer, ...), or None when there is no such process."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    rest = data[data.rfind(b")") + 2 :].split()
+    return rest[0].decode("ascii", "replace") if rest else None
+
+
+class LockHeld(UserError):
+    """Another engine holds the run's lock: this one was refused and touches nothing there."""
+
+
 class EngineLock:
-    """The `engine.lock` flock, held for the engine's lifetime (the kernel drops it on any exit)."""
+    """The `engine.lock` flock, held for the engine's lifetime (the kernel drops it on any exit).
+
+    `created` says whether this process made the lock file: only then may it remove it
+    (`discard`), while holding it. A file removed under a waiting engine is not a lock any
+    more: `acquire` locks the file that is at the path once it holds it, or tries again."""
 
     def __init__(self) -> None:
         self._fd: int | None = None
+        self._path: Path | None = None
+        self.created = False
+        self.made_dir = False  # the run directory was removed under acquire and made again
 
     @property
     def held(self) -> bool:
         return self._fd is not None
 
     def acquire(self, run_dir: Path, retry_s: float = 1.0) -> EngineLock:
-        """Take the lock or raise UserError naming the holder's pid.
+        """Take the lock or raise LockHeld naming the holder's pid.
 
         A controller probes the lock with a brief shared flock, so a failed attempt is retried
         for `retry_s` before concluding another engine holds it.
         """
         path = Path(run_dir) / LOCK
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as e:
-            raise UserError(f"{path}: cannot open the run's lock: {e.strerror or e}") from None
         deadline = time.monotonic() + retry_s
         while True:
+            fd, created = self._open(path)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
             except BlockingIOError:
+                os.close(fd)
                 if time.monotonic() >= deadline:
-                    os.close(fd)
                     info = read_engine_info(Path(run_dir))
-                    holder = info.pid if info else "unknown"
-                    raise UserError(
+                    holder = info.pid if isinstance(info, EngineInfo) else "unknown"
+                    raise LockHeld(
                         f"{path}: held by engine pid {holder}: another engine is running on "
                         f"this run directory"
                     ) from None
                 time.sleep(0.02)
-        self._fd = fd
+                continue
+            if _same_file(fd, path):
+                break
+            os.close(fd)  # its creator removed it (a refused start): lock the one there now
+        self._fd, self._path, self.created = fd, path, created
         return self
+
+    def _open(self, path: Path) -> tuple[int, bool]:
+        """The lock file's descriptor, and whether this call created it. A run directory that
+        its creator removed meanwhile (a refused start) is made again: this engine was given
+        it, and then counts as its creator."""
+        # O_NOFOLLOW: a link in the lock's place (dangling, it would make the create and the
+        # open below fail in turn for ever) is refused, as anything not the run's own file.
+        flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
+        try:
+            while True:
+                try:
+                    return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644), True
+                except FileExistsError:
+                    pass
+                except FileNotFoundError:
+                    if self.made_dir or path.parent.exists():
+                        raise
+                    try:
+                        path.parent.mkdir()
+                        self.made_dir = True
+                    except FileExistsError:
+                        pass
+                    continue
+                try:
+                    return os.open(path, flags), False
+                except FileNotFoundError:
+                    continue  # removed in between: create it
+        except OSError as e:
+            why = "a symbolic link, not the run's lock file" if e.errno == errno.ELOOP else \
+                e.strerror or e
+            raise UserError(f"{path}: cannot open the run's lock: {why}") from None
 
     def release(self) -> None:
         if self._fd is not None:
             os.close(self._fd)  # closing the only descriptor drops the flock
             self._fd = None
+
+    def discard(self, remove_dir: bool = False) -> None:
+        """A refused start: remove the lock file if this process created it, then, with
+        `remove_dir` (this process created the run directory), the directory if it is empty,
+        all while the lock is held; then release it. Another process's files stay."""
+        if self._fd is not None and self._path is not None:
+            try:
+                if self.created and _same_file(self._fd, self._path):
+                    self._path.unlink()
+                if remove_dir or self.made_dir:
+                    os.rmdir(self._path.parent)  # fails unless empty: nobody else's is there
+            except OSError:
+                pass
+        self.release()
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether `path` still names the file open on `fd`."""
+    try:
+        a, b = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+@contextlib.contextmanager
+def unmade_on_refusal(run_dir: Path, created: bool) -> Iterator[None]:
+    """Bad input found before the run's lock is taken: the run directory this process made
+    goes again while it is empty (an engine that took the lock meanwhile has its lock file
+    there, so the directory stays)."""
+    try:
+        yield
+    except UserError:
+        if created:
+            try:
+                run_dir.rmdir()
+            except OSError:
+                pass
+        raise
+
+
+def make_run_dir(run_dir: Path) -> bool:
+    """Make the run directory (and its parents); True when this call created it, False when it
+    was there already (another engine's, perhaps made at the same instant)."""
+    try:
+        run_dir.mkdir(parents=True)
+        return True
+    except FileExistsError:
+        if run_dir.is_dir():
+            return False
+        raise UserError(f"{run_dir}: exists and is not a directory") from None
+    except OSError as e:
+        raise UserError(f"--run-dir {run_dir}: cannot create it: {e.strerror or e}") from None
 
 
 def engine_info(argv: list[str], run_id: str, world: World | None = None,

@@ -11,6 +11,7 @@ killed; a rank 0 that could not write the run's end itself gets it written here.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import signal
@@ -22,6 +23,7 @@ import uuid
 from pathlib import Path
 
 from engine import records as rec
+from engine.run.checkpoint import resume_point
 from engine.run.topology import pin_reduction_order
 from engine.run.world import JOB_TOKEN, LAUNCHER_PID, LISTEN_FD
 from engine.runfiles import JsonlWriter, RunPaths, read_json, write_json_atomic
@@ -73,9 +75,9 @@ def _mark_failed(run_dir: Path, message: str) -> None:
         w.write(rec.ErrorEvent(t=time.time(), message=message).to_json())
         w.close()
         if isinstance(state, rec.RunStatus):
-            write_json_atomic(paths.state, rec.RunStatus(
-                rec.Status.FAILED, state.step, state.max_steps, state.backend, state.device,
-                state.pid, state.run_id, state.last_checkpoint, time.time()).to_json())
+            write_json_atomic(paths.state, dataclasses.replace(
+                state, status=rec.Status.FAILED, updated=time.time(),
+                error=f"{message}; {resume_point(paths.checkpoints)}").to_json())
     except OSError:
         pass
 

@@ -41,6 +41,8 @@ from engine.run.world import world_from_env
 from engine.run.writer import QuietWriter
 from engine.runfiles import has_checkpoints
 
+CRASH_WRITE_WAIT_S = 120.0  # a crash waits this long for a checkpoint being written to end
+
 
 def _fmt_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -67,13 +69,17 @@ class TrainingRun:
     """One training process bound to one run directory."""
 
     def __init__(self, cfg: Config, run_dir: Path, args: RunOptions,
-                 flags: SignalFlags, argv: list[str]) -> None:
-        from engine.run.identity import EngineLock
+                 flags: SignalFlags, argv: list[str], created_dir: bool = False) -> None:
+        """`created_dir`: this process made the run directory (a new run): a refusal for bad
+        input removes it again, if nothing but this process's files was ever in it."""
+        from engine.run.identity import EngineLock, unmade_on_refusal
         from engine.run.writer import RunWriter
 
         self.cfg, self.run_dir, self.args, self.flags = cfg, run_dir, args, flags
+        self.created_dir = created_dir
         self.ckpt_root = run_dir / "checkpoints"
-        self.world = world = world_from_env()
+        with unmade_on_refusal(run_dir, created_dir):  # bad input before the lock is taken
+            self.world = world = world_from_env()
         self.channel: Channel | None = None  # the other ranks, when there are any
         self._saved_precision: str | None = None  # a resumed run's train.precision
         # Rank 0 owns the run directory; `andrea-train --gpus` holds its lock for the job.
@@ -85,12 +91,15 @@ class TrainingRun:
         try:
             self.out = RunWriter(run_dir) if world.main else QuietWriter(run_dir)
         except OSError as e:
+            self._discard_lock()
             raise UserError(f"{run_dir}: cannot write the run's files: {e.strerror or e}") from None
         self.writer: Any = None
         self.steps_run = 0  # optimizer steps taken by this process
         self.inflight: list[str] = []  # reasons of checkpoints submitted, not yet collected
         self.snapshot_pending = False
-        self.last_write_failed = False
+        # the first checkpoint that could not be written (engine.run.checkpoint.WriteResult): the
+        # run stops at once, at the next step boundary, and says where a resume continues
+        self.write_error: Any = None
         self._stop = False  # the job agreed to stop at this step boundary
         self._snapshots = 0  # snapshot requests the job agreed on, not acted on yet
         self._hold = False  # a rank asked for one step at a time (agreed in _exchange)
@@ -128,8 +137,10 @@ class TrainingRun:
                 self._start(resume, *backend)
             except UserError:
                 # Bad input, found before anything was trained: the run's files go back to what
-                # they were (cli_entry prints the one line on stderr).
+                # they were, and what this process created goes, while it holds the lock
+                # (cli_entry prints the one line on stderr).
                 self.out.rollback()
+                self._discard_lock()
                 raise
             except (KeyboardInterrupt, PrepInterrupted, JoinInterrupted):  # a stop at start-up
                 how = self.flags.stop_name or "interrupted"
@@ -156,6 +167,12 @@ class TrainingRun:
             self._stop_monitors()
             self.out.close()
 
+    def _discard_lock(self) -> None:
+        """A refused start: the lock file goes if this process created it, and so does the run
+        directory it created, if empty; nobody else's file is touched (EngineLock.discard)."""
+        if self.lock is not None:
+            self.lock.discard(remove_dir=self.created_dir)
+
     def _crashed(self, e: BaseException) -> int:
         if self._pending is not None:  # the last step that completed keeps its record
             try:
@@ -167,7 +184,7 @@ class TrainingRun:
         what = lost or f"{type(e).__name__}: {e}"  # a rank that died explains what followed
         self.out.log("error: " + "".join(traceback.format_exception(e)).rstrip(), echo=False)
         self.out.event(rec.ErrorEvent(message=what))
-        self.out.set_status(status=Status.FAILED)
+        self.out.set_failed(f"{what}; {self._resume_point_or_none()}")
         where = f" (traceback in {self.out.paths.log})" if self.world.main else ""
         print(f"error: [{self.world.describe()}] {what}{where}", file=sys.stderr)
         return 1
@@ -189,11 +206,19 @@ class TrainingRun:
                 for b in self.channel.allgather(json.dumps(me.to_json()).encode())]
 
     def _unwritable(self) -> int:
-        """The run directory stopped taking writes: say what was kept and end (exit 1)."""
-        self.out.log(f"the run directory is not writable ({self.out.failed}); stopped at step "
-                     f"{self.trainer.step_count if hasattr(self, 'trainer') else 0}", echo=False)
-        self.out.event(rec.ErrorEvent(message=f"run directory not writable: {self.out.failed}"))
-        self.out.set_status(status=Status.FAILED)
+        """The run directory stopped taking writes: say what was kept and end (exit 1). The
+        first failed write is on stderr already (RunWriter); this adds where a resume goes on."""
+        step = self.trainer.step_count if hasattr(self, "trainer") else 0
+        what = f"run directory not writable: {self.out.failed}"
+        if self.write_error is not None:
+            what += f"; {self.write_error.error}"
+        msg = f"{what}; stopped at step {step}"
+        if self.run_dir.is_dir():  # (removed: nothing of it is left to resume from)
+            msg += f"; {self._resume_point()}"
+            print(f"  {msg}", file=sys.stderr, flush=True)
+        self.out.log(msg, echo=False)
+        self.out.event(rec.ErrorEvent(message=msg))
+        self.out.set_failed(msg, step=step)
         return 1
 
     def _pick_resume(self) -> Any:
@@ -212,7 +237,10 @@ class TrainingRun:
                             f"({why})")
         ck = load_checkpoint(path)
         saved = parse_config(ck.state["config"], f"{path / 'state.json'}: config", path)
-        overridden = {"train.max_steps"} | ({"train.precision"} if self.args.precision else set())
+        # what the command line set on purpose; a train.max_steps of the given config that
+        # differs from the run's is kept as the run's and said (--max-steps changes it)
+        overridden = ({"train.max_steps"} if self.args.max_steps is not None else set()) | \
+            ({"train.precision"} if self.args.precision else set())
         ignored = [rec.IgnoredSetting(k, kept, given)
                    for k, kept, given in config_diff(saved, self.cfg) if k not in overridden]
         if ignored:
@@ -250,10 +278,10 @@ class TrainingRun:
         would have changed, and how to train with it instead."""
         lines = [f"  {i.key}: {json.dumps(i.kept)} (kept) -- given {json.dumps(i.given)}"
                  for i in ignored]
+        lines += [f"  {a}" for a in rec.ignored_advice(ignored)]
         msg = (f"warning: --resume continues {self.run_dir} with its checkpoint's config; "
                f"{len(ignored)} setting(s) of the given config are NOT used:\n"
-               + "\n".join(lines) + "\n  to train with them, start a new run: drop --resume "
-               "and pass another --run-dir")
+               + "\n".join(lines))
         print(msg, file=sys.stderr, flush=True)
         for line in msg.splitlines():
             self.out.log(line, echo=False)
@@ -263,8 +291,12 @@ class TrainingRun:
         from engine.data.prep import load_prepared, prepare
         from engine.data.sampler import Sampler
         from engine.model.trainer import Trainer
+        from engine.run.memcheck import require_host_memory
 
         cfg = self.cfg
+        # Before the data's preparation and the trainer's buffers: a model this host cannot
+        # hold is refused now with the figures (exit 2), not killed by the kernel later.
+        require_host_memory(cfg, backend, resumed=resume is not None)
         self.out.write_json(self.out.paths.config, cfg.to_json())
         self.out.log(f"andrea-train {cfg.name} pid {os.getpid()} run {self.run_id}: {why}")
         self.out.set_status(status=Status.STARTING, step=resume.step if resume else 0,
@@ -294,24 +326,28 @@ class TrainingRun:
 
         self.out.log(f"building the {backend} trainer")
         options = self._backend_options(backend, resume)
-        if self.channel is not None and backend == "cuda":
-            # One set of GEMM algorithms for the whole job: rank 0 times them (or reads the
-            # run's plan) and the others take its choice, so every rank computes the same bits;
-            # so with its settings (attention path, switches), which the others take up as a
-            # resume takes up a record (a rank that resolves otherwise, from its environment
-            # or a cuDNN that does not start, is refused below: check_same_collectives)
-            if self.world.main:
-                self.trainer = Trainer(cfg, backend, backend_options=options)
-                be = self.trainer.backend
-                self.channel.broadcast(json.dumps({"plan": be.gemm_plan,
-                                                   "settings": be.settings}).encode())
+        # Building allocates and initialises everything (seconds for a large model): a stop
+        # meanwhile ends the start at once (KeyboardInterrupt: status stopped, nothing trained).
+        with self.flags.interrupting():
+            if self.channel is not None and backend == "cuda":
+                # One set of GEMM algorithms for the whole job: rank 0 times them (or reads the
+                # run's plan) and the others take its choice, so every rank computes the same
+                # bits; so with its settings (attention path, switches), which the others take
+                # up as a resume takes up a record (a rank that resolves otherwise, from its
+                # environment or a cuDNN that does not start, is refused below:
+                # check_same_collectives)
+                if self.world.main:
+                    self.trainer = Trainer(cfg, backend, backend_options=options)
+                    be = self.trainer.backend
+                    self.channel.broadcast(json.dumps({"plan": be.gemm_plan,
+                                                       "settings": be.settings}).encode())
+                else:
+                    got = json.loads(self.channel.broadcast(b""))
+                    self.trainer = Trainer(cfg, backend, backend_options={
+                        **options, "gemm_plan": got["plan"],
+                        "settings": rec.parse_cuda_settings(got["settings"])})
             else:
-                got = json.loads(self.channel.broadcast(b""))
-                self.trainer = Trainer(cfg, backend, backend_options={
-                    **options, "gemm_plan": got["plan"],
-                    "settings": rec.parse_cuda_settings(got["settings"])})
-        else:
-            self.trainer = Trainer(cfg, backend, backend_options=options)
+                self.trainer = Trainer(cfg, backend, backend_options=options)
         topology: dict[str, Any] = {}
         if self.channel is not None:
             reducer = make_reducer(self.channel, backend)
@@ -343,14 +379,21 @@ class TrainingRun:
         b = cfg.bandit
         self.bandit = Bandit(self.source_names, list(b.phase_lengths), b.eta, b.floor, b.seed,
                              score=b.score)
-        if resume is not None:
-            st = resume.state
-            self.trainer.load_state(resume.params, resume.m, resume.v, st["trainer"])
-            self.sampler.load_state_dict(st["sampler"])
-            self.bandit.load_state_dict(st["bandit"])
         n = self.trainer.n_params
-        # Host buffers for checkpoint copies, allocated once: the loop stalls only to fill them.
-        self.snap = {k: np.empty(n, dtype=np.float32) for k in ("params", "m", "v")}
+        with self.flags.interrupting():
+            if resume is not None:
+                st = resume.state
+                self.trainer.load_state(resume.params, resume.m, resume.v, st["trainer"])
+                self.sampler.load_state_dict(st["sampler"])
+                self.bandit.load_state_dict(st["bandit"])
+            # Host buffers for checkpoint copies, allocated once: the loop stalls only to fill
+            # them. On a resume the checkpoint's arrays, read already and copied into the
+            # trainer now, are those buffers (no second 12 bytes a parameter).
+            own = resume is not None and all(
+                a.dtype == np.float32 and a.size == n and a.flags.c_contiguous
+                and a.flags.writeable for a in (resume.params, resume.m, resume.v))
+            self.snap = ({"params": resume.params, "m": resume.m, "v": resume.v} if own else
+                         {k: np.empty(n, dtype=np.float32) for k in ("params", "m", "v")})
         from engine.run.checkpoint import CheckpointWriter
 
         self.writer = CheckpointWriter(self.ckpt_root) if self.world.main else None
@@ -554,7 +597,7 @@ class TrainingRun:
                 self._sample(step)  # text only rank 0 writes: the others would throw it away
             if self.watchdog is not None:
                 self.watchdog.beat(step)  # validation and samples are expected work
-            if world.main:  # rank 0 writes the checkpoints
+            if world.main and self.write_error is None:  # rank 0 writes the checkpoints
                 periodic_due = step % cfg.checkpoint.every == 0 and step != max_steps
                 if not self._handle_snapshot_requests(periodic_due) and periodic_due:
                     self._checkpoint("periodic", wait=False)
@@ -654,6 +697,7 @@ class TrainingRun:
         which all ranks then act on at this same step boundary (`_stop`, `_snapshots`).
         Returns (rows, each rank's step ms)."""
         stop, snaps = self.flags.stop_requested, self.flags.take_snapshot_requests()
+        stop = stop or self.write_error is not None  # rank 0's checkpoint failed: all stop
         # a rank that wants the steps taken one at a time for now: a snapshot waiting for the
         # writer, or a run directory it can no longer write
         hold = self.snapshot_pending or self.out.failed is not None
@@ -731,9 +775,17 @@ class TrainingRun:
 
     def _checkpoint(self, reason: str, wait: bool) -> None:
         """Copy the state (the only stall) and hand it to the background writer."""
+        from engine.run.checkpoint import CheckpointWriteError, WriteResult, check_room
+
         if self.writer.busy:
             self.writer.wait()  # one set of copy buffers: never overwrite one being written
             self._collect_writes()
+        step = self.trainer.step_count
+        try:  # a checkpoint that cannot fit is known now: no step is trained past it
+            check_room(self.ckpt_root, step, reason, self.trainer.n_params)
+        except CheckpointWriteError as e:
+            self._write_failed(WriteResult(step, reason, error=str(e)))
+            return
         self._copy_state()
         self.inflight.append(reason)
         self.writer.submit(self.trainer.step_count, self.snap["params"], self.snap["m"],
@@ -751,12 +803,8 @@ class TrainingRun:
             if res.reason in self.inflight:
                 self.inflight.remove(res.reason)
             if res.error is not None:
-                self.out.log(f"checkpoint ({res.reason}, step {res.step}) failed: {res.error}")
-                self.out.event(rec.CheckpointErrorEvent(step=res.step, reason=res.reason,
-                                                        error=str(res.error)))
-                self.last_write_failed = True
+                self._write_failed(res)
                 continue
-            self.last_write_failed = False
             info = res.info
             self.out.log(f"checkpoint {info.reason} step {info.step}: {info.path} "
                          f"({_fmt_bytes(info.bytes)} in {info.seconds:.2f} s)")
@@ -771,6 +819,18 @@ class TrainingRun:
             elif info.reason in MANUAL_REASONS and self.cfg.checkpoint.keep_manual:
                 prune(self.ckpt_root, self.cfg.checkpoint.keep_manual, MANUAL_REASONS,
                       check_hash=False)
+
+    def _write_failed(self, res: Any) -> None:
+        """A checkpoint was not written (`res`: engine.run.checkpoint.WriteResult). Training on
+        would only pile up steps that no checkpoint keeps: the run stops, before its next
+        step is queued (one process) or at the next step boundary, agreed (_exchange)."""
+        self.out.log(f"checkpoint ({res.reason}, step {res.step}) failed: {res.error}")
+        self.out.event(rec.CheckpointErrorEvent(step=res.step, reason=res.reason,
+                                                error=str(res.error)))
+        if self.write_error is None:
+            self.write_error = res
+            if self.channel is None:
+                self._stop = True
 
     def _handle_snapshot_requests(self, periodic_due: bool = False) -> bool:
         """SIGUSR1 → a snapshot at this step boundary. Requests that arrive while a snapshot is
@@ -811,7 +871,8 @@ class TrainingRun:
             return self._unwritable()
         if not self.world.main:
             return 0  # rank 0 writes the run's end
-        self.last_write_failed = False
+        if self.write_error is not None:
+            return self._checkpoint_failed(step)
         sig = self.flags.stop_name or "stop (asked of another rank)"
         if self._stop and self.steps_run == 0:
             self.out.event(rec.SignalEvent(signal=sig, step=step, action="stop"))
@@ -823,21 +884,56 @@ class TrainingRun:
             self.out.set_status(status=Status.STOPPING)
             self._coalesce_pending_snapshots("stop")
             self._checkpoint("stop", wait=True)
-            status = Status.FAILED if self.last_write_failed else Status.STOPPED
+            status = Status.STOPPED
         else:
             self._coalesce_pending_snapshots("final")
             if self._has_final(step):
-                self.out.log(f"already at max_steps ({max_steps}); nothing to train")
+                self.out.log(f"already at max_steps ({max_steps}); nothing to train (to go "
+                             f"on, resume with --max-steps N, N above {max_steps})")
                 self.writer.wait()
                 self._collect_writes()
             else:
                 self._checkpoint("final", wait=True)
-            status = Status.FAILED if self.last_write_failed else Status.FINISHED
+            status = Status.FINISHED
+        if self.write_error is not None:
+            return self._checkpoint_failed(step)
         end = rec.FinishedEvent if status is Status.FINISHED else rec.StopEvent
         self.out.event(end(step=step, status=status.value))
         self.out.set_status(status=status, step=step)
         self.out.log(f"{status} at step {step}")
         return 0 if status in (Status.STOPPED, Status.FINISHED) else 1
+
+    def _checkpoint_failed(self, step: int) -> int:
+        """A checkpoint could not be written (a full disk, a file-size limit): training stopped
+        at once. The log, stderr and an error event say which checkpoint, why, and where
+        `--resume` continues; state.json says failed, with the same words. Exit status 1."""
+        res = self.write_error
+        msg = (f"{res.error}; training stopped at step {step}; {self._resume_point()}")
+        self.out.log(f"error: {msg}", echo=False)
+        self.out.event(rec.ErrorEvent(message=msg))
+        print(f"error: {msg}", file=sys.stderr, flush=True)
+        self.out.set_failed(msg, step=step)
+        return 1
+
+    def _resume_point(self) -> str:
+        """Where a `--resume` of this run directory continues: its newest valid checkpoint."""
+        from engine.run.checkpoint import resume_point
+
+        where = resume_point(self.ckpt_root)
+        return where + (" once the run directory has room again" if "newest" in where else "")
+
+    def _resume_point_or_none(self) -> str:
+        """`_resume_point` for a crash, once a checkpoint being written is done (it may be the
+        newest): whatever failed may fail this too, and the first error is the one to tell."""
+        from engine.run.checkpoint import resume_point
+
+        try:
+            if self.writer is not None:
+                self.writer.wait(timeout=CRASH_WRITE_WAIT_S)
+                self._collect_writes()
+            return resume_point(self.ckpt_root)
+        except Exception:
+            return "see `andrea-ckpt verify` for a checkpoint to resume from"
 
     def _has_final(self, step: int) -> bool:
         from engine.run.checkpoint import list_checkpoints

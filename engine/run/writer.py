@@ -9,7 +9,9 @@ Two promises to the user:
   and `rollback()` puts them back (appended lines cut off, replaced files restored, files it
   created removed), so a `--resume` refused for bad input leaves the run exactly as it was.
 - Lines are appended with one write each (unbuffered, O_APPEND), so the telemetry sampler and
-  the stall watchdog, threads of their own, append events and samples beside the loop safely.
+  the stall watchdog, threads of their own, append events and samples beside the loop safely;
+  a file an earlier engine left ending mid-line (a crash, a full disk) gets that line ended
+  first (engine.runfiles.open_append), so a resume's first records stay whole.
 - A run directory that stops being writable (a full disk, the directory deleted under the engine)
   never turns into a traceback: the first failed write is reported once on stderr, `failed` is
   set for the loop to stop on, and later writes are attempted quietly.
@@ -25,7 +27,14 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from engine.records import EvalRecord, Event, RunStatus, Sample, Status, StepRecord, SystemRecord
-from engine.runfiles import JsonlWriter, RunPaths, write_bytes_atomic, write_json_atomic
+from engine.runfiles import (
+    JsonlWriter,
+    RunPaths,
+    open_append,
+    read_json,
+    write_bytes_atomic,
+    write_json_atomic,
+)
 
 STATUS_EVERY_S = 0.5  # step-by-step status updates are throttled to this
 
@@ -47,8 +56,12 @@ def _size(path: Path) -> int | None:
 
 
 def _content(path: Path) -> bytes | None:
+    """A run file's bytes; None when missing, unreadable or not a regular file (a FIFO in its
+    place is never opened: the atomic write that follows replaces it)."""
+    from engine.infile import read_regular
+
     try:
-        return path.read_bytes()
+        return read_regular(path)
     except OSError:
         return None
 
@@ -63,15 +76,24 @@ class RunWriter:
                                                 p.system)}
         self._replaced = {f: _content(f) for f in (p.state, p.engine, p.config, p.gemm_plan)}
         self.failed: OSError | None = None  # the first write that failed
-        self._log = open(p.log, "a", buffering=1, encoding="utf-8")
+        self._log: TextIO | None = None
+        self._files: list[JsonlWriter] = []
+        try:
+            log_fd, self._log_torn = open_append(p.log)
+            self._log = open(log_fd, "a", buffering=1, encoding="utf-8")
+            self._loss, self._events, self._samples, self._eval, self._system = (
+                self._open(f) for f in (p.loss, p.events, p.samples, p.eval, p.system))
+        except OSError:
+            self.rollback()  # what it created goes again: a refusal leaves no trace
+            raise
         self._echo = not _same_file(sys.stdout, p.log)
-        self._loss = JsonlWriter(p.loss)
-        self._events = JsonlWriter(p.events)
-        self._samples = JsonlWriter(p.samples)
-        self._eval = JsonlWriter(p.eval)
-        self._system = JsonlWriter(p.system)
         self.status = status or RunStatus(Status.STARTING)
         self._status_written = 0.0
+
+    def _open(self, path: Path) -> JsonlWriter:
+        w = JsonlWriter(path)
+        self._files.append(w)
+        return w
 
     def _failed(self, what: Path, e: OSError) -> None:
         if self.failed is None:
@@ -86,8 +108,11 @@ class RunWriter:
         line = f"{time.strftime('%H:%M:%S')} {msg}"
         if self._echo and echo:
             print(line, flush=True)
+        if self._log_torn:  # the torn line's end could not be written at open: it goes first
+            line = "\n" + line
         try:
             self._log.write(line + "\n")
+            self._log_torn = False
         except OSError as e:
             self._failed(self.paths.log, e)
         except ValueError:  # closed after a failure
@@ -131,6 +156,25 @@ class RunWriter:
         except OSError as e:
             self._failed(self.paths.state, e)
 
+    def set_failed(self, error: str, **changes: Any) -> None:
+        """The run failed: `state.json` says `failed` and why (`error`), fsynced. Where it
+        cannot be replaced (the full disk that ended the run), stderr says so, since the file
+        still says what it said before."""
+        self.status = dataclasses.replace(self.status, status=Status.FAILED, error=error,
+                                          **changes)
+        self._status_written = now = time.time()
+        if self._removed():
+            return
+        try:
+            write_json_atomic(self.paths.state, dataclasses.replace(self.status,
+                                                                    updated=now).to_json())
+        except OSError as e:
+            was = RunStatus.from_json(read_json(self.paths.state))
+            said = f"it still says {was.status}" if isinstance(was, RunStatus) else \
+                "it does not say so"
+            print(f"warning: {self.paths.state} could not be replaced ({e.strerror or e}): "
+                  f"{said}, but the run failed", file=sys.stderr, flush=True)
+
     def _removed(self) -> bool:
         """The run directory was deleted under us (our open engine.log has no name left): a
         write now would only land in files nobody can see, or in a directory made anew."""
@@ -170,13 +214,14 @@ class RunWriter:
                 pass
 
     def close(self) -> None:
-        for w in (self._loss, self._events, self._samples, self._eval, self._system):
+        for w in self._files:
             try:
                 w.close()
             except OSError:
                 pass
         try:
-            self._log.close()
+            if self._log is not None:
+                self._log.close()
         except OSError:
             pass
 
@@ -213,6 +258,10 @@ class QuietWriter(RunWriter):
 
     def set_status(self, *, durable: bool = True, **changes: Any) -> None:
         self.status = dataclasses.replace(self.status, **changes)
+
+    def set_failed(self, error: str, **changes: Any) -> None:
+        self.status = dataclasses.replace(self.status, status=Status.FAILED, error=error,
+                                          **changes)
 
     def write_json(self, path: Path, obj: Any) -> None:
         pass
