@@ -26,6 +26,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Footer, Static
 
+from andrea_tui import liveness
 from andrea_tui import settings as user_settings
 from andrea_tui.charts import GradNormChart, LossChart
 from andrea_tui.dashboard import LAST_N, DashboardView
@@ -37,7 +38,9 @@ from andrea_tui.runstate import LossHistory, RunState
 from andrea_tui.samplescreen import SamplesScreen
 from andrea_tui.screens import ForceStopScreen, HelpScreen
 from andrea_tui.supervisor import EngineSupervisor, Outcome
+from andrea_tui.textfmt import fmt_duration, fmt_num
 from andrea_tui.watcher import FilesChanged, RunWatcher
+from engine import records as rec
 
 
 class Backlog:
@@ -51,7 +54,7 @@ class Backlog:
 
 
 RESUME_NEWS_S = 60.0  # a resume this much older than the app is old news, not told again
-NEWS_SLACK_S = 5.0  # checkpoints and alerts written this long before the app started are news
+NEWS_SLACK_S = 5.0  # alerts written this long before the app started are news
 # Keys that act on the dashboard itself: off (and out of the footer) on a screen pushed over it.
 DASHBOARD_ACTIONS = frozenset({
     "toggle", "smoother", "checkpoints", "log", "samples", "help", "export"})
@@ -96,6 +99,7 @@ class AndreaApp(App[str]):
         control_interval: float = 1.0,
         stop_timeout: float = 120.0,
         on_frame: Callable[[int | None], None] | None = None,
+        session_start: float | None = None,
     ) -> None:
         super().__init__()
         self.run_dir = Path(run_dir)
@@ -111,6 +115,11 @@ class AndreaApp(App[str]):
         self.pacer = FramePacer(self._read, self._draw)
         self.watcher = RunWatcher(self.run_dir, self)
         self._started = time.time()
+        # When this session began (`andrea-tui` launching the engine: before it started it);
+        # only checkpoints written since are news.
+        self.session_start = self._started if session_start is None else session_start
+        self._clock = clock
+        self._halt_told = ""  # the frozen or stalled state a toast has told (once each)
         self.settings = user_settings.load()
         self._resumes_told = 0
         self._alerts_seen = 0
@@ -144,9 +153,13 @@ class AndreaApp(App[str]):
         self.view.fit(*self.size)
         self.view.set_titles()
         self.view.apply(self.settings)
-        # First frame from the end of loss.jsonl; the whole history follows from a thread.
-        self.state.set_history(LossHistory.build(self.reader.read_preview()))
+        # The small files and the events first (resumes, max_steps: what the step records are
+        # read with); then a first frame from the end of loss.jsonl; the whole history follows
+        # from a thread.
         self.reader.poll(include_loss=False)
+        st = self.state
+        self.state.set_history(LossHistory.build(self.reader.read_preview(), st.series.ema_alpha,
+                                                 list(st.resumes), st.order.fresh()))
         self._check_engine()
         self.pacer.draw_now()
         self.call_after_refresh(self.view.redraw_charts)
@@ -199,8 +212,7 @@ class AndreaApp(App[str]):
         if self.reader.backlog:
             self.pacer.files_changed(Backlog(self.reader.backlog))  # the rest, next frame
         if changed:
-            for text in self.supervisor.checkpoint_news(self.state,
-                                                        since=self._started - NEWS_SLACK_S):
+            for text in self.supervisor.checkpoint_news(self.state, since=self.session_start):
                 self.notify(text, title="checkpoint written")
             self._tell_ignored_settings()
             self._tell_alerts()
@@ -235,21 +247,49 @@ class AndreaApp(App[str]):
                  if r.ignored and r.t >= self._started - RESUME_NEWS_S]
         self._resumes_told = len(self.state.resumes)
         for r in fresh:
-            lines = "\n".join(f"{i.key}: {i.kept!r} kept (given {i.given!r})" for i in r.ignored)
+            lines = "\n".join([f"{i.key}: {i.kept!r} kept (given {i.given!r})" for i in r.ignored]
+                              + [a[0].upper() + a[1:] + "." for a in rec.ignored_advice(r.ignored)])
             self.notify(f"resumed at step {r.step} with the checkpoint's config; these settings "
-                        f"of the given config are NOT used:\n{lines}\nTo train with them, start "
-                        "a new run: no --resume, another --run-dir.", severity="warning",
+                        f"of the given config are NOT used:\n{lines}", severity="warning",
                         title="config not applied", timeout=30)
 
     def _draw(self) -> None:
         """The pacer's frame: the text panels, with the engine's word in the header."""
         st, sup = self.state, self.supervisor
         note = sup.note(st, self.history_loaded)
+        halted = self._halted(note)
+        if halted:
+            note = halted
         if not note and not self.history_loaded:
             note = f"{st.status} (loading history…)"
-        self.view.show(note, dead=sup.engine_dead(st.live, self.history_loaded))
+        self.view.show(note, dead=sup.engine_dead(st.live, self.history_loaded),
+                       halted=bool(halted))
         if self.on_frame is not None:
             self.call_after_refresh(self.on_frame, st.series.last_step)
+
+    def _halted(self, note: str) -> str:
+        """The header's word for a verified engine that is not training: frozen (its process
+        stopped) or stalled (no step for much longer than its own pace: liveness); "" when it
+        trains. Each frozen or stalled spell is told once in a toast."""
+        st, sup = self.state, self.supervisor
+        now = self._clock()
+        idle = liveness.idle_for(st, now)
+        idle_text = f"no step for {fmt_duration(idle)}" if idle is not None else ""
+        kind = word = toast = ""
+        if sup.frozen and sup.controllable:
+            kind, word = sup.frozen, note + (f", {idle_text}" if idle_text else "")
+            toast = (f"the engine's process (pid {sup.frozen_pid}) is stopped: no step comes "
+                     f"until it is continued (kill -CONT {sup.frozen_pid})")
+        elif (not note and sup.controllable and self.history_loaded
+              and (stall := liveness.stalled(st, now)) is not None):
+            kind = "stalled"
+            word = f"stalled: {idle_text or f'no progress for {fmt_duration(stall.waited)}'}"
+            toast = (f"{word}; this run's median step takes {fmt_num(liveness.step_pace(st))} s, "
+                     f"a stall is {fmt_duration(stall.line)} without one")
+        if kind and kind != self._halt_told:
+            self.notify(toast, title=kind, severity="warning", timeout=15)
+        self._halt_told = kind
+        return word
 
     # ------------------------------------------------------------ the engine
 

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar
 
+from rich.cells import cell_len
 from rich.text import Text
 from textual import work
 from textual.app import App, ComposeResult
@@ -21,6 +22,23 @@ from textual.widgets import DataTable, Footer, Static
 
 from andrea_tui.generate_screen import GenerateScreen
 from andrea_tui.textfmt import fmt_bytes, fmt_int, fmt_num
+
+ROW_LIMIT = 1000  # rows shown for the listing; a valid checkpoint beyond them gets one too
+FLUSH_S = 0.2  # how often verified rows are filled in
+
+
+def _step_of(path: Path) -> int:
+    """The step in a `step_XXXXXXXX[-k]` name."""
+    return int(path.name[5:13])
+
+
+def _cells(e: Any) -> tuple[Any, ...]:
+    """One checkpoint's row (an engine.run.checkpoint.CheckpointEntry)."""
+    valid = Text("valid", style="green") if e.valid else Text("INVALID", style="bold red")
+    # The reason names the full path; the row already says which checkpoint it is.
+    why = e.path.name if e.valid else (e.invalid_reason or "").replace(
+        str(e.path.parent) + "/", "")
+    return (fmt_int(e.step), e.reason or "?", _when(e.wall_time), fmt_bytes(e.bytes), valid, why)
 
 
 def _when(t: float | None) -> str:
@@ -69,7 +87,13 @@ def _close(screen: Screen) -> None:
 
 
 class CheckpointListScreen(Screen[None]):
-    """All checkpoints of a run, newest first, each verified (sha256 included)."""
+    """All checkpoints of a run, newest first, each verified (sha256 included).
+
+    The rows come from the directory listing alone (names and directory tests: nothing is
+    opened), so they show at once however many `step_*` entries there are; a worker then
+    verifies them newest first and fills each row in. At most ROW_LIMIT rows are shown for
+    the listing; an entry beyond it gets a row only when it verifies (a valid checkpoint is
+    never hidden), and the header counts the invalid ones left out."""
 
     BINDINGS: ClassVar[list[Binding]] = [
         # q closes here: the dashboard's q (stop the engine) must not fire from a pushed screen.
@@ -83,8 +107,14 @@ class CheckpointListScreen(Screen[None]):
     def __init__(self, path: Path) -> None:
         super().__init__()
         self.path = Path(path)
-        self.entries: list[Any] = []
+        self.rows: list[Path] = []  # the checkpoint directory of each row, in row order
+        self.entries: list[Any] = []  # the rows verified so far (a prefix of `rows`)
         self.marked: list[Path] = []
+        self._gen = 0  # which listing the worker's results belong to (r starts another)
+        self._found = 0
+        self._bad = 0
+        self._hidden = 0  # invalid entries beyond ROW_LIMIT, counted, not shown
+        self._cols: list[Any] = []
 
     def compose(self) -> ComposeResult:
         yield Static(f"checkpoints of {self.path} · verifying…", id="ckpt-header")
@@ -93,43 +123,101 @@ class CheckpointListScreen(Screen[None]):
 
     def on_mount(self) -> None:
         table = self.query_one(DataTable)
-        table.add_columns("step", "reason", "written", "size", "valid", "path / why invalid")
-        self._load()
+        self._cols = table.add_columns("step", "reason", "written", "size", "valid",
+                                       "path / why invalid")
+        self._start_load()
 
     def action_reload(self) -> None:
         self.query_one("#ckpt-header", Static).update(f"checkpoints of {self.path} · verifying…")
-        self._load()
+        self._start_load()
+
+    def _start_load(self) -> None:
+        self._gen += 1
+        self._load(self._gen)
 
     @work(thread=True, exclusive=True, group="ckpt-list", exit_on_error=False)
-    def _load(self) -> None:
-        from engine.run.checkpoint import list_checkpoints
+    def _load(self, gen: int) -> None:
+        from textual.worker import get_current_worker
 
-        entries = list_checkpoints(self.path)
-        self.app.call_from_thread(self._show, entries)
+        from engine.run.checkpoint import checkpoint_dirs, checkpoint_entry
 
-    def _show(self, entries: list[Any]) -> None:
-        self.entries = entries
+        worker = get_current_worker()
+        dirs = checkpoint_dirs(self.path)
+        self.app.call_from_thread(self._show_names, gen, dirs)
+        batch: list[Any] = []
+        flushed = time.monotonic()
+        for p in dirs:
+            if worker.is_cancelled:
+                return
+            batch.append(checkpoint_entry(p))
+            if time.monotonic() - flushed >= FLUSH_S:
+                self.app.call_from_thread(self._show_verified, gen, batch, False)
+                batch, flushed = [], time.monotonic()
+        self.app.call_from_thread(self._show_verified, gen, batch, True)
+
+    def _show_names(self, gen: int, dirs: list[Path]) -> None:
+        if gen != self._gen:
+            return
         table = self.query_one(DataTable)
         table.clear()
-        for e in entries:
-            valid = Text("valid", style="green") if e.valid else Text("INVALID", style="bold red")
-            # The reason names the full path; the row already says which checkpoint it is.
-            why = e.path.name if e.valid else (e.invalid_reason or "").replace(
-                str(e.path.parent) + "/", "")
-            table.add_row(fmt_int(e.step), e.reason or "?", _when(e.wall_time),
-                          fmt_bytes(e.bytes), valid, why, key=str(e.path))
-        n_bad = sum(not e.valid for e in entries)
+        self.rows = list(dirs[:ROW_LIMIT])
+        self.entries = []
+        self._found, self._bad, self._hidden = len(dirs), 0, 0
+        # Placeholders no wider than what replaces them: a column keeps its widest content.
+        for p in self.rows:
+            table.add_row(fmt_int(_step_of(p)), "", "", "", "…", p.name, key=str(p))
+        self._header(done=not dirs)
+
+    def _show_verified(self, gen: int, batch: list[Any], done: bool) -> None:
+        if gen != self._gen:
+            return
+        table = self.query_one(DataTable)
+        widest: dict[Any, tuple[int, str, Any]] = {}  # column -> (width, row, value)
+        for e in batch:
+            self._bad += not e.valid
+            cells = _cells(e)
+            if len(self.entries) < len(self.rows):
+                for col, value in zip(self._cols, cells, strict=True):
+                    table.update_cell(str(e.path), col, value)
+                    width = value.cell_len if isinstance(value, Text) else cell_len(value)
+                    if width > widest.get(col, (-1,))[0]:
+                        widest[col] = (width, str(e.path), value)
+            elif e.valid:  # beyond the listed rows: shown because it verifies
+                table.add_row(*cells, key=str(e.path))
+                self.rows.append(e.path)
+            else:
+                self._hidden += 1
+                continue
+            self.entries.append(e)
+        # A column grows to its widest cell, as when rows are added; measuring only the widest
+        # new one keeps this linear (a narrower update makes DataTable measure the column).
+        for col, (width, key, value) in widest.items():
+            if width > table.columns[col].content_width:
+                table.update_cell(key, col, value, update_width=True)
+        self._header(done)
+
+    def _header(self, done: bool) -> None:
+        checked = len(self.entries) + self._hidden
+        state = (f"{self._found:,} found, {self._bad:,} invalid" if done else
+                 f"{self._found:,} found, verifying {checked:,} of {self._found:,}…")
+        if self._hidden:
+            state += (f" ({self._hidden:,} invalid beyond the first {ROW_LIMIT:,} not shown: "
+                      f"andrea-ckpt verify {self.path} lists each)")
         self.query_one("#ckpt-header", Static).update(
-            f"{len(entries)} found, {n_bad} invalid · enter: details · m: mark two to compare · "
-            "g: generate text"
+            f"{state} · enter: details · m: mark two to compare · g: generate text"
             f"\ncheckpoints of {self.path}"
         )
 
     def _current(self) -> Any | None:
+        """The cursor's checkpoint, verified; None (and a word) while it is being verified."""
         table = self.query_one(DataTable)
-        if not self.entries or table.cursor_row is None:
+        row = table.cursor_row
+        if not self.rows or row is None:
             return None
-        return self.entries[min(table.cursor_row, len(self.entries) - 1)]
+        if row >= len(self.entries):
+            self.notify("still verifying this checkpoint", severity="warning")
+            return None
+        return self.entries[row]
 
     def action_open(self) -> None:
         e = self._current()
@@ -145,6 +233,8 @@ class CheckpointListScreen(Screen[None]):
 
     def action_generate(self) -> None:
         e = self._current()
+        if e is None and self.rows:
+            return  # still being verified: said
         if e is None or not e.valid:
             self.notify("generate from a valid checkpoint", severity="warning")
             return
@@ -152,6 +242,8 @@ class CheckpointListScreen(Screen[None]):
 
     def action_mark(self) -> None:
         e = self._current()
+        if e is None and self.rows:
+            return  # still being verified: said
         if e is None or not e.valid:
             self.notify("mark a valid checkpoint", severity="warning")
             return

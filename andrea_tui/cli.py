@@ -14,6 +14,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import stat
 import subprocess
 import sys
 import time
@@ -30,6 +32,7 @@ ACCEPT_TIMEOUT_S = 30.0  # a resume hashes its checkpoint first: seconds for a l
 
 if TYPE_CHECKING:  # the app (and Textual) load only when a dashboard is wanted
     from andrea_tui.app import AndreaApp
+    from andrea_tui.launcher import LaunchTrace
 
 
 class _Parser(argparse.ArgumentParser):
@@ -122,24 +125,60 @@ def refuse_busy_run_dir(run_dir: Path, resume: bool) -> None:
 def launch(argv: list[str]) -> int:
     from andrea_tui.app import AndreaApp
 
-    proc, run_dir = start_engine(_launch_parser().parse_args(argv))
-    return _run_app(AndreaApp(run_dir, proc=proc))
+    began = time.time()  # this session's news: what the engine writes from now on
+    proc, run_dir, trace = _start_engine(_launch_parser().parse_args(argv))
+    app = AndreaApp(run_dir, proc=proc, session_start=began)
+    code = _run_app(app)
+    if app.supervisor.engine_error is not None:  # refused after it said who it was
+        trace.undo()
+    return code
 
 
 def start_engine(args: argparse.Namespace) -> tuple[subprocess.Popen, Path]:
     """Validate the launch flags, start andrea-train detached and wait until it accepted its
-    input: (the engine's process, its run directory). Its refusal is a UserError."""
-    from andrea_tui.launcher import default_run_dir, train_argv
+    input: (the engine's process, its run directory). Its refusal is a UserError (what the
+    launch made in the run directory taken back)."""
+    proc, run_dir, _ = _start_engine(args)
+    return proc, run_dir
+
+
+OWN_FDS = ("/dev/fd/", "/proc/self/fd/", "/dev/stdin")  # paths that name this process's files
+
+
+def config_for_child(config: Path) -> tuple[Path, bytes | None]:
+    """How the engine gets the config the user named: (the path it reads, None) for a file it
+    can open as we do; (no path, the bytes read here) for a pipe (`<(cat cfg.json)`), which gives
+    its bytes once, so the engine is handed these same bytes. A regular file named through one
+    of this process's descriptors (/dev/stdin) is the file it resolves to: the child has other
+    descriptors. A missing path is left to load_config to refuse."""
+    from engine import jsonio
+
+    try:
+        regular = stat.S_ISREG(os.stat(config).st_mode)
+    except OSError:
+        return config, None
+    if not regular:
+        return Path(), jsonio.read_bytes(config, jsonio.CONFIG_BYTES, pipe_ok=True)
+    return (config.resolve() if str(config).startswith(OWN_FDS) else config), None
+
+
+def _start_engine(args: argparse.Namespace) -> tuple[subprocess.Popen, Path, LaunchTrace]:
+    """start_engine, and the trace of what the launch made (to take back on a later refusal)."""
+    from andrea_tui.launcher import LaunchTrace, config_pipe, default_run_dir, train_argv
     from andrea_tui.launcher import launch as start
     from engine import load_config
+    from engine.config import config_from_bytes
 
     config = Path(args.config)
     if args.max_steps is not None and args.max_steps < 1:
         raise UserError(f"--max-steps: expected an integer >= 1, got {args.max_steps}")
     # Validate before anything starts: a bad config is a one-line error (UserError, exit 2), not
     # a dead engine, and the run directory comes from the validated name (never an unchecked
-    # path). load_config reads and checks JSON only; it builds nothing.
-    cfg = load_config(str(config))
+    # path). load_config reads and checks JSON only; it builds nothing. A piped config's
+    # relative paths are taken from the current directory, the engine's too (load_config).
+    child_config, data = config_for_child(config)
+    cfg = (load_config(str(config)) if data is None
+           else config_from_bytes(data, str(config), Path.cwd()))
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"{run_dir}: not a directory, expected a run directory")
@@ -147,12 +186,25 @@ def start_engine(args: argparse.Namespace) -> tuple[subprocess.Popen, Path]:
     gpus = getattr(args, "gpus", 1)
     if gpus < 1:
         raise UserError(f"--gpus: expected an integer >= 1, got {gpus}")
-    proc = start(train_argv(config, run_dir, args.resume, args.max_steps, args.backend, gpus,
-                            getattr(args, "precision", None)), run_dir)
+    trace = LaunchTrace.before(run_dir)
+    fd = config_pipe(data) if data is not None else None
+    if fd is not None:
+        child_config = Path(f"/dev/fd/{fd}")
+    try:
+        proc = start(train_argv(child_config, run_dir, args.resume, args.max_steps,
+                                args.backend, gpus, getattr(args, "precision", None)),
+                     run_dir, pass_fds=() if fd is None else (fd,))
+    except BaseException:
+        trace.undo()
+        raise
+    finally:
+        if fd is not None:
+            os.close(fd)  # the child has its own; the pipe ends when it has read it
     refusal = wait_for_acceptance(proc, run_dir)
     if refusal is not None:  # bad input the engine refused: its one line, before any screen
+        trace.undo()
         raise UserError(refusal.removeprefix("error: "))
-    return proc, run_dir
+    return proc, run_dir, trace
 
 
 def wait_for_acceptance(proc: subprocess.Popen, run_dir: Path,
@@ -211,31 +263,51 @@ def export(argv: list[str]) -> int:
     from andrea_tui import export as ex
 
     p = _Parser(prog="andrea-tui export", description="a run's step records as CSV, its charts "
-                "as PNG")
+                "as PNG. A file that exists is replaced only with --force, and only when it is "
+                "a regular file: a symbolic link, a directory, a device, a FIFO or a socket is "
+                "refused (name the file itself). - is standard output.")
     p.add_argument("run_dir")
-    p.add_argument("--csv", help="write one row per step here")
-    p.add_argument("--png", help="write the loss, validation loss and grad norm charts here "
-                   "(needs matplotlib: pip install 'andrea[export]')")
+    p.add_argument("--csv", metavar="FILE", help="write one row per step here (- : standard "
+                   "output; this command's own lines then go to standard error)")
+    p.add_argument("--png", metavar="FILE", help="write the loss, validation loss and grad norm "
+                   "charts here (needs matplotlib: pip install 'andrea[export]'; - : standard "
+                   "output, when it is not a terminal)")
     p.add_argument("--size", default="1200x900", help="PNG size in pixels (default 1200x900)")
-    p.add_argument("--force", action="store_true", help="replace files that exist")
+    p.add_argument("--force", action="store_true", help="replace regular files that exist")
     a = p.parse_args(argv)
     if not a.csv and not a.png:
         raise UserError("andrea-tui export: give --csv FILE, --png FILE or both")
     run_dir = require_run_dir(require_dir(Path(a.run_dir), "run directory"))
     size = ex.parse_size(a.size)
-    if a.csv and a.png and Path(a.csv).resolve() == Path(a.png).resolve():
+    to_stdout = [o for o in (a.csv, a.png) if o == ex.STDOUT]
+    if len(to_stdout) == 2:
+        raise UserError("andrea-tui export: --csv and --png cannot both go to standard output")
+    if not to_stdout and a.csv and a.png and Path(a.csv).resolve() == Path(a.png).resolve():
         raise UserError(f"andrea-tui export: --csv and --png name the same file ({a.csv})")
+    if to_stdout and sys.stdout is None:
+        raise UserError("andrea-tui export: - : standard output is closed")
+    if a.png == ex.STDOUT and sys.stdout.isatty():
+        raise UserError("andrea-tui export: --png -: standard output is a terminal; redirect it "
+                        "(> FILE, | PROGRAM) or give a file name")
     for out in (a.csv, a.png):
-        if out:
+        if out and out != ex.STDOUT:
             ex.refuse_existing(Path(out), a.force)  # before any work: nothing half done
     if a.png and not ex.have_matplotlib():
         raise UserError(ex.NO_MATPLOTLIB)
-    if a.csv:
+    say = sys.stderr if to_stdout else sys.stdout  # standard output may carry the data
+    if a.csv == ex.STDOUT:
+        text, steps = ex.csv_text(run_dir)
+        ex.write_stdout(text.encode())
+        print(f"standard output: {len(steps)} steps", file=say)
+    elif a.csv:
         n = ex.write_csv(run_dir, Path(a.csv), a.force)
-        print(f"{a.csv}: {n} steps")
-    if a.png:
+        print(f"{a.csv}: {n} steps", file=say)
+    if a.png == ex.STDOUT:
+        ex.write_stdout(ex.png_bytes(run_dir, size))
+        print(f"standard output: {size[0]}x{size[1]} PNG", file=say)
+    elif a.png:
         ex.write_png(run_dir, Path(a.png), a.force, size)
-        print(f"{a.png}: {size[0]}x{size[1]} PNG")
+        print(f"{a.png}: {size[0]}x{size[1]} PNG", file=say)
     return 0
 
 

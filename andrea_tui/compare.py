@@ -1,9 +1,10 @@
 """Several runs side by side, headless: their curves on one x axis, and how their configs differ.
 
 `load_curves` reads one run's loss history in bounded chunks into column arrays (the same
-reader as the dashboard's history: engine.records via runreader.load_history, resumes and the
-abandoned-timeline rule applied) and its validation losses; `xy` gives one metric against
-steps, tokens or wall time; `config_rows` the hyper-parameters in which the runs differ.
+reader as the dashboard's history: engine.records via runreader.load_history, resumes, the
+abandoned-timeline and the step-sequence rules applied) and its validation losses; `xy` gives
+one metric against steps, tokens or wall time; `config_rows` the hyper-parameters in which the
+runs differ.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from andrea_tui.runstate import read_config
 from andrea_tui.valloss import read_val_loss
 from engine.config import Config, config_diff
 from engine.records import ResumeEvent
-from engine.runfiles import MAX_LINE_BYTES, RunPaths, read_events, read_json
+from engine.runfiles import MAX_LINE_BYTES, RunPaths, read_events, read_json, step_order
 
 METRICS: dict[str, str] = {
     "loss": "loss",
@@ -71,7 +72,8 @@ def load_curves(run_dir: Path, label: str | None = None) -> RunCurves:
     paths = RunPaths(Path(run_dir))
     events, _ = read_events(paths.events)
     resumes = [e for e in events if isinstance(e, ResumeEvent)]
-    history, _ = load_history(paths.loss, MAX_LINE_BYTES, 0.9, resumes)
+    history, _ = load_history(paths.loss, MAX_LINE_BYTES, 0.9, resumes,
+                              step_order(paths.root, events))
     series = history.series
     cols = {c: series.col(c).copy() for c in ("loss", "grad_norm", "tok_s", "tokens", "t")}
     obj = read_json(paths.config)

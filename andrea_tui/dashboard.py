@@ -91,10 +91,11 @@ class DashboardView:
 
     # ------------------------------------------------------------ text panels
 
-    def show(self, note: str, dead: bool) -> None:
-        """Rebuild the text panels; `note` and `dead` are the engine's word for the header."""
+    def show(self, note: str, dead: bool, halted: bool = False) -> None:
+        """Rebuild the text panels; `note`, `dead` and `halted` are the engine's word for the
+        header (panels.header)."""
         st = self.state
-        self._set("header", panels.header(st, self.clock(), note, dead=dead))
+        self._set("header", panels.header(st, self.clock(), note, dead=dead, halted=halted))
         self._set("training", panels.training(st))
         self._set("bandit", panels.bandit(st, src_loss=self._source_losses()))
         # These change with events, samples or the log, not with every step: build them only then.

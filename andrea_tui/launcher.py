@@ -4,18 +4,26 @@ The child gets its own session (a dropped SSH connection's SIGHUP does not reach
 /dev/null (it must never fight the TUI for the keyboard) and stdout+stderr appended to
 `RUN_DIR/engine.log` (the TUI owns the terminal). `sys.executable -m engine.run.cli` works with no
 PATH and in the same interpreter as the TUI.
+
+A config the TUI could read only once (a pipe: `andrea-tui <(cat cfg.json)`) reaches the child
+through a pipe of its own (`config_pipe`). When the engine refuses its start, `LaunchTrace` puts
+back what the launch made: the run directory and engine.log (andrea-train puts back the rest).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from engine.config import Config
 from engine.errors import UserError
+from engine.run.control import lock_held
 from engine.runfiles import LOG
 
 
@@ -54,8 +62,76 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def launch(argv: Sequence[str], run_dir: Path, cwd: Path | None = None) -> subprocess.Popen:
-    """Start `argv` detached from the terminal, logging into RUN_DIR/engine.log."""
+def config_pipe(data: bytes) -> int:
+    """The read end of a pipe that delivers `data` and ends (a thread writes it, so a config
+    larger than the pipe's buffer waits for its reader): for the child, as /dev/fd/N with
+    `launch(..., pass_fds=(N,))`. Close it here once the child has started."""
+    r, w = os.pipe()
+
+    def feed() -> None:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(w, view):]
+        except OSError:  # BrokenPipeError: the child ended without reading it all
+            pass
+        finally:
+            os.close(w)
+
+    threading.Thread(target=feed, name="andrea-config-pipe", daemon=True).start()
+    return r
+
+
+@dataclass(frozen=True)
+class LaunchTrace:
+    """What a launch is about to make in a run directory, taken before it: the directories it
+    will create (deepest first) and engine.log's size (None: it will create the file)."""
+
+    run_dir: Path
+    made: tuple[Path, ...]
+    log_size: int | None
+
+    @classmethod
+    def before(cls, run_dir: Path) -> LaunchTrace:
+        run_dir = Path(run_dir)
+        made: list[Path] = []
+        d = run_dir.absolute()
+        while not d.exists() and d != d.parent:
+            made.append(d)
+            d = d.parent
+        try:
+            size: int | None = (run_dir / LOG).stat().st_size
+        except OSError:
+            size = None
+        return cls(run_dir, tuple(made), size)
+
+    def undo(self) -> None:
+        """The engine refused its start (exit status 2) and put its own files back: take back
+        engine.log (removed if the launch made it, else cut back to its old size) and the
+        directories the launch made, once empty. Nothing is touched while an engine holds the
+        run's lock (another one may have started there since), nor any file but engine.log."""
+        try:
+            if lock_held(self.run_dir):
+                return
+        except OSError:  # no directory to look in (it could not be made): nothing was made
+            return
+        log = self.run_dir / LOG
+        with contextlib.suppress(OSError):
+            if self.log_size is None:
+                log.unlink(missing_ok=True)
+            elif log.stat().st_size > self.log_size:
+                os.truncate(log, self.log_size)
+        for d in self.made:
+            try:
+                d.rmdir()  # fails unless empty: whatever another process put there stays
+            except OSError:
+                return
+
+
+def launch(argv: Sequence[str], run_dir: Path, cwd: Path | None = None,
+           pass_fds: Sequence[int] = ()) -> subprocess.Popen:
+    """Start `argv` detached from the terminal, logging into RUN_DIR/engine.log; `pass_fds`: open
+    descriptors the child keeps (a config pipe)."""
     run_dir = Path(run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -70,4 +146,5 @@ def launch(argv: Sequence[str], run_dir: Path, cwd: Path | None = None) -> subpr
         return subprocess.Popen(
             list(argv), stdin=devnull, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True, cwd=cwd, close_fds=True, env=child_env(),
+            pass_fds=tuple(pass_fds),
         )

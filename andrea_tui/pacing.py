@@ -45,10 +45,13 @@ class FramePacer:
         self._due = False  # the state changed (or time passed) since the panels were drawn
         self._drawn_at = -math.inf
         self._timer: asyncio.TimerHandle | None = None
+        self._in_read = False  # inside `read`: a change reported now waits for a later frame
 
     def files_changed(self, changes: ChangedNames) -> None:
         """Files changed: read the ones `changes` names in the next frame (now, if one is
-        allowed), taking the names only then."""
+        allowed, and not from inside a read: a backlog the read left is read at a frame of
+        its own, scheduled on the loop, so keys are answered in between), taking the names
+        only then."""
         self._unread.append(changes)
         self._schedule()
 
@@ -79,7 +82,11 @@ class FramePacer:
         self._unread.clear()
         if files is not None and not files:
             return False
-        changed = self._read(files)
+        self._in_read = True
+        try:
+            changed = self._read(files)
+        finally:
+            self._in_read = False
         if changed:
             self._due = True
         return changed
@@ -102,16 +109,21 @@ class FramePacer:
         if self._timer is not None:
             return  # a frame is already due; it will read and show this change too
         wait = self._drawn_at + self.min_interval - self._clock()
-        if wait <= 0:
+        if wait <= 0 and not self._in_read:
             self._frame()
         else:
             # A bare loop callback: a Textual Timer is a task of its own, several times dearer,
             # and this runs up to 1/min_interval times a second.
-            self._timer = asyncio.get_running_loop().call_later(wait, self._frame)
+            self._timer = asyncio.get_running_loop().call_later(max(0.0, wait), self._frame)
 
     def _frame(self) -> None:
-        """Read what changed; draw if the state moved or a frame was asked for."""
+        """Read what changed; draw if the state moved or a frame was asked for, and the last
+        frame is at least `min_interval` old (else at the end of that interval)."""
         self._timer = None
         self.read_pending()
-        if self._due:
+        if not self._due:
+            return
+        if self._clock() - self._drawn_at >= self.min_interval:
             self.draw_now()
+        else:
+            self._schedule()

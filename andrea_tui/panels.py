@@ -32,14 +32,16 @@ def clock(t: Any) -> str:
         return "--:--:--"
 
 
-def header(st: RunState, now: float, note: str = "", dead: bool = False) -> Text:
+def header(st: RunState, now: float, note: str = "", dead: bool = False,
+           halted: bool = False) -> Text:
     """`dead`: no engine behind a run its files call live: elapsed stops at the last record
-    and there is no ETA."""
+    and there is no ETA. `halted`: the engine is frozen or stalled (`note` says which and for
+    how long): no tok/s and no ETA, which would describe steps that are not coming."""
     status = note or st.status
     if dead:
         last_t = as_number(st.series.last("t")) if st.series.n else None
         now = last_t if last_t is not None else st.updated or now
-    style = "bold red" if dead else STATUS_STYLE.get(st.status, "bold")
+    style = "bold red" if dead or halted else STATUS_STYLE.get(st.status, "bold")
     step = st.step
     attention = st.ready.attention.split(" ", 1)[0] if st.ready and st.ready.attention else ""
     parts = [
@@ -52,9 +54,9 @@ def header(st: RunState, now: float, note: str = "", dead: bool = False) -> Text
         f"[{style}]{escape(status)}[/]",
         f"step [bold]{fmt_int(step)}[/]/{fmt_int(st.max_steps)}",
         f"tokens {fmt_num(st.tokens)}",
-        f"{fmt_num(st.smooth_tok_s())} tok/s" + mfu_text(st),
+        *([] if halted else [f"{fmt_num(st.smooth_tok_s())} tok/s" + mfu_text(st)]),
         f"elapsed {fmt_duration(st.elapsed(now))}",
-        f"ETA {fmt_duration(None if dead else st.eta())}",
+        *([] if halted else [f"ETA {fmt_duration(None if dead else st.eta())}"]),
     ]
     return Text.from_markup(" · ".join(parts))
 
@@ -89,8 +91,8 @@ def training(st: RunState) -> Text:
         text.append(f"\nckpt      step {fmt_int(lc.step)} {lc.reason} {Path(lc.path).name}")
     for line, bad in ranks_lines(st):
         text.append("\n" + line, style="bold red" if bad else "")
-    if st.bad_lines or st.unreadable:
-        text.append(f"\n{st.bad_lines + st.unreadable} corrupt line(s) skipped", style="yellow")
+    if st.skipped_lines:
+        text.append(f"\n{st.skipped_lines} corrupt line(s) skipped", style="yellow")
     text.no_wrap, text.overflow = True, "ellipsis"
     return text
 

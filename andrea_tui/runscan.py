@@ -152,6 +152,7 @@ class _Follow:
     ready: rec.ReadyEvent | None = None
     start: rec.StartEvent | None = None
     best: float = math.nan
+    order: rec.StepOrder = field(default_factory=rec.StepOrder)  # loss.jsonl's sequence rule
 
     @classmethod
     def of(cls, run_dir: Path) -> _Follow:
@@ -210,11 +211,6 @@ class RunScanner:
 
     def _summarize(self, run_dir: Path, whole_files: bool) -> RunSummary:
         paths = RunPaths(run_dir)
-        follow = self._follow.get(run_dir)
-        if whole_files:
-            if follow is None:
-                follow = self._follow[run_dir] = _Follow.of(run_dir)
-            self._read_on(follow)
         notes: list[str] = []
         config_obj = read_json(paths.config)
         cfg = read_config(config_obj) if config_obj is not None else None
@@ -228,6 +224,13 @@ class RunScanner:
             state = None
         elif state is None:
             notes.append("no state.json")
+        limits = (cfg.train.max_steps if cfg else None, state.max_steps if state else None)
+        follow = self._follow.get(run_dir)
+        if whole_files:
+            if follow is None:
+                follow = self._follow[run_dir] = _Follow.of(run_dir)
+            follow.order.limit(*limits)
+            self._read_on(follow)
         start = follow.start if follow else None
         name = cfg.name if cfg else (start.name if start and start.name else run_dir.name)
         s = RunSummary(run_dir, name, "?")
@@ -235,7 +238,12 @@ class RunScanner:
         if why:
             notes.insert(0, why)
         tail, _ = rec.parse_all(rec.StepRecord, tail_objects(paths.loss))
-        last = tail[-1] if tail else None  # the newest record written
+        # The newest record written that the step-sequence rule keeps (a forged last line is
+        # not the run's step).
+        order = follow.order.fresh() if follow else rec.StepOrder()
+        order.limit(*limits)
+        tail = order.admit(rec.drop_abandoned(tail, follow.resumes) if follow else tail)
+        last = tail[-1] if tail else None
         s.step = last.step if last else None
         if state is not None and (s.step is None or not state.status.live):
             s.step = state.step  # the engine's word (it also covers an abandoned timeline)
@@ -262,7 +270,9 @@ class RunScanner:
         for objects in _all_new(f.events):
             if f.events.reset:  # a new file: what the old one said is gone
                 f.resumes, f.ready, f.start, new_resume = [], None, None, True
+                f.order = rec.StepOrder(f.order.max_steps)
             events, _ = rec.parse_all(rec.Event, objects)
+            f.order.note(events)
             for e in events:
                 if isinstance(e, rec.StartEvent):
                     f.start = e
@@ -274,13 +284,15 @@ class RunScanner:
         if new_resume:  # records already folded may belong to a timeline it abandoned
             f.loss = JsonlTail(f.loss.path)
             f.best = math.nan
+            f.order = f.order.fresh()
         for objects in _all_new(f.loss):
             if f.loss.reset:
                 f.best = math.nan
+                f.order = f.order.fresh()
             records, _ = rec.parse_all(rec.StepRecord, objects)
             if f.resumes:
                 records = rec.drop_abandoned(records, f.resumes)
-            f.best = _min_loss(f.best, records)
+            f.best = _min_loss(f.best, f.order.admit(records))
 
 
 def _status(run_dir: Path, state: rec.RunStatus | None) -> tuple[str, str]:

@@ -88,18 +88,33 @@ class RunState:
     alerts: deque[rec.AlertEvent] = field(default_factory=lambda: deque(maxlen=ALERTS_KEPT))
     alerts_seen: int = 0  # every alert read so far, also those the bounded `alerts` let go
     runs: list[tuple[float, float | None]] = field(default_factory=list)  # (start, end) times
+    # loss.jsonl's step sequence (engine.records.StepOrder): what may come next, what it skipped
+    order: rec.StepOrder = field(default_factory=rec.StepOrder)
     bad_lines: int = 0  # lines that were not JSON objects
-    unreadable: int = 0  # JSON objects that were not usable records
+    unreadable: int = 0  # JSON objects of the other files that were not usable records
+    loss_unreadable: int = 0  # step records skipped: unusable or out of sequence
     version: int = 0  # bumped on every change; the app redraws when it moved
 
     # ------------------------------------------------------------ feeding
 
+    @property
+    def skipped_lines(self) -> int:
+        """Lines of the run's files skipped: not JSON, not a usable record, out of sequence."""
+        return self.bad_lines + self.unreadable + self.loss_unreadable
+
     def add_loss(self, objects: list[Any]) -> None:
-        """Step records as read from loss.jsonl (JSON objects)."""
+        """Step records as read from loss.jsonl (JSON objects); those out of sequence
+        (engine.records.StepOrder) are skipped and counted."""
         records, bad = _steps(objects)
-        self.unreadable += bad
         if self.resumes:
             records = rec.drop_abandoned(records, self.resumes)
+        skipped = self.order.skipped
+        records = self.order.admit(records)
+        self.loss_unreadable += bad + self.order.skipped - skipped
+        self._add_steps(records)
+
+    def _add_steps(self, records: list[rec.StepRecord]) -> None:
+        """Step records let in by the sequence rule, in file order, into the series."""
         if not records:
             return
         self.series.add(records)
@@ -124,7 +139,11 @@ class RunState:
         self.last_record = history.last_record
         self.recent = deque(history.recent, maxlen=RECENT_RECORDS)
         self.src_loss = dict(history.src_loss)
-        self.unreadable += history.unreadable
+        self.loss_unreadable = history.unreadable  # the file's, from its start
+        # Where the history's reading ended, with the restarts and limits known since.
+        order = history.order
+        order.restarts, order.max_steps = self.order.restarts, self.order.max_steps
+        self.order = order
         for pc in history.phase_changes:
             self._note_phase(pc.step, pc.phase, pc.t)
         for resume in self.resumes:  # resume events read before this history was
@@ -160,6 +179,7 @@ class RunState:
         """Events as read from events.jsonl (JSON objects)."""
         events, bad = rec.parse_all(rec.Event, objects)
         self.unreadable += bad
+        restarted = self.order.note(events)
         for e in events:
             self.events.append(e)
             t = e.t if math.isfinite(e.t) else None
@@ -192,6 +212,10 @@ class RunState:
                 self._end_run(t)
             elif isinstance(e, rec.CheckpointErrorEvent):
                 self.errors.append(e.error)
+        if restarted:  # step records read before the restart that explains them
+            late = self.order.readmit()
+            self.loss_unreadable = max(0, self.loss_unreadable - len(late))
+            self._add_steps(rec.drop_abandoned(late, self.resumes))
         if objects:
             self.version += 1
 
@@ -222,10 +246,9 @@ class RunState:
 
     def add_samples(self, objects: list[Any]) -> None:
         samples, bad = rec.parse_all(rec.Sample, objects)
-        self.unreadable += bad
+        self.unreadable += bad  # shown at the next frame: junk alone asks for none
         if samples:
             self.last_sample = samples[-1]
-        if objects:
             self.version += 1
 
     def set_files(self, config: Any = None, engine: Any = None, state: Any = None) -> None:
@@ -240,6 +263,8 @@ class RunState:
                 setattr(self, name, value)
                 changed = True
         if changed:
+            self.order.limit(self.config.train.max_steps if self.config else None,
+                             self.state.max_steps if self.state else None)
             self.version += 1
 
     def reset_loss(self) -> None:
@@ -247,6 +272,8 @@ class RunState:
         self.series.clear()
         self.last_record = None
         self.recent.clear()
+        self.order = self.order.fresh()
+        self.loss_unreadable = 0
         self.version += 1
 
     # ------------------------------------------------------------ derived values
@@ -407,25 +434,29 @@ class LossHistory:
     phase_changes: list[PhaseChange]
     src_loss: dict[str, float]
     recent: list[rec.StepRecord]
-    unreadable: int = 0
+    unreadable: int = 0  # step records skipped: unusable or out of sequence
+    order: rec.StepOrder = field(default_factory=rec.StepOrder)  # where the reading ended
 
     @classmethod
     def build(cls, objects: list[Any], ema_alpha: float = 0.9,
-              resumes: list[rec.ResumeEvent] | None = None) -> LossHistory:
+              resumes: list[rec.ResumeEvent] | None = None,
+              order: rec.StepOrder | None = None) -> LossHistory:
         """`objects`: loss.jsonl's JSON objects; `resumes`: the resume events known so far
-        (records of the timelines they abandoned are dropped)."""
-        builder = _HistoryBuilder(resumes or [])
+        (records of the timelines they abandoned are dropped); `order`: the run's step
+        sequence rule (engine.records.StepOrder, nothing read yet)."""
+        builder = _HistoryBuilder(resumes or [], order)
         builder.add(objects)
         return builder.finish(ema_alpha)
 
     @classmethod
     def from_tail(cls, tail: JsonlTail, ema_alpha: float = 0.9,
                   resumes: list[rec.ResumeEvent] | None = None,
-                  chunk_bytes: int = HISTORY_CHUNK_BYTES) -> LossHistory:
+                  chunk_bytes: int = HISTORY_CHUNK_BYTES,
+                  order: rec.StepOrder | None = None) -> LossHistory:
         """Everything `tail` has left to read, in bounded chunks: what is held is column arrays
         (about 100 bytes a step, at most MAX_ROWS steps) and one chunk of records at a time,
         whatever the size of the file."""
-        builder = _HistoryBuilder(resumes or [])
+        builder = _HistoryBuilder(resumes or [], order)
         while True:
             builder.add(tail.read_new(chunk_bytes))
             if not tail.more:
@@ -435,8 +466,9 @@ class LossHistory:
 class _HistoryBuilder:
     """Folds chunks of loss-file objects, in file order, into a LossHistory."""
 
-    def __init__(self, resumes: list[rec.ResumeEvent]) -> None:
+    def __init__(self, resumes: list[rec.ResumeEvent], order: rec.StepOrder | None) -> None:
         self.resumes = resumes
+        self.order = order or rec.StepOrder()
         self.blocks: list[Columns] = []
         self.last: rec.StepRecord | None = None
         self.changes: list[PhaseChange] = []
@@ -450,6 +482,7 @@ class _HistoryBuilder:
         self.bad += bad
         if self.resumes:
             records = rec.drop_abandoned(records, self.resumes)
+        records = self.order.admit(records)
         if not records:
             return
         self.blocks.append(columns(records))
@@ -468,4 +501,4 @@ class _HistoryBuilder:
         series = StepSeries.from_columns(self.blocks, ema_alpha, MAX_ROWS)
         series.ema()  # the O(n) pass happens here, in the worker, not in the first redraw
         return LossHistory(series, self.last, self.changes, self.src, list(self.recent),
-                           self.bad)
+                           self.bad + self.order.skipped, self.order)

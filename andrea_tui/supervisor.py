@@ -28,10 +28,11 @@ from rich.markup import escape
 from andrea_tui.runstate import RunState
 from andrea_tui.textfmt import fmt_num
 from engine.run.control import ControlRefused, engine_alive, signal_engine
-from engine.run.identity import read_engine_info
+from engine.run.identity import proc_state, read_engine_info
 from engine.runfiles import RunPaths, tail_text
 
 ENDED_STATUSES = ("finished", "stopped", "failed")
+FROZEN_STATES = {"T": "SIGSTOP", "t": "stopped by a debugger"}  # /proc/PID/stat field 3
 Severity = Literal["information", "warning", "error"]  # as Textual's notify takes them
 
 
@@ -90,6 +91,8 @@ class EngineSupervisor:
         self.force_asked = False  # the stop timed out and the user is being asked
         self._snapshot_pending = False
         self._checkpoints_seen = 0
+        self.frozen = ""  # "frozen (SIGSTOP)" while the engine's process is stopped, else ""
+        self.frozen_pid: int | None = None  # that process
 
     # ------------------------------------------------------------ looking
 
@@ -106,6 +109,7 @@ class EngineSupervisor:
             reason = (f"the engine running here is not the one this app started (pid "
                       f"{self.proc.pid})")
         self.controllable = alive
+        self.frozen, self.frozen_pid = self._frozen() if alive else ("", None)
         stop = None
         if self.stop_deferred and alive:
             self.stop_deferred = False  # its handlers exist now: stop it the verified way
@@ -143,6 +147,8 @@ class EngineSupervisor:
         """The engine's word for the header ("" when it has none to add)."""
         if self.stop_deferred:
             return "stopping… (waiting for the engine to start)"
+        if self.frozen and self.engine_exit is None:
+            return self.frozen if self.stopping_since is None else f"stopping… ({self.frozen})"
         if self.stopping_since is not None:
             return "stopping… (waiting for the stop checkpoint)"
         if self.engine_exit is not None and self.proc is not None:
@@ -267,6 +273,21 @@ class EngineSupervisor:
         return f"{state.name}: {state.status} at step {state.step}{code}{ck}"
 
     # ------------------------------------------------------------ inside
+
+    def _frozen(self) -> tuple[str, int | None]:
+        """Whether the verified engine's process (or a rank of its job on this host) is stopped
+        (SIGSTOP, Ctrl+Z, a debugger): its watchdog is then frozen with it and says nothing.
+        ("frozen (SIGSTOP)", that pid) or ("", None)."""
+        info = read_engine_info(self.paths.root)
+        if not info:
+            return "", None
+        procs = [("", info.pid)] + [(f"rank {r.rank} ", r.pid) for r in info.ranks
+                                    if r.pid != info.pid and r.host in ("", info.host)]
+        for who, pid in procs:
+            why = FROZEN_STATES.get(proc_state(pid) or "")
+            if why:
+                return f"{who}frozen ({why})", pid
+        return "", None
 
     def _engine_json_pid(self) -> int | None:
         info = read_engine_info(self.paths.root)

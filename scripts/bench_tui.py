@@ -192,7 +192,7 @@ def main() -> int:
         size = (run_dir / "loss.jsonl").stat().st_size
         first, history = first_frame(run_dir, a.records)
         swap_dir = Path(tmp) / "swap" / "run"
-        write_run(swap_dir, 200, status="finished")
+        write_run(swap_dir, 200, status="finished", max_steps=a.records)
         swap = swap_lag(swap_dir, a.records)
         fol = follow(run_dir, a.records, a.rate, a.follow_s)
     mon = engine_monitoring()

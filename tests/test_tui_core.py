@@ -170,8 +170,9 @@ def test_reader_history_and_appends(tmp_path: Path) -> None:
         f.write(json.dumps({**loss_record(150, 2.0), "loss": 42.0}).encode() + b"\n")
     rd.poll()
     assert st.series.n == 301 and st.series.last_step == 301
-    assert st.series.col("loss")[149] == 42.0  # duplicated step: the later record wins
-    assert st.bad_lines == 1
+    # A step behind the last with no resume to explain it is out of sequence: skipped, counted.
+    assert st.series.col("loss")[149] != 42.0
+    assert st.bad_lines == 1 and st.skipped_lines == 2
 
 
 def poll_like_the_app(rd: RunReader) -> None:

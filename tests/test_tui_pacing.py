@@ -94,3 +94,28 @@ def test_draw_now_reads_what_is_pending_and_drops_the_scheduled_frame() -> None:
         assert frames.draws == 2  # the scheduled frame was dropped: nothing left to show
 
     asyncio.run(go())
+
+
+def test_a_backlog_read_frame_by_frame_draws_at_most_once_an_interval() -> None:
+    """Each read leaves bytes for later (a backlog re-reports its file from inside the read):
+    the reads go on on the loop, but the panels are drawn at most once per interval."""
+
+    class Backlog(Frames):
+        pacer: FramePacer
+
+        def read(self, files: Collection[str] | None) -> bool:
+            super().read(files)
+            self.pacer.files_changed(Report("events.jsonl"))  # bytes left: read again soon
+            return True
+
+    async def go() -> None:
+        frames = Backlog()
+        frames.pacer = pacer = pacer_for(frames, interval=0.1)
+        pacer.files_changed(Report("events.jsonl"))
+        await asyncio.sleep(1.0)
+        pacer.reading = False  # the backlog ends
+        pacer.cancel()
+        assert len(frames.reads) >= 2  # it was read on, frame after frame
+        assert frames.draws <= 1.0 / 0.1 + 2, (frames.draws, len(frames.reads))
+
+    asyncio.run(go())
