@@ -2,16 +2,26 @@
 as a PNG (matplotlib, the optional `export` extra).
 
 The step records come through engine.runfiles.read_steps (one per step, the later winning, the
-abandoned-timeline rule applied); validation losses from valloss. An existing file is replaced
-only when asked (`force`); the dashboard's and the runs browser's `e` write fresh names into
-the run directory. Headless: the Textual part is `export_in_background`, given an app.
+abandoned-timeline and step-sequence rules applied); validation losses from valloss. What is written where:
+- a new file, or with `force` a regular file replaced, always through a temporary file in the
+  same directory renamed into place (a failure or a reader sees the old file or the new one);
+- never anything that exists and is not a regular file: a symbolic link (whatever it points
+  to), a directory, a device, a FIFO or a socket is refused, with or without `force`;
+- `-` (STDOUT) is standard output (the command line's business: `andrea_tui.cli.export`).
+The dashboard's and the runs browser's `e` write fresh names into the run directory, never over
+anything. Headless: the Textual part is `export_in_background`, given an app.
 """
 
 from __future__ import annotations
 
 import csv
+import errno
 import io
+import os
 import re
+import secrets
+import stat
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -19,10 +29,11 @@ from typing import Any
 from andrea_tui.runstate import read_config
 from andrea_tui.series import StepSeries, downsample_minmax
 from andrea_tui.valloss import read_val_loss, val_by_step
-from engine.errors import UserError
+from engine.errors import RunError, UserError
 from engine.records import ResumeEvent, StepRecord
-from engine.runfiles import RunPaths, read_events, read_json, read_steps, write_bytes_atomic
+from engine.runfiles import RunPaths, read_events, read_json, read_steps
 
+STDOUT = "-"  # the target name that means standard output
 PNG_SIZE = (1200, 900)
 PNG_DPI = 100
 MAX_PNG_SIDE = 10_000
@@ -106,28 +117,114 @@ def csv_text(run_dir: Path) -> tuple[str, list[int]]:
     return buf.getvalue(), [r.step for r in records]
 
 
+_NOT_REGULAR = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+                (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                (stat.S_ISSOCK, "a socket"))
+
+
 def refuse_existing(out: Path, force: bool) -> None:
-    if out.exists() and not force:
-        raise UserError(f"{out}: already exists; pass --force to replace it")
-    if out.exists() and out.is_dir():
-        raise UserError(f"{out}: is a directory, expected a file name")
+    """UserError unless export may write `out`: a name that is free, or (with `force`) a regular
+    file. A symbolic link (to anything, or dangling) and whatever is not a regular file are
+    refused with or without `force`; nothing is followed or opened to find out."""
+    try:
+        st = os.lstat(out)
+    except FileNotFoundError:
+        st = None
+    except NotADirectoryError:
+        raise UserError(f"{out.parent}: not a directory") from None
+    except OSError as e:
+        raise UserError(f"{out}: cannot look at it ({e.strerror or e})") from None
+    if st is not None:
+        if stat.S_ISLNK(st.st_mode):
+            raise UserError(f"{out}: a symbolic link (to {os.readlink(out)}); export replaces "
+                            "only regular files: name the file itself")
+        for test, what in _NOT_REGULAR:
+            if test(st.st_mode):
+                raise UserError(f"{out}: {what}, not a regular file; export writes only "
+                                f"regular files (or {STDOUT} for standard output)")
+        if not force:
+            raise UserError(f"{out}: already exists; pass --force to replace it")
     if not out.parent.is_dir():
         raise UserError(f"{out.parent}: no such directory")
 
 
-def _write(out: Path, data: bytes) -> None:
+def _temp_beside(out: Path, data: bytes) -> Path:
+    """`data` in a new file of its own in `out`'s directory (created exclusively, so never an
+    existing file or a link; the usual permissions, as the umask says)."""
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     try:
-        write_bytes_atomic(out, data, durable=False)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
+                     0o666)
     except OSError as e:
         raise UserError(f"{out}: cannot write: {e.strerror or e}") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+    except BaseException as e:  # a full disk, or Ctrl+C in the middle of a large PNG
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise UserError(f"{out}: cannot write: {e.strerror or e}") from None
+        raise
+    return tmp
+
+
+def _keep_owner_and_mode(tmp: Path, out: Path) -> None:
+    """Give the file that replaces `out` the mode of the one replaced (a private 0600 file
+    stays private) and, where allowed, its owner and group."""
+    try:
+        st = os.lstat(out)
+    except FileNotFoundError:
+        return
+    os.chmod(tmp, stat.S_IMODE(st.st_mode))
+    try:
+        os.chown(tmp, st.st_uid, st.st_gid)
+    except OSError:
+        pass  # only root may give a file away; the mode is kept all the same
+
+
+def _link_new(tmp: Path, out: Path) -> bool:
+    """Give `tmp` the name `out` only if that name is free (a hard link cannot replace anything);
+    False when it is taken. Where the file system has no hard links, the name is checked and
+    the temporary file renamed."""
+    try:
+        os.link(tmp, out)
+        return True
+    except FileExistsError:
+        return False
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK,
+                           errno.ENOSYS):  # ENOSYS: some FUSE file systems
+            raise
+    if os.path.lexists(out):
+        return False
+    os.replace(tmp, out)
+    return True
+
+
+def write_file(out: Path, data: bytes, force: bool = False) -> None:
+    """Write `data` as the file `out`: a new file, or with `force` a regular file replaced
+    atomically (refuse_existing says what else is refused, and is asked again just before the
+    rename). Without `force`, a file that appears meanwhile is not overwritten either."""
+    out = Path(out)
+    refuse_existing(out, force)
+    tmp = _temp_beside(out, data)
+    try:
+        if force:
+            refuse_existing(out, force)
+            _keep_owner_and_mode(tmp, out)
+            os.replace(tmp, out)
+        elif not _link_new(tmp, out):
+            raise UserError(f"{out}: already exists; pass --force to replace it")
+    except OSError as e:
+        raise UserError(f"{out}: cannot write: {e.strerror or e}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def write_csv(run_dir: Path, out: Path, force: bool = False) -> int:
     """Write the run's CSV to `out`; the number of rows."""
-    out = Path(out)
-    refuse_existing(out, force)
     text, steps = csv_text(run_dir)
-    _write(out, text.encode())
+    write_file(Path(out), text.encode(), force)
     return len(steps)
 
 
@@ -202,19 +299,47 @@ def png_bytes(run_dir: Path, size: tuple[int, int] = PNG_SIZE) -> bytes:
 
 def write_png(run_dir: Path, out: Path, force: bool = False,
               size: tuple[int, int] = PNG_SIZE) -> None:
-    out = Path(out)
-    refuse_existing(out, force)
-    _write(out, png_bytes(run_dir, size))
+    refuse_existing(Path(out), force)  # before the drawing
+    write_file(Path(out), png_bytes(run_dir, size), force)
+
+
+def write_stdout(data: bytes) -> None:
+    """`data` on standard output, flushed. A reader that went away (BrokenPipeError) is left to
+    engine.errors.cli_entry; another failure (a full disk behind a redirection) is a RunError."""
+    sys.stdout.flush()
+    try:
+        sys.stdout.buffer.write(data)
+        sys.stdout.buffer.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        raise RunError(f"standard output: cannot write: {e.strerror or e}") from None
 
 
 def fresh_name(run_dir: Path, stem: str, suffix: str) -> Path:
-    """`RUN_DIR/stem.suffix`, or `stem-2.suffix`, `-3`, ... when taken: never an overwrite."""
+    """`RUN_DIR/stem.suffix`, or `stem-2.suffix`, `-3`, ... when taken (by anything, a dangling
+    link included)."""
     p = Path(run_dir) / f"{stem}{suffix}"
     n = 2
-    while p.exists():
+    while os.path.lexists(p):
         p = Path(run_dir) / f"{stem}-{n}{suffix}"
         n += 1
     return p
+
+
+def write_fresh(run_dir: Path, stem: str, suffix: str, data: bytes) -> Path:
+    """`data` under the first free name fresh_name gives: never an overwrite, even of a name
+    taken between the look and the write."""
+    while True:
+        out = fresh_name(run_dir, stem, suffix)
+        tmp = _temp_beside(out, data)
+        try:
+            if _link_new(tmp, out):
+                return out
+        except OSError as e:
+            raise UserError(f"{out}: cannot write: {e.strerror or e}") from None
+        finally:
+            tmp.unlink(missing_ok=True)
 
 
 def export_into_run(run_dir: Path) -> tuple[list[Path], str | None]:
@@ -223,13 +348,10 @@ def export_into_run(run_dir: Path) -> tuple[list[Path], str | None]:
     run_dir = Path(run_dir)
     text, steps = csv_text(run_dir)
     stem = f"export-step{steps[-1]:08d}"
-    written = [fresh_name(run_dir, stem, ".csv")]
-    _write(written[0], text.encode())
+    written = [write_fresh(run_dir, stem, ".csv", text.encode())]
     if not have_matplotlib():
         return written, NO_MATPLOTLIB
-    png = fresh_name(run_dir, stem, ".png")
-    _write(png, png_bytes(run_dir))
-    written.append(png)
+    written.append(write_fresh(run_dir, stem, ".png", png_bytes(run_dir)))
     return written, None
 
 

@@ -7,7 +7,12 @@ same verified control path (engine.run.control) as in a terminal. Given a CONFIG
 started first, detached, once (a browser that connects attaches to it, it is never started per
 browser). The server listens on 127.0.0.1 unless told otherwise: whoever reaches the page can
 stop the run, so an address other than a loopback one needs --public, and the way to reach it
-from elsewhere is SSH port forwarding, which this command prints.
+from elsewhere is SSH port forwarding, which this command prints, naming the address listened
+on. The page's own links (scripts, the websocket) are made from the address the browser asked
+for, so it works through any forwarded port and on an IPv6 address. The websocket that carries
+the keys is refused to a page of another origin (any web page open in the same browser could
+otherwise open it and stop the run), and, on a loopback address, to a request for a name that
+is not a loopback one (a DNS name rebound to 127.0.0.1).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from engine.errors import UserError
 
@@ -30,14 +36,30 @@ NO_TEXTUAL_SERVE = ("serving in a browser needs textual-serve, which is not inst
                     "pip install 'andrea[serve]' (or pip install textual-serve)")
 
 
+def bare_host(host: str) -> str:
+    """An address as the sockets take it: `[::1]` (as in a URL) is `::1`."""
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def url_host(host: str) -> str:
+    """An address as a URL or `ssh -L` writes it: an IPv6 address in brackets."""
+    host = bare_host(host)
+    return f"[{host}]" if ":" in host else host
+
+
+def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(bare_host(host))
+    except ValueError:
+        return None
+
+
 def is_loopback(host: str) -> bool:
     """True for `localhost` and the loopback addresses (127.0.0.0/8, ::1)."""
     if host.lower() == "localhost":
         return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
+    ip = _ip(host)
+    return ip is not None and ip.is_loopback
 
 
 def check_host(host: str, public: bool) -> None:
@@ -52,6 +74,7 @@ def check_host(host: str, public: bool) -> None:
 
 def check_port(host: str, port: int) -> None:
     """The port is free on `host` (one clear line when it is not)."""
+    host = bare_host(host)
     if not 1 <= port <= 65535:
         raise UserError(f"--port: expected 1..65535, got {port}")
     try:
@@ -75,17 +98,61 @@ def attach_command(run_dir: Path) -> str:
 
 
 def how_to_reach(run_dir: Path, host: str, port: int, engine_started: bool) -> str:
-    url_host = f"[{host}]" if ":" in host else host
-    lines = [f"andrea-tui serve: the dashboard of {run_dir} on http://{url_host}:{port}"]
+    """What `serve` prints at start: where the dashboard is, and how to reach it from elsewhere,
+    naming the address actually listened on."""
+    ip = _ip(host)
+    head = f"andrea-tui serve: the dashboard of {run_dir}"
     if is_loopback(host):
-        lines.append(f"  from another machine: ssh -L {port}:127.0.0.1:{port} THIS_HOST, "
-                     f"then open http://127.0.0.1:{port} there")
+        # `ssh -L` listens on the client's loopback; open it by the same family's address.
+        local = "localhost" if ip is None else "[::1]" if ip.version == 6 else "127.0.0.1"
+        lines = [f"{head} on http://{url_host(host)}:{port}",
+                 f"  from another machine: ssh -L {port}:{url_host(host)}:{port} THIS_HOST, "
+                 f"then open http://{local}:{port} there"]
+    elif ip is not None and ip.is_unspecified:
+        family = f"IPv{ip.version}"
+        lines = [f"{head} on port {port} of every {family} address of this host: "
+                 f"http://{url_host(socket.gethostname())}:{port}, or this host's {family} "
+                 f"address in place of its name"]
+        if ip.version == 6:
+            lines.append("  IPv6 only (--host 0.0.0.0 listens on IPv4)")
     else:
+        lines = [f"{head} on http://{url_host(host)}:{port}"]
+    if not is_loopback(host):
         lines.append("  listening on a non-loopback address (--public): anyone who reaches it "
                      "can stop the run")
     lines.append("  Ctrl+C stops serving; the engine goes on"
                  + (f" (andrea-tui attach {run_dir})" if engine_started else ""))
     return "\n".join(lines)
+
+
+def page_url(scheme: str, host_header: str) -> str:
+    """The base of the page's links: the address the browser asked for (its Host header), so
+    that they work through a forwarded port and on an IPv6 address."""
+    return f"{scheme}://{host_header}"
+
+
+def origin_allowed(origin: str | None, host_header: str) -> bool:
+    """A websocket may be opened by the served page itself (its Origin is the address asked
+    for) or by a client that is no web page (no Origin); not by a page of another site."""
+    if origin is None:
+        return True
+    try:
+        netloc = urlsplit(origin).netloc
+    except ValueError:
+        return False
+    return bool(netloc) and netloc.lower() == host_header.lower()
+
+
+def host_allowed(host_header: str, loopback_only: bool) -> bool:
+    """On a loopback address, only a request for a loopback name or address is served (a DNS
+    name rebound to 127.0.0.1 by another site is not)."""
+    if not loopback_only:
+        return True
+    try:
+        name = urlsplit(f"//{host_header}").hostname
+    except ValueError:
+        return False
+    return name is not None and is_loopback(name)
 
 
 def require_textual_serve() -> None:
@@ -101,14 +168,35 @@ def _server_class() -> Any:
     from textual_serve.server import Server
 
     class AndreaServer(Server):
-        """textual-serve's server, saying how to reach it instead of its logo, and reaping the
-        engine it started (so the engine's exit leaves no zombie behind)."""
+        """textual-serve's server, saying how to reach it instead of its logo, with the page's
+        links made from the address asked for, the checks of host_allowed and origin_allowed,
+        and reaping the engine it started (so the engine's exit leaves no zombie behind)."""
 
         def __init__(self, command: str, banner: str, proc: subprocess.Popen | None,
                      **kw: Any) -> None:
             super().__init__(command, **kw)
             self.banner = banner
             self.proc = proc
+            self.loopback_only = is_loopback(kw["host"])
+
+        def _check(self, request: Any, websocket: bool) -> None:
+            from aiohttp import web
+
+            if not host_allowed(request.host, self.loopback_only):
+                raise web.HTTPForbidden(text=f"{request.host}: this dashboard is served on a "
+                                        "loopback address: open it as localhost or 127.0.0.1")
+            if websocket and not origin_allowed(request.headers.get("Origin"), request.host):
+                raise web.HTTPForbidden(text="a page of another origin may not steer the run")
+
+        async def handle_index(self, request: Any) -> Any:
+            self._check(request, websocket=False)
+            # textual-serve builds the links from public_url as it renders, before any await.
+            self.public_url = page_url(request.scheme, request.host)
+            return await super().handle_index(request)
+
+        async def handle_websocket(self, request: Any) -> Any:
+            self._check(request, websocket=True)
+            return await super().handle_websocket(request)
 
         async def on_startup(self, app: Any) -> None:
             print(self.banner, flush=True)
@@ -129,6 +217,7 @@ def _server_class() -> Any:
 def serve(run_dir: Path, host: str, port: int, public: bool,
           proc: subprocess.Popen | None = None) -> int:
     """Serve the attached dashboard of `run_dir` until Ctrl+C (or SIGTERM)."""
+    host = bare_host(host)
     check_host(host, public)
     server_cls = _server_class()
     check_port(host, port)
