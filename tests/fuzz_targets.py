@@ -9,10 +9,12 @@ input. `tests/test_fuzz.py` runs each target briefly under Hypothesis in `make t
 from __future__ import annotations
 
 import json
+import math
 import struct
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from hypothesis import strategies as st
@@ -20,6 +22,7 @@ from hypothesis import strategies as st
 from engine import records
 from engine.config import parse_config
 from engine.errors import UserError
+from engine.records import SEQUENCE_CONFIRM, STEP_GAP_MAX
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = json.loads((ROOT / "experiments" / "ANDREA-tiny-TRAIN.json").read_text())
@@ -250,6 +253,194 @@ def prep_journal(data: bytes) -> None:
         again.close()
 
 
+def torn_tail(case: tuple[bytes, list[list[dict[str, Any]]]]) -> None:
+    """A JSONL file whose last line a crash or a full disk cut short, appended to by one
+    writer after another (engine.runfiles.JsonlWriter, as a resumed engine does): the bytes
+    already there stay a prefix, and every record written after them reads back whole."""
+    from engine.runfiles import JsonlTail, JsonlWriter, parse_lines
+
+    def same(a: list[Any], b: list[Any]) -> bool:  # NaN == NaN, as the bytes say
+        return json.dumps(a) == json.dumps(b)
+
+    torn, writers = case
+    with tempfile.TemporaryDirectory() as tmp:
+        p = Path(tmp) / "events.jsonl"
+        p.write_bytes(torn)
+        for batch in writers:
+            before = p.read_bytes()
+            w = JsonlWriter(p)
+            for obj in batch:
+                w.write(obj)
+            w.close()
+            after = p.read_bytes()
+            assert after.startswith(before) and after.endswith(b"\n")
+            last = after.split(b"\n")[-1 - len(batch):-1]
+            assert same([json.loads(ln) for ln in last], batch)
+            with open(p, "ab") as f:  # the next writer meets a torn line again
+                f.write(torn)
+        tail = JsonlTail(p)
+        objs = tail.read_new(max_bytes=7)
+        while tail.more:
+            objs += tail.read_new(max_bytes=7)
+        assert same(objs, parse_lines(p.read_bytes().split(b"\n")[:-1])[0])
+
+
+def _write_run(run: Path, loss_lines: list[bytes], max_steps: int) -> None:
+    run.mkdir()
+    (run / "loss.jsonl").write_bytes(b"".join(ln + b"\n" for ln in loss_lines))
+    ready = {"t": 999.0, "event": "ready", "step": 0, "max_steps": max_steps}
+    (run / "events.jsonl").write_text(json.dumps(ready) + "\n")
+    cfg = json.loads(json.dumps(TINY))
+    cfg["train"]["max_steps"] = max_steps
+    (run / "config.json").write_text(json.dumps(cfg))
+
+
+def forged_records(case: tuple[int, int, list[tuple[int, str, int]], int]) -> None:
+    """A run's loss.jsonl with forged step records spliced between its real ones: a step far
+    beyond the last, a step behind it, a negative loss, a NaN loss on a step that was not
+    skipped, a step beyond max_steps (never five in a row that follow one another). Every
+    reader of the file (export's, the app's history and its live state) keeps exactly the
+    real steps and counts each forged one as skipped."""
+    from andrea_tui.runstate import LossHistory, RunState
+    from engine.runfiles import JsonlTail, parse_lines, read_events, read_steps, step_order
+
+    n, extra, forgeries, chunk = case
+    max_steps = n + extra
+
+    def real(step: int) -> dict[str, Any]:
+        return {"step": step, "loss": 2.0 + 1 / step, "grad_norm": 1.0, "t": 1000.0 + step}
+
+    lines: list[bytes] = []
+    forged_at: dict[int, list[bytes]] = {}
+    for after, kind, x in forgeries:
+        after = min(max(after, 1), n)  # after the real record of step `after`
+        obj = {"far": {"step": after + STEP_GAP_MAX + 1 + x, "loss": 1.0},
+               "behind": {"step": 1 + x % after, "loss": 1.0},
+               "negative": {"step": after + 1, "loss": -1.0 - x},
+               "nan": {"step": after + 1, "loss": math.nan},
+               "beyond": {"step": max_steps + 1 + x, "loss": 1.0}}[kind]
+        forged_at.setdefault(after, []).append(json.dumps({"t": 1000.0 + x, **obj}).encode())
+    for step in range(1, n + 1):
+        lines.append(json.dumps(real(step)).encode())
+        lines += forged_at.get(step, [])[:SEQUENCE_CONFIRM - 1]
+    n_forged = len(lines) - n
+    with tempfile.TemporaryDirectory() as tmp:
+        run = Path(tmp) / "run"
+        _write_run(run, lines, max_steps)
+        records, skipped = read_steps(run / "loss.jsonl")
+        assert [r.step for r in records] == list(range(1, n + 1))
+        assert skipped == n_forged
+        events, _ = read_events(run / "events.jsonl")
+        history = LossHistory.from_tail(JsonlTail(run / "loss.jsonl"), chunk_bytes=chunk,
+                                        order=step_order(run, events))
+        assert history.last_record is not None and history.last_record.step == n
+        assert history.unreadable == n_forged
+        state = RunState()
+        state.add_events(parse_lines((run / "events.jsonl").read_bytes().split(b"\n"))[0])
+        for i in range(0, len(lines), 3):
+            state.add_loss(parse_lines(lines[i:i + 3])[0])
+        assert state.series.last_step == n and state.loss_unreadable == n_forged
+
+
+# What a path outside the data may turn out to be, and the readers that must refuse it at once.
+_NOT_REGULAR = ("fifo", "fifo with a writer", "directory", "link to a fifo", "socket",
+                "endless device")
+_READERS = ("config", "checkpoint state.json", "checkpoint verify", "jsonl tail", "json",
+            "log tail", "engine log lines")
+
+
+def non_regular_file(case: tuple[str, str]) -> None:
+    """A FIFO, a directory, a socket, a symlink to a FIFO or an endless device where a config,
+    a checkpoint's state.json or a run file should be: every reader answers at once (a
+    UserError or nothing read), none waits in open() or read()."""
+    import os
+    import signal
+    import socket
+
+    from engine import infile
+    from engine.config import load_config
+    from engine.run.checkpoint import load_checkpoint, verify_checkpoint
+    from engine.runfiles import JsonlTail, read_json, tail_lines, tail_text
+
+    kind, reader = case
+    with tempfile.TemporaryDirectory() as tmp:
+        ck = _checkpoint_dir(Path(tmp))
+        target = ck / "state.json" if reader.startswith("checkpoint") else Path(tmp) / "x.json"
+        target.unlink(missing_ok=True)
+        holder = None
+        if kind.startswith("fifo"):
+            os.mkfifo(target)
+            if kind == "fifo with a writer":  # a writer that never ends the stream
+                holder = os.open(target, os.O_RDWR | os.O_NONBLOCK)
+        elif kind == "directory":
+            target.mkdir()
+        elif kind == "link to a fifo":
+            os.mkfifo(Path(tmp) / "fifo")
+            target.symlink_to(Path(tmp) / "fifo")
+        elif kind == "socket":
+            holder = socket.socket(socket.AF_UNIX)
+            holder.bind(str(target))
+        else:
+            target.symlink_to("/dev/zero")
+        calls: dict[str, Callable[[], object]] = {
+            "config": lambda: load_config(target),
+            "checkpoint state.json": lambda: load_checkpoint(ck),
+            "checkpoint verify": lambda: verify_checkpoint(ck),
+            "jsonl tail": lambda: JsonlTail(target).read_new(),
+            "json": lambda: read_json(target),
+            "log tail": lambda: tail_text(target, 10),
+            "engine log lines": lambda: tail_lines(target, 4096),
+        }
+
+        def hung(signum: int, frame: object) -> None:
+            raise AssertionError(f"{reader} on {kind}: still waiting after 5 s")
+
+        old = signal.signal(signal.SIGALRM, hung)
+        signal.alarm(5)
+        wait, infile.PIPE_WAIT_S = infile.PIPE_WAIT_S, 0.5  # a config may come through a pipe
+        try:
+            calls[reader]()
+        except UserError:
+            pass
+        finally:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, old)
+            infile.PIPE_WAIT_S = wait
+            if isinstance(holder, int):
+                os.close(holder)
+            elif holder is not None:
+                holder.close()
+
+
+def oversized_lines(case: tuple[list[int], list[int], int]) -> None:
+    """A JSONL file that grows while it is read, some of its lines longer than the reader's
+    limit: every line within the limit reads back, in order; each longer one is counted once
+    and never held whole (the tail's memory stays within the limit and one chunk)."""
+    from engine.runfiles import JsonlTail
+
+    sizes, cuts, chunk = case
+    limit = 300
+    lines = [json.dumps({"i": i, "pad": "x" * n}).encode() for i, n in enumerate(sizes)]
+    data = b"".join(ln + b"\n" for ln in lines)
+    with tempfile.TemporaryDirectory() as tmp:
+        p = Path(tmp) / "samples.jsonl"
+        p.write_bytes(b"")
+        tail = JsonlTail(p, max_line=limit)
+        got: list[dict[str, Any]] = []
+        written = 0
+        for cut in sorted({min(c, len(data)) for c in cuts} | {len(data)}):
+            with open(p, "ab") as f:
+                f.write(data[written:cut])
+            written = cut
+            while True:
+                got += tail.read_new(max_bytes=chunk)
+                assert len(tail._partial) <= limit + chunk
+                if not tail.more:
+                    break
+        assert [o["i"] for o in got] == [i for i, ln in enumerate(lines) if len(ln) <= limit]
+        assert tail.bad_lines == sum(len(ln) > limit for ln in lines)
+
+
 _CONVERSATION = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt",
                                                                       "value": "hello"}]}
 _BOOK_PIECES = [b"*** START OF THE PROJECT GUTENBERG EBOOK X ***", b"*END*THE SMALL PRINT!",
@@ -281,4 +472,20 @@ TARGETS: dict[str, tuple[Callable[..., None], st.SearchStrategy]] = {
                                                 | st.binary(max_size=8), max_size=30)
                        .map(b"".join)),
     "prep journal": (prep_journal, near_json(_JOURNAL)),
+    "torn tail (append)": (torn_tail, st.tuples(
+        st.binary(max_size=60) | st.builds(lambda x: json.dumps(x).encode()[:-1], JSON),
+        st.lists(st.lists(st.dictionaries(st.text(max_size=8), JSON, max_size=4), min_size=1,
+                          max_size=4), min_size=1, max_size=3))),
+    "forged step records": (forged_records, st.tuples(
+        st.integers(1, 60), st.integers(0, 300),
+        st.lists(st.tuples(st.integers(1, 60), st.sampled_from(
+            ["far", "behind", "negative", "nan", "beyond"]), st.integers(0, 10_000)),
+            max_size=12),
+        st.integers(16, 2048))),
+    "non-regular files": (non_regular_file, st.tuples(st.sampled_from(_NOT_REGULAR),
+                                                      st.sampled_from(_READERS))),
+    "oversized lines": (oversized_lines, st.tuples(
+        st.lists(st.integers(0, 1200), max_size=20), st.lists(st.integers(0, 30_000),
+                                                               max_size=6),
+        st.integers(1, 700))),
 }
