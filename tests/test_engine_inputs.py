@@ -68,7 +68,7 @@ def finished(tmp_path_factory: pytest.TempPathFactory, prepared_data: Path) -> t
     return cfg, root / "run"
 
 
-# ---------------------------------------------------------------- 5. memory and the build
+# ---------------------------------------------------------------- memory and the build
 
 
 def test_a_run_the_host_cannot_hold_is_refused_with_the_figures(tmp_path: Path,
@@ -201,7 +201,7 @@ def test_the_initial_weights_are_the_same_drawn_in_chunks(monkeypatch) -> None:
     assert np.array_equal(whole[: 300 * 64], wte)
 
 
-# ---------------------------------------------------------------- 8. FIFOs, devices, pipes
+# ---------------------------------------------------------------- FIFOs, devices, pipes
 
 
 def test_a_fifo_as_config_is_refused_at_once(tmp_path: Path, prepared_data: Path) -> None:
@@ -384,7 +384,7 @@ def test_a_fifo_in_a_checkpoint_is_refused_by_verify_and_inspect(tmp_path: Path,
     assert ckpt("verify", str(newer)).returncode == 0
 
 
-# ---------------------------------------------------------------- 9. one line, not a traceback
+# ---------------------------------------------------------------- one line, not a traceback
 
 
 def test_an_undecodable_prompt_is_one_line(finished) -> None:
@@ -434,7 +434,7 @@ def test_prune_where_it_may_not_delete_is_one_line(tmp_path: Path) -> None:
     _prune_refused(run, r, "permission denied")
 
 
-# ---------------------------------------------------------------- 13c. thousands of step_* entries
+# ---------------------------------------------------------------- thousands of step_* entries
 
 
 def _bogus(root: Path, first: int, count: int) -> None:

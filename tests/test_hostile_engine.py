@@ -49,7 +49,7 @@ def finished_run(tmp_path: Path, write_config) -> tuple[Path, Path]:
     return cfg, run
 
 
-# ---------------------------------------------------------------- 1. refusals change nothing
+# ---------------------------------------------------------------- refusals change nothing
 
 
 @pytest.mark.parametrize("extra, says", [
@@ -83,7 +83,7 @@ def test_a_refused_fresh_run_leaves_no_run_directory(tmp_path: Path, write_confi
     assert r.returncode == 2 and not (tmp_path / "new").exists(), r.stderr
 
 
-# ---------------------------------------------------------------- 2. nested JSON everywhere
+# ---------------------------------------------------------------- nested JSON everywhere
 
 
 def test_nested_json_config_is_one_line_in_every_cli(tmp_path: Path) -> None:
@@ -116,7 +116,7 @@ def test_nested_checkpoint_state_is_invalid_and_resume_falls_back(finished_run,
     assert loss_records(run)[-1].step == 22
 
 
-# ---------------------------------------------------------------- 3. the directory goes away
+# ---------------------------------------------------------------- the directory goes away
 
 
 def test_run_directory_removed_under_the_engine(tmp_path: Path, write_config) -> None:
@@ -159,7 +159,7 @@ def test_full_disk_for_small_files_then_resume(tmp_path: Path, write_config) -> 
     assert loss_records(run)[-1].step == 40
 
 
-# ---------------------------------------------------------------- 4. read-only run directory
+# ---------------------------------------------------------------- read-only run directory
 
 
 def _read_only(path: Path, argv: list[str]) -> subprocess.CompletedProcess:
@@ -187,7 +187,7 @@ def test_read_only_run_directory_is_refused_in_one_line(finished_run) -> None:
     assert files_of(run) == before
 
 
-# ---------------------------------------------------------------- 5. stop during data preparation
+# ---------------------------------------------------------------- stop during data preparation
 
 
 @pytest.mark.slow
@@ -222,7 +222,7 @@ def test_sigterm_during_tokenizer_training_stops_it(tmp_path: Path) -> None:
     assert not [p for p in data.rglob("*") if ".tmp" in p.name], list(data.rglob("*"))
 
 
-# ---------------------------------------------------------------- 6. a closed terminal
+# ---------------------------------------------------------------- a closed terminal
 
 
 def test_sighup_is_a_stop_with_a_checkpoint(tmp_path: Path, write_config) -> None:
@@ -238,7 +238,7 @@ def test_sighup_is_a_stop_with_a_checkpoint(tmp_path: Path, write_config) -> Non
     verify_checkpoint(Path(state["last_checkpoint"]["path"]))
 
 
-# ---------------------------------------------------------------- 7. a model too large
+# ---------------------------------------------------------------- a model too large
 
 
 def test_a_model_too_large_for_host_memory_is_refused(tmp_path: Path, write_config) -> None:

@@ -1,4 +1,4 @@
-"""The engine's monitoring (issue 14): telemetry, validation loss and alerts, their records, and
+"""The engine's monitoring: telemetry, validation loss and alerts, their records, and
 a resume with validation on that stays bit-exact."""
 
 from __future__ import annotations

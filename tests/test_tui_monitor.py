@@ -1,4 +1,4 @@
-"""The monitor practitioners expect (issue 14), headless: alerts from a fake engine with an
+"""The monitor practitioners expect, headless: alerts from a fake engine with an
 injected spike, NaN step and stall (toasts, bell, chart marks), the chart controls and their
 persistence, telemetry and validation on the panels, the samples and log screens, and the fixes
 of the new-user trial (resize, old checkpoints, running time, resumed-engine banner, pushed
