@@ -684,6 +684,54 @@ class AlertEvent(Event):
                    as_float(o.get("threshold")), as_str(o.get("message"))[:1000])
 
 
+class Health(str, Enum):
+    """A run's health as the engine judges it (engine.run.health), so that every viewer says
+    the same: `healthy`; `warning` (a recent spike, slow throughput); `diverging` (the loss is
+    running away); `stalled` (no step for far longer than the run's pace); `failed`."""
+
+    HEALTHY = "healthy"
+    WARNING = "warning"
+    DIVERGING = "diverging"
+    STALLED = "stalled"
+    FAILED = "failed"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def as_health(x: Any) -> Health | None:
+    """A Health from a run file's value; None for anything else (older runs have none)."""
+    try:
+        return Health(x)
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class HealthEvent(Event):
+    """The engine's judgement of the run changed (engine.run.health): `state` now, from `step`,
+    and why in words (`reason`: what happened, by how much, against what)."""
+
+    KIND: ClassVar[str] = "health"
+    state: Health = Health.HEALTHY
+    step: int | None = None
+    reason: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"t": self.t, "event": self.KIND, "state": self.state.value, "step": self.step,
+                "reason": self.reason}
+
+    def details(self) -> dict[str, Any]:
+        return {"state": self.state.value, "step": self.step, "reason": self.reason}
+
+    @classmethod
+    def _read(cls, o: Mapping[str, Any], t: float) -> HealthEvent | Unreadable:
+        state = as_health(o.get("state"))
+        if state is None:
+            return Unreadable("health event", f"unknown state {o.get('state')!r:.40}")
+        return cls(t, state, _valid_step(o.get("step")), as_str(o.get("reason"))[:1000])
+
+
 # ---------------------------------------------------------------- samples (samples.jsonl)
 
 
@@ -857,13 +905,17 @@ class RunStatus:
     last_checkpoint: CheckpointRef | None = None
     updated: float | None = None
     error: str = ""  # status `failed`: why, and where a resume continues ("" otherwise)
+    health: Health | None = None  # the engine's judgement now (None: runs that never said)
+    health_reason: str = ""  # why, in words ("" when healthy)
 
     def to_json(self) -> dict[str, Any]:
         return {"status": self.status.value, "step": self.step, "max_steps": self.max_steps,
                 "backend": self.backend, "device": self.device, "pid": self.pid,
                 "run_id": self.run_id,
                 "last_checkpoint": self.last_checkpoint.to_json() if self.last_checkpoint
-                else None, "updated": self.updated, "error": self.error}
+                else None, "updated": self.updated, "error": self.error,
+                "health": self.health.value if self.health else None,
+                "health_reason": self.health_reason}
 
     @classmethod
     def from_json(cls, obj: Any) -> RunStatus | Unreadable:
@@ -878,7 +930,9 @@ class RunStatus:
                    as_str(obj.get("backend")), as_str(obj.get("device")),
                    as_int(obj.get("pid"), 1), as_str(obj.get("run_id")),
                    CheckpointRef.from_json(obj.get("last_checkpoint")),
-                   as_finite(obj.get("updated")), as_str(obj.get("error")))
+                   as_finite(obj.get("updated")), as_str(obj.get("error")),
+                   as_health(obj.get("health")), as_str(obj.get("health_reason"))[:1000])
+
 
 
 # ---------------------------------------------------------------- the GEMM plan (gemm_plan.json)

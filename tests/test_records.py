@@ -39,6 +39,7 @@ EVENTS = [
     rec.SkippedEvent(t=9.0, step=29, grad_norm=math.inf),
     rec.AlertEvent(t=9.5, alert="grad_spike", step=29, value=40.0, baseline=1.0, threshold=3.0,
                    message="grad norm 40 at step 29"),
+    rec.HealthEvent(t=9.6, state=rec.Health.WARNING, step=29, reason="grad norm 40 at step 29"),
     rec.StopEvent(t=10.0, step=30, status="stopped"),
     rec.FinishedEvent(t=11.0, step=40, status="finished"),
     rec.ErrorEvent(t=12.0, message="boom"),
