@@ -26,9 +26,9 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Footer, Static
 
-from andrea_tui import liveness
+from andrea_tui import liveness, panels
 from andrea_tui import settings as user_settings
-from andrea_tui.charts import GradNormChart, LossChart
+from andrea_tui.charts import GradNormChart, LossChart, LrChart
 from andrea_tui.dashboard import LAST_N, DashboardView
 from andrea_tui.linepanel import LinePanel
 from andrea_tui.logscreen import LogScreen
@@ -36,7 +36,7 @@ from andrea_tui.pacing import FramePacer
 from andrea_tui.runreader import RunReader
 from andrea_tui.runstate import LossHistory, RunState
 from andrea_tui.samplescreen import SamplesScreen
-from andrea_tui.screens import ForceStopScreen, HelpScreen
+from andrea_tui.screens import ForceStopScreen, HelpScreen, TextScreen
 from andrea_tui.supervisor import EngineSupervisor, Outcome
 from andrea_tui.textfmt import fmt_duration, fmt_num
 from andrea_tui.watcher import FilesChanged, RunWatcher
@@ -57,7 +57,9 @@ RESUME_NEWS_S = 60.0  # a resume this much older than the app is old news, not t
 NEWS_SLACK_S = 5.0  # alerts written this long before the app started are news
 # Keys that act on the dashboard itself: off (and out of the footer) on a screen pushed over it.
 DASHBOARD_ACTIONS = frozenset({
-    "toggle", "smoother", "checkpoints", "log", "samples", "help", "export"})
+    "toggle", "smoother", "checkpoints", "log", "samples", "help", "export", "events", "system"})
+TOAST_WORDS_COMPACT = 90  # an alert toast on a small terminal: its first words (v: the rest)
+SEVERE_ALERTS = ("nonfinite", "stall", "diverging")  # told as errors, the others as warnings
 # The chart choices `action_toggle` flips (settings.Settings fields), as a message names them.
 CHOICES = {"log_y_loss": "log y", "log_y_grad": "log y (grad)", "window": "window",
            "robust_y": "robust y", "x_axis": "x axis", "bell": "bell"}
@@ -69,23 +71,28 @@ class AndreaApp(App[str]):
 
     CSS_PATH = "andrea.tcss"
     TITLE = "ANDREA"
+    # Short descriptions, `?` first: at 80 columns the footer still shows help and the keys
+    # that steer the engine (the help screen lists every key).
     BINDINGS: ClassVar[list[Binding]] = [
+        Binding("question_mark", "help", "help"),
         Binding("s", "snapshot", "snapshot"),
-        Binding("q", "stop", "checkpoint+exit"),
+        Binding("q", "stop", "stop"),
         Binding("d", "detach", "detach"),
-        Binding("c", "checkpoints", "checkpoints"),
+        Binding("c", "checkpoints", "ckpts"),
         Binding("l", "log", "log"),
+        Binding("v", "events", "events"),
         Binding("p", "samples", "samples"),
-        Binding("y", "toggle('log_y_loss')", "log y"),
+        Binding("i", "system", "system"),
+        Binding("y", "toggle('log_y_loss')", "log y", show=False),
+        Binding("w", "toggle('window')", "window", show=False),
         Binding("g", "toggle('log_y_grad')", "log y (grad)", show=False),
-        Binding("w", "toggle('window')", "window"),
         Binding("left_square_bracket", "smoother(-1)", "less smoothing", show=False),
         Binding("right_square_bracket", "smoother(1)", "more smoothing", show=False),
         Binding("r", "toggle('robust_y')", "robust y", show=False),
         Binding("t", "toggle('x_axis')", "x: step/time", show=False),
         Binding("b", "toggle('bell')", "bell", show=False),
         Binding("e", "export", "export", show=False),
-        Binding("question_mark", "help", "help"),
+        Binding("escape", "back", "runs"),  # only in a dashboard opened from the runs browser
     ]
 
     def __init__(
@@ -100,6 +107,7 @@ class AndreaApp(App[str]):
         stop_timeout: float = 120.0,
         on_frame: Callable[[int | None], None] | None = None,
         session_start: float | None = None,
+        from_browser: bool = False,
     ) -> None:
         super().__init__()
         self.run_dir = Path(run_dir)
@@ -121,6 +129,7 @@ class AndreaApp(App[str]):
         self._clock = clock
         self._halt_told = ""  # the frozen or stalled state a toast has told (once each)
         self.settings = user_settings.load()
+        self.from_browser = from_browser  # opened from the runs browser: escape goes back
         self._resumes_told = 0
         self._alerts_seen = 0
         self.alerts_told: list[str] = []  # the alert toasts of this session (tests read them)
@@ -135,6 +144,7 @@ class AndreaApp(App[str]):
             with Vertical(id="charts"):
                 yield LossChart(id="loss")
                 yield GradNormChart(id="gradnorm")
+                yield LrChart(id="lr")
             with Vertical(id="side"):
                 yield LinePanel(id="training", classes="panel")
                 yield LinePanel(id="bandit", classes="panel")
@@ -143,6 +153,9 @@ class AndreaApp(App[str]):
             yield Static(id="events", classes="panel")
             yield Static(id="logtail", classes="panel")
         yield Static(id="sample", classes="panel")
+        with Horizontal(id="summary"):  # a small terminal's stand-in for the four panels above
+            yield Static(id="summary-left")
+            yield Static(id="summary-right")
         yield Footer()
 
     def on_resize(self, event: events.Resize) -> None:
@@ -153,6 +166,7 @@ class AndreaApp(App[str]):
         self.view.fit(*self.size)
         self.view.set_titles()
         self.view.apply(self.settings)
+        user_settings.keep_theme(self, self.settings, self._keep_theme)
         # The small files and the events first (resumes, max_steps: what the step records are
         # read with); then a first frame from the end of loss.jsonl; the whole history follows
         # from a thread.
@@ -229,13 +243,20 @@ class AndreaApp(App[str]):
                  if a.t >= self._started - NEWS_SLACK_S]
         if not fresh:
             return
-        for a in fresh[-3:]:
+        # A small terminal gets one toast with the alert's first words; the events panel
+        # (`v`) has every alert in full.
+        compact = self.view.compact
+        shown = 1 if compact else 2
+        for a in fresh[-shown:]:
             self.alerts_told.append(a.alert)
-            self.notify(a.message or a.alert, title=f"alert: {a.alert.replace('_', ' ')}",
-                        severity="error" if a.alert in ("nonfinite", "stall") else "warning",
-                        timeout=15)
-        if len(fresh) > 3:
-            self.notify(f"and {len(fresh) - 3} more alert(s): see the events panel",
+            message = a.message or a.alert
+            if compact and len(message) > TOAST_WORDS_COMPACT:
+                message = message[:TOAST_WORDS_COMPACT - 1].rsplit(" ", 1)[0] + "… (v: events)"
+            self.notify(message, title=f"alert: {a.alert.replace('_', ' ')}",
+                        severity="error" if a.alert in SEVERE_ALERTS else "warning",
+                        timeout=8 if compact else 15)
+        if len(fresh) > shown:
+            self.notify(f"and {len(fresh) - shown} more alert(s): v shows them",
                         severity="warning")
         if self.settings.bell:
             self.bell()
@@ -348,7 +369,15 @@ class AndreaApp(App[str]):
             self.pacer.draw_now()  # the header says "stopping…"
 
     def action_detach(self) -> None:
-        self._tell(self.supervisor.detach())
+        self._tell(self.supervisor.detach(self.state))
+
+    def action_back(self) -> None:
+        """Back to the runs browser: the engine trains on (as `d`)."""
+        self.action_detach()
+
+    def _keep_theme(self, name: str) -> None:
+        if name != self.settings.theme:
+            self._choose("theme", self.settings.themed(name))
 
     def action_checkpoints(self) -> None:
         from andrea_tui.ckpt_screens import CheckpointListScreen
@@ -364,8 +393,16 @@ class AndreaApp(App[str]):
     def action_help(self) -> None:
         self.push_screen(HelpScreen(LAST_N))
 
+    def action_events(self) -> None:
+        self.push_screen(TextScreen("events", lambda: panels.all_events(self.state), at_end=True))
+
+    def action_system(self) -> None:
+        self.push_screen(TextScreen("system", lambda: panels.system(self.state, self._clock())))
+
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         """Dashboard keys mean nothing on a screen pushed over it (a log, a browser): off."""
+        if action == "back":  # escape: back to the runs browser that opened the dashboard
+            return self.from_browser and len(self.screen_stack) == 1
         if action in DASHBOARD_ACTIONS and len(self.screen_stack) > 1:
             return False
         return True

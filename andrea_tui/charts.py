@@ -1,9 +1,23 @@
-"""Loss and grad-norm charts: textual-plotext (plotext 5.3.2) fed from a StepSeries.
+"""Loss, grad-norm and learning-rate charts: textual-plotext (plotext 5.3.2) fed from a StepSeries.
 
-What the user controls (ChartOptions, kept by andrea_tui.settings): log y, a robust y-range (the
-1st to 99th percentile of what is shown: one outlier no longer flattens the rest), x by step
-(whole-number ticks) or wall time, the window, and the loss smoothing. The loss chart overlays
-the validation loss (eval.jsonl); both mark the steps of the engine's alerts with `!`.
+What the user controls (ChartOptions, kept by andrea_tui.settings): log y, a robust y-range for
+the loss (the 1st to 99th percentile of what is shown), x by step or wall time, the window, and
+the loss smoothing. The loss chart overlays the validation loss (eval.jsonl) on its own axes;
+the loss and grad-norm charts mark the steps of the engine's alerts with `!`.
+
+Axes: ticks at round values (andrea_tui.ticks: 1-2-5 steps, SI suffixes for steps, whole
+minutes or hours for wall time), one label format per axis. The grad-norm axis is robust by
+default (ticks.grad_range): it reaches the top of the bulk of the data (the columns' maxima
+below their median + 8 robust deviations), never a clip line far beyond the data; what lies
+above is drawn on the top edge (`▲`) and counted in the title; the clip line is drawn when it
+is inside that range or near it (within ticks.CLIP_NEAR times its top), else the title says
+`clip 1.00e9 off scale`. Log y (`g`) shows the whole range. The learning-rate chart marks
+resumes (a vertical line: a resume that moved the lr shows as a jump there) and evaluations
+(`·` along the bottom).
+
+Colours: the charts' frame, titles and tick labels take the app theme's foreground on its
+surface; the ANSI themes (whose colours are the terminal's own) leave them to the terminal.
+The lines take a palette for dark or light backgrounds.
 
 The charts only draw what `update_from()` handed them: downsampled (min and max per column) and
 windowed in numpy, so a 200k-step history costs the same to draw as a short one. A noisy series
@@ -24,25 +38,41 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from plotext._dict import themes as plotext_themes
 from rich.text import Text
+from textual import events
+from textual.color import Color
 from textual.content import Content, Span
 from textual.strip import Strip
 from textual.style import Style as TStyle
 from textual_plotext import PlotextPlot
 
+from andrea_tui import ticks
 from andrea_tui.series import StepSeries, column_ranges, downsample_minmax, window
 from andrea_tui.strips import fitting_strip, plain_line, plain_widget
-from andrea_tui.textfmt import fmt_num
-from engine.records import AlertEvent, EvalRecord
+from andrea_tui.textfmt import fmt_grad, fmt_lr
+from andrea_tui.ticks import YRange, full_range, grad_range, percentile_range
+from engine.records import AlertEvent, EvalRecord, ResumeEvent
 
 AXIS_COLUMNS = 10  # plotext's y-axis labels and frame take about this many columns
-ROBUST_PCT = (1.0, 99.0)  # the robust y-range: these percentiles of what is shown, padded
 MARKS_MAX = 40  # alert marks drawn at most (the newest)
 LOSS_ALERTS = ("loss_spike", "nonfinite", "stall", "slow")
 GRAD_ALERTS = ("grad_spike", "nonfinite")
+X_TICK_COLUMNS = 12  # columns per x tick label (a label and the gap to the next)
+Y_TICK_ROWS = 3  # rows per y tick
+
+# Line colours for dark and light backgrounds (plotext colours: names, or RGB on light ones).
+DARK = {"raw": "gray", "ema": "cyan", "val": "yellow", "grad": "green", "clip": "red",
+        "alert": "red+", "edge": "magenta+", "lr": "blue+", "resume": "magenta",
+        "eval": "yellow"}
+LIGHT = {"raw": (150, 150, 150), "ema": (0, 110, 170), "val": (190, 105, 0),
+         "grad": (20, 130, 50), "clip": (200, 30, 30), "alert": (200, 30, 30),
+         "edge": (150, 0, 150), "lr": (40, 70, 200), "resume": (150, 0, 150),
+         "eval": (190, 105, 0)}
 
 
 @dataclass(frozen=True)
@@ -65,34 +95,6 @@ def _log10(y: np.ndarray) -> np.ndarray:
         return np.where(y > 0, np.log10(np.where(y > 0, y, 1.0)), np.nan)
 
 
-def _int_ticks(lo: float, hi: float, n: int = 5) -> tuple[list[float], list[str]]:
-    """Tick positions at whole numbers (steps are integers) between lo and hi."""
-    if not (math.isfinite(lo) and math.isfinite(hi)) or hi < lo:
-        return [], []
-    ticks = sorted({round(v) for v in np.linspace(lo, hi, n)})
-    return [float(v) for v in ticks], [f"{v:,}" if abs(v) < 1e6 else fmt_num(v) for v in ticks]
-
-
-def _time_ticks(lo: float, hi: float, n: int = 5) -> tuple[list[float], list[str]]:
-    """Ticks for an x axis in minutes."""
-    if not (math.isfinite(lo) and math.isfinite(hi)) or hi < lo:
-        return [], []
-    ticks = list(np.linspace(lo, hi, n)) if hi > lo else [lo]
-    if hi >= 120:
-        return ticks, [f"{v / 60:.1f}h" for v in ticks]
-    return ticks, [f"{v:.1f}m" if hi < 10 else f"{v:.0f}m" for v in ticks]
-
-
-def _robust_range(*ys: np.ndarray) -> tuple[float, float] | None:
-    """A y-range holding the bulk of the values (outliers left outside), or None."""
-    vals = np.concatenate([y[np.isfinite(y)] for y in ys]) if ys else np.zeros(0)
-    if vals.size < 2:
-        return None
-    lo, hi = np.percentile(vals, ROBUST_PCT)
-    pad = 0.05 * (hi - lo) or 0.05 * abs(hi) or 0.05
-    return float(lo - pad), float(hi + pad)
-
-
 def _x_of(series: StepSeries, opts: ChartOptions) -> tuple[np.ndarray, float]:
     """The x values of the rows (steps, or minutes since the first row shown) and the time
     origin (unix seconds) for converting event times."""
@@ -106,16 +108,19 @@ def _x_of(series: StepSeries, opts: ChartOptions) -> tuple[np.ndarray, float]:
     return (t - t0) / 60.0, t0
 
 
-def _mark_x(alerts: list[AlertEvent], kinds: tuple[str, ...], opts: ChartOptions,
-            t0: float) -> list[float]:
+def _event_x(events: Sequence[object], opts: ChartOptions, t0: float) -> list[float]:
+    """The x of events with a step and a time (alerts, resumes, evaluations)."""
     out = []
-    for a in alerts:
-        if a.alert not in kinds:
-            continue
-        x = (a.t - t0) / 60.0 if opts.by_time else a.step
+    for e in events:
+        x = (e.t - t0) / 60.0 if opts.by_time else e.step  # type: ignore[attr-defined]
         if x is not None and math.isfinite(x):
             out.append(float(x))
-    return out[-MARKS_MAX:]
+    return out
+
+
+def _mark_x(alerts: list[AlertEvent], kinds: tuple[str, ...], opts: ChartOptions,
+            t0: float) -> list[float]:
+    return _event_x([a for a in alerts if a.alert in kinds], opts, t0)[-MARKS_MAX:]
 
 
 def _in_view(xs: list[float], x: np.ndarray) -> list[float]:
@@ -125,48 +130,82 @@ def _in_view(xs: list[float], x: np.ndarray) -> list[float]:
     return [v for v in xs if lo <= v <= hi]
 
 
-def _axes(plt, opts: ChartOptions, x: np.ndarray, ylo: np.ndarray, yhi: np.ndarray,
-          extra_y: tuple[np.ndarray, ...] = ()) -> tuple[float, float] | None:
-    """x ticks (whole steps, or minutes), log-y tick labels and the robust y-range; returns
-    the y-range drawn when it is set by hand."""
+def x_ticks(lo: float, hi: float, by_time: bool, width: int) -> tuple[list[float], list[str]]:
+    """Round ticks for an x axis of `width` columns: steps (1-2-5, `5k`) or minutes."""
+    target = max(2, min(7, width // X_TICK_COLUMNS))
+    if by_time:
+        return ticks.time_ticks(lo, hi, target)
+    return ticks.axis(lo, hi, "count", target)
+
+
+def y_ticks(yr: YRange, log: bool, height: int) -> tuple[list[float], list[str]]:
+    """Round ticks for a y axis of `height` rows (positions in the units drawn)."""
+    target = max(2, min(5, height // Y_TICK_ROWS))
+    if not log:
+        return ticks.axis(yr.lo, yr.hi, "value", target)
+    vals, labels = ticks.axis(10**yr.lo, 10**yr.hi, "value", target, log=True)
+    return [math.log10(v) for v in vals], labels
+
+
+def _axes(plt, x: np.ndarray, yr: YRange, opts: ChartOptions, size: tuple[int, int]) -> int:
+    """Round x and y ticks, and the y-range set by hand (plotext's own would not be round);
+    the columns the y tick labels take (plotext draws a title only over the plot area)."""
+    width, height = size
     if len(x):
         lo, hi = float(np.nanmin(x)), float(np.nanmax(x))
-        plt.xticks(*(_time_ticks(lo, hi) if opts.by_time else _int_ticks(lo, hi)))
-    yr = _robust_range(ylo, yhi, *extra_y) if opts.robust_y else None
-    if yr is not None:
-        plt.ylim(*yr)
-    if opts.log_y:
-        lo = yr[0] if yr else float(np.nanmin(ylo)) if len(ylo) else 0.0
-        hi = yr[1] if yr else float(np.nanmax(yhi)) if len(yhi) else 1.0
-        plt.yticks(*_log_ticks(lo, hi))
-    return yr
+        if hi > lo:
+            plt.xlim(lo, hi)
+        plt.xticks(*x_ticks(lo, hi, opts.by_time, max(10, width - AXIS_COLUMNS)))
+    plt.ylim(yr.lo, yr.hi)
+    positions, labels = y_ticks(yr, opts.log_y, max(3, height - 4))
+    plt.yticks(positions, labels)
+    return max((len(label) for label in labels), default=0)
 
 
-def _marks(plt, xs: list[float], top: float) -> None:
+def _clamped(y: np.ndarray, yr: YRange) -> np.ndarray:
+    return np.clip(y, yr.lo, yr.hi)
+
+
+def _edges(plt, x: np.ndarray, hi: np.ndarray, lo: np.ndarray, yr: YRange, color) -> None:
+    """Columns with points above (below) the range: `▲` on the top (`▼` on the bottom) edge."""
+    up, down = x[hi > yr.hi], x[lo < yr.lo]
+    if len(up):
+        plt.scatter(up.tolist(), [yr.hi] * len(up), color=color, marker="▲")
+    if len(down):
+        plt.scatter(down.tolist(), [yr.lo] * len(down), color=color, marker="▼")
+
+
+def _marks(plt, xs: list[float], top: float, color) -> None:
     """Alert marks: a `!` at the top of the plot at each alert's x."""
     if xs:
-        plt.scatter(xs, [top] * len(xs), color="red+", marker="!")
+        plt.scatter(xs, [top] * len(xs), color=color, marker="!")
 
 
-def _scope(opts: ChartOptions) -> str:
+def _scope(opts: ChartOptions, robust: bool | None = None) -> str:
     parts = ["all" if opts.last_n is None else f"last {opts.last_n}"]
     if opts.log_y:
         parts.append("log y")
-    if opts.robust_y:
+    if opts.robust_y if robust is None else robust:
         parts.append("robust y")
     if opts.by_time:
         parts.append("x: time")
     return ", ".join(parts)
 
 
-def _log_ticks(lo: float, hi: float) -> tuple[list[float], list[str]]:
-    """Tick positions (log10 units) and labels (original units) for a log-y axis."""
-    if not (math.isfinite(lo) and math.isfinite(hi)):
-        return [], []
-    if hi - lo < 1e-9:
-        hi = lo + 0.1
-    ticks = list(np.linspace(lo, hi, 5))
-    return ticks, [fmt_num(10**t) for t in ticks]
+def fit_title(parts: Sequence[tuple[str, str]], width: int) -> str:
+    """The title's parts (long, short) joined with ` · `: the long forms when they fit in
+    `width`, else the short ones from the last part back, then short forms joined by spaces."""
+    longs = [p[0] for p in parts if p[0]]
+    title = " · ".join(longs)
+    if len(title) <= width:
+        return title
+    forms = list(parts)
+    for i in range(len(forms) - 1, -1, -1):
+        forms[i] = (forms[i][1], forms[i][1])
+        title = " · ".join(p[0] for p in forms if p[0])
+        if len(title) <= width:
+            return title
+    return " ".join(p[1] for p in parts if p[1])
 
 
 def _same(a: tuple | None, b: tuple) -> bool:
@@ -182,11 +221,20 @@ def _same(a: tuple | None, b: tuple) -> bool:
     return True
 
 
-def _plot_range(plt, x: np.ndarray, lo: np.ndarray, hi: np.ndarray, color: str) -> None:
+def _plot_range(plt, x: np.ndarray, lo: np.ndarray, hi: np.ndarray, color) -> None:
     """Per-column max as a line, and per-column min as a second one where it differs."""
     plt.plot(x.tolist(), hi.tolist(), color=color, marker="braille")
     if not np.array_equal(lo, hi):
         plt.plot(x.tolist(), lo.tolist(), color=color, marker="braille")
+
+
+def _plotext_color(value: str) -> str | tuple[int, int, int]:
+    """A theme colour (a Textual CSS value) as plotext takes it: RGB, or `default` (the
+    terminal's own) for ANSI colours and transparency, which have no RGB of their own."""
+    color = Color.parse(value)
+    if color.ansi is not None or color.a < 1.0:
+        return "default"
+    return color.rgb
 
 
 # what reading plotext's internals raises when they are not as plotext 5.3.2 has them
@@ -222,6 +270,48 @@ class CachedPlot(PlotextPlot):
         # version pyproject pins) were not as this class reads them: PlotextPlot draws instead
         self._matrix_ok = True
         self.build_seconds = 0.0  # cost of the last build (plotext + strips)
+        self._again: Callable[[], None] | None = None  # the last update_from, to run again
+
+    # ------------------------------------------------------------ theme
+
+    def _register_theme(self, app_theme_name: str) -> None:
+        """A theme change (PlotextPlot subscribes to it): the next build takes the new one."""
+        self.refresh()
+
+    def _get_plotext_theme_name(self, app_theme_name: str) -> str:
+        """The plotext theme for the app theme: frame, titles and ticks in the theme's
+        foreground on its surface (registered with plotext the first time)."""
+        if self.theme != "auto":
+            return self.theme
+        name = f"andrea-{app_theme_name}"
+        if name not in plotext_themes:
+            theme = self.app.get_theme(app_theme_name)
+            colors = theme.to_color_system().generate() if theme else {}
+            surface = _plotext_color(colors.get("surface", "transparent"))
+            foreground = _plotext_color(colors.get("foreground", "ansi_default"))
+            plotext_themes[name] = [surface, surface, foreground, "default",
+                                    list(plotext_themes["default"][4])]
+        return name
+
+    @property
+    def colors(self) -> dict[str, str | tuple[int, int, int]]:
+        """The line colours for the app theme: names (the terminal's own colours on ANSI
+        themes), RGB on a light background."""
+        fg = self.app.theme_variables.get("foreground")
+        ansi = fg is not None and Color.parse(fg).ansi is not None
+        return DARK if self.app.current_theme.dark or ansi else LIGHT
+
+    def on_resize(self, event: events.Resize) -> None:
+        """A new size: the data again for its width (the columns it is downsampled to), at
+        once rather than at the app's next redraw. And the chart column changed height: a
+        learning-rate chart in it is shown only where it leaves the others room (LrChart.fit;
+        its own size does not tell, as it has none while hidden)."""
+        if self._again is not None:
+            self._again()
+        column = self.parent
+        if column is not None and not isinstance(self, LrChart):
+            for lr in column.query_children(LrChart):
+                lr.fit(column.size.height)
 
     def _set_inputs(self, inputs: tuple, data: tuple) -> bool:
         """Store new inputs and refresh; False (and nothing done) when they draw the same."""
@@ -242,6 +332,8 @@ class CachedPlot(PlotextPlot):
         key = (self._data_version, self.size, self.app.theme, self.theme)
         if key == self._canvas_key:
             return False
+        if self._canvas_key is not None and self._canvas_key[2:] != key[2:]:
+            self._styles.clear()  # colours convert for the theme they are drawn in
         plt = self.plt
         plt.clear_data()
         plt.clear_figure()
@@ -357,7 +449,8 @@ class CachedPlot(PlotextPlot):
 
 
 class LossChart(CachedPlot):
-    """Raw loss (dim), its debiased EMA, the validation loss (yellow) and alert marks (`!`)."""
+    """Raw loss (dim), its debiased EMA, the validation loss on the same axes (`●`), and alert
+    marks (`!`)."""
 
     def __init__(self, **kw) -> None:
         super().__init__(**kw)
@@ -366,6 +459,7 @@ class LossChart(CachedPlot):
 
     def update_from(self, series: StepSeries, evals: list[EvalRecord] | None = None,
                     alerts: list[AlertEvent] | None = None) -> None:
+        self._again = lambda: self.update_from(series, evals, alerts)
         opts = self.opts
         cols = max(10, self.size.width - AXIS_COLUMNS)
         xall, t0 = _x_of(series, opts)
@@ -376,41 +470,52 @@ class LossChart(CachedPlot):
         if evals and len(steps):
             first = int(steps[0])
             shown = [v for v in evals if v.step >= first and math.isfinite(v.val_loss)]
-            vx = np.array([(v.t - t0) / 60.0 if opts.by_time else v.step for v in shown],
-                          dtype=float)
-            vy = np.array([v.val_loss for v in shown], dtype=float)
+            pts = [(x, v.val_loss) for v in shown for x in _event_x([v], opts, t0)]
+            vx = np.array([p[0] for p in pts], dtype=float)
+            vy = np.array([p[1] for p in pts], dtype=float)
         if opts.log_y:
             y, e, vy = _log10(y), _log10(e), _log10(vy)
         rx, rlo, rhi = column_ranges(x, y, cols)
         ex, ey = downsample_minmax(x, e, cols)  # smooth: its zig-zag is short and cheap
         vx, vy = downsample_minmax(vx, vy, cols) if len(vx) > 2 * cols else (vx, vy)
+        yr = (percentile_range(np.concatenate([y, vy])) if opts.robust_y
+              else full_range(rlo, rhi, ey, vy))
         marks = np.array(_in_view(_mark_x(list(alerts or []), LOSS_ALERTS, opts, t0), x))
-        data = (rx, rlo, rhi, ex, ey, vx, vy, marks)
+        data = (rx, rlo, rhi, ex, ey, vx, vy, yr, marks)
         self._set_inputs((*data, opts, self.smoothing), data)
 
     def _draw(self) -> None:
-        plt = self.plt
+        plt, c = self.plt, self.colors
+        label_cols = 0
         smooth = f"EMA {self.smoothing:g}" if self.smoothing else "no smoothing"
-        title = f"loss ({_scope(self.opts)}) · raw + {smooth}"
-        if self._data is not None and len(self._data[0]):
-            rx, rlo, rhi, ex, ey, vx, vy, marks = self._data
-            _plot_range(plt, rx, rlo, rhi, "gray")
+        parts = [(f"loss ({_scope(self.opts)})", "loss"),
+                 (f"raw + {smooth}", smooth if self.smoothing else "raw")]
+        if self._data is not None and len(self._data[0]) and self._data[7] is not None:
+            rx, rlo, rhi, ex, ey, vx, vy, yr, marks = self._data
+            _plot_range(plt, rx, _clamped(rlo, yr), _clamped(rhi, yr), c["raw"])
             if len(ex) and self.smoothing:
-                plt.plot(ex.tolist(), ey.tolist(), color="cyan", marker="braille")
+                plt.plot(ex.tolist(), _clamped(ey, yr).tolist(), color=c["ema"],
+                         marker="braille")
             if len(vx):
-                plt.scatter(vx.tolist(), vy.tolist(), color="yellow", marker="dot")
-                title += " · val ●"
-            yr = _axes(plt, self.opts, rx, rlo, rhi, (vy,))
+                plt.scatter(vx.tolist(), _clamped(vy, yr).tolist(), color=c["val"],
+                            marker="●")
+                parts.append(("val ●", "val ●"))
+            _edges(plt, rx, rhi, rlo, yr, c["edge"])
+            label_cols = _axes(plt, rx, yr, self.opts, self.size)
+            if yr.above:
+                parts.append((f"{yr.above} above ▲", f"▲{yr.above}"))
+            if yr.below:
+                parts.append((f"{yr.below} below ▼", f"▼{yr.below}"))
             if len(marks):
-                top = yr[1] if yr else float(np.nanmax(np.concatenate([rhi, vy])))
-                _marks(plt, marks.tolist(), top)
-                title += f" · alerts ! {len(marks)}"
-        plt.title(title)
+                _marks(plt, marks.tolist(), yr.hi, c["alert"])
+                parts.append((f"alerts ! {len(marks)}", f"!{len(marks)}"))
+        plt.title(fit_title(parts, self.size.width - label_cols))
 
 
 class GradNormChart(CachedPlot):
-    """Global grad norm (before clipping), the clip threshold, clipped steps (✕) and grad-norm
-    alerts (`!`)."""
+    """Global grad norm (before clipping) on a robust axis (grad_range; log y shows it all),
+    the clip threshold when it is on scale, clipped steps (✕), points above the axis (▲ on the
+    top edge) and grad-norm alerts (`!`)."""
 
     def __init__(self, **kw) -> None:
         super().__init__(**kw)
@@ -419,6 +524,7 @@ class GradNormChart(CachedPlot):
 
     def update_from(self, series: StepSeries, max_norm: float | None,
                     alerts: list[AlertEvent] | None = None) -> None:
+        self._again = lambda: self.update_from(series, max_norm, alerts)
         opts = self.opts
         cols = max(10, self.size.width - AXIS_COLUMNS)
         xall, t0 = _x_of(series, opts)
@@ -431,27 +537,100 @@ class GradNormChart(CachedPlot):
             g = _log10(g)
             line = math.log10(max_norm) if max_norm else None
         gx, glo, ghi = column_ranges(x, g, cols)
+        yr = grad_range(g, glo, ghi, line, log=opts.log_y)
         # Clipped steps: one mark per column is enough to see where clipping happened.
         cx, cy = downsample_minmax(x[clipped], g[clipped], cols // 2 or 1)
         marks = np.array(_in_view(_mark_x(list(alerts or []), GRAD_ALERTS, opts, t0), x))
         self.max_norm = max_norm
-        data = (gx, glo, ghi, cx, cy, n_clipped, line, marks)
+        data = (gx, glo, ghi, cx, cy, n_clipped, yr, marks)
         self._set_inputs((*data, max_norm, opts), data)
 
     def _draw(self) -> None:
-        plt = self.plt
-        title = f"grad norm ({_scope(self.opts)})"
+        plt, c = self.plt, self.colors
+        label_cols = 0
+        parts = [(f"grad norm ({_scope(self.opts, robust=not self.opts.log_y)})", "grad norm")]
         if self._data is not None:
-            gx, glo, ghi, cx, cy, n_clipped, line, marks = self._data
-            title += f" · clip at {fmt_num(self.max_norm)} · clipped steps ✕ {n_clipped}"
-            if len(gx):
-                _plot_range(plt, gx, glo, ghi, "green")
-                if line is not None:
-                    plt.hline(line, color="red")
+            gx, glo, ghi, cx, cy, n_clipped, yr, marks = self._data
+            clip = fmt_grad(self.max_norm).strip()
+            if yr is not None and yr.line_off_scale:
+                parts.append((f"clip {clip} off scale", f"clip {clip} off"))
+            else:
+                parts.append((f"clip {clip}", f"clip {clip}"))
+            parts.append((f"clipped ✕ {n_clipped}", f"✕{n_clipped}"))
+            if len(gx) and yr is not None:
+                _plot_range(plt, gx, _clamped(glo, yr), _clamped(ghi, yr), c["grad"])
+                if yr.line is not None:
+                    plt.hline(yr.line, color=c["clip"])
                 if len(cx):
-                    plt.scatter(cx.tolist(), cy.tolist(), color="red", marker="x")
-                yr = _axes(plt, self.opts, gx, glo, ghi)
+                    plt.scatter(cx.tolist(), _clamped(cy, yr).tolist(), color=c["clip"],
+                                marker="x")
+                _edges(plt, gx, ghi, glo, yr, c["edge"])
+                label_cols = _axes(plt, gx, yr, self.opts, self.size)
+                if yr.above:
+                    parts.append((f"{yr.above} above ▲", f"▲{yr.above}"))
                 if len(marks):
-                    _marks(plt, marks.tolist(), yr[1] if yr else float(np.nanmax(ghi)))
-                    title += f" · alerts ! {len(marks)}"
-        plt.title(title)
+                    _marks(plt, marks.tolist(), yr.hi, c["alert"])
+                    parts.append((f"alerts ! {len(marks)}", f"!{len(marks)}"))
+        plt.title(fit_title(parts, self.size.width - label_cols))
+
+
+class LrChart(CachedPlot):
+    """The learning rate by step (or wall time), with resume marks (a vertical line each: a
+    resume that moved the lr is a jump at its line) and evaluation marks (`·` on the bottom)."""
+
+    HEIGHT = 7
+    DEFAULT_CSS = f"LrChart {{ height: {HEIGHT}; }}"
+    SHOW_FROM = 2 * 9 + HEIGHT  # rows its column needs to leave the charts above 9 rows each
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.opts = ChartOptions()
+
+    def fit(self, column_rows: int) -> bool:
+        """Shown only where its column (of `column_rows`) leaves the charts above it room
+        enough; True when that changed (the charts above then have another size)."""
+        show = column_rows >= self.SHOW_FROM
+        if show == self.display:
+            return False
+        self.display = show
+        return True
+
+    def update_from(self, series: StepSeries, resumes: Sequence[ResumeEvent] = (),
+                    evals: Sequence[EvalRecord] = ()) -> None:
+        self._again = lambda: self.update_from(series, resumes, evals)
+        opts = ChartOptions(False, False, self.opts.x_axis, self.opts.last_n)
+        # hidden, it has no width: its column's (it fills it) is what it will have
+        width = self.size.width or (self.parent.size.width if self.parent else 0)
+        cols = max(10, width - AXIS_COLUMNS)
+        xall, t0 = _x_of(series, opts)
+        x, lr = window(xall, series.col("lr"), opts.last_n)
+        lx, llo, lhi = column_ranges(x, lr, cols)
+        yr = full_range(llo, lhi)
+        rx = np.array(_in_view(_event_x(list(resumes), opts, t0), x))
+        ex = np.array(_in_view(_event_x(list(evals), opts, t0), x))
+        n_evals = len(ex)
+        if len(ex) > cols:  # about one mark per column is all the columns can show
+            ex = ex[np.linspace(0, len(ex) - 1, cols).astype(np.int64)]
+        finite = lr[np.isfinite(lr)]
+        now = float(finite[-1]) if len(finite) else math.nan
+        data = (lx, llo, lhi, rx, ex, n_evals, now, yr)
+        self._set_inputs((*data, opts), data)
+
+    def _draw(self) -> None:
+        plt, c = self.plt, self.colors
+        label_cols = 0
+        scope = "all" if self.opts.last_n is None else f"last {self.opts.last_n}"
+        parts = [(f"learning rate ({scope})", "lr")]
+        if self._data is not None and self._data[-1] is not None and len(self._data[0]):
+            lx, llo, lhi, rx, ex, n_evals, now, yr = self._data
+            parts.append((f"now {fmt_lr(now).strip()}", fmt_lr(now).strip()))
+            _plot_range(plt, lx, llo, lhi, c["lr"])
+            for x in rx.tolist():
+                plt.vline(x, color=c["resume"])
+            if len(rx):
+                parts.append((f"resumes │ {len(rx)}", f"│{len(rx)}"))
+            if len(ex):
+                plt.scatter(ex.tolist(), [yr.lo] * len(ex), color=c["eval"], marker="·")
+                parts.append((f"evals · {n_evals}", f"·{n_evals}"))
+            label_cols = _axes(plt, lx, yr, ChartOptions(x_axis=self.opts.x_axis), self.size)
+        plt.title(fit_title(parts, self.size.width - label_cols))

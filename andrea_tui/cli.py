@@ -6,7 +6,8 @@
   andrea-tui attach RUN_DIR
   andrea-tui ckpt PATH
   andrea-tui runs [DIR]
-  andrea-tui compare RUN_DIR RUN_DIR ...
+  andrea-tui compare RUN_DIR RUN_DIR ... [--metric M] [--x X] [--smoothing A] [--log-y]
+             [--csv FILE] [--png FILE] [--size WxH] [--force]
   andrea-tui export RUN_DIR [--csv FILE] [--png FILE] [--size WxH] [--force]
   andrea-tui serve CONFIG.json|RUN_DIR [--host H] [--port P] [--public] [launch flags]
 """
@@ -229,7 +230,8 @@ def wait_for_acceptance(proc: subprocess.Popen, run_dir: Path,
 
 
 def runs(root: str) -> int:
-    """The runs browser; enter opens a run's dashboard, and leaving it comes back here."""
+    """The runs browser; enter opens a run's dashboard, and leaving it comes back here (escape
+    or d: the engine trains on; q: it stops)."""
     from andrea_tui.app import AndreaApp
     from andrea_tui.runs_screen import BrowserState, RunsApp
     from andrea_tui.runscan import RunScanner
@@ -241,7 +243,8 @@ def runs(root: str) -> int:
         if chosen is None:
             return 0
         try:
-            app = AndreaApp(require_run_dir(require_dir(chosen, "run directory")))
+            app = AndreaApp(require_run_dir(require_dir(chosen, "run directory")),
+                            from_browser=True)
         except UserError as e:
             state.message = str(e)
             continue
@@ -249,14 +252,91 @@ def runs(root: str) -> int:
         state.message = result or app.supervisor.engine_error or None
 
 
-def compare(paths: list[str]) -> int:
-    from andrea_tui.compare_screen import CompareApp
+def compare(argv: list[str]) -> int:
+    from andrea_tui import export as ex
+    from andrea_tui.compare import METRICS, XAXES
 
-    if len(paths) < 2:
+    p = _Parser(prog="andrea-tui compare", description="overlay runs and diff their configs; "
+                "with --csv or --png, write the overlay instead (export's rules: a file that "
+                "exists is replaced only with --force, and only a regular file; - is standard "
+                "output)")
+    p.add_argument("run_dirs", nargs="+")
+    p.add_argument("--metric", choices=list(METRICS), default="loss")
+    p.add_argument("--x", dest="xaxis", choices=list(XAXES), default="step",
+                   help="the x axis (default step; the CSV is by step)")
+    p.add_argument("--log-y", action="store_true")
+    p.add_argument("--smoothing", type=float, default=None, metavar="ALPHA",
+                   help="EMA weight on the past, 0 <= ALPHA < 1 (default: the dashboard's)")
+    p.add_argument("--csv", metavar="FILE", help="step, then each run's metric (and its EMA "
+                   "when smoothed)")
+    p.add_argument("--png", metavar="FILE", help="the overlay (needs matplotlib)")
+    p.add_argument("--size", default="1200x900", help="PNG size in pixels (default 1200x900)")
+    p.add_argument("--force", action="store_true", help="replace regular files that exist")
+    a = p.parse_args(argv)
+    if a.smoothing is not None and not 0 <= a.smoothing < 1:
+        raise UserError(f"--smoothing: expected 0 <= ALPHA < 1, got {a.smoothing:g}")
+    if len(a.run_dirs) < 2:
         raise UserError("andrea-tui compare: give two or more run directories")
-    dirs = [require_run_dir(require_dir(Path(p), "run directory")) for p in paths]
-    CompareApp(dirs).run()
+    dirs = [require_run_dir(require_dir(Path(d), "run directory")) for d in a.run_dirs]
+    options = {"metric": a.metric, "xaxis": a.xaxis, "log_y": a.log_y, "smoothing": a.smoothing}
+    if not a.csv and not a.png:
+        from andrea_tui.compare_screen import CompareApp
+
+        CompareApp(dirs, **options).run()
+        return 0
+    from andrea_tui import compare_export as cx
+    from andrea_tui import settings as user_settings
+    from andrea_tui.compare import load_curves, run_labels
+
+    size = ex.parse_size(a.size)
+    outs = _export_targets("andrea-tui compare", a.csv, a.png, a.force)
+    if a.png and not ex.have_matplotlib():
+        raise UserError(ex.NO_MATPLOTLIB)
+    alpha = user_settings.load().smoothing if a.smoothing is None else a.smoothing
+    runs = [load_curves(d, label) for d, label in zip(dirs, run_labels(dirs), strict=True)]
+    say = sys.stderr if ex.STDOUT in outs else sys.stdout
+    if a.csv:
+        text = cx.csv_text(runs, a.metric, alpha)
+        _put(ex, a.csv, text.encode(), a.force)
+        rows = text.count("\n") - 1
+        print(f"{_where(ex, a.csv)}: {len(runs)} runs, {rows} steps", file=say)
+    if a.png:
+        _put(ex, a.png, cx.png_bytes(runs, a.metric, a.xaxis, alpha, a.log_y, size), a.force)
+        print(f"{_where(ex, a.png)}: {size[0]}x{size[1]} PNG", file=say)
     return 0
+
+
+def _export_targets(prog: str, csv_out: str | None, png_out: str | None,
+                    force: bool) -> list[str]:
+    """Check --csv and --png before any work (export's rules); the targets given."""
+    from andrea_tui import export as ex
+
+    outs = [o for o in (csv_out, png_out) if o]
+    to_stdout = [o for o in outs if o == ex.STDOUT]
+    if len(to_stdout) == 2:
+        raise UserError(f"{prog}: --csv and --png cannot both go to standard output")
+    if not to_stdout and len(outs) == 2 and Path(outs[0]).resolve() == Path(outs[1]).resolve():
+        raise UserError(f"{prog}: --csv and --png name the same file ({csv_out})")
+    if to_stdout and sys.stdout is None:
+        raise UserError(f"{prog}: - : standard output is closed")
+    if png_out == ex.STDOUT and sys.stdout.isatty():
+        raise UserError(f"{prog}: --png -: standard output is a terminal; redirect it "
+                        "(> FILE, | PROGRAM) or give a file name")
+    for out in outs:
+        if out != ex.STDOUT:
+            ex.refuse_existing(Path(out), force)  # before any work: nothing half done
+    return outs
+
+
+def _put(ex, out: str, data: bytes, force: bool) -> None:
+    if out == ex.STDOUT:
+        ex.write_stdout(data)
+    else:
+        ex.write_file(Path(out), data, force)
+
+
+def _where(ex, out: str) -> str:
+    return "standard output" if out == ex.STDOUT else out
 
 
 def export(argv: list[str]) -> int:
@@ -279,19 +359,7 @@ def export(argv: list[str]) -> int:
         raise UserError("andrea-tui export: give --csv FILE, --png FILE or both")
     run_dir = require_run_dir(require_dir(Path(a.run_dir), "run directory"))
     size = ex.parse_size(a.size)
-    to_stdout = [o for o in (a.csv, a.png) if o == ex.STDOUT]
-    if len(to_stdout) == 2:
-        raise UserError("andrea-tui export: --csv and --png cannot both go to standard output")
-    if not to_stdout and a.csv and a.png and Path(a.csv).resolve() == Path(a.png).resolve():
-        raise UserError(f"andrea-tui export: --csv and --png name the same file ({a.csv})")
-    if to_stdout and sys.stdout is None:
-        raise UserError("andrea-tui export: - : standard output is closed")
-    if a.png == ex.STDOUT and sys.stdout.isatty():
-        raise UserError("andrea-tui export: --png -: standard output is a terminal; redirect it "
-                        "(> FILE, | PROGRAM) or give a file name")
-    for out in (a.csv, a.png):
-        if out and out != ex.STDOUT:
-            ex.refuse_existing(Path(out), a.force)  # before any work: nothing half done
+    to_stdout = ex.STDOUT in _export_targets("andrea-tui export", a.csv, a.png, a.force)
     if a.png and not ex.have_matplotlib():
         raise UserError(ex.NO_MATPLOTLIB)
     say = sys.stderr if to_stdout else sys.stdout  # standard output may carry the data
@@ -355,9 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("dir", nargs="?", default="runs", help="default: runs/")
         return runs(p.parse_args(argv[1:]).dir)
     if argv[:1] == ["compare"]:
-        p = _Parser(prog="andrea-tui compare", description="overlay runs and diff their configs")
-        p.add_argument("run_dirs", nargs="+")
-        return compare(p.parse_args(argv[1:]).run_dirs)
+        return compare(argv[1:])
     if argv[:1] == ["export"]:
         return export(argv[1:])
     if argv[:1] == ["serve"]:

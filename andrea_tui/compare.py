@@ -3,8 +3,8 @@
 `load_curves` reads one run's loss history in bounded chunks into column arrays (the same
 reader as the dashboard's history: engine.records via runreader.load_history, resumes, the
 abandoned-timeline and the step-sequence rules applied) and its validation losses; `xy` gives
-one metric against steps, tokens or wall time; `config_rows` the hyper-parameters in which the
-runs differ.
+one metric against steps, tokens or wall time, `ema` its smoothed form (the dashboard's
+debiased EMA); `config_rows` the hyper-parameters in which the runs differ.
 """
 
 from __future__ import annotations
@@ -109,6 +109,23 @@ def xy(run: RunCurves, metric: str, xaxis: str) -> tuple[np.ndarray, np.ndarray]
             x = (run.cols["t"] - run.t0()) / 60.0
     keep = np.isfinite(x)
     return x[keep], y[keep]
+
+
+def ema(y: np.ndarray, alpha: float) -> np.ndarray:
+    """The debiased exponential moving average of `y` with weight `alpha` on the past, as the
+    dashboard's loss EMA (StepSeries.ema): a non-finite value is skipped (the average holds);
+    NaN before the first finite value. alpha 0 gives `y` itself."""
+    if not 0.0 <= alpha < 1.0:
+        raise ValueError(f"smoothing: expected 0 <= alpha < 1, got {alpha!r}")
+    out = np.empty(len(y))
+    s = w = 0.0
+    b = 1.0 - alpha
+    for i, v in enumerate(y.tolist()):
+        if math.isfinite(v):
+            s = alpha * s + b * v
+            w = alpha * w + b
+        out[i] = s / w if w > 0 else math.nan
+    return out
 
 
 def column_means(x: np.ndarray, y: np.ndarray, columns: int) -> tuple[np.ndarray, np.ndarray]:

@@ -23,10 +23,10 @@ from rich.text import Text
 from textual.app import App
 from textual.screen import Screen
 from textual.widget import Widget
-from textual.widgets import Static
+from textual.widgets import Footer, Static
 
 from andrea_tui import panels
-from andrea_tui.charts import ChartOptions, GradNormChart, LossChart
+from andrea_tui.charts import ChartOptions, GradNormChart, LossChart, LrChart
 from andrea_tui.linepanel import LinePanel
 from andrea_tui.runstate import RunState
 from andrea_tui.settings import Settings
@@ -38,7 +38,9 @@ SOURCE_LOSS_INTERVAL = 1.0  # seconds between updates of the per-source losses (
 CHART_CPU_SHARE = 0.006  # redraw charts no more often than this share of a core allows...
 CHART_MAX_AGE = 1.9  # ...but data that moved is on the charts within this many seconds
 LOG_TAIL_READ = 60  # engine.log lines read for the panel (echoes of events are left out)
-COMPACT_BELOW = (100, 30)  # columns, rows: smaller terminals drop events/log/sample rows
+COMPACT_BELOW = (100, 30)  # columns, rows: smaller terminals collapse events/log/sample/system
+NARROW_BELOW = 100  # columns: a shorter header and a compact footer below this width
+NARROW_BANDIT = {"bar_width": 2, "name_width": 12}  # the data mixture in a narrow side column
 TITLES = (("training", "training"), ("bandit", "data mixture (bandit)"),
           ("system", "system"), ("events", "events"), ("logtail", "engine.log"),
           ("sample", "latest sample"))
@@ -59,6 +61,9 @@ class DashboardView:
         self._slow_panels_key: tuple | None = None
         self._log_key: tuple | None = None
         self._log_lines = Text("")
+        self._log_list: list[str] = []
+        self.compact = False  # the bottom panels are collapsed into one-line summaries
+        self.narrow = False
         self._src_loss_shown: dict[str, float] = {}
         self._src_loss_at = -math.inf
         self._drawn_key: tuple | None = None
@@ -84,10 +89,21 @@ class DashboardView:
 
     def fit(self, width: int, height: int) -> None:
         """On a small terminal the bottom rows would squeeze the charts to ~2 rows and push
-        the side panels out: hide them (the `l` key still shows the log) and keep the charts
-        readable (andrea.tcss `.compact`)."""
+        the side panels out: the events, engine.log, sample and system panels collapse into
+        a one-line summary each, naming the key that opens them (andrea.tcss `.compact`);
+        under NARROW_BELOW columns the header keeps what matters most and the footer its
+        keys (`.narrow`)."""
         compact = width < COMPACT_BELOW[0] or height < COMPACT_BELOW[1]
+        narrow = width < NARROW_BELOW
         self.screen.set_class(compact, "compact")
+        self.screen.set_class(narrow, "narrow")
+        if (compact, narrow) != (self.compact, self.narrow):
+            self.compact, self.narrow = compact, narrow
+            self._slow_panels_key = None  # the summaries (or the panels) at the next frame
+            footer = self.screen.query(Footer)
+            for f in footer:
+                f.compact = narrow
+                f.show_command_palette = not narrow
 
     # ------------------------------------------------------------ text panels
 
@@ -95,19 +111,27 @@ class DashboardView:
         """Rebuild the text panels; `note`, `dead` and `halted` are the engine's word for the
         header (panels.header)."""
         st = self.state
-        self._set("header", panels.header(st, self.clock(), note, dead=dead, halted=halted))
+        self._set("header", panels.header(st, self.clock(), note, dead=dead, halted=halted,
+                                          narrow=self.narrow))
         self._set("training", panels.training(st))
-        self._set("bandit", panels.bandit(st, src_loss=self._source_losses()))
+        self._set("bandit", panels.bandit(st, src_loss=self._source_losses(),
+                                          **(NARROW_BANDIT if self.narrow else {})))
         # These change with events, samples or the log, not with every step: build them only then.
         slow_key = (id(st.ready), id(st.last_sample), len(st.events),
                     st.events[-1] if st.events else None, self._log_stat(), id(st.system),
-                    st.live and int(self.clock() // 10))
+                    st.live and int(self.clock() // 10), st.health)
         if slow_key != self._slow_panels_key:
             self._slow_panels_key = slow_key
             self._set("system", panels.system(st, self.clock()))
             self._set("sample", panels.sample(st))
             self._set("events", panels.events(st, 7))
             self._set("logtail", self._log_tail())
+            if self.compact:
+                lines = panels.summaries(st, self._log_list)
+                left, right = Text("\n").join([lines["events"], lines["log"]]), \
+                    Text("\n").join([lines["sample"], lines["system"]])
+                self._set("summary-left", left)
+                self._set("summary-right", right)
 
     def banner(self, banner: Banner) -> None:
         """Show (or, with empty text, hide) the banner above the panels."""
@@ -149,6 +173,7 @@ class DashboardView:
         if key != self._log_key:
             self._log_key = key
             lines = panels.log_tail(tail_text(self.log_path, LOG_TAIL_READ), 7)
+            self._log_list = lines
             self._log_lines = Text("\n".join(lines) or "(empty)", no_wrap=True,
                                    overflow="ellipsis")
         return self._log_lines
@@ -176,6 +201,9 @@ class DashboardView:
         alerts = list(st.alerts)
         loss.update_from(st.series, evals, alerts)
         grad.update_from(st.series, st.max_grad_norm, alerts)
+        lr = self.widget("lr", LrChart)
+        lr.opts = grad.opts  # the x axis and the window of the charts above it
+        lr.update_from(st.series, st.resumes, evals)
 
     def redraw_charts_if_due(self) -> None:
         """The chart timer: redraw when the dashboard shows, the data moved and the CPU budget

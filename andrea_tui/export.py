@@ -1,5 +1,6 @@
-"""A run's numbers out: one CSV row per step, and the loss / validation loss / grad norm charts
-as a PNG (matplotlib, the optional `export` extra).
+"""A run's numbers out: one CSV row per step, and its charts as a PNG (matplotlib, the optional
+`export` extra): the loss with the validation loss on its axes and alert marks, the grad norm on
+a robust axis, the learning rate with resume and evaluation marks.
 
 The step records come through engine.runfiles.read_steps (one per step, the later winning, the
 abandoned-timeline and step-sequence rules applied); validation losses from valloss. What is written where:
@@ -17,6 +18,7 @@ from __future__ import annotations
 import csv
 import errno
 import io
+import math
 import os
 import re
 import secrets
@@ -26,11 +28,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from andrea_tui import ticks
 from andrea_tui.runstate import read_config
-from andrea_tui.series import StepSeries, downsample_minmax
+from andrea_tui.series import StepSeries, column_ranges, downsample_minmax
+from andrea_tui.textfmt import fmt_grad
 from andrea_tui.valloss import read_val_loss, val_by_step
 from engine.errors import RunError, UserError
-from engine.records import ResumeEvent, StepRecord
+from engine.records import AlertEvent, ResumeEvent, StepRecord
 from engine.runfiles import RunPaths, read_events, read_json, read_steps
 
 STDOUT = "-"  # the target name that means standard output
@@ -245,9 +251,39 @@ def have_matplotlib() -> bool:
     return True
 
 
-def png_bytes(run_dir: Path, size: tuple[int, int] = PNG_SIZE) -> bytes:
-    """The run's charts (loss with its EMA, validation loss, grad norm by step) as a PNG of
-    exactly `size` pixels."""
+def mpl_round_ticks(axis: Any, kind: str = "value", log: bool = False) -> None:
+    """Round ticks on a matplotlib axis (ax.xaxis, ax.yaxis), written as the terminal charts
+    write them (andrea_tui.ticks): 1-2-5 steps, one label format for every tick; on a log axis
+    powers of ten (and 2, 5 between them), each in its own shortest form."""
+    from matplotlib.ticker import Formatter, LogLocator, MaxNLocator
+
+    class RoundFormatter(Formatter):
+        def __call__(self, x: float, pos: int | None = None) -> str:
+            return ticks.log_label(x, kind) if log and x > 0 else ticks.label(x, kind)
+
+        def format_ticks(self, values: Any) -> list[str]:
+            vals = [float(v) for v in values]
+            if log or not all(math.isfinite(v) for v in vals):
+                return [self(v) for v in vals]
+            return ticks.tick_labels(vals, kind)
+
+    if log:
+        axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0), numticks=8))
+    else:
+        axis.set_major_locator(MaxNLocator(nbins=6, steps=[1, 2, 5, 10]))
+    axis.set_major_formatter(RoundFormatter())
+
+
+def _downsampled(x: np.ndarray, y: np.ndarray, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    return downsample_minmax(x, y, cols)
+
+
+def png_figure(run_dir: Path, size: tuple[int, int] = PNG_SIZE) -> Any:
+    """The run's charts as a matplotlib Figure of `size` pixels: the training loss, its EMA and
+    the validation loss on one axes (their gap read off one scale), with the engine's alerts as
+    ticks along its top; the grad norm on a robust axis (ticks.grad_range: points above it on
+    the top edge, the clip line when on scale); the learning rate with resume lines and
+    evaluation ticks. All three by step, with round ticks."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -256,45 +292,100 @@ def png_bytes(run_dir: Path, size: tuple[int, int] = PNG_SIZE) -> bytes:
     run_dir = Path(run_dir)
     records = step_records(run_dir)
     series = StepSeries.from_records(records)
-    steps = series.steps.astype(float)
-    vs, _, vl = read_val_loss(run_dir, _resumes(run_dir))
+    steps = series.steps
+    events, _ = read_events(RunPaths(run_dir).events)
+    resumes = [e for e in events if isinstance(e, ResumeEvent)]
+    alerts = [e for e in events if isinstance(e, AlertEvent) and e.step is not None
+              and steps[0] <= e.step <= steps[-1]]
+    vs, _, vl = read_val_loss(run_dir, resumes)
     cfg_obj = read_json(RunPaths(run_dir).config)
     cfg = read_config(cfg_obj) if cfg_obj is not None else None
     name = cfg.name if cfg else run_dir.name
     width, height = size
     fig = Figure(figsize=(width / PNG_DPI, height / PNG_DPI), dpi=PNG_DPI)
     FigureCanvasAgg(fig)
-    ax_loss, ax_val, ax_grad = fig.subplots(3, 1, sharex=True)
+    ax_loss, ax_grad, ax_lr = fig.subplots(3, 1, sharex=True,
+                                           gridspec_kw={"height_ratios": [3, 2, 1.2]})
     fig.suptitle(f"{name} · {run_dir} · steps {int(steps[0]):,}–{int(steps[-1]):,}", fontsize=10)
     cols = max(100, width)
-    x, y = downsample_minmax(series.steps, series.col("loss"), cols)
+
+    # loss, its EMA and the validation loss on one axes; alerts along the top
+    x, y = _downsampled(steps, series.col("loss"), cols)
     ax_loss.plot(x, y, color="0.7", linewidth=0.6, label="loss")
-    ex, ey = downsample_minmax(series.steps, series.ema(), cols)
-    ax_loss.plot(ex, ey, color="tab:blue", linewidth=1.2, label="EMA (0.9)")
+    ex, ey = _downsampled(steps, series.ema(), cols)
+    ax_loss.plot(ex, ey, color="tab:blue", linewidth=1.2, label=f"EMA ({series.ema_alpha:g})")
+    if len(vs):
+        ax_loss.plot(vs, vl, color="tab:orange", marker="o", markersize=3, linewidth=1.0,
+                     label="validation loss")
+    else:
+        ax_loss.text(0.99, 0.03, "no validation loss (no eval.jsonl)", ha="right",
+                     va="bottom", transform=ax_loss.transAxes, color="0.4", fontsize=8)
+    if alerts:
+        ax_loss.vlines([a.step for a in alerts], 0.93, 1.0,
+                       transform=ax_loss.get_xaxis_transform(), colors="tab:red",
+                       linewidth=1.2, label=f"alerts ({len(alerts)})")
     ax_loss.set_ylabel("loss")
     ax_loss.legend(loc="upper right", fontsize=8)
-    if len(vs):
-        ax_val.plot(vs, vl, color="tab:orange", marker="o", markersize=3, linewidth=1.0,
-                    label="validation loss")
-        ax_val.legend(loc="upper right", fontsize=8)
-    else:
-        ax_val.text(0.5, 0.5, "no validation loss (no eval.jsonl)", ha="center", va="center",
-                    transform=ax_val.transAxes, color="0.4")
-    ax_val.set_ylabel("validation loss")
-    gx, gy = downsample_minmax(series.steps, series.col("grad_norm"), cols)
-    ax_grad.plot(gx, gy, color="tab:green", linewidth=0.6, label="grad norm")
-    if cfg is not None:
-        ax_grad.axhline(cfg.optim.max_grad_norm, color="tab:red", linewidth=0.8,
-                        linestyle="--", label=f"max_norm {cfg.optim.max_grad_norm:g}")
+
+    # the grad norm on its robust axis
+    g = series.col("grad_norm")
+    gx, glo, ghi = column_ranges(steps, g, cols)
+    gx2, gy = _downsampled(steps, g, cols)
+    clip = cfg.optim.max_grad_norm if cfg is not None else None
+    yr = ticks.grad_range(g, glo, ghi, clip)
+    ax_grad.plot(gx2, gy if yr is None else np.clip(gy, yr.lo, yr.hi), color="tab:green",
+                 linewidth=0.6, label="grad norm")
+    if yr is not None:
+        ax_grad.set_ylim(yr.lo, yr.hi)
+        up = gx[ghi > yr.hi]
+        if len(up):
+            ax_grad.plot(up, np.full(len(up), yr.hi), linestyle="none", marker="^",
+                         color="tab:purple", markersize=5, clip_on=False,
+                         label=f"{yr.above} above the axis")
+        if yr.line is not None:
+            ax_grad.axhline(yr.line, color="tab:red", linewidth=0.8, linestyle="--",
+                            label=f"clip {fmt_grad(yr.line).strip()}")
+        elif yr.line_off_scale and clip is not None:
+            ax_grad.plot([], [], color="tab:red", linestyle="--",
+                         label=f"clip {fmt_grad(clip).strip()}, off scale")
+    grad_alerts = [a.step for a in alerts if a.alert in ("grad_spike", "nonfinite")]
+    if grad_alerts:
+        ax_grad.vlines(grad_alerts, 0.9, 1.0, transform=ax_grad.get_xaxis_transform(),
+                       colors="tab:red", linewidth=1.2)
     ax_grad.set_ylabel("grad norm")
-    ax_grad.set_xlabel("step")
     ax_grad.legend(loc="upper right", fontsize=8)
-    for ax in (ax_loss, ax_val, ax_grad):
+
+    # the learning rate, with resumes and evaluations
+    lx, ly = _downsampled(steps, series.col("lr"), cols)
+    ax_lr.plot(lx, ly, color="tab:blue", linewidth=1.0, label="learning rate")
+    shown = [r.step for r in resumes if steps[0] <= r.step <= steps[-1]]
+    for i, s in enumerate(shown):
+        ax_lr.axvline(s, color="tab:purple", linewidth=0.8, linestyle=":",
+                      label="resume" if i == 0 else None)
+    if len(vs):
+        ax_lr.vlines(vs, 0.0, 0.12, transform=ax_lr.get_xaxis_transform(), colors="tab:orange",
+                     linewidth=0.8, label="evaluation")
+    ax_lr.set_ylabel("learning rate")
+    ax_lr.set_xlabel("step")
+    ax_lr.legend(loc="upper right", fontsize=8)
+
+    mpl_round_ticks(ax_lr.xaxis, "count")
+    for ax in (ax_loss, ax_grad, ax_lr):
+        mpl_round_ticks(ax.yaxis, "value")
         ax.grid(True, alpha=0.3)
     fig.subplots_adjust(left=0.08, right=0.98, top=0.94, bottom=0.07, hspace=0.15)
+    return fig
+
+
+def figure_png(fig: Any) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=PNG_DPI)
     return buf.getvalue()
+
+
+def png_bytes(run_dir: Path, size: tuple[int, int] = PNG_SIZE) -> bytes:
+    """The run's charts (png_figure) as a PNG of exactly `size` pixels."""
+    return figure_png(png_figure(run_dir, size))
 
 
 def write_png(run_dir: Path, out: Path, force: bool = False,

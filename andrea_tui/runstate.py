@@ -20,6 +20,7 @@ from engine.records import Status
 from engine.runfiles import JsonlTail
 
 EVENT_TAIL = 200
+HEALTH_KEPT = 100  # health changes a state holds (the newest)
 ALERTS_KEPT = 1000  # alerts a state holds (the newest)
 EVALS_KEPT = 100_000  # validation records a state holds (the newest steps)
 TOK_S_WINDOW_S = 10.0  # the header's tok/s: tokens over the last this many seconds
@@ -55,6 +56,16 @@ def peak_flops(device: str) -> float | None:
     return None
 
 
+@dataclass(frozen=True)
+class HealthNow:
+    """The engine's current judgement of the run (engine.records.Health), why, and from which
+    step (None when the engine did not say)."""
+
+    state: rec.Health
+    reason: str = ""
+    step: int | None = None
+
+
 @dataclass
 class PhaseChange:
     step: int
@@ -87,6 +98,9 @@ class RunState:
     system: rec.SystemRecord | None = None  # the newest telemetry sample
     alerts: deque[rec.AlertEvent] = field(default_factory=lambda: deque(maxlen=ALERTS_KEPT))
     alerts_seen: int = 0  # every alert read so far, also those the bounded `alerts` let go
+    # the engine's health changes (events.jsonl `health`), the newest last
+    health_events: deque[rec.HealthEvent] = field(
+        default_factory=lambda: deque(maxlen=HEALTH_KEPT))
     runs: list[tuple[float, float | None]] = field(default_factory=list)  # (start, end) times
     # loss.jsonl's step sequence (engine.records.StepOrder): what may come next, what it skipped
     order: rec.StepOrder = field(default_factory=rec.StepOrder)
@@ -158,6 +172,9 @@ class RunState:
         self.series.drop_abandoned(resume)
         self.evals = {k: e for k, e in self.evals.items() if not gone(e.step, e.t)}
         self.phase_changes = [pc for pc in self.phase_changes if not gone(pc.step, pc.t)]
+        self.health_events = deque((h for h in self.health_events
+                                    if h.step is None or not gone(h.step, h.t)),
+                                   maxlen=HEALTH_KEPT)
         self.recent = deque((r for r in self.recent if not gone(r.step, r.t)),
                             maxlen=RECENT_RECORDS)
         last = self.last_record
@@ -192,6 +209,8 @@ class RunState:
             elif isinstance(e, rec.AlertEvent):
                 self.alerts.append(e)
                 self.alerts_seen += 1
+            elif isinstance(e, rec.HealthEvent):
+                self.health_events.append(e)
             elif isinstance(e, rec.ReadyEvent):
                 self.ready = e
             elif isinstance(e, rec.CheckpointEvent):
@@ -406,6 +425,22 @@ class RunState:
         if peak is None or fpt is None or not math.isfinite(tok_s):
             return None
         return tok_s * fpt / (peak * self.world_size)
+
+    @property
+    def health(self) -> HealthNow | None:
+        """The engine's newest word on the run's health: state.json's, or the newest health
+        event when that was written after state.json; None while the engine has said nothing
+        (runs of engines that never judged their health)."""
+        ev = self.health_events[-1] if self.health_events else None
+        st = self.state
+        if st is not None and st.health is not None and (
+                ev is None or st.updated is None or not math.isfinite(ev.t) or st.updated >= ev.t):
+            same = ev is not None and ev.state == st.health
+            return HealthNow(st.health, st.health_reason or (ev.reason if same and ev else ""),
+                             ev.step if same and ev else None)
+        if ev is not None:
+            return HealthNow(ev.state, ev.reason, ev.step)
+        return None
 
     @property
     def val_loss(self) -> rec.EvalRecord | None:

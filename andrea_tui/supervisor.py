@@ -26,12 +26,13 @@ from typing import Literal
 from rich.markup import escape
 
 from andrea_tui.runstate import RunState
-from andrea_tui.textfmt import fmt_num
+from andrea_tui.textfmt import fmt_int, fmt_num
 from engine.run.control import ControlRefused, engine_alive, signal_engine
 from engine.run.identity import proc_state, read_engine_info
 from engine.runfiles import RunPaths, tail_text
 
 ENDED_STATUSES = ("finished", "stopped", "failed")
+SUMMARY_REASON_CHARS = 300  # the health reason in the exit line, at most
 FROZEN_STATES = {"T": "SIGSTOP", "t": "stopped by a debugger"}  # /proc/PID/stat field 3
 Severity = Literal["information", "warning", "error"]  # as Textual's notify takes them
 
@@ -160,7 +161,7 @@ class EngineSupervisor:
     def readonly_why(self, state: RunState) -> str:
         """Why s and q are off, in the run's terms when it has ended."""
         if state.status in ENDED_STATUSES:
-            return f"this run is {state.status} (step {state.step})"
+            return f"this run is {state.status} (step {fmt_int(state.step)})"
         return self.reason
 
     def exit_how(self) -> str:
@@ -219,7 +220,7 @@ class EngineSupervisor:
         if not self.controllable:
             if self.proc is None or self.engine_exit is not None:
                 return Outcome(False, close=f"closed {self.run_dir} (read-only: "
-                               f"{self.readonly_why(state)})")
+                               f"{self.readonly_why(state)})" + health_words(state, "; "))
             self.stop_deferred = True  # sent by check() once engine.json names our child
             self.stopping_since = self._clock()
             return Outcome(True, "stop requested: sent as soon as the engine has started")
@@ -255,12 +256,14 @@ class EngineSupervisor:
             return Outcome(True)
         return self._send(signal.SIGKILL, "force stop")
 
-    def detach(self) -> Outcome:
-        """Leave: the engine keeps running (and how to come back), or there was none."""
+    def detach(self, state: RunState | None = None) -> Outcome:
+        """Leave: the engine keeps running (and how to come back), or there was none; the
+        run's health as the engine last judged it, when it did (`state`)."""
+        health = health_words(state, "; ") if state is not None else ""
         if self.controllable or (self.proc is not None and self.engine_exit is None):
-            return Outcome(True, close=f"engine keeps running. Reattach with:\n"
+            return Outcome(True, close=f"engine keeps running{health}. Reattach with:\n"
                            f"  andrea-tui attach {self.run_dir}")
-        return Outcome(True, close=f"closed {self.run_dir} (no engine running)")
+        return Outcome(True, close=f"closed {self.run_dir} (no engine running){health}")
 
     def stop_summary(self, state: RunState) -> str:
         """The line the app ends with after a stop."""
@@ -269,8 +272,9 @@ class EngineSupervisor:
                     f"see {self.paths.log}")
         lc = state.last_checkpoint
         code = "" if self.engine_exit is None else f", engine exit status {self.engine_exit}"
-        ck = f"; last checkpoint {lc.path} (step {lc.step})" if lc else ""
-        return f"{state.name}: {state.status} at step {state.step}{code}{ck}"
+        ck = f"; last checkpoint {lc.path} (step {fmt_int(lc.step)})" if lc else ""
+        return (f"{state.name}: {state.status} at step {fmt_int(state.step)}{code}{ck}"
+                + health_words(state, "; "))
 
     # ------------------------------------------------------------ inside
 
@@ -337,3 +341,16 @@ class EngineSupervisor:
             return Banner("engine starting…" if starting
                           else f"engine not reachable: {escape(self.reason)}")
         return Banner(f"read-only: {escape(self.readonly_why(state))}; s and q are off")
+
+
+def health_words(state: RunState, lead: str = "") -> str:
+    """The run's health as the engine last judged it, for the line the app ends with:
+    `health diverging since step 2: <reason>`, after `lead`; "" when it never judged."""
+    h = state.health
+    if h is None:
+        return ""
+    since = f" since step {fmt_int(h.step)}" if h.step is not None \
+        and h.state.value != "healthy" else ""
+    reason = h.reason if len(h.reason) <= SUMMARY_REASON_CHARS else \
+        h.reason[:SUMMARY_REASON_CHARS - 1] + "…"
+    return f"{lead}health {h.state.value}{since}" + (f": {reason}" if reason else "")

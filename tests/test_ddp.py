@@ -411,11 +411,11 @@ def test_the_dashboard_shows_each_rank(tmp_path: Path) -> None:
                                               rec.RankInfo(1, 11, "h", "cuda:1")]).to_json())
     st.add_loss([{**loss_record(5, 2e9), "rank_ms": [10.0, 20.0]}])
     text = panels.training(st).plain
-    assert "rank 0   cuda:0   819k tok/s" in text, text
-    assert "rank 1   cuda:1   410k tok/s  20 ms behind" in text, text
+    assert "rank 0   cuda:0    819k tok/s   10.0 ms" in text, text  # fixed widths
+    assert "rank 1   cuda:1    410k tok/s   20.0 ms behind" in text, text
     assert "×2" in panels.header(st, 2e9).plain
     st.add_events([rec.ErrorEvent(t=2.0, message="rank 1 ended (killed by signal 9)").to_json()])
-    assert "20 ms ended" in panels.training(st).plain
+    assert "20.0 ms ended" in panels.training(st).plain
 
 
 def test_ranks_started_with_other_cuda_settings_are_refused() -> None:

@@ -8,6 +8,7 @@ import asyncio
 import csv
 import json
 import math
+import re
 import struct
 import subprocess
 import sys
@@ -192,3 +193,71 @@ def test_e_in_the_dashboard_writes_into_the_run_directory(tmp_path: Path) -> Non
     first, second = run / "export-step00000120.csv", run / "export-step00000120-2.csv"
     assert first.read_text() == second.read_text()  # the second did not overwrite the first
     assert len(first.read_text().splitlines()) == 121
+
+
+def charted_run(root: Path, clip: float) -> Path:
+    """600 steps with validation every 100 steps, two alerts (steps 200 and 300), a grad norm
+    of 6,594 at step 450, a resume at step 400 that moved the lr, and `max_grad_norm` = clip."""
+    paths = write_run(root / "run", 600, t0=T0, dt=DT, monitor=True)
+    lines = [json.loads(line) for line in paths.loss.read_text().splitlines()]
+    for o in lines:
+        o["lr"] = 1.41e-4 if o["step"] > 400 else 3e-5
+        if o["step"] == 450:
+            o["grad_norm"] = 6594.0
+    paths.loss.write_text("".join(json.dumps(o) + "\n" for o in lines))
+    ev = JsonlWriter(paths.events)
+    ev.write(rec.ResumeEvent(t=T0 + 400 * DT + DT / 2, step=400, path="checkpoints/x").to_json())
+    ev.close()
+    cfg = json.loads(paths.config.read_text())
+    cfg["optim"]["max_grad_norm"] = clip
+    paths.config.write_text(json.dumps(cfg))
+    return paths.root
+
+
+def shown_ticks(axis) -> list[str]:
+    """The labels of an axis's ticks inside its limits (matplotlib labels some beyond them)."""
+    lo, hi = sorted(axis.get_view_interval())
+    return [t.label1.get_text() for t in axis.get_major_ticks()
+            if lo <= t.get_loc() <= hi and t.label1.get_text()]
+
+
+def legend_texts(ax) -> list[str]:
+    return [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+def test_png_puts_validation_on_the_loss_axes_with_an_lr_panel_and_alert_marks(
+        tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from andrea_tui.export import png_figure
+
+    run = charted_run(tmp_path, clip=1e9)
+    fig = png_figure(run, (1000, 800))
+    assert len(fig.axes) == 3
+    ax_loss, ax_grad, ax_lr = fig.axes
+    assert [ax.get_ylabel() for ax in fig.axes] == ["loss", "grad norm", "learning rate"]
+    # train and validation on one axes: the gap is read off one scale
+    assert legend_texts(ax_loss) == ["loss", "EMA (0.9)", "validation loss", "alerts (2)"]
+    val = next(line for line in ax_loss.get_lines() if line.get_label() == "validation loss")
+    assert list(val.get_xdata()) == list(range(100, 601, 100))
+    # the alerts: a vertical tick at each alert's step, along the top of the loss axes
+    marks = next(c for c in ax_loss.collections if c.get_label() == "alerts (2)")
+    assert sorted(seg[0][0] for seg in marks.get_segments()) == [200, 300]
+    # the grad norm: its axis on the data, not on 6,594 or the clip line at 1e9
+    assert ax_grad.get_ylim()[1] < 2.0
+    assert "1 above the axis" in legend_texts(ax_grad)
+    assert "clip 1.00e9, off scale" in legend_texts(ax_grad)
+    # the lr panel: the resume where the lr jumps, the evaluations
+    lr = next(line for line in ax_lr.get_lines() if line.get_label() == "learning rate")
+    assert min(lr.get_ydata()) == 3e-5 and max(lr.get_ydata()) == 1.41e-4
+    resume = next(line for line in ax_lr.get_lines() if line.get_label() == "resume")
+    assert list(resume.get_xdata()) == [400, 400]
+    assert "evaluation" in legend_texts(ax_lr)
+    # round ticks, one format per axis
+    fig.canvas.draw()
+    xt = shown_ticks(ax_lr.xaxis)
+    assert set(xt) <= {"0", "100", "200", "300", "400", "500", "600"} and len(xt) >= 3
+    yt = shown_ticks(ax_lr.yaxis)
+    assert yt and all(re.fullmatch(r"\d\.\de-\d", t) for t in yt), yt  # 5.0e-5, 1.0e-4
+    # a clip line near the data is drawn on its axes
+    fig = png_figure(charted_run(tmp_path / "near", clip=1.0), (1000, 800))
+    assert "clip 1.000" in legend_texts(fig.axes[1]) and fig.axes[1].get_ylim()[1] < 2.0

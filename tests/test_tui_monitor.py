@@ -128,7 +128,8 @@ def test_chart_controls_persist_per_user(tmp_path: Path, user_config_home: Path)
             await pilot.press("t")
         saved = json.loads((user_config_home / "andrea" / "tui.json").read_text())
         assert saved == {"smoothing": 0.9, "log_y_loss": True, "log_y_grad": True,
-                         "robust_y": True, "x_axis": "step", "window": False, "bell": False}
+                         "robust_y": True, "x_axis": "step", "window": False, "bell": False,
+                         "theme": ""}
 
         again = AndreaApp(paths.root, follow=False, control_interval=3600)
         async with again.run_test(size=(140, 45)) as pilot:
@@ -162,11 +163,11 @@ def test_settings_file_tolerates_damage(tmp_path: Path) -> None:
 def test_robust_y_range_ignores_an_outlier(tmp_path: Path) -> None:
     import numpy as np
 
-    from andrea_tui.charts import _robust_range
+    from andrea_tui.ticks import percentile_range
 
     y = np.concatenate([np.linspace(2.0, 3.0, 500), [400.0]])
-    lo, hi = _robust_range(y, y)
-    assert 1.9 < lo < 2.1 and 2.9 < hi < 3.2
+    yr = percentile_range(y)
+    assert yr is not None and 1.9 < yr.lo < 2.1 and 2.9 < yr.hi < 3.2 and yr.above == 1
 
 
 # ---------------------------------------------------------------- panels and derived values
@@ -223,9 +224,9 @@ def test_system_panel_shows_gpus_against_the_plan() -> None:
         rec.GpuSample(0, "NVIDIA H200", 97.0, 80 << 30, 141 << 30, 655.0, 61.0, 1980.0)])
         .to_json()])
     text = panels.system(st, 3.0).plain
-    assert "gpu0 H200 97% · 61°C · 655 W · 1980 MHz" in text
+    assert "gpu0 H200 97.0% · 61°C · 655 W · 1980 MHz" in text
     assert "mem 80.0 GiB / 141.0 GiB (plan 60.0 GiB)" in text
-    assert "cpu 99% of a core · rss 3.0 GiB" in text
+    assert "cpu 99.0% of a core · rss 3.0 GiB" in text
 
 
 def test_log_tail_leaves_out_event_echoes_and_repeats() -> None:
@@ -263,7 +264,7 @@ def test_no_unreachable_banner_while_a_resumed_engine_starts(tmp_path: Path) -> 
 
 
 def test_help_lines_fit_the_box() -> None:
-    inner = HELP_WIDTH - 2 - 4  # border and padding
+    inner = HELP_WIDTH - 2 - 2 - 4  # border, scroll bar and padding
     for line in Text.from_markup(HELP.format(last_n=500)).plain.splitlines():
         assert len(line) <= inner, line
 
@@ -357,7 +358,7 @@ def test_eval_and_telemetry_reach_the_panels(tmp_path: Path) -> None:
             text = screen_text(app)
             ev = app.state.val_loss
             assert ev is not None and ev.step == 400
-            assert f"val loss  {ev.val_loss:.4g}" in text and "val ●" in text
+            assert f"val loss   {ev.val_loss:.4g}" in text and "val ●" in text
             assert "cpu 97.5% of a core" in text and "rss 412.0 MiB" in text
             assert not math.isnan(app.state.system.cpu_pct)
 

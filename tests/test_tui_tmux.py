@@ -165,8 +165,9 @@ def keep_capture(suffix: str, text: str) -> None:
 
 
 def chart_rows(text: str) -> int:
-    """Rows of plotted y axis (a tick label and its `┤`) on the screen."""
-    return sum(1 for line in text.splitlines() if re.match(r"^\s*[\d.]+[kM]?┤", line))
+    """Rows of a chart's plot area on the screen: a y axis (`┤` at a tick, `│` between ticks,
+    `├` where a line crosses it) after its label column."""
+    return sum(1 for line in text.splitlines() if re.match(r"^[ \d.eE+\-kMGT]{1,10}[┤├│]", line))
 
 
 def test_resize_and_alert_in_tmux(tmp_path: Path, session: str) -> None:
@@ -189,12 +190,14 @@ def test_resize_and_alert_in_tmux(tmp_path: Path, session: str) -> None:
 
             def laid_out(size: tuple[int, int] = size) -> bool:
                 text = screen(session)
-                # charts keep their rows; the compact layout (80x24) drops the bottom panels;
-                # the panels were laid out for the new width (a line reaches its right edge)
-                # and the charts redrawn at it (their right border shows)
+                # charts keep their rows; the compact layout (80x24) folds the bottom panels
+                # into one line each (`l engine.log: ...`); the panels were laid out for the
+                # new width (a line reaches its right edge) and the charts redrawn at it (their
+                # right border shows)
                 return (chart_rows(text) >= 8 and "step " in text and "┐" in text
                         and max(map(len, text.splitlines())) >= size[0] - 1
-                        and ("engine.log" in text) is (size != (80, 24)))
+                        and ("─ engine.log ─" in text) is (size != (80, 24))
+                        and ("l engine.log:" in text) is (size == (80, 24)))
 
             wait_for(laid_out, f"the layout at {size}", session, 20)
             text = screen(session)
