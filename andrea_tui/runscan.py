@@ -4,11 +4,12 @@ Headless: no Textual. Reading many runs stays quick because each refresh reads l
 - the small JSON files (state.json, config.json; engine.json through engine.run.control for a run
   that says it is live), each bounded by engine.runfiles;
 - the last TAIL_BYTES of loss.jsonl (the newest step, its loss and tok/s) and of eval.jsonl,
-  the first TAIL_BYTES of events.jsonl (when the run started);
-- events.jsonl and loss.jsonl in full only once per run, in bounded chunks, for what needs
-  the whole file (its resumes, its best loss); later refreshes read only
-  the bytes appended since (a JsonlTail per run), and a new resume event starts the best loss
-  over with the abandoned-timeline rule;
+  the first TAIL_BYTES of events.jsonl (when the run started, its `ready` event);
+- events.jsonl, loss.jsonl and eval.jsonl in full only once per run, in bounded chunks, for
+  what needs the whole file (its resumes, its best validation and smoothed loss); later
+  refreshes read only the bytes appended since (a JsonlTail per run), and a new resume event
+  starts the best losses over with the abandoned-timeline rule;
+- the user's notes.json (andrea_tui.notes);
 - nothing but a few stat calls for a run that is not live and whose files did not change.
 `RunScanner.scan()` is meant for a worker thread: it can take a while the first time on long runs.
 """
@@ -23,9 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from andrea_tui import settings as user_settings
+from andrea_tui.notes import NOTES, RunNotes, read_notes
 from andrea_tui.runstate import read_config
-from andrea_tui.valloss import parse_eval
+from andrea_tui.valloss import parse_eval, surviving
 from engine import records as rec
+from engine.config import Config
 from engine.run.control import engine_alive, lock_held
 from engine.runfiles import (
     CHECKPOINTS,
@@ -107,15 +113,19 @@ def head_objects(path: Path, max_bytes: int = TAIL_BYTES) -> list[dict[str, Any]
 def first_time(paths: RunPaths) -> float | None:
     """When the run first started: its first start event, else its first step record (read
     from the files' heads)."""
+    return _head(paths)[0]
+
+
+def _head(paths: RunPaths) -> tuple[float | None, rec.ReadyEvent | None]:
+    """(when the run first started, its first `ready` event) from the files' heads."""
     events, _ = rec.parse_all(rec.Event, head_objects(paths.events))
-    for e in events:
-        if isinstance(e, rec.StartEvent) and math.isfinite(e.t):
-            return e.t
-    steps, _ = rec.parse_all(rec.StepRecord, head_objects(paths.loss))
-    for r in steps:
-        if math.isfinite(r.t):
-            return r.t
-    return None
+    started = next((e.t for e in events if isinstance(e, rec.StartEvent) and math.isfinite(e.t)),
+                   None)
+    ready = next((e for e in events if isinstance(e, rec.ReadyEvent)), None)
+    if started is None:
+        steps, _ = rec.parse_all(rec.StepRecord, head_objects(paths.loss))
+        started = next((r.t for r in steps if math.isfinite(r.t)), None)
+    return started, ready
 
 
 @dataclass
@@ -129,17 +139,40 @@ class RunSummary:
     step: int | None = None
     max_steps: int | None = None
     last_loss: float = math.nan
-    best_loss: float = math.nan
+    best_loss: float = math.nan  # the lowest single step loss
+    best_ema: float = math.nan  # the lowest smoothed (EMA) loss
+    best_val: float = math.nan  # the lowest validation loss (NaN: the run has none)
     val_loss: float = math.nan
     tok_s: float = math.nan
     tokens: int | None = None
     started: float | None = None
     backend: str = ""
     updated: float | None = None  # the newest write we know of (for "most recent first")
+    health: str = ""  # the engine's judgement (engine.records.Health), "" when it said none
+    health_reason: str = ""
+    lr: float = math.nan  # optim.lr: the peak learning rate
+    batch_size: int | None = None
+    grad_accum: int | None = None
+    seq_len: int | None = None
+    world_size: int = 1
+    tokens_per_step: int | None = None  # the whole job's
+    n_params: int | None = None
+    precision: str = ""
+    notes: RunNotes = field(default_factory=RunNotes)  # the user's (notes.json)
 
     @property
     def live(self) -> bool:
         return self.status == LIVE
+
+    @property
+    def best(self) -> tuple[float, str]:
+        """(the run's best loss, which: "val" or "ema"): the best validation loss where the
+        run has evaluations, else the best smoothed loss (NaN, "" before either is known)."""
+        if math.isfinite(self.best_val):
+            return self.best_val, "val"
+        if math.isfinite(self.best_ema):
+            return self.best_ema, "ema"
+        return math.nan, ""
 
 
 @dataclass
@@ -148,16 +181,50 @@ class _Follow:
 
     events: JsonlTail
     loss: JsonlTail
+    evals: JsonlTail
+    ema: Ema
     resumes: list[rec.ResumeEvent] = field(default_factory=list)
     ready: rec.ReadyEvent | None = None
     start: rec.StartEvent | None = None
     best: float = math.nan
     order: rec.StepOrder = field(default_factory=rec.StepOrder)  # loss.jsonl's sequence rule
+    val_points: list[tuple[int, float, float]] = field(default_factory=list)  # (step, t, loss)
 
     @classmethod
-    def of(cls, run_dir: Path) -> _Follow:
+    def of(cls, run_dir: Path, ema_alpha: float) -> _Follow:
         paths = RunPaths(run_dir)
-        return cls(JsonlTail(paths.events), JsonlTail(paths.loss))
+        return cls(JsonlTail(paths.events), JsonlTail(paths.loss), JsonlTail(paths.eval),
+                   Ema(ema_alpha))
+
+    def best_val(self) -> float:
+        """The lowest validation loss of the run's timeline (abandoned ones left out)."""
+        _, _, vals = surviving(self.val_points, self.resumes)
+        finite = vals[np.isfinite(vals)]
+        return float(finite.min()) if finite.size else math.nan
+
+
+class Ema:
+    """The debiased EMA of the loss as the dashboard smooths it (andrea_tui.series), folded
+    record by record, and its lowest value so far. A step with no finite loss holds it."""
+
+    def __init__(self, alpha: float) -> None:
+        self.alpha = alpha
+        self._s = self._w = 0.0
+        self.best = math.nan
+
+    def fold(self, records: list[rec.StepRecord]) -> None:
+        a = self.alpha
+        for r in records:
+            if not math.isfinite(r.loss):
+                continue
+            self._s = a * self._s + (1 - a) * r.loss
+            self._w = a * self._w + (1 - a)
+            value = self._s / self._w
+            if not (value >= self.best):
+                self.best = value
+
+    def reset(self) -> Ema:
+        return Ema(self.alpha)
 
 
 def _all_new(tail: JsonlTail) -> Iterator[list[dict[str, Any]]]:
@@ -178,10 +245,12 @@ def _min_loss(best: float, records: list[rec.StepRecord]) -> float:
 
 
 class RunScanner:
-    """Summaries of the runs under a root, kept up to date cheaply across calls."""
+    """Summaries of the runs under a root, kept up to date cheaply across calls. The smoothed
+    loss is the dashboard's EMA at `ema_alpha` (default: the user's smoothing setting)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, ema_alpha: float | None = None) -> None:
         self.root = Path(root)
+        self.ema_alpha = user_settings.load().smoothing if ema_alpha is None else ema_alpha
         self._follow: dict[Path, _Follow] = {}
         # run -> (its files' stat keys, its summary, whether whole files were read for it)
         self._done: dict[Path, tuple[tuple, RunSummary, bool]] = {}
@@ -228,7 +297,7 @@ class RunScanner:
         follow = self._follow.get(run_dir)
         if whole_files:
             if follow is None:
-                follow = self._follow[run_dir] = _Follow.of(run_dir)
+                follow = self._follow[run_dir] = _Follow.of(run_dir, self.ema_alpha)
             follow.order.limit(*limits)
             self._read_on(follow)
         start = follow.start if follow else None
@@ -255,11 +324,18 @@ class RunScanner:
             finite = [r.loss for r in tail if math.isfinite(r.loss)]  # a skipped step logs NaN
             s.last_loss = finite[-1] if finite else math.nan
         s.best_loss = follow.best if follow else math.nan
+        s.best_ema = follow.ema.best if follow else math.nan
+        s.best_val = follow.best_val() if follow else math.nan
         s.val_loss = _last_val_loss(paths.eval)
-        s.started = first_time(paths)
+        s.started, first_ready = _head(paths)
+        ready = (follow.ready if follow else None) or first_ready
         s.backend = ((state.backend if state else "")
-                     or (follow.ready.backend if follow and follow.ready else "")
+                     or (ready.backend if ready else "")
                      or (start.backend if start else ""))
+        if state is not None and state.health is not None:
+            s.health, s.health_reason = state.health.value, state.health_reason
+        _hyperparameters(s, cfg, ready)
+        s.notes = read_notes(run_dir)
         s.updated = _newest_mtime(paths)
         s.note = "; ".join(notes)
         return s
@@ -284,15 +360,39 @@ class RunScanner:
         if new_resume:  # records already folded may belong to a timeline it abandoned
             f.loss = JsonlTail(f.loss.path)
             f.best = math.nan
+            f.ema = f.ema.reset()
             f.order = f.order.fresh()
         for objects in _all_new(f.loss):
             if f.loss.reset:
                 f.best = math.nan
+                f.ema = f.ema.reset()
                 f.order = f.order.fresh()
             records, _ = rec.parse_all(rec.StepRecord, objects)
             if f.resumes:
                 records = rec.drop_abandoned(records, f.resumes)
-            f.best = _min_loss(f.best, f.order.admit(records))
+            kept = f.order.admit(records)
+            f.best = _min_loss(f.best, kept)
+            f.ema.fold(kept)
+        for objects in _all_new(f.evals):
+            if f.evals.reset:
+                f.val_points = []
+            f.val_points += [p for p in map(parse_eval, objects) if p is not None]
+
+
+def _hyperparameters(s: RunSummary, cfg: Config | None, ready: rec.ReadyEvent | None) -> None:
+    """The run's settings a table compares runs by: the config's, and what the engine said it
+    trains with where it said (precision after --precision, parameters, the job's tokens)."""
+    if cfg is not None:
+        s.lr = cfg.optim.lr
+        s.batch_size, s.grad_accum = cfg.train.batch_size, cfg.train.grad_accum
+        s.seq_len = cfg.model.seq_len
+        s.precision = cfg.train.precision
+        s.tokens_per_step = cfg.tokens_per_step
+    if ready is not None:
+        s.world_size = ready.world_size
+        s.precision = ready.precision or s.precision
+        s.n_params = ready.n_params or None
+        s.tokens_per_step = ready.tokens_per_step or s.tokens_per_step
 
 
 def _status(run_dir: Path, state: rec.RunStatus | None) -> tuple[str, str]:
@@ -324,7 +424,7 @@ def _stat_keys(paths: RunPaths) -> tuple:
     """What tells whether a run's files changed: (inode, size, mtime) of each."""
     out = []
     for p in (paths.state, paths.config, paths.engine, paths.loss, paths.events,
-              paths.eval):
+              paths.eval, paths.root / NOTES):
         try:
             st = p.stat()
         except OSError:

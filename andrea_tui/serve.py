@@ -12,7 +12,8 @@ on. The page's own links (scripts, the websocket) are made from the address the 
 for, so it works through any forwarded port and on an IPv6 address. The websocket that carries
 the keys is refused to a page of another origin (any web page open in the same browser could
 otherwise open it and stop the run), and, on a loopback address, to a request for a name that
-is not a loopback one (a DNS name rebound to 127.0.0.1).
+is not a loopback one (a DNS name rebound to 127.0.0.1). The page gives its terminal the keyboard
+as it loads (FOCUS_SCRIPT): keys act before any click.
 """
 
 from __future__ import annotations
@@ -155,6 +156,40 @@ def host_allowed(host_header: str, loopback_only: bool) -> bool:
     return name is not None and is_loopback(name)
 
 
+# The page's terminal takes the keys from the start: textual-serve's page leaves the focus on
+# the document until a click, so keys pressed before one went nowhere. xterm.js reads keys from
+# its hidden textarea, made when the terminal opens; focus it as soon as it exists (and again
+# whenever the window comes back into focus while nothing else on the page holds the focus).
+FOCUS_SCRIPT = """<script>
+(function () {
+  function focusTerminal() {
+    var keys = document.querySelector("#terminal .xterm-helper-textarea");
+    var held = document.activeElement;
+    if (keys && held !== keys && (held === null || held === document.body)) {
+      keys.focus({preventScroll: true});
+    }
+    return keys !== null && document.activeElement === keys;
+  }
+  window.addEventListener("load", function () {
+    var tries = 0;
+    var timer = setInterval(function () {
+      if (focusTerminal() || ++tries > 600) { clearInterval(timer); }
+    }, 50);
+  });
+  window.addEventListener("focus", focusTerminal);
+  document.addEventListener("visibilitychange", focusTerminal);
+})();
+</script>
+"""
+
+
+def with_focus_script(page: str) -> str:
+    """The served page with FOCUS_SCRIPT before its `</body>` (the page as it is when it has
+    none)."""
+    at = page.rfind("</body>")
+    return page if at < 0 else page[:at] + FOCUS_SCRIPT + page[at:]
+
+
 def require_textual_serve() -> None:
     """UserError saying how to install textual-serve when it is missing."""
     try:
@@ -192,7 +227,9 @@ def _server_class() -> Any:
             self._check(request, websocket=False)
             # textual-serve builds the links from public_url as it renders, before any await.
             self.public_url = page_url(request.scheme, request.host)
-            return await super().handle_index(request)
+            response = await super().handle_index(request)
+            response.text = with_focus_script(response.text)
+            return response
 
         async def handle_websocket(self, request: Any) -> Any:
             self._check(request, websocket=True)

@@ -2,15 +2,19 @@
 
 Where: platformdirs' user config directory (`$XDG_CONFIG_HOME/andrea/tui.json`, usually
 `~/.config/andrea/tui.json`). Chart smoothing, log y per chart, the robust y-range, the x axis,
-the window and the terminal bell on alerts. A missing, unreadable or hand-broken file gives the
-defaults for what it cannot say; a file that cannot be written costs the choice its persistence,
-never the session. Headless.
+the window, the terminal bell on alerts and the colour theme (Textual's, chosen through the
+command palette, ctrl+p; `keep_theme` restores it at start and keeps the next choice). A
+missing, unreadable or hand-broken file gives the defaults for what it cannot say; a file that
+cannot be written costs the choice its persistence, never the session. Headless: `keep_theme`
+takes the app as it is, without importing Textual.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -19,6 +23,7 @@ from platformdirs import user_config_path
 
 SMOOTHING = (0.0, 0.6, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995)  # EMA alphas `[` and `]` step through
 X_AXES = ("step", "time")
+THEME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # a theme's name as Textual writes it
 
 
 def settings_path() -> Path:
@@ -34,6 +39,7 @@ class Settings:
     x_axis: str = "step"
     window: bool = False
     bell: bool = True
+    theme: str = ""  # Textual's theme by name; "" = Textual's default
 
     def toggled(self, name: str) -> Settings:
         """A yes/no choice flipped; the x axis switched between step and time."""
@@ -43,6 +49,10 @@ class Settings:
         if not isinstance(value, bool):
             raise ValueError(f"{name} is not a yes/no choice")
         return replace(self, **{name: not value})
+
+    def themed(self, name: str) -> Settings:
+        """The same choices with the theme `name`."""
+        return replace(self, theme=name)
 
     def smoother(self, direction: int) -> Settings:
         """One notch more (+1) or less (-1) smoothing."""
@@ -65,6 +75,8 @@ class Settings:
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1:
                     out[f.name] = float(v)
             elif f.name == "x_axis" and v in X_AXES:
+                out[f.name] = v
+            elif f.name == "theme" and isinstance(v, str) and THEME_RE.fullmatch(v):
                 out[f.name] = v
         return cls(**out)
 
@@ -94,3 +106,28 @@ def save(settings: Settings, path: Path | None = None) -> bool:
         except OSError:
             pass
         return False
+
+
+def keep_theme(app: Any, settings: Settings | None = None,
+               on_change: Callable[[str], None] | None = None) -> None:
+    """Give a Textual app the kept theme (`settings`, else the file's; a theme this Textual
+    does not have is left alone) and keep the theme the user picks from then on: `on_change`
+    gets its name (an app that holds its settings keeps it with its other choices); without
+    it, it is written into the file here."""
+    held = load() if settings is None else settings
+    if held.theme and held.theme in app.available_themes and app.theme != held.theme:
+        app.theme = held.theme
+
+    def changed(theme: Any) -> None:
+        name = getattr(theme, "name", "")
+        if not isinstance(name, str) or not THEME_RE.fullmatch(name):
+            return
+        if on_change is not None:
+            on_change(name)
+            return
+        current = load()
+        if name != current.theme and not save(current.themed(name)):
+            app.notify(f"theme: not kept for next time ({settings_path()} cannot be written)",
+                       severity="warning")
+
+    app.theme_changed_signal.subscribe(app, changed)

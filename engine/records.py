@@ -650,15 +650,17 @@ class ErrorEvent(Event):
         return cls(t, as_str(o.get("message")))
 
 
-ALERT_KINDS = ("loss_spike", "grad_spike", "nonfinite", "stall", "slow")
+ALERT_KINDS = ("loss_spike", "grad_spike", "nonfinite", "stall", "slow", "diverging")
 
 
 @dataclass(frozen=True)
 class AlertEvent(Event):
     """Something a practitioner wants to hear about at once, raised by the engine: `alert` (the
     `kind` field on disk) is one of ALERT_KINDS; `value` is what was seen (a loss, a grad norm,
-    seconds without a step, tok/s), `baseline` what was expected (the window's median) and
-    `threshold` the line `value` crossed; `message` says it in words."""
+    seconds without a step, tok/s), `baseline` what was expected (the window's median, what the
+    step's mixture predicts, ln(vocab_size), the best smoothed loss) and `threshold` the line
+    `value` crossed; `message` says it in words: what happened, by how much, against what, and
+    what a user might do."""
 
     KIND: ClassVar[str] = "alert"
     alert: str = ""

@@ -40,6 +40,9 @@ def micro_config_dict(**train: Any) -> dict[str, Any]:
     c["bandit"].update(seed=11)  # phases of 7, 7, 28 steps: two boundaries inside 40 steps
     c["checkpoint"].update(every=10, keep=2)
     c["samples"].update(every_steps=15, length=8)
+    # No validation: these runs test the engine's mechanics in a few dozen steps, and tests of
+    # validation turn it on themselves (the shipped configs have it on: test_shipped_eval.py).
+    c.pop("eval", None)
     return c
 
 

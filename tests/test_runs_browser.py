@@ -22,7 +22,7 @@ from andrea_tui.screentext import screen_text
 from engine import records as rec
 from engine.run.control import engine_alive
 from engine.run.identity import write_engine_json
-from engine.runfiles import JsonlWriter
+from engine.runfiles import JsonlWriter, RunPaths
 from tests.fakerun import CONFIG, loss_record, write_run
 
 SIZE = (170, 40)
@@ -254,3 +254,291 @@ def test_compare_command_shows_overlay_legend_and_diff(tmp_path: Path) -> None:
             await pilot.press("escape")
 
     asyncio.run(go())
+
+
+# ---------------------------------------------------------------- best loss, settings, health
+
+
+def ema_of(losses: list[float], alpha: float) -> list[float]:
+    """The dashboard's smoothed loss (andrea_tui.series), row by row."""
+    import numpy as np
+
+    from andrea_tui.series import StepSeries
+
+    series = StepSeries.from_records(
+        [rec.StepRecord.from_json(loss_record(s, T0)) for s in range(1, len(losses) + 1)],
+        alpha)
+    return list(np.asarray(series.ema()))
+
+
+def set_state(paths, **fields) -> None:
+    """Rewrite a fake run's state.json with `fields` changed (health, health_reason, ...)."""
+    from engine.runfiles import write_json_atomic
+
+    obj = json.loads(paths.state.read_text())
+    write_json_atomic(paths.state, {**obj, **fields}, durable=False)
+
+
+def test_best_is_validation_where_the_run_evaluates_else_smoothed(tmp_path: Path) -> None:
+    from andrea_tui.runs_screen import best_header
+    from tests.fakerun import eval_record
+
+    evaluated = write_run(tmp_path / "evaluated", 600, t0=T0, monitor=True)
+    write_run(tmp_path / "plain", 600, t0=T0)
+    rows = by_name(RunScanner(tmp_path, ema_alpha=0.9).scan())
+    vals = [eval_record(s, 0)["val_loss"] for s in range(100, 601, 100)]
+    assert rows["evaluated"].best == (min(vals), "val")
+    losses = [loss_record(s, 0)["loss"] for s in range(1, 601)]
+    smoothed = min(x for x in ema_of(losses, 0.9) if math.isfinite(x))
+    assert rows["plain"].best == (pytest.approx(smoothed, rel=1e-12), "ema")
+    # the smoothed best is not the lowest single step (a noisy dip)
+    assert rows["plain"].best[0] > rows["plain"].best_loss
+    assert best_header([rows["evaluated"]]) == "best val"
+    assert best_header([rows["plain"]]) == "best ema"
+    assert best_header(list(rows.values())) == "best val (ema*)"
+    # a validation loss of a timeline a resume abandoned is not the run's best
+    with open(evaluated.eval, "a") as f:
+        f.write(json.dumps({"step": 700, "t": T0 + 70, "val_loss": 0.25}) + "\n")
+    scanner = RunScanner(tmp_path, ema_alpha=0.9)
+    assert by_name(scanner.scan())["evaluated"].best == (0.25, "val")
+    ev = JsonlWriter(evaluated.events)
+    ev.write(rec.ResumeEvent(t=T0 + 80, step=600, path="x").to_json())
+    ev.close()
+    assert by_name(scanner.scan())["evaluated"].best == (min(vals), "val")
+
+
+def test_settings_and_health_of_each_run(tmp_path: Path) -> None:
+    a = write_run(tmp_path / "a", 50, t0=T0)
+    set_state(a, health="diverging", health_reason="loss 1084 at step 2, 119x the start (9.1)")
+    b = write_run(tmp_path / "b", 50, t0=T0)
+    cfg = json.loads(b.config.read_text())
+    cfg["optim"]["lr"] = 3e-4
+    cfg["train"].update(batch_size=8, grad_accum=2)
+    b.config.write_text(json.dumps(cfg))
+    ev = JsonlWriter(b.events)  # a resume with --precision and two ranks: the engine's word
+    ev.write(rec.ReadyEvent(t=T0 + 9, n_params=12_400_000, backend="numpy", step=50,
+                            tokens_per_step=2 * 8 * 2 * 64, world_size=2,
+                            precision="bf16").to_json())
+    ev.close()
+    rows = by_name(RunScanner(tmp_path).scan())
+    ra, rb = rows["a"], rows["b"]
+    assert (ra.health, ra.health_reason) == ("diverging", "loss 1084 at step 2, 119x the start "
+                                             "(9.1)")
+    assert (ra.lr, ra.tokens_per_step, ra.n_params, ra.precision) == (1e-3, 256, 1048576, "fp32")
+    assert rb.health == ""  # a run whose engine never judged it
+    assert (rb.lr, rb.batch_size, rb.grad_accum, rb.seq_len) == (3e-4, 8, 2, 64)
+    assert (rb.tokens_per_step, rb.world_size, rb.n_params, rb.precision) == \
+        (2048, 2, 12_400_000, "bf16")
+    from andrea_tui.runs_screen import settings_line
+
+    assert settings_line(rb) == ("lr 3.00e-04 · batch 8 × accum 2 × seq 64 × 2 ranks = 2,048 "
+                                 "tokens/step · 12,400,000 parameters · bf16")
+
+
+def test_the_browser_shows_health_settings_and_keeps_notes_and_tags(tmp_path: Path) -> None:
+    from andrea_tui.notes import read_notes
+    from andrea_tui.runs_screen import EditScreen, RunsApp, RunsScreen
+
+    root = tmp_path / "runs"
+    sick = write_run(root / "sick", 40, t0=T0)
+    set_state(sick, health="diverging", health_reason="loss ×119 in one step")
+    write_run(root / "fine", 400, t0=T0 + 100, monitor=True)
+    set_state(RunPaths(root / "fine"), health="healthy")
+    write_run(root / "old", 300, t0=T0 + 200)
+
+    async def go() -> None:
+        app = RunsApp(root)
+        async with app.run_test(size=(200, 30)) as pilot:
+            screen = app.screen
+            await wait_until(pilot, lambda: isinstance(screen, RunsScreen) and any(
+                math.isfinite(s.best_ema) for s in screen.summaries))
+            await pilot.pause(0.2)
+            table = screen.query_one("DataTable")
+            text = screen_text(app)
+            _capture("runs-health.txt", text)
+            for word in ("health", "diverging", "healthy", "best val (ema*)", "lr", "tok/step",
+                         "params", "prec", "1.00e-03", "1.05M", "fp32"):
+                assert word in text, word
+            cell = table.get_cell(str(root / "sick"), "health")
+            assert cell.plain == "diverging" and cell.style == "bold red"
+            assert table.get_cell(str(root / "fine"), "health").style == "green"
+            assert table.get_cell(str(root / "old"), "health").plain == "–"  # never said
+            # the cursor's run: its settings and the engine's reason under the table
+            row = [s.path.name for s in screen.shown].index("sick")
+            table.move_cursor(row=row)
+            await pilot.pause()
+            assert "diverging: loss ×119 in one step" in screen_text(app)
+            # tags, then a note, kept in the run directory
+            await pilot.press("t")
+            await wait_until(pilot, lambda: isinstance(app.screen, EditScreen))
+            await pilot.press(*"lr-sweep, #bad-lr", "enter")
+            await wait_until(pilot, lambda: isinstance(app.screen, RunsScreen))
+            assert read_notes(root / "sick").tags == ("lr-sweep", "bad-lr")
+            await pilot.press("n")
+            await wait_until(pilot, lambda: isinstance(app.screen, EditScreen))
+            await pilot.press(*"lr 5 blew up", "enter")
+            await wait_until(pilot, lambda: isinstance(app.screen, RunsScreen))
+            assert read_notes(root / "sick").note == "lr 5 blew up"
+            text = screen_text(app)
+            assert "#lr-sweep #bad-lr" in text and "note: lr 5 blew up" in text
+            # escape in the editor leaves the tags as they were
+            await pilot.press("t")
+            await wait_until(pilot, lambda: isinstance(app.screen, EditScreen))
+            await pilot.press("ctrl+u", *"other", "escape")
+            await wait_until(pilot, lambda: isinstance(app.screen, RunsScreen))
+            assert read_notes(root / "sick").tags == ("lr-sweep", "bad-lr")
+            # a tag that is no word: one line, nothing written
+            await pilot.press("t")
+            await wait_until(pilot, lambda: isinstance(app.screen, EditScreen))
+            await pilot.press("ctrl+u", *"a=b", "enter")
+            await wait_until(pilot, lambda: isinstance(app.screen, RunsScreen))
+            assert read_notes(root / "sick").tags == ("lr-sweep", "bad-lr")
+            # the filter by tag
+            await pilot.press("slash", *"#bad-lr", "enter")
+            await wait_until(pilot, lambda: [s.path.name for s in screen.shown] == ["sick"])
+            await pilot.press("slash", *["backspace"] * 7, *"#lr", "enter")  # a whole tag only
+            await wait_until(pilot, lambda: screen.shown == [])
+            _capture("runs-tags.txt", screen_text(app))
+
+    asyncio.run(go())
+    assert json.loads((root / "sick" / "notes.json").read_text()) == {
+        "note": "lr 5 blew up", "tags": ["lr-sweep", "bad-lr"]}
+
+
+def test_a_refresh_keeps_the_table_where_it_is_scrolled(runs_root: Path) -> None:
+    """The live run changes the table every refresh: its cells change in place, so a table
+    scrolled to its right-hand columns (a narrow terminal) stays there."""
+    from andrea_tui.runs_screen import RunsApp
+
+    async def go() -> None:
+        app = RunsApp(runs_root)
+        async with app.run_test(size=(80, 24)) as pilot:
+            screen = app.screen
+            await wait_until(pilot, lambda: len(getattr(screen, "shown", [])) == 4)
+            table = screen.query_one("DataTable")
+            table.scroll_x = table.max_scroll_x  # the right-hand columns
+            await pilot.pause()
+            before = table.scroll_x
+            assert before > 0
+            live = next(s for s in screen.summaries if s.path.name == "live")
+            await wait_until(pilot, lambda: next(
+                s for s in screen.summaries if s.path.name == "live").step != live.step)
+            await pilot.pause(0.1)
+            assert table.scroll_x == before
+
+    asyncio.run(go())
+
+
+# ---------------------------------------------------------------- escape back to the browser
+
+
+def test_escape_leaves_a_dashboard_opened_from_the_browser_and_the_engine_trains_on(
+        tmp_path: Path) -> None:
+    from andrea_tui.app import AndreaApp
+    from andrea_tui.launcher import launch
+
+    live = tmp_path / "live"
+    proc = launch([sys.executable, "-m", "tests.fakerun", str(live), "--rate", "20"], live)
+    try:
+        deadline = time.monotonic() + 20
+        while not engine_alive(live)[0]:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+
+        async def go(from_browser: bool) -> AndreaApp:
+            app = AndreaApp(live, control_interval=3600, from_browser=from_browser)
+            async with app.run_test(size=(120, 40)) as pilot:
+                await wait_until(pilot, lambda: app.history_loaded)
+                await pilot.press("question_mark")  # escape closes a screen over it first
+                await pilot.press("escape")
+                await pilot.pause(0.2)
+                assert app.is_running
+                await pilot.press("escape")
+                await pilot.pause(0.2)
+                if not from_browser:
+                    assert app.is_running  # `andrea-tui attach`: escape does nothing
+                    await pilot.press("d")
+            return app
+
+        app = asyncio.run(go(True))
+        assert "engine keeps running" in (app.return_value or "")
+        assert engine_alive(live)[0] and proc.poll() is None
+        app = asyncio.run(go(False))
+        assert engine_alive(live)[0] and proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_the_runs_command_opens_dashboards_that_escape_leaves(tmp_path: Path,
+                                                              monkeypatch) -> None:
+    """`andrea-tui runs`: enter runs the dashboard as one opened from the browser (escape
+    goes back), and what it ended with is told when the browser comes back."""
+    from andrea_tui import app as app_mod
+    from andrea_tui import cli, runs_screen
+
+    run_dir = write_run(tmp_path / "runs" / "r", 20, t0=T0).root
+    chosen = [run_dir, None]
+    messages: list[str | None] = []
+    opened: list[bool] = []
+
+    def browser_run(self):  # type: ignore[no-untyped-def]
+        messages.append(self.browser_state.message)
+        return chosen.pop(0)
+
+    def dashboard_run(self):  # type: ignore[no-untyped-def]
+        opened.append(self.from_browser)
+        return "closed by escape"
+
+    monkeypatch.setattr(runs_screen.RunsApp, "run", browser_run)
+    monkeypatch.setattr(app_mod.AndreaApp, "run", dashboard_run)
+    assert cli.runs(str(tmp_path / "runs")) == 0
+    assert opened == [True] and messages == [None, "closed by escape"]
+
+
+# ---------------------------------------------------------------- notes.json
+
+
+def test_notes_are_parsed_kept_atomically_and_read_tolerantly(tmp_path: Path) -> None:
+    from andrea_tui.notes import (
+        NOTE_CHARS,
+        NotesError,
+        RunNotes,
+        parse_note,
+        parse_tags,
+        read_notes,
+        write_notes,
+    )
+
+    assert parse_tags(" #a, b  c,,a ") == ("a", "b", "c")
+    assert parse_tags("") == ()
+    with pytest.raises(NotesError, match=r"tag 'x y=z'|tag 'y=z'"):
+        parse_tags("ok y=z")
+    with pytest.raises(NotesError, match="at most 32 characters"):
+        parse_tags("a" * 33)
+    assert parse_note(" two\nlines\t here ") == "two lines here"
+    with pytest.raises(NotesError, match=f"at most {NOTE_CHARS}"):
+        parse_note("x" * (NOTE_CHARS + 1))
+    run = tmp_path / "run"
+    run.mkdir()
+    assert read_notes(run) == RunNotes()
+    write_notes(run, RunNotes("n", ("t1", "t2")))
+    assert read_notes(run) == RunNotes("n", ("t1", "t2"))
+    assert [p.name for p in run.iterdir()] == ["notes.json"]  # no temporary file left
+    # hand-broken files: what reads well is kept
+    (run / "notes.json").write_text('{"note": 5, "tags": ["ok", "not ok", 3, "ok"]}')
+    assert read_notes(run) == RunNotes("", ("ok",))
+    (run / "notes.json").write_text("{torn")
+    assert read_notes(run) == RunNotes()
+    # something other than a regular file in its place is left as it is
+    (run / "notes.json").unlink()
+    target = tmp_path / "elsewhere.json"
+    target.write_text("{}")
+    (run / "notes.json").symlink_to(target)
+    with pytest.raises(NotesError, match="symbolic link"):
+        write_notes(run, RunNotes("x"))
+    assert target.read_text() == "{}" and (run / "notes.json").is_symlink()
+    (run / "notes.json").unlink()
+    (run / "notes.json").mkdir()
+    with pytest.raises(NotesError, match="a directory"):
+        write_notes(run, RunNotes("x"))

@@ -1,7 +1,8 @@
 """`andrea-tui serve`: loopback unless --public (and why), a port in use is one line, and a real
 browser — headless Chromium (Debian's package) driven by Playwright — opens the served dashboard
-of a running fake engine, sees its experiment and step, and presses `s` (a snapshot checkpoint
-appears in the run directory) and then `q` (the engine stops), through the verified control path.
+of a running fake engine, sees its experiment and step, and, before any click, presses `s` (a
+snapshot checkpoint appears in the run directory) and then `q` (the engine stops), through the
+verified control path.
 ANDREA_SCREEN_CAPTURE=DIR also keeps the browser's screenshot there."""
 
 from __future__ import annotations
@@ -62,6 +63,16 @@ def test_serve_refusals_are_one_line(tmp_path: Path) -> None:
     assert r.returncode == 2 and "go with a CONFIG" in r.stderr
     r = cli("serve", str(tmp_path / "nothing"))
     assert r.returncode == 2 and "nothing" in r.stderr
+
+
+def test_the_page_focuses_its_terminal_on_load() -> None:
+    from andrea_tui.serve import FOCUS_SCRIPT, with_focus_script
+
+    page = '<html><body><div id="terminal" class="textual-terminal"></div></body></html>'
+    out = with_focus_script(page)
+    assert out.index(FOCUS_SCRIPT) > out.index('id="terminal"') and out.endswith("</body></html>")
+    assert ".xterm-helper-textarea" in FOCUS_SCRIPT and "focus(" in FOCUS_SCRIPT
+    assert with_focus_script("<html>no body</html>") == "<html>no body</html>"
 
 
 BLOCK_TEXTUAL_SERVE = """
@@ -149,7 +160,7 @@ def test_a_browser_steers_the_served_dashboard(tmp_path: Path) -> None:
                     assert time.monotonic() < deadline, f"no dashboard: {screen()[-2000:]!r}"
                     page.wait_for_timeout(100)
                 assert server.poll() is None
-                page.click(".xterm-screen")  # the terminal takes the keys
+                # No click: the page gives the terminal the keys on load.
                 page.keyboard.press("s")
                 wait_for(lambda: checkpoint_events(run, "snapshot"), "a snapshot checkpoint")
                 path = Path(checkpoint_events(run, "snapshot")[0]["path"])
