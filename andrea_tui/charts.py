@@ -60,7 +60,7 @@ from engine.records import AlertEvent, EvalRecord, ResumeEvent
 
 AXIS_COLUMNS = 10  # plotext's y-axis labels and frame take about this many columns
 MARKS_MAX = 40  # alert marks drawn at most (the newest)
-LOSS_ALERTS = ("loss_spike", "nonfinite", "stall", "slow")
+LOSS_ALERTS = ("loss_spike", "diverging", "nonfinite", "stall", "slow")
 GRAD_ALERTS = ("grad_spike", "nonfinite")
 X_TICK_COLUMNS = 12  # columns per x tick label (a label and the gap to the next)
 Y_TICK_ROWS = 3  # rows per y tick

@@ -274,13 +274,29 @@ class AlertsConfig:
     """How the engine's alerts (engine.run.alerts) are raised and passed on. `command`: argv of
     a program run with each alert as JSON on its stdin (a webhook, a desktop notification),
     killed after `timeout_s`; a stall is `stall_factor` times the median step time without a
-    step, and at least `stall_min_s` seconds."""
+    step, and at least `stall_min_s` seconds.
+
+    A spike is `spike_mads` robust standard deviations above what is expected; a kind that
+    alerted is quiet for `cooldown_steps` steps, unless a value `breakthrough` times as far off
+    comes. The run is diverging when its loss is `diverge_margin` nats above ln(vocab_size)
+    (the loss of a uniform guess), or `start_factor` times its first loss for two steps, or
+    `jump_factor` times its smoothed loss for two steps, or when the median of its last
+    `rise_steps` losses stays `rise_sigmas` noise SDs (at least 5%) above its best smoothed
+    loss. The health says `warning` until `quiet_steps` steps pass without an alert."""
 
     command: tuple[str, ...] | None = spec(List(Str(), min_len=1, max_len=64), None)
     timeout_s: float = spec(Num(float, gt=0, le=3600), 10.0)
     stall_factor: float = spec(Num(float, gt=1, le=1e6), 20.0)
     stall_min_s: float = spec(Num(float, gt=0, le=86400), 60.0)
     spike_mads: float = spec(Num(float, gt=0, le=1e6), 8.0)
+    cooldown_steps: int = spec(Num(int, ge=0, le=2**31 - 1), 50)
+    breakthrough: float = spec(Num(float, gt=1, le=1e6), 2.0)
+    diverge_margin: float = spec(Num(float, ge=0, le=1e6), 1.0)
+    start_factor: float = spec(Num(float, gt=1, le=1e6), 2.0)
+    jump_factor: float = spec(Num(float, gt=1, le=1e6), 3.0)
+    rise_sigmas: float = spec(Num(float, gt=0, le=1e6), 3.0)
+    rise_steps: int = spec(Num(int, ge=1, le=100000), 10)
+    quiet_steps: int = spec(Num(int, ge=1, le=2**31 - 1), 100)
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,9 @@
 
 The loop: data → trainer step → records → alerts → bandit → validation → samples → checkpoints,
 with the signals of DESIGN §8 acted on between steps. Beside it, on rank 0, two daemon threads:
-the telemetry sampler (system.jsonl) and the stall watchdog (engine.run.alerts). Everything the loop writes goes to the run directory
-(DESIGN §7); everything it needs to continue goes into each checkpoint (DESIGN §6).
+the telemetry sampler (system.jsonl) and the stall watchdog (engine.run.alerts); the run's
+health (engine.run.health) follows the alerts. Everything the loop writes goes to the run
+directory (DESIGN §7); everything it needs to continue goes into each checkpoint (DESIGN §6).
 """
 
 from __future__ import annotations
@@ -112,6 +113,8 @@ class TrainingRun:
         self.world_size_was: int | None = None
         self._ranks: list[rec.RankInfo] = []
         self.monitor: Any = None  # engine.run.alerts.AlertMonitor, on rank 0
+        self.health: Any = None  # engine.run.health.HealthMonitor, on rank 0
+        self._alerted: collections.deque[str] = collections.deque(maxlen=8)  # alerts' messages
         self.sink: Any = None
         self.watchdog: Any = None
         self.telemetry: Any = None
@@ -402,7 +405,7 @@ class TrainingRun:
         self.out.log(f"model {cfg.name}: {n:,} parameters; backend {be.name} on {be.device}")
         self.out.log("memory plan: " + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in plan.items()))
         self.out.set_status(status=Status.RUNNING, step=self.trainer.step_count,
-                            device=be.device)
+                            device=be.device, health=rec.Health.HEALTHY, health_reason="")
         self.out.event(rec.ReadyEvent(memory_plan=plan, n_params=n, backend=be.name,
                                       device=be.device, step=self.trainer.step_count,
                                       max_steps=cfg.train.max_steps,
@@ -475,17 +478,33 @@ class TrainingRun:
         """Alerts (engine.run.alerts) and telemetry (engine.run.telemetry): rank 0 only."""
         from engine.config import AlertsConfig
         from engine.run.alerts import AlertMonitor, AlertSink, CommandRunner, Watchdog
+        from engine.run.health import HealthMonitor
         from engine.run.telemetry import SystemSampler
 
         a = self.cfg.alerts or AlertsConfig()
         runner = CommandRunner(list(a.command), a.timeout_s, self.out.log) if a.command else None
-        self.sink = AlertSink(self.out.event, self.out.log, runner)
-        self.monitor = AlertMonitor(a.spike_mads)
-        self.watchdog = Watchdog(self.sink.emit, a.stall_factor, a.stall_min_s)
+        self.sink = sink = AlertSink(self.out.event, self.out.log, runner)
+        self.monitor = AlertMonitor(a, vocab_size=self.cfg.model.vocab_size, optim=self.cfg.optim)
+        self.health = health = HealthMonitor(self._report_health, a.quiet_steps)
+
+        def stall(alert: rec.AlertEvent) -> None:  # the watchdog's thread, or a late beat()
+            sink.emit(alert)
+            self._alerted.append(alert.message)
+            health.stalled(alert)
+
+        self.watchdog = Watchdog(stall, a.stall_factor, a.stall_min_s)
         self.watchdog.start()
         gpus = self._my_gpus() if backend == "cuda" else []
         self.telemetry = SystemSampler(self.out.system, lambda: self.trainer.step_count, gpus)
         self.telemetry.start()
+
+    def _report_health(self, event: rec.HealthEvent, changed: bool) -> None:
+        """The health changed (engine.run.health): into state.json and events.jsonl
+        (RunWriter.set_health), and a line in the log when its state did."""
+        if self.out.set_health(event, changed) and changed:
+            told = event.reason in self._alerted  # its alert's line is in the log already
+            self.out.log(f"health {event.state} at step {event.step}"
+                         + (f": {event.reason}" if event.reason and not told else ""))
 
     def _my_gpus(self) -> list[int]:
         """CUDA ordinals of this job's GPUs on this host (rank 0 samples them all)."""
@@ -672,9 +691,12 @@ class TrainingRun:
             self.out.event(rec.SkippedEvent(step=step, grad_norm=record.grad_norm))
             self.out.log(f"step {step}: non-finite gradient norm, update skipped")
         if self.monitor is not None:
-            for alert in self.monitor.observe(record):
+            alerts = self.monitor.observe(record)
+            for alert in alerts:
                 self.sink.emit(alert)
-            self.watchdog.beat(step, record.step_ms / 1e3)
+                self._alerted.append(alert.message)
+            self.watchdog.beat(step, record.step_ms / 1e3)  # may tell a stall it could not see
+            self.health.observe(record, alerts, self.monitor.diverging, self.monitor.recovered)
         if change is not None:
             self.out.event(rec.PhaseEvent(
                 step=step, phase=change.new_phase, phase_len=change.new_length,

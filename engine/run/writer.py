@@ -22,11 +22,22 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from engine.records import EvalRecord, Event, RunStatus, Sample, Status, StepRecord, SystemRecord
+from engine.records import (
+    EvalRecord,
+    Event,
+    Health,
+    HealthEvent,
+    RunStatus,
+    Sample,
+    Status,
+    StepRecord,
+    SystemRecord,
+)
 from engine.runfiles import (
     JsonlWriter,
     RunPaths,
@@ -89,6 +100,8 @@ class RunWriter:
         self._echo = not _same_file(sys.stdout, p.log)
         self.status = status or RunStatus(Status.STARTING)
         self._status_written = 0.0
+        # state.json changes from the loop and from the watchdog's thread (a stall's health)
+        self._status_lock = threading.RLock()
 
     def _open(self, path: Path) -> JsonlWriter:
         w = JsonlWriter(path)
@@ -143,30 +156,48 @@ class RunWriter:
     def set_status(self, *, durable: bool = True, **changes: Any) -> None:
         """Update `state.json` (fields of engine.records.RunStatus). Step-by-step updates
         (durable=False) are throttled and skip fsync."""
-        self.status = dataclasses.replace(self.status, **changes)
-        now = time.time()
-        if not durable and now - self._status_written < STATUS_EVERY_S:
-            return
-        self._status_written = now
-        if self._removed():
-            return
-        record = dataclasses.replace(self.status, updated=now)
-        try:
-            write_json_atomic(self.paths.state, record.to_json(), durable=durable)
-        except OSError as e:
-            self._failed(self.paths.state, e)
+        with self._status_lock:
+            self.status = dataclasses.replace(self.status, **changes)
+            now = time.time()
+            if not durable and now - self._status_written < STATUS_EVERY_S:
+                return
+            self._status_written = now
+            if self._removed():
+                return
+            record = dataclasses.replace(self.status, updated=now)
+            try:
+                write_json_atomic(self.paths.state, record.to_json(), durable=durable)
+            except OSError as e:
+                self._failed(self.paths.state, e)
+
+    def set_health(self, event: HealthEvent, new_state: bool) -> bool:
+        """The engine's judgement of the run changed (engine.run.health): state.json's
+        `health` and `health_reason` at once, and, when the state itself changed
+        (`new_state`), a `health` event. A failed run keeps saying so: False, nothing written."""
+        with self._status_lock:  # (the watchdog's thread tells a stall, the loop the rest)
+            if self.status.status is Status.FAILED:
+                return False
+            if new_state:
+                self.event(event)
+            self.set_status(health=event.state, health_reason=event.reason)
+            return True
 
     def set_failed(self, error: str, **changes: Any) -> None:
-        """The run failed: `state.json` says `failed` and why (`error`), fsynced. Where it
-        cannot be replaced (the full disk that ended the run), stderr says so, since the file
-        still says what it said before."""
-        self.status = dataclasses.replace(self.status, status=Status.FAILED, error=error,
-                                          **changes)
-        self._status_written = now = time.time()
+        """The run failed: `state.json` says `failed` and why (`error`), its health `failed`
+        with the same words (and a `health` event), fsynced. Where it cannot be replaced (the
+        full disk that ended the run), stderr says so, since the file still says what it said
+        before."""
+        with self._status_lock:
+            self.status = dataclasses.replace(self.status, status=Status.FAILED, error=error,
+                                              health=Health.FAILED, health_reason=error,
+                                              **changes)
+            self._status_written = now = time.time()
+            status = self.status
+        self.event(HealthEvent(state=Health.FAILED, step=status.step, reason=error))
         if self._removed():
             return
         try:
-            write_json_atomic(self.paths.state, dataclasses.replace(self.status,
+            write_json_atomic(self.paths.state, dataclasses.replace(status,
                                                                     updated=now).to_json())
         except OSError as e:
             was = RunStatus.from_json(read_json(self.paths.state))
@@ -259,9 +290,12 @@ class QuietWriter(RunWriter):
     def set_status(self, *, durable: bool = True, **changes: Any) -> None:
         self.status = dataclasses.replace(self.status, **changes)
 
+    def set_health(self, event: HealthEvent, new_state: bool) -> bool:
+        return False
+
     def set_failed(self, error: str, **changes: Any) -> None:
         self.status = dataclasses.replace(self.status, status=Status.FAILED, error=error,
-                                          **changes)
+                                          health=Health.FAILED, health_reason=error, **changes)
 
     def write_json(self, path: Path, obj: Any) -> None:
         pass
