@@ -227,7 +227,7 @@ class AndreaApp(App[str]):
             self.pacer.files_changed(Backlog(self.reader.backlog))  # the rest, next frame
         if changed:
             for text in self.supervisor.checkpoint_news(self.state, since=self.session_start):
-                self.notify(text, title="checkpoint written")
+                self.notify(text, title="checkpoint written", markup=False)
             self._tell_ignored_settings()
             self._tell_alerts()
         return changed
@@ -254,10 +254,10 @@ class AndreaApp(App[str]):
                 message = message[:TOAST_WORDS_COMPACT - 1].rsplit(" ", 1)[0] + "… (v: events)"
             self.notify(message, title=f"alert: {a.alert.replace('_', ' ')}",
                         severity="error" if a.alert in SEVERE_ALERTS else "warning",
-                        timeout=8 if compact else 15)
+                        timeout=8 if compact else 15, markup=False)
         if len(fresh) > shown:
             self.notify(f"and {len(fresh) - shown} more alert(s): v shows them",
-                        severity="warning")
+                        severity="warning", markup=False)
         if self.settings.bell:
             self.bell()
 
@@ -272,7 +272,7 @@ class AndreaApp(App[str]):
                               + [a[0].upper() + a[1:] + "." for a in rec.ignored_advice(r.ignored)])
             self.notify(f"resumed at step {r.step} with the checkpoint's config; these settings "
                         f"of the given config are NOT used:\n{lines}", severity="warning",
-                        title="config not applied", timeout=30)
+                        title="config not applied", timeout=30, markup=False)
 
     def _draw(self) -> None:
         """The pacer's frame: the text panels, with the engine's word in the header."""
@@ -308,7 +308,7 @@ class AndreaApp(App[str]):
             toast = (f"{word}; this run's median step takes {fmt_num(liveness.step_pace(st))} s, "
                      f"a stall is {fmt_duration(stall.line)} without one")
         if kind and kind != self._halt_told:
-            self.notify(toast, title=kind, severity="warning", timeout=15)
+            self.notify(toast, title=kind, severity="warning", timeout=15, markup=False)
         self._halt_told = kind
         return word
 
@@ -343,7 +343,7 @@ class AndreaApp(App[str]):
     def _tell(self, outcome: Outcome) -> None:
         """What a request to the engine came to: a toast, and the app's end when it says so."""
         if outcome.message:
-            self.notify(outcome.message, severity=outcome.severity)
+            self.notify(outcome.message, severity=outcome.severity, markup=False)
         if outcome.close is not None:
             self.exit(outcome.close)
 
@@ -413,7 +413,7 @@ class AndreaApp(App[str]):
         ~/Downloads, need not exist), and say where."""
         where = path or str(self.run_dir)
         key = super().deliver_screenshot(filename, where, time_format)
-        self.notify(f"screenshot saved in {where}", title="screenshot")
+        self.notify(f"screenshot saved in {where}", title="screenshot", markup=False)
         return key
 
     def _choose(self, what: str, settings: user_settings.Settings) -> None:
@@ -422,13 +422,13 @@ class AndreaApp(App[str]):
         self.view.apply(settings)
         if not user_settings.save(settings):
             self.notify(f"{what}: not kept for next time ({user_settings.settings_path()} "
-                        "cannot be written)", severity="warning")
+                        "cannot be written)", severity="warning", markup=False)
 
     def action_toggle(self, name: str) -> None:
         """Flip a chart choice (CHOICES: log y, window, robust y, x axis, bell)."""
         self._choose(CHOICES[name], self.settings.toggled(name))
         if name == "bell":
-            self.notify(f"terminal bell on alerts: {'on' if self.settings.bell else 'off'}")
+            self.notify(f"terminal bell on alerts: {'on' if self.settings.bell else 'off'}", markup=False)
 
     def action_smoother(self, direction: int) -> None:
         self._choose("smoothing", self.settings.smoother(direction))

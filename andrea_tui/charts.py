@@ -37,6 +37,7 @@ is popped). The picture goes from plotext's character matrix straight to Textual
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -143,7 +144,9 @@ def y_ticks(yr: YRange, log: bool, height: int) -> tuple[list[float], list[str]]
     target = max(2, min(5, height // Y_TICK_ROWS))
     if not log:
         return ticks.axis(yr.lo, yr.hi, "value", target)
-    vals, labels = ticks.axis(10**yr.lo, 10**yr.hi, "value", target, log=True)
+    top = math.floor(math.log10(sys.float_info.max))  # past a float's range: clamped
+    vals, labels = ticks.axis(10 ** min(yr.lo, top), 10 ** min(yr.hi, top), "value", target,
+                              log=True)
     return [math.log10(v) for v in vals], labels
 
 

@@ -215,7 +215,7 @@ class CheckpointListScreen(Screen[None]):
         if not self.rows or row is None:
             return None
         if row >= len(self.entries):
-            self.notify("still verifying this checkpoint", severity="warning")
+            self.notify("still verifying this checkpoint", severity="warning", markup=False)
             return None
         return self.entries[row]
 
@@ -224,7 +224,7 @@ class CheckpointListScreen(Screen[None]):
         if e is None:
             return
         if not e.valid:
-            self.notify(f"cannot open: {e.invalid_reason}", severity="error")
+            self.notify(f"cannot open: {e.invalid_reason}", severity="error", markup=False)
             return
         self.app.push_screen(CheckpointDetailScreen(e.path))
 
@@ -236,7 +236,7 @@ class CheckpointListScreen(Screen[None]):
         if e is None and self.rows:
             return  # still being verified: said
         if e is None or not e.valid:
-            self.notify("generate from a valid checkpoint", severity="warning")
+            self.notify("generate from a valid checkpoint", severity="warning", markup=False)
             return
         self.app.push_screen(GenerateScreen(e.path))
 
@@ -245,7 +245,7 @@ class CheckpointListScreen(Screen[None]):
         if e is None and self.rows:
             return  # still being verified: said
         if e is None or not e.valid:
-            self.notify("mark a valid checkpoint", severity="warning")
+            self.notify("mark a valid checkpoint", severity="warning", markup=False)
             return
         if e.path in self.marked:
             self.marked.remove(e.path)
@@ -256,7 +256,7 @@ class CheckpointListScreen(Screen[None]):
             self.marked = []
             self.app.push_screen(CompareScreen(older, newer))
         else:
-            self.notify(f"marked {e.path.name}; mark another to compare")
+            self.notify(f"marked {e.path.name}; mark another to compare", markup=False)
 
     def action_close(self) -> None:
         _close(self)

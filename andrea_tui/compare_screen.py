@@ -275,7 +275,7 @@ class RunCompareScreen(Screen[None]):
             return
         where = self.export_dir or Path.cwd()
         args = (list(self.runs), self.metric, self.xaxis, self.smoothing, self.log_y)
-        self.notify(f"exporting the overlay into {where}…")
+        self.notify(f"exporting the overlay into {where}…", markup=False)
 
         def work() -> None:
             try:

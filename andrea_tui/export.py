@@ -461,5 +461,5 @@ def export_in_background(app: Any, run_dir: Path) -> None:
         if left_out:
             app.call_from_thread(app.notify, left_out, severity="warning", timeout=10)
 
-    app.notify(f"exporting {Path(run_dir).name}…")
+    app.notify(f"exporting {Path(run_dir).name}…", markup=False)
     app.run_worker(work, thread=True, group="export", exit_on_error=False)

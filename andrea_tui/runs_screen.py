@@ -440,7 +440,7 @@ class RunsScreen(Screen[None]):
 
         marked = [p for p in self.state.marked if p.is_dir()]
         if len(marked) < 2:
-            self.notify("mark two or more runs (m), then v to compare them", severity="warning")
+            self.notify("mark two or more runs (m), then v to compare them", severity="warning", markup=False)
             return
         self.app.push_screen(RunCompareScreen(marked))
 
@@ -491,7 +491,7 @@ class RunsScreen(Screen[None]):
             if new != s.notes:
                 write_notes(s.path, new)
         except NotesError as e:
-            self.notify(str(e), severity="error", title="not kept")
+            self.notify(str(e), severity="error", title="not kept", markup=False)
             return
         self.summaries = [replace(x, notes=new) if x.path == s.path else x
                           for x in self.summaries]

@@ -128,6 +128,6 @@ def keep_theme(app: Any, settings: Settings | None = None,
         current = load()
         if name != current.theme and not save(current.themed(name)):
             app.notify(f"theme: not kept for next time ({settings_path()} cannot be written)",
-                       severity="warning")
+                       severity="warning", markup=False)
 
     app.theme_changed_signal.subscribe(app, changed)

@@ -74,8 +74,8 @@ def linear_ticks(lo: float, hi: float, target: int = 5) -> list[float]:
     """Ticks at whole multiples of a 1-2-5 step inside [lo, hi]: as near `target` of them as a
     1-2-5 step gives (at most target + 2), at least two when the range is not empty (one when
     lo == hi)."""
-    if not (math.isfinite(lo) and math.isfinite(hi)) or hi < lo:
-        return []
+    if not (math.isfinite(lo) and math.isfinite(hi) and math.isfinite(hi - lo)) or hi < lo:
+        return []  # (a span beyond a float, e.g. -1e308..1e308: no round ticks to give)
     if hi == lo:
         return [lo]
     m, e = nice_step(hi - lo, target)

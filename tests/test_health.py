@@ -65,6 +65,12 @@ def test_a_loss_above_the_uniform_guess_is_diverging_at_its_first_step() -> None
     assert m.diverging == a.message
 
 
+def test_a_run_that_starts_at_zero_loss_is_judged_without_dividing_by_it() -> None:
+    """A memorised set resumed at loss 0: the start rule has no multiple to judge by."""
+    m = AlertMonitor(vocab_size=8449, optim=OPTIM)
+    feed(m, [step_rec(1, 0.0), *[step_rec(s, 0.01) for s in range(2, 30)]])
+
+
 def test_a_fresh_run_at_the_uniform_level_is_not_diverging() -> None:
     m = AlertMonitor(vocab_size=8449)
     assert not feed(m, [step_rec(s, 9.06 + 0.5 * math.sin(s)) for s in range(1, 40)])

@@ -340,3 +340,31 @@ def test_toasts_do_not_cover_a_charts_data(tmp_path: Path, size) -> None:
                     assert not toast.region.overlaps(region), (toast.region, region)
 
     run(go())
+
+
+def test_an_alert_whose_message_looks_like_markup_is_toasted_as_text(tmp_path: Path) -> None:
+    """events.jsonl is another process's file: `[/]` in a message is shown, never parsed."""
+    paths = write_run(tmp_path / "run", 300, status="finished", monitor=True)
+
+    async def go() -> None:
+        app = AndreaApp(paths.root, follow=False, control_interval=3600)
+        async with app.run_test(size=(120, 40), notifications=True) as pilot:
+            await wait_until(pilot, lambda: app.history_loaded)
+            notes = record_notes(app)
+            app._started, app._alerts_seen = 0.0, app.state.alerts_seen
+            app.state.add_events([rec.AlertEvent(t=1.0, alert="loss_spike", step=300,
+                                                 value=9.0, message="[/] and [b").to_json()])
+            app._tell_alerts()
+            await pilot.pause(0.3)
+            assert notes == ["[/] and [b"]
+            assert "[/] and [b" in screen_text(app)
+
+    run(go())
+
+
+def test_losses_beyond_a_floats_span_give_axes_not_a_crash() -> None:
+    from andrea_tui import charts, ticks
+
+    assert ticks.linear_ticks(-1e308, 1e308) == []
+    vals, labels = charts.y_ticks(ticks.YRange(300.0, 320.0), log=True, height=20)
+    assert len(vals) == len(labels)

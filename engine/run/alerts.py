@@ -254,6 +254,8 @@ class Divergence:
     def _start(self, step: int, loss: float, adj: float) -> AlertEvent | None:
         assert self.start is not None
         s_step, s_loss = self.start
+        if not s_loss > 0:  # a start at zero loss (a memorised set): no multiple to judge by
+            return None
         line = self.cfg.start_factor * s_loss
         # (and at an even mixture: a mixture of harder sources is no divergence)
         up = loss > line and adj > self.cfg.start_factor * self.start_adj
