@@ -37,17 +37,22 @@ def boot_id() -> str:
         return ""
 
 
-def proc_start_time(pid: int) -> int | None:
-    """Start time of `pid` in clock ticks since boot, or None when there is no such process."""
+def _proc_stat_fields(pid: int) -> list[bytes] | None:
+    """/proc/PID/stat from field 3 (state) on, or None when there is no such process. comm
+    (field 2) may hold spaces and ')': the fields after it start after the LAST ')'."""
     try:
         with open(f"/proc/{int(pid)}/stat", "rb") as f:
             data = f.read()
     except OSError:
         return None
-    # comm (field 2) may hold spaces and ')': the fields after it start after the LAST ')'.
-    rest = data[data.rfind(b")") + 2 :].split()
+    return data[data.rfind(b")") + 2 :].split()
+
+
+def proc_start_time(pid: int) -> int | None:
+    """Start time of `pid` in clock ticks since boot, or None when there is no such process."""
+    rest = _proc_stat_fields(pid)
     try:
-        return int(rest[22 - 3])  # rest[0] is field 3 (state)
+        return int(rest[22 - 3]) if rest is not None else None  # rest[0] is field 3
     except (IndexError, ValueError):
         return None
 
@@ -55,12 +60,7 @@ def proc_start_time(pid: int) -> int | None:
 def proc_state(pid: int) -> str | None:
     """The scheduler state of `pid` (/proc/PID/stat field 3: R running, S sleeping, T stopped
     by a signal, t stopped by a tracer, ...), or None when there is no such process."""
-    try:
-        with open(f"/proc/{int(pid)}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    rest = data[data.rfind(b")") + 2 :].split()
+    rest = _proc_stat_fields(pid)
     return rest[0].decode("ascii", "replace") if rest else None
 
 
