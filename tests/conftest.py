@@ -83,6 +83,16 @@ def write_config(tmp_path: Path, prepared_data: Path) -> Callable[[dict[str, Any
     return write
 
 
+
+@pytest.fixture
+def finished_run(tmp_path: Path, write_config) -> tuple[Path, Path]:
+    """A micro run trained to its end (checkpoints at steps 10 and 20): (config, run dir)."""
+    cfg = write_config(micro_config_dict(max_steps=20))
+    run = tmp_path / "run"
+    r = run_engine(cfg, run)
+    assert r.returncode == 0, r.stderr
+    return cfg, run
+
 def engine_cmd(config: Path, run_dir: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "engine.run.cli", str(config), "--run-dir", str(run_dir),
             "--backend", "numpy", *extra]

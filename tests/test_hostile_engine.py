@@ -40,15 +40,6 @@ def no_traceback(r: subprocess.CompletedProcess) -> None:
     assert "Traceback" not in r.stderr + r.stdout, r.stderr
 
 
-@pytest.fixture
-def finished_run(tmp_path: Path, write_config) -> tuple[Path, Path]:
-    cfg = write_config(micro_config_dict(max_steps=20))  # checkpoints at steps 10 and 20
-    run = tmp_path / "run"
-    r = run_engine(cfg, run)
-    assert r.returncode == 0, r.stderr
-    return cfg, run
-
-
 # ---------------------------------------------------------------- refusals change nothing
 
 

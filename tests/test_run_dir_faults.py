@@ -56,15 +56,6 @@ def errors_of(run: Path) -> list[str]:
             if isinstance(e, rec.ErrorEvent)]
 
 
-@pytest.fixture
-def finished_run(tmp_path: Path, write_config) -> tuple[Path, Path]:
-    cfg = write_config(micro_config_dict(max_steps=20))  # checkpoints at steps 10 and 20
-    run = tmp_path / "run"
-    r = run_engine(cfg, run)
-    assert r.returncode == 0, r.stderr
-    return cfg, run
-
-
 # ---------------------------------------------------------------- a torn last line
 
 
