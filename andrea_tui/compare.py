@@ -19,6 +19,7 @@ import numpy as np
 
 from andrea_tui.runreader import load_history
 from andrea_tui.runstate import read_config
+from andrea_tui.series import EmaFold
 from andrea_tui.valloss import read_val_loss
 from engine.config import Config, config_diff
 from engine.records import ResumeEvent
@@ -117,15 +118,8 @@ def ema(y: np.ndarray, alpha: float) -> np.ndarray:
     NaN before the first finite value. alpha 0 gives `y` itself."""
     if not 0.0 <= alpha < 1.0:
         raise ValueError(f"smoothing: expected 0 <= alpha < 1, got {alpha!r}")
-    out = np.empty(len(y))
-    s = w = 0.0
-    b = 1.0 - alpha
-    for i, v in enumerate(y.tolist()):
-        if math.isfinite(v):
-            s = alpha * s + b * v
-            w = alpha * w + b
-        out[i] = s / w if w > 0 else math.nan
-    return out
+    fold = EmaFold(alpha)
+    return np.fromiter((fold.add(v) for v in y.tolist()), dtype=float, count=len(y))
 
 
 def column_means(x: np.ndarray, y: np.ndarray, columns: int) -> tuple[np.ndarray, np.ndarray]:

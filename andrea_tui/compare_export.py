@@ -26,6 +26,7 @@ from andrea_tui.export import (
     mpl_round_ticks,
     write_fresh,
 )
+from andrea_tui.textfmt import fmt_metric
 from engine.errors import UserError
 
 SMOOTHED = ("loss", "grad_norm", "tok_s")  # metrics with one value a step: smoothed when asked
@@ -96,7 +97,7 @@ def figure(runs: Sequence[RunCurves], metric: str = "loss", xaxis: str = "step",
         mx, my = column_means(x, y, cols)
         finite = y[np.isfinite(y)]
         last = smooth[np.isfinite(smooth)] if smooth is not None else finite
-        label = f"{run.label} ({last[-1]:.4g})" if len(last) else f"{run.label} (none)"
+        label = f"{run.label} ({fmt_metric(metric, last[-1])})" if len(last) else f"{run.label} (none)"
         marker = "o" if metric == "val_loss" and len(mx) < 50 else None
         if smooth is not None:
             ax.plot(mx, my, color=color, linewidth=0.6, alpha=0.35)

@@ -28,7 +28,7 @@ from andrea_tui.compare import (
     load_curves,
     run_labels,
 )
-from andrea_tui.textfmt import fmt_num
+from andrea_tui.textfmt import fmt_metric
 from andrea_tui.ticks import full_range
 from engine.errors import UserError
 
@@ -210,7 +210,7 @@ class RunCompareScreen(Screen[None]):
                      else COLORS[i % len(COLORS)][1])
             _, y = chart.curve(i)
             finite = y[np.isfinite(y)]
-            last = fmt_num(float(finite[-1]), 4) if len(finite) else "–"
+            last = fmt_metric(self.metric, float(finite[-1])) if len(finite) else "–"
             if i:
                 text.append("   ")
             text.append("━━ ", style=f"bold {style}")
@@ -311,4 +311,5 @@ class CompareApp(App[None]):
         self.options = options  # RunCompareScreen's: metric, xaxis, log_y, smoothing
 
     def on_mount(self) -> None:
+        user_settings.keep_theme(self)
         self.push_screen(RunCompareScreen(self.paths, **self.options))

@@ -28,7 +28,8 @@ import numpy as np
 
 from andrea_tui import settings as user_settings
 from andrea_tui.notes import NOTES, RunNotes, read_notes
-from andrea_tui.runstate import read_config
+from andrea_tui.runstate import newest_health, read_config
+from andrea_tui.series import EmaFold
 from andrea_tui.valloss import parse_eval, surviving
 from engine import records as rec
 from engine.config import Config
@@ -186,6 +187,7 @@ class _Follow:
     resumes: list[rec.ResumeEvent] = field(default_factory=list)
     ready: rec.ReadyEvent | None = None
     start: rec.StartEvent | None = None
+    health: rec.HealthEvent | None = None  # the newest health event
     best: float = math.nan
     order: rec.StepOrder = field(default_factory=rec.StepOrder)  # loss.jsonl's sequence rule
     val_points: list[tuple[int, float, float]] = field(default_factory=list)  # (step, t, loss)
@@ -204,24 +206,18 @@ class _Follow:
 
 
 class Ema:
-    """The debiased EMA of the loss as the dashboard smooths it (andrea_tui.series), folded
-    record by record, and its lowest value so far. A step with no finite loss holds it."""
+    """The loss's EMA as the dashboard smooths it (andrea_tui.series.EmaFold), folded record by
+    record, and its lowest value so far."""
 
     def __init__(self, alpha: float) -> None:
         self.alpha = alpha
-        self._s = self._w = 0.0
+        self._fold = EmaFold(alpha)
         self.best = math.nan
 
     def fold(self, records: list[rec.StepRecord]) -> None:
-        a = self.alpha
         for r in records:
-            if not math.isfinite(r.loss):
-                continue
-            self._s = a * self._s + (1 - a) * r.loss
-            self._w = a * self._w + (1 - a)
-            value = self._s / self._w
-            if not (value >= self.best):
-                self.best = value
+            if math.isfinite(r.loss) and not (self._fold.add(r.loss) >= self.best):
+                self.best = self._fold.value
 
     def reset(self) -> Ema:
         return Ema(self.alpha)
@@ -332,8 +328,9 @@ class RunScanner:
         s.backend = ((state.backend if state else "")
                      or (ready.backend if ready else "")
                      or (start.backend if start else ""))
-        if state is not None and state.health is not None:
-            s.health, s.health_reason = state.health.value, state.health_reason
+        health = newest_health(state, follow.health if follow else None)
+        if health is not None:
+            s.health, s.health_reason = health.state.value, health.reason
         _hyperparameters(s, cfg, ready)
         s.notes = read_notes(run_dir)
         s.updated = _newest_mtime(paths)
@@ -345,7 +342,7 @@ class RunScanner:
         new_resume = False
         for objects in _all_new(f.events):
             if f.events.reset:  # a new file: what the old one said is gone
-                f.resumes, f.ready, f.start, new_resume = [], None, None, True
+                f.resumes, f.ready, f.start, f.health, new_resume = [], None, None, None, True
                 f.order = rec.StepOrder(f.order.max_steps)
             events, _ = rec.parse_all(rec.Event, objects)
             f.order.note(events)
@@ -357,6 +354,8 @@ class RunScanner:
                 elif isinstance(e, rec.ResumeEvent):
                     f.resumes.append(e)
                     new_resume = True
+                elif isinstance(e, rec.HealthEvent):
+                    f.health = e
         if new_resume:  # records already folded may belong to a timeline it abandoned
             f.loss = JsonlTail(f.loss.path)
             f.best = math.nan

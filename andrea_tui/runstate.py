@@ -66,6 +66,22 @@ class HealthNow:
     step: int | None = None
 
 
+def newest_health(state: rec.RunStatus | None, event: rec.HealthEvent | None) -> HealthNow | None:
+    """The engine's newest word on a run's health: state.json's, or its newest `health` event
+    when that was written after state.json; None while the engine has said nothing (runs of
+    engines that never judged their health). The dashboard and the runs browser both ask here."""
+    if state is not None and state.health is not None and (
+            event is None or state.updated is None or not math.isfinite(event.t)
+            or state.updated >= event.t):
+        same = event is not None and event.state == state.health
+        return HealthNow(state.health, state.health_reason or (event.reason if same and event
+                                                               else ""),
+                         event.step if same and event else None)
+    if event is not None:
+        return HealthNow(event.state, event.reason, event.step)
+    return None
+
+
 @dataclass
 class PhaseChange:
     step: int
@@ -431,16 +447,7 @@ class RunState:
         """The engine's newest word on the run's health: state.json's, or the newest health
         event when that was written after state.json; None while the engine has said nothing
         (runs of engines that never judged their health)."""
-        ev = self.health_events[-1] if self.health_events else None
-        st = self.state
-        if st is not None and st.health is not None and (
-                ev is None or st.updated is None or not math.isfinite(ev.t) or st.updated >= ev.t):
-            same = ev is not None and ev.state == st.health
-            return HealthNow(st.health, st.health_reason or (ev.reason if same and ev else ""),
-                             ev.step if same and ev else None)
-        if ev is not None:
-            return HealthNow(ev.state, ev.reason, ev.step)
-        return None
+        return newest_health(self.state, self.health_events[-1] if self.health_events else None)
 
     @property
     def val_loss(self) -> rec.EvalRecord | None:

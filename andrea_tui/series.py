@@ -36,6 +36,27 @@ def columns(records: Sequence[StepRecord]) -> Columns:
         np.fromiter((r.skipped for r in records), dtype=bool, count=n))
 
 
+@dataclass
+class EmaFold:
+    """The debiased EMA of a series (TensorBoard style) as a running pair: `s` the weighted
+    sum, `w` the weight it carries; `value` is s / w. A non-finite value holds it. The one
+    smoothing the dashboard, the runs browser and the compare overlay show."""
+
+    alpha: float
+    s: float = 0.0
+    w: float = 0.0
+
+    def add(self, x: float) -> float:
+        if math.isfinite(x):
+            self.s = self.alpha * self.s + (1.0 - self.alpha) * x
+            self.w = self.alpha * self.w + (1.0 - self.alpha)
+        return self.value
+
+    @property
+    def value(self) -> float:
+        return self.s / self.w if self.w > 0 else math.nan
+
+
 def _grown(a: np.ndarray, n: int, held: int) -> np.ndarray:
     """The first `held` rows of `a` in an array of `n` rows (n >= held), the rest zero: a copy
     of the rows held and pages the system zeroes as they are first written; np.resize would
@@ -197,14 +218,10 @@ class StepSeries:
             loss, ema, ws = self._cols["loss"], self._ema, self._ema_w
             # The running pair (s, w) before row i0 is recovered from that row's stored EMA.
             w = float(ws[i0 - 1]) if i0 > 0 else 0.0
-            s = float(ema[i0 - 1]) * w if i0 > 0 and w > 0 else 0.0
+            fold = EmaFold(a, float(ema[i0 - 1]) * w if i0 > 0 and w > 0 else 0.0, w)
             for i in range(i0, self.n):
-                x = float(loss[i])
-                if math.isfinite(x):
-                    s = a * s + (1.0 - a) * x
-                    w = a * w + (1.0 - a)
-                ema[i] = s / w if w > 0 else math.nan
-                ws[i] = w
+                ema[i] = fold.add(float(loss[i]))
+                ws[i] = fold.w
             self._ema_valid = self.n
         return self._ema[: self.n]
 

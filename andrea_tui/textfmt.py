@@ -17,6 +17,9 @@ def as_number(x: Any) -> float | None:
         return math.inf if x > 0 else -math.inf
 
 
+SI_SUFFIXES = ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))  # every count's suffixes
+
+
 def fmt_num(x: Any, digits: int = 3) -> str:
     """Compact number: 1234567 -> '1.23M', 0.000123 -> '1.23e-04'; None/NaN/non-number -> '–'."""
     x = as_number(x)
@@ -26,7 +29,7 @@ def fmt_num(x: Any, digits: int = 3) -> str:
         return "inf" if x > 0 else "-inf"
     a = abs(x)
     if a >= 1e3:
-        for div, suf in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        for div, suf in SI_SUFFIXES:
             if a >= div:
                 return f"{x / div:.{digits}g}{suf}"
     if a == 0:
@@ -98,7 +101,6 @@ SI_WIDTH = 5  # '4.05k', ' 405k', '1.23M'
 CLIP_WIDTH = 5  # '0.985', '1.000'
 PCT_WIDTH = 6  # ' 69.0%'
 MS_WIDTH = 5  # '50.0', ' 123', '1234'
-SI_SUFFIXES = ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
 
 
 def _blank(x: Any) -> float | None:
@@ -145,7 +147,7 @@ def fmt_loss(x: Any) -> str:
     if special is not None:
         return special
     f = float(x)
-    if abs(f) >= 1e4:
+    if abs(float(sig(f, 4))) >= 1e4:  # (9999.7 rounds to 5 digits: the exponent form then)
         return _sci(f, 3).rjust(LOSS_WIDTH)
     if f != 0 and abs(f) < 1e-3:
         return _sci(f, 2).rjust(LOSS_WIDTH)
@@ -214,3 +216,16 @@ def fmt_weight(x: Any) -> str:
     """A share of the data mixture (0..1): 2 decimals, '0.44', '1.00'."""
     special = _special(x, 4)
     return special if special is not None else f"{float(x):.2f}"
+
+
+# A step record's quantity -> its one format (the dashboard, the runs browser, the compare
+# overlay and its exports all write a metric through here).
+BY_METRIC = {"loss": fmt_loss, "val_loss": fmt_loss, "ema": fmt_loss, "grad_norm": fmt_grad,
+             "lr": fmt_lr, "tok_s": fmt_rate, "clip_scale": fmt_clip}
+
+
+def fmt_metric(metric: str, x: Any) -> str:
+    """`x` as `metric` is written everywhere (BY_METRIC), without padding; other metrics with
+    4 significant digits."""
+    fmt = BY_METRIC.get(metric)
+    return (fmt(x) if fmt else fmt_num(x, 4)).strip()

@@ -26,13 +26,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from andrea_tui.textfmt import SI_SUFFIXES
+
 STEPS_125 = (1, 2, 5)
 ROBUST_PCT = (1.0, 99.0)  # percentile_range: these percentiles of the values, padded
 ROBUST_K = 8.0  # grad_range: up to median + ROBUST_K robust deviations of the column maxima
 CLIP_NEAR = 2.0  # grad_range: a level line up to this many times the data's top is shown
 PAD = 0.05  # of the range, above and below the data
 MAX_DECIMALS = 6
-SI = ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
 # Time steps in seconds a clock reads; beyond the list, 1-2-5 days.
 TIME_STEPS_S = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600,
                 43200, 86400)
@@ -206,7 +207,7 @@ def tick_labels(values: Sequence[float], kind: str = "value") -> list[str]:
     step = min(gaps) if gaps else top
     if kind == "count":
         if top >= 1e4 or step >= 1e3:
-            div, suffix = next(((d, s) for d, s in SI if top >= d), (1e3, "k"))
+            div, suffix = next(((d, s) for d, s in SI_SUFFIXES if top >= d), (1e3, "k"))
             return [("0" if v == 0 else lab + suffix)
                     for v, lab in zip(vals, _decimal_labels(vals, div), strict=True)]
         return [f"{float(lab):,.{_decimals(vals)}f}" for lab in _decimal_labels(vals)]
@@ -228,7 +229,7 @@ def label(value: float, kind: str = "value") -> str:
 def log_label(value: float, kind: str = "value") -> str:
     """A tick of a log axis in its own shortest form (1k 10k 100k 1M; 0.01 0.1 1 10)."""
     if kind == "count" and value >= 1e3:
-        div, suffix = next((d, s) for d, s in SI if value >= d)
+        div, suffix = next((d, s) for d, s in SI_SUFFIXES if value >= d)
         return _decimal_labels([value], div)[0] + suffix
     if kind == "value" and not 1e-2 <= value < 1e5:
         return _exp_labels([value])[0]

@@ -144,8 +144,8 @@ def test_the_exit_line_names_the_health(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("fmt", "values", "width"), [
-    (textfmt.fmt_loss, [6.19, 6.578, 10.84, 1084.2, 12345.0, 0.1234, 9.9996, 0.0, math.nan,
-                        None, math.inf], textfmt.LOSS_WIDTH),
+    (textfmt.fmt_loss, [6.19, 6.578, 10.84, 1084.2, 12345.0, 0.1234, 9.9996, 9999.7, 0.00099996,
+                        0.0, math.nan, None, math.inf], textfmt.LOSS_WIDTH),
     (textfmt.fmt_lr, [9.2e-4, 0.003, 1.41e-4, 3e-5, 0.0, 1.0, None], textfmt.LR_WIDTH),
     (textfmt.fmt_rate, [4000, 4050, 40_500, 405_000, 512, 999.6, 1.23e6, 0.5, None],
      textfmt.SI_WIDTH),
@@ -158,8 +158,8 @@ def test_each_quantity_has_one_width(fmt, values, width) -> None:
 
 
 def test_each_quantity_has_one_form() -> None:
-    assert [textfmt.fmt_loss(x).strip() for x in (6.19, 6.578, 10.84, 1084.2, 12345.0)] == [
-        "6.190", "6.578", "10.84", "1084", "1.23e4"]
+    assert [textfmt.fmt_loss(x).strip() for x in (6.19, 6.578, 10.84, 1084.2, 12345.0, 9999.7)] == [
+        "6.190", "6.578", "10.84", "1084", "1.23e4", "1.00e4"]
     # the same lr values the terminal and the browser showed as 9.20e-04 and 0.003
     assert [textfmt.fmt_lr(x) for x in (9.2e-4, 0.003, 1.41e-4, 3e-5)] == [
         "9.20e-04", "3.00e-03", "1.41e-04", "3.00e-05"]
