@@ -285,6 +285,9 @@ def event_line(e: rec.Event) -> str:
         detail = e.message
     elif isinstance(e, rec.AlertEvent):
         return f"{clock(e.t)} alert {e.alert}: {e.message}"
+    elif isinstance(e, rec.MixtureEvent):
+        return (f"{clock(e.t)} mixture moved at step {fmt_int(e.step)}: " + ", ".join(
+            f"{n} {fmt_weight(a).strip()} → {fmt_weight(b).strip()}" for n, a, b in e.moves()))
     elif isinstance(e, rec.HealthEvent):
         at = f" at step {fmt_int(e.step)}" if e.step is not None else ""
         return f"{clock(e.t)} health {e.state.value}{at}" + (f": {e.reason}" if e.reason else "")
@@ -294,7 +297,10 @@ def event_line(e: rec.Event) -> str:
     return f"{clock(e.t)} {e.kind} {detail}"
 
 
-EVENT_STYLE = {rec.AlertEvent: "bold red"}
+EVENT_STYLE = {rec.AlertEvent: "bold red", rec.MixtureEvent: "cyan"}
+# Every bandit phase is an event; the events panel leaves them to the data mixture panel and
+# the events screen, and shows the mixture's moves (MixtureEvent) instead.
+PANEL_SKIPS = (rec.PhaseEvent,)
 
 
 def _event_style(e: rec.Event) -> str:
@@ -307,7 +313,8 @@ def events(st: RunState, n: int) -> Text:
     """The newest `n` events, under the engine's health state and its reason when there is
     something to say (health_line)."""
     head = health_line(st)
-    evs = list(st.events)[-(n - 1 if head else n):] if n > 0 else []
+    shown = [e for e in st.events if not isinstance(e, PANEL_SKIPS)]
+    evs = shown[-(n - 1 if head else n):] if n > 0 else []
     if not evs and head is None:
         return Text("no events yet", style="dim")
     text = Text(no_wrap=True, overflow="ellipsis")
@@ -352,8 +359,10 @@ def summaries(st: RunState, log_lines: list[str]) -> dict[str, Text]:
     elif st.alerts:
         a = st.alerts[-1]
         text.append(f", last {a.alert.replace('_', ' ')} at step {fmt_int(a.step)}")
-    elif st.events:
-        text.append(f", last {st.events[-1].kind}")
+    else:
+        last = next((e for e in reversed(st.events) if not isinstance(e, PANEL_SKIPS)), None)
+        if last is not None:
+            text.append(f", last {last.kind}")
     out["events"] = text
     text = _key_line("l", "engine.log")
     text.append(log_lines[-1] if log_lines else "(empty)")

@@ -608,6 +608,34 @@ class PhaseEvent(Event):
 
 
 @dataclass(frozen=True)
+class MixtureEvent(Event):
+    """The data mixture moved: from `before` (the mixture at the last such event, or the
+    first phase's) to `after` by at least MIXTURE_SHIFT on one source, at `step`. A loss that
+    rises with it is the mixture's doing, not the model's (engine.run.alerts)."""
+
+    KIND: ClassVar[str] = "mixture"
+    step: int = 0
+    before: dict[str, float] = field(default_factory=dict)
+    after: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def _read(cls, o: Mapping[str, Any], t: float) -> MixtureEvent | Unreadable:
+        step = _valid_step(o.get("step"))
+        if step is None:
+            return Unreadable("mixture event", "no valid step")
+        return cls(t, step, as_number_map(o.get("before")), as_number_map(o.get("after")))
+
+    def moves(self) -> list[tuple[str, float, float]]:
+        """(source, before, after) for every source, the largest move first."""
+        names = list(dict.fromkeys([*self.before, *self.after]))
+        out = [(n, self.before.get(n, 0.0), self.after.get(n, 0.0)) for n in names]
+        return sorted(out, key=lambda m: -abs(m[2] - m[1]))
+
+
+MIXTURE_SHIFT = 0.2  # a source's weight moved this much: a mixture event
+
+
+@dataclass(frozen=True)
 class SkippedEvent(Event):
     """A non-finite gradient norm: the update of `step` was skipped."""
 

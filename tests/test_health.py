@@ -4,6 +4,7 @@ few faults injected into real engine runs (the quick share of scripts/fault_suit
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -326,3 +327,40 @@ def test_the_suite_refuses_bad_arguments_in_one_line(args: list[str], says: str)
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and says in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
     assert "Traceback" not in r.stderr and not r.stdout
+
+
+def test_the_mixture_moving_is_told_once_per_move_and_a_slow_drift_too() -> None:
+    from engine.run.mixture import MixtureWatch
+
+    w = MixtureWatch()
+    even = {"a": 0.34, "b": 0.33, "c": 0.33}
+    assert w.observe(1, even) is None  # the first mixture is the reference
+    assert w.observe(2, {"a": 0.40, "b": 0.30, "c": 0.30}) is None  # a phase's small step
+    jump = w.observe(3, {"a": 0.05, "b": 0.90, "c": 0.05})
+    assert jump is not None and jump.step == 3 and jump.before == even
+    assert jump.moves()[0] == ("b", 0.33, 0.90)  # the largest move first
+    assert w.observe(4, {"a": 0.05, "b": 0.90, "c": 0.05}) is None  # told once
+    drift = [w.observe(5 + i, {"a": 0.05 + 0.05 * i, "b": 0.90 - 0.05 * i, "c": 0.05})
+             for i in range(6)]
+    told = [e for e in drift if e is not None]  # 0.05 a step: told when it adds up to 0.2
+    assert [e.step for e in told] == [9]
+    stamped = dataclasses.replace(told[0], t=12.5)  # (the writer stamps the time)
+    assert rec.Event.from_json(json.loads(json.dumps(stamped.to_json()))) == stamped
+
+
+def test_the_events_panel_shows_mixture_moves_and_leaves_phases_to_its_panel() -> None:
+    from andrea_tui import panels
+    from andrea_tui.runstate import RunState
+
+    st = RunState()
+    st.add_events([
+        rec.AlertEvent(t=1.0, alert="grad_spike", step=40, message="gradient norm 9").to_json(),
+        *[rec.PhaseEvent(t=2.0 + i, step=50 + 14 * i, phase=i + 2,
+                         weights={"a": 0.3, "b": 0.7}).to_json() for i in range(30)],
+        rec.MixtureEvent(t=40.0, step=251, before={"a": 0.6, "b": 0.4},
+                         after={"a": 0.1, "b": 0.9}).to_json()])
+    lines = panels.events(st, 3).plain.splitlines()
+    assert "alert grad_spike: gradient norm 9" in lines[0]  # not pushed out by 30 phases
+    assert lines[1].endswith("mixture moved at step 251: a 0.60 → 0.10, b 0.40 → 0.90")
+    assert len(lines) == 2
+    assert "phase" in panels.all_events(st).plain  # the events screen keeps every phase

@@ -37,6 +37,7 @@ from engine.run.ddp import (
     make_reducer,
     my_micro_batches,
 )
+from engine.run.mixture import MixtureWatch
 from engine.run.signals import SignalFlags
 from engine.run.world import world_from_env
 from engine.run.writer import QuietWriter
@@ -115,6 +116,7 @@ class TrainingRun:
         self.monitor: Any = None  # engine.run.alerts.AlertMonitor, on rank 0
         self.health: Any = None  # engine.run.health.HealthMonitor, on rank 0
         self._alerted: collections.deque[str] = collections.deque(maxlen=8)  # alerts' messages
+        self.mixture = MixtureWatch()
         self.sink: Any = None
         self.watchdog: Any = None
         self.telemetry: Any = None
@@ -697,6 +699,11 @@ class TrainingRun:
                 self._alerted.append(alert.message)
             self.watchdog.beat(step, record.step_ms / 1e3)  # may tell a stall it could not see
             self.health.observe(record, alerts, self.monitor.diverging, self.monitor.recovered)
+        moved = self.mixture.observe(step, record.weights)
+        if moved is not None:
+            self.out.event(moved)
+            self.out.log(f"step {step}: the data mixture moved: " + ", ".join(
+                f"{n} {a:.2f} -> {b:.2f}" for n, a, b in moved.moves()))
         if change is not None:
             self.out.event(rec.PhaseEvent(
                 step=step, phase=change.new_phase, phase_len=change.new_length,
