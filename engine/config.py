@@ -295,7 +295,7 @@ class AlertsConfig:
     start_factor: float = spec(Num(float, gt=1, le=1e6), 2.0)
     jump_factor: float = spec(Num(float, gt=1, le=1e6), 3.0)
     rise_sigmas: float = spec(Num(float, gt=0, le=1e6), 3.0)
-    rise_steps: int = spec(Num(int, ge=1, le=100000), 10)
+    rise_steps: int = spec(Num(int, ge=1, le=100000), 5)
     quiet_steps: int = spec(Num(int, ge=1, le=2**31 - 1), 100)
 
 

@@ -143,7 +143,7 @@ FAULTS = [
     Fault("lr 10, warm-up 1", "tiny", 30, changes={"optim": {"lr": 10.0, "warmup_steps": 1}},
           began=1, expect="diverging"),
     Fault("slow lr ramp (x1.05 a step from step 100)", "micro", 300,
-          spec={"ramp_from": 100, "ramp_growth": 1.05}, expect="diverging", within=10),
+          spec={"ramp_from": 100, "ramp_growth": 1.05}, expect="diverging", within=5),
     Fault("one poisoned batch (NaN)", "micro", 100, spec={"poison_step": 60}, began=60,
           expect="nonfinite", within=0),
     Fault("grad spike x5000 inside a x100 one's cooldown", "micro", 140,
@@ -203,7 +203,7 @@ class Result:
     alerts: list[dict[str, Any]]
     health: list[str]
     steps: int
-    mixture_step: int | None = None
+    mixture_step: int | None = None  # the `mixture` event's step (a mixture fault)
     note: str = ""
 
     def first(self, kind: str | None) -> dict[str, Any] | None:
@@ -219,6 +219,9 @@ class Result:
             if a is None or self.began is None or a["step"] - self.began > f.within:
                 return False
         bad = [a for a in self.alerts if a.get("kind") in f.forbid]
+        if "mix_at" in f.spec and (self.mixture_step is None or self.began is None
+                                   or not 0 <= self.mixture_step - self.began <= 1):
+            return False  # the move was not told as the event it is (within a step)
         if f.seed is not None:
             return self.rate(TRAINING_KINDS) <= HEALTHY_MAX_PER_1K and \
                 not any(a.get("kind") == "diverging" for a in self.alerts)
@@ -305,12 +308,14 @@ def run_fault(f: Fault, work: Path) -> Result:
             health.append(h)
     mix = next((e["step"] for e in events if e.get("event") == "phase"
                 and e.get("weights", {}).get(HARD_SOURCE, 0) > 0.8), None)
+    told = next((e["step"] for e in events if e.get("event") == "mixture"
+                 and e.get("after", {}).get(HARD_SOURCE, 0) > 0.8), None)
     if "ramp_from" in f.spec:
         began = began_at([r["loss"] for r in steps], f.spec["ramp_from"])
     if "mix_at" in f.spec:
         began = mix
     note = "" if proc.returncode == 0 else f"engine exit {proc.returncode}"
-    return Result(f, began, alerts, health, len(steps), mix, note)
+    return Result(f, began, alerts, health, len(steps), told, note)
 
 
 # ---------------------------------------------------------------- the table
@@ -334,6 +339,8 @@ def row(r: Result) -> str:
     if f.expect is None:
         bad = [a for a in r.alerts if a.get("kind") in f.forbid]
         told = ", ".join(f"{a['kind']} {a['step']}" for a in bad) or "none"
+        told += ("" if "mix_at" not in f.spec else
+                 f"; mixture event at {r.mixture_step if r.mixture_step is not None else '—'}")
         return (f"| {f.name} | {r.began if r.began is not None else '—'} | {told} | "
                 f"(none of {', '.join(f.forbid)} wanted) | — | {compress(r.health)} | "
                 f"{'✓' if r.ok else '✗'} {r.note} |")
