@@ -74,6 +74,8 @@ class AndreaApp(App[str]):
     # Short descriptions, `?` first: at 80 columns the footer still shows help and the keys
     # that steer the engine (the help screen lists every key).
     BINDINGS: ClassVar[list[Binding]] = [
+        # first, so that at 80 columns the footer cuts `i system` (its panel's line says it)
+        Binding("escape", "back", "runs", key_display="esc"),  # only when opened from the browser
         Binding("question_mark", "help", "help"),
         Binding("s", "snapshot", "snapshot"),
         Binding("q", "stop", "stop"),
@@ -92,7 +94,6 @@ class AndreaApp(App[str]):
         Binding("t", "toggle('x_axis')", "x: step/time", show=False),
         Binding("b", "toggle('bell')", "bell", show=False),
         Binding("e", "export", "export", show=False),
-        Binding("escape", "back", "runs"),  # only in a dashboard opened from the runs browser
     ]
 
     def __init__(

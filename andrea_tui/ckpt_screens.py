@@ -20,6 +20,7 @@ from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Static
 
+from andrea_tui import settings as user_settings
 from andrea_tui.generate_screen import GenerateScreen
 from andrea_tui.textfmt import fmt_bytes, fmt_int, fmt_num
 
@@ -413,6 +414,7 @@ class CheckpointApp(App[None]):
         self.path = Path(path)
 
     def on_mount(self) -> None:
+        user_settings.keep_theme(self)
         if is_single_checkpoint(self.path):
             self.push_screen(CheckpointDetailScreen(self.path))
         else:

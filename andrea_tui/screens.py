@@ -26,6 +26,7 @@ HELP = """[b]ANDREA keys[/b]
   i    system: memory plan, telemetry, MFU
   e    export: the run's CSV and PNG, into its directory
   ?    this help            ctrl+p  command palette
+  esc  back to the runs browser (a dashboard opened from it)
 
 [b]header[/b]: status · health (the engine's judgement: healthy,
 warning, diverging, stalled, failed) · step · alerts.
@@ -33,9 +34,10 @@ On a small terminal the events, engine.log, sample and
 system panels are one line each, led by their key.
 
 [b]charts[/b] (kept for next time)
-  y g  log y: loss chart / grad-norm chart
+  y g  log y: loss chart / grad-norm chart (log: every point)
   [ ]  less / more loss smoothing (EMA)
-  r    robust y-range: outliers leave the scale alone
+  r    robust loss y-range (the grad-norm axis always is:
+       its outliers are ▲ marks on the top edge, counted)
   t    x axis: step / wall time
   w    whole run / last {last_n} steps
   b    terminal bell on alerts: on / off

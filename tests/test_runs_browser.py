@@ -447,8 +447,12 @@ def test_escape_leaves_a_dashboard_opened_from_the_browser_and_the_engine_trains
 
         async def go(from_browser: bool) -> AndreaApp:
             app = AndreaApp(live, control_interval=3600, from_browser=from_browser)
-            async with app.run_test(size=(120, 40)) as pilot:
+            async with app.run_test(size=(80, 24)) as pilot:
                 await wait_until(pilot, lambda: app.history_loaded)
+                await pilot.pause(0.2)
+                footer = screen_text(app).splitlines()[-1]
+                # at 80 columns the way back and the help are both in the footer
+                assert footer.startswith("esc runs ? help" if from_browser else "? help"), footer
                 await pilot.press("question_mark")  # escape closes a screen over it first
                 await pilot.press("escape")
                 await pilot.pause(0.2)
@@ -542,3 +546,32 @@ def test_notes_are_parsed_kept_atomically_and_read_tolerantly(tmp_path: Path) ->
     (run / "notes.json").mkdir()
     with pytest.raises(NotesError, match="a directory"):
         write_notes(run, RunNotes("x"))
+
+
+def test_the_browser_and_the_dashboard_take_the_same_newest_health(tmp_path: Path) -> None:
+    """state.json says healthy; a health event written after it says warning: both viewers
+    show warning (the newer word), and the older state.json no longer wins."""
+    from andrea_tui.runstate import RunState
+
+    paths = write_run(tmp_path / "run", 60, t0=T0)
+    set_state(paths, health="healthy", health_reason="", updated=T0 + 50)
+    ev = JsonlWriter(paths.events)
+    ev.write(rec.HealthEvent(t=T0 + 55, state=rec.Health.WARNING, step=58,
+                             reason="grad spike at 58").to_json())
+    ev.close()
+
+    def dashboard() -> tuple[str, str]:
+        st = RunState()
+        st.add_events([json.loads(line) for line in paths.events.read_text().splitlines()])
+        st.set_files(state=json.loads(paths.state.read_text()))
+        h = st.health
+        assert h is not None
+        return h.state.value, h.reason
+
+    scanner = RunScanner(tmp_path)
+    row = by_name(scanner.scan())["run"]
+    assert (row.health, row.health_reason) == dashboard() == ("warning", "grad spike at 58")
+    # then the engine writes state.json again, newer than the event: its word again
+    set_state(paths, health="healthy", health_reason="quiet for 100 steps", updated=T0 + 60)
+    row = by_name(scanner.scan())["run"]
+    assert (row.health, row.health_reason) == dashboard() == ("healthy", "quiet for 100 steps")

@@ -74,3 +74,23 @@ def test_an_unknown_theme_leaves_the_default(tmp_path: Path) -> None:
             assert kept()["theme"] == "not-a-theme-here"  # not rewritten by the start
 
     asyncio.run(go())
+
+
+def test_the_compare_and_checkpoint_apps_restore_and_keep_the_theme(tmp_path: Path) -> None:
+    from andrea_tui.ckpt_screens import CheckpointApp
+    from andrea_tui.compare_screen import CompareApp
+
+    a, b = write_run(tmp_path / "a", 20).root, write_run(tmp_path / "b", 20).root
+    (tmp_path / "ckpts").mkdir()
+    user_settings.save(Settings(theme="gruvbox"))
+
+    async def go() -> None:
+        for app in (CompareApp([a, b]), CheckpointApp(tmp_path / "ckpts")):
+            async with app.run_test(size=(120, 30)) as pilot:
+                await pilot.pause()
+                assert app.theme == "gruvbox", type(app).__name__
+                app.theme = "nord"
+                await wait_until(pilot, lambda: kept().get("theme") == "nord")
+            user_settings.save(Settings(theme="gruvbox"))
+
+    asyncio.run(go())
