@@ -36,6 +36,7 @@ EVENTS = [
     rec.CheckpointErrorEvent(t=7.0, step=22, reason="periodic", error="disk full"),
     rec.PhaseEvent(t=8.0, step=28, phase=2, phase_len=14, weights={"a": 1.0},
                    scores={"a": 0.1}),
+    rec.MixtureEvent(t=8.5, step=29, before={"a": 0.5, "b": 0.5}, after={"a": 0.1, "b": 0.9}),
     rec.SkippedEvent(t=9.0, step=29, grad_norm=math.inf),
     rec.AlertEvent(t=9.5, alert="grad_spike", step=29, value=40.0, baseline=1.0, threshold=3.0,
                    message="grad norm 40 at step 29"),
