@@ -11,7 +11,7 @@ from engine.errors import RunError, UserError
 
 if TYPE_CHECKING:
     from engine.config import Config
-    from engine.model.trainer import Trainer
+    from engine.train.trainer import Trainer
 
 __all__ = ["RunError", "Trainer", "UserError", "load_config"]
 
@@ -25,7 +25,7 @@ def load_config(path: str) -> Config:
 
 def __getattr__(name: str) -> Any:
     if name == "Trainer":
-        from engine.model.trainer import Trainer
+        from engine.train.trainer import Trainer
 
         return Trainer
     raise AttributeError(name)

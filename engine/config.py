@@ -17,7 +17,7 @@ import math
 import os
 import re
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ from engine.errors import UserError
 
 BUILTIN_SOURCES = ("python-reference", "stdlib-docstrings", "stdlib-code")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")  # fp8: bf16 with the MLP's GEMMs in FP8 (CUDA)
+ATTENTIONS = ("auto", "cudnn", "classic")  # gpu.attention
 SOURCE_FORMATS = ("auto", "text", "docs", "gutenberg", "jsonl")
 BANDIT_SCORES = ("progress", "loss")
 TOKENIZER_BYTES = 64 << 20  # an 8449-id BPE tokenizer is about 0.5 MB
@@ -93,6 +94,14 @@ class Str:
             fail(where, f"must be one of {', '.join(self.choices)}; got {_short(value)}")
         if self.pattern is not None and not self.pattern.match(value):
             fail(where, f"must match {self.pattern.pattern}, got {_short(value)}")
+        return value
+
+
+@dataclass(frozen=True)
+class Bool:
+    def check(self, value: Any, where: str, fail: Fail) -> Any:
+        if not isinstance(value, bool):
+            fail(where, f"must be true or false, got {_short(value)}")
         return value
 
 
@@ -300,6 +309,42 @@ class AlertsConfig:
 
 
 @dataclass(frozen=True)
+class GpuConfig:
+    """How the CUDA backend computes: choices that change a run's bits, so they are part of the
+    experiment (a run records them with its config and a resume computes with the run's own).
+    The numpy backend ignores them. Where the GPU cannot honour one (cuDNN missing, a shape it
+    refuses, the flex library not built), the backend falls back and engine.log says so.
+
+    `attention`: cuDNN's fused flash attention (`cudnn`), the engine's own chunked GEMMs and
+    softmax (`classic`), or `auto`: cuDNN where it is installed and accepts the model, else the
+    classic one (`--attention` overrides it). `flex_backward`: the flex deterministic attention
+    backward in place of cuDNN's, where it runs (Hopper, head dim 64, seq_len a multiple of
+    128, its library built). `qkv_rows`: Q, K and V side by side in the rows of one [R, 3d]
+    matrix, one GEMM each way, where cuDNN takes them so. `logits_low_precision`: the training
+    logits in the compute precision (bf16, fp16). `grads_low_precision`: the layers' weight
+    gradients in bf16 where a bf16 step writes them. `attention_chunk`: the classic attention's
+    queries per causal chunk (its GEMMs' shapes). `gemm_tune`: time cuBLASLt's best
+    `gemm_candidates` proposals for each GEMM at start and keep the fastest (else its first
+    choice; the run directory's gemm_plan.json keeps the choices either way). `fusions`: the
+    fused one-graph step (false: the unfused reference path, plain cuBLAS, separate kernels and
+    the optimizer launched from the host), and there `gelu_in_gemm`: GELU in the MLP GEMMs'
+    epilogues. `ddp_overlap`: a data-parallel step sums each layer's gradients over the ranks as
+    the backward completes them, inside its graph (false: one all-reduce after the backward)."""
+
+    attention: str = spec(Str(choices=ATTENTIONS), "auto")
+    flex_backward: bool = spec(Bool(), True)
+    qkv_rows: bool = spec(Bool(), True)
+    logits_low_precision: bool = spec(Bool(), True)
+    grads_low_precision: bool = spec(Bool(), True)
+    attention_chunk: int = spec(Num(int, ge=1, le=2**31 - 1), 256)
+    gemm_tune: bool = spec(Bool(), True)
+    gemm_candidates: int = spec(Num(int, ge=1, le=64), 8)
+    fusions: bool = spec(Bool(), True)
+    gelu_in_gemm: bool = spec(Bool(), True)
+    ddp_overlap: bool = spec(Bool(), True)
+
+
+@dataclass(frozen=True)
 class Config:
     """One experiment: the model, how to train it, on what data, and what to record."""
 
@@ -314,6 +359,8 @@ class Config:
     eval: EvalConfig | None = spec(Section(EvalConfig), None)  # off when absent
     alerts: AlertsConfig | None = spec(Section(AlertsConfig), None)  # the defaults when absent
     description: str = spec(Str(nonempty=False, max_len=DESCRIPTION_MAX), "")
+    # absent: every field's default; written out whole, so that a run keeps its own
+    gpu: GpuConfig = spec(Section(GpuConfig), GpuConfig())
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object of this config (what config.json and checkpoints hold)."""
@@ -326,6 +373,13 @@ class Config:
                             f"{precision!r}")
         return dataclasses.replace(self, train=dataclasses.replace(self.train,
                                                                    precision=precision))
+
+    def with_attention(self, attention: str) -> Config:
+        """The same experiment with another gpu.attention (one of ATTENTIONS)."""
+        if attention not in ATTENTIONS:
+            raise UserError(f"--attention: expected one of {', '.join(ATTENTIONS)}, got "
+                            f"{attention!r}")
+        return dataclasses.replace(self, gpu=dataclasses.replace(self.gpu, attention=attention))
 
     def with_max_steps(self, max_steps: int) -> Config:
         """The same experiment trained to `max_steps` (the lr schedule follows)."""
@@ -418,6 +472,9 @@ def _check_relations(cfg: Config, fail: Fail) -> None:
         fail("bandit.phase_lengths", f"must not repeat a length, got {list(b.phase_lengths)}")
     if cfg.samples.top_k > m.vocab_size:
         fail("samples.top_k", f"must be <= model.vocab_size ({m.vocab_size}), got {cfg.samples.top_k}")
+    if cfg.train.precision == "fp8" and not cfg.gpu.fusions:
+        fail("gpu.fusions", "must be true with train.precision fp8 (the FP8 GEMMs are the "
+                            "fused path's), got false")
 
 
 def _resolve_paths(cfg: Config, base: Path, fail: Fail) -> Config:
@@ -472,3 +529,59 @@ def config_diff(old: Config, new: Config) -> list[tuple[str, Any, Any]]:
 
     walk(old.to_json(), new.to_json(), "")
     return out
+
+
+# ---------------------------------------------------------------- checkpoints before the gpu section
+
+# A checkpoint written before the config had a gpu section kept the CUDA backend's choices in its
+# state.json instead, under STATE_CUDA_SETTINGS: the attention path that ran ("cudnn",
+# "classic") and each switch and count as it was resolved, keyed by the name of the environment
+# variable that set it then (RECORD_PREFIX + the key of the tables below). A numpy run's records
+# none.
+STATE_CUDA_SETTINGS = "cuda_settings"
+RECORD_PREFIX = "ANDREA_"
+RECORDED_SWITCHES = {"FUSIONS": "fusions", "GELU_FUSION": "gelu_in_gemm",
+                     "QKV_ROWS": "qkv_rows", "LOGITS_LP": "logits_low_precision",
+                     "GRADS_LP": "grads_low_precision", "FLEX_BWD": "flex_backward"}
+RECORDED_CHUNK = "ATTN_CHUNK"  # gpu.attention_chunk
+# a record without these was written before they existed, when they did not run
+OFF_WHEN_NOT_RECORDED = frozenset({"logits_low_precision", "grads_low_precision",
+                                   "flex_backward"})
+# switches of paths the engine now always runs one way (that way), whose other way computed
+# other bits (the others' computed the same)
+FIXED_SWITCHES = {"WRITE_GRADS": True, "RESID_GEMM": False}
+
+
+def gpu_section_of_checkpoint(state: Any) -> tuple[dict[str, Any], list[str]]:
+    """The gpu section a checkpoint written before that section existed computed with (from
+    its state.json `state`), as the JSON the config's `gpu` key takes, and what the run's log
+    should say about it. The attention path: classic where the record says the classic one ran
+    in a precision that had cuDNN's to choose from, else auto (which takes cuDNN's where it
+    runs, as the record's did). No record (a numpy run's, or one from before the records): every
+    default. The values are checked as the config's are when the section is read."""
+    st = state if isinstance(state, Mapping) else {}
+    record = st.get(STATE_CUDA_SETTINGS)
+    if not isinstance(record, Mapping) or not record:
+        if st.get("backend") == "cuda":
+            return {}, ["the checkpoint records no CUDA settings: the gpu section's defaults "
+                        "run, and where one differs from the run's, the bits differ from an "
+                        "uninterrupted run"]
+        return {}, []
+    gpu: dict[str, Any] = {}
+    for key, name in RECORDED_SWITCHES.items():
+        value = record.get(RECORD_PREFIX + key)
+        gpu[name] = value if isinstance(value, bool) else name not in OFF_WHEN_NOT_RECORDED
+    chunk = record.get(RECORD_PREFIX + RECORDED_CHUNK)
+    if isinstance(chunk, int) and not isinstance(chunk, bool):
+        gpu["attention_chunk"] = chunk
+    config = st.get("config")
+    train = config.get("train") if isinstance(config, Mapping) else None
+    precision = train.get("precision") if isinstance(train, Mapping) else None
+    if record.get("attention") == "classic" and precision != "fp32":
+        gpu["attention"] = "classic"
+    notes = [f"the checkpoint's run had {RECORD_PREFIX}{key}={int(record[RECORD_PREFIX + key])}, "
+             f"a path the engine no longer has: the bits may differ from an uninterrupted run"
+             for key, runs in FIXED_SWITCHES.items()
+             if isinstance(record.get(RECORD_PREFIX + key), bool)
+             and record[RECORD_PREFIX + key] != runs]
+    return gpu, notes

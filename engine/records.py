@@ -965,86 +965,6 @@ class RunStatus:
 
 
 
-# ---------------------------------------------------------------- the GEMM plan (gemm_plan.json)
-
-
-@dataclass(frozen=True)
-class GemmAlgo:
-    """One GEMM problem's algorithm: the opaque cublasLtMatmulAlgo_t (hex of its 64 bytes), the
-    time it took when chosen, its rank in cuBLASLt's heuristic (0 = the heuristic's first
-    choice), that first choice's time, and how many candidates were timed."""
-
-    algo: str
-    ms: float | None = None
-    rank: int | None = None
-    top1_ms: float | None = None
-    candidates: int | None = None
-
-    @classmethod
-    def from_json(cls, obj: Any) -> GemmAlgo | Unreadable:
-        if not isinstance(obj, Mapping):
-            return Unreadable("gemm algorithm", f"not an object ({type(obj).__name__})")
-        algo = obj.get("algo")
-        if not isinstance(algo, str) or len(algo) != 128 or \
-                any(c not in "0123456789abcdef" for c in algo):
-            return Unreadable("gemm algorithm", "algo: expected 128 hex digits")
-        return cls(algo, as_finite(obj.get("ms")), as_int(obj.get("rank"), 0),
-                   as_finite(obj.get("top1_ms")), as_int(obj.get("candidates"), 0))
-
-
-@dataclass(frozen=True)
-class GemmChoice:
-    """For one MLP GEMM shape: GELU in the GEMM's epilogue ("epilogue") or the plain GEMM and
-    the GELU kernel ("kernel"), and the two timings behind the choice."""
-
-    use: str
-    epilogue_ms: float | None = None
-    kernel_ms: float | None = None
-
-
-@dataclass(frozen=True)
-class GemmPlan:
-    """`gemm_plan.json`: the GEMM algorithms a run chose by timing (CUDA backend), kept so that a
-    resumed run uses the very same ones (bit-exact resume must not depend on re-timing).
-    `library` and `device` say where it was made; a plan from elsewhere is not used."""
-
-    version: int
-    library: str
-    device: str
-    gemms: dict[str, GemmAlgo] = field(default_factory=dict)
-    choices: dict[str, GemmChoice] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"version": self.version, "library": self.library, "device": self.device,
-                "gemms": {k: {f.name: getattr(a, f.name) for f in fields(a)}
-                          for k, a in self.gemms.items()},
-                "choices": {k: {f.name: getattr(c, f.name) for f in fields(c)}
-                            for k, c in self.choices.items()}}
-
-    @classmethod
-    def from_json(cls, obj: Any) -> GemmPlan | Unreadable:
-        if not isinstance(obj, Mapping):
-            return Unreadable("gemm_plan.json", f"not an object ({type(obj).__name__})")
-        version = as_int(obj.get("version"), 1)
-        if version is None:
-            return Unreadable("gemm_plan.json", f"version: expected an integer >= 1, got "
-                              f"{obj.get('version')!r:.40}")
-        gemms: dict[str, GemmAlgo] = {}
-        raw = obj.get("gemms")
-        for k, v in (raw.items() if isinstance(raw, Mapping) else ()):
-            a = GemmAlgo.from_json(v)
-            if not isinstance(a, Unreadable):
-                gemms[str(k)] = a
-        choices: dict[str, GemmChoice] = {}
-        raw = obj.get("choices")
-        for k, v in (raw.items() if isinstance(raw, Mapping) else ()):
-            if isinstance(v, Mapping) and v.get("use") in ("epilogue", "kernel"):
-                choices[str(k)] = GemmChoice(v["use"], as_finite(v.get("epilogue_ms")),
-                                             as_finite(v.get("kernel_ms")))
-        return cls(version, as_str(obj.get("library")), as_str(obj.get("device")), gemms,
-                   choices)
-
-
 # ---------------------------------------------------------------- the engine's identity
 
 
@@ -1118,51 +1038,6 @@ def fp8_gemms_of(state: Any) -> list[str]:
     """The FP8 GEMMs a checkpoint's state.json names ([] when none, or not a list of names)."""
     got = state.get(STATE_FP8_GEMMS) if isinstance(state, Mapping) else None
     return [g[:32] for g in got[:16] if isinstance(g, str)] if isinstance(got, list) else []
-
-
-# A checkpoint's state.json: the CUDA backend's settings that decide the bits (the attention
-# path, then every ANDREA_* switch and count it read, as resolved: CudaBackend.settings), so that
-# a resume runs with them where the environment says nothing (a default that changed since
-# included)
-STATE_CUDA_SETTINGS = "cuda_settings"
-# the recorded CUDA settings that are counts (integers from 1 to COUNT_MAX); every other ANDREA_*
-# one is a switch (a bool): engine/backends/cuda/settings.py resolves both
-CUDA_COUNTS = ("ANDREA_ATTN_CHUNK",)
-COUNT_MAX = 2**31 - 1
-
-
-def cuda_settings_of(state: Any) -> dict[str, bool | int | str]:
-    """The CUDA settings a checkpoint's state.json records ({} when none): see
-    parse_cuda_settings."""
-    return parse_cuda_settings(state.get(STATE_CUDA_SETTINGS) if isinstance(state, Mapping)
-                               else None)
-
-
-def lacks_cuda_settings(state: Any) -> bool:
-    """A CUDA run's checkpoint state.json without the record (written before runs kept one):
-    a resume then runs today's defaults. A CPU run's has none to keep."""
-    return (isinstance(state, Mapping) and state.get("backend") == "cuda"
-            and STATE_CUDA_SETTINGS not in state)
-
-
-def parse_cuda_settings(got: Any) -> dict[str, bool | int | str]:
-    """CUDA settings as recorded (state.json, or rank 0's for the other ranks): switch names with
-    booleans, the counts (CUDA_COUNTS) with integers from 1 to COUNT_MAX, and "attention" with
-    "cudnn" or "classic"; anything else is left out (a count as a bool, a switch as a number)."""
-    if not isinstance(got, Mapping):
-        return {}
-    out: dict[str, bool | int | str] = {}
-    for k, v in list(got.items())[:64]:
-        if not (isinstance(k, str) and k.startswith("ANDREA_") and len(k) <= 64):
-            if k == "attention" and v in ("cudnn", "classic"):
-                out[k] = v
-            continue
-        if k in CUDA_COUNTS:
-            if isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= COUNT_MAX:
-                out[k] = v
-        elif isinstance(v, bool):
-            out[k] = v
-    return out
 
 
 def parse_all(reader: Any, objects: Iterable[Any]) -> tuple[list[Any], int]:

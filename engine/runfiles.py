@@ -21,12 +21,10 @@ from engine import infile, jsonio
 from engine.errors import UserError
 from engine.records import (
     Event,
-    GemmPlan,
     ResumeEvent,
     RunStatus,
     StepOrder,
     StepRecord,
-    Unreadable,
     as_int,
     drop_abandoned,
     latest_by_step,
@@ -392,14 +390,6 @@ def read_steps(path: Path) -> tuple[list[StepRecord], int]:
     resumes = [e for e in events if isinstance(e, ResumeEvent)]
     kept = order.admit(drop_abandoned(steps, resumes))
     return latest_by_step(kept), bad + unreadable + order.skipped
-
-
-def read_gemm_plan(run_dir: Path) -> GemmPlan | Unreadable:
-    """The run directory's gemm_plan.json (the CUDA backend's GEMM algorithms), typed."""
-    obj = read_json(RunPaths(Path(run_dir)).gemm_plan)
-    if obj is None:
-        return Unreadable("gemm_plan.json", "missing, unreadable or not a JSON object")
-    return GemmPlan.from_json(obj)
 
 
 def read_events(path: Path) -> tuple[list[Event], int]:

@@ -58,7 +58,7 @@ def install(spec: dict[str, Any]) -> None:
 
     from engine.data import bandit as bandit_mod
     from engine.data import sampler as sampler_mod
-    from engine.model import trainer as trainer_mod
+    from engine.train import trainer as trainer_mod
 
     trainer = trainer_mod.Trainer
     real_step, real_lr = trainer.step, trainer.lr_at

@@ -1,9 +1,8 @@
 """`LtGemm.matmul` in numpy, for checking on the CPU (no GPU, no pycuda) what the CUDA ops hand
 to cuBLASLt: `EmuGemm` carries out its row-major contract (gemm.py: out[M,N] =
-epilogue(alpha·op(a)@op(b) + beta·c), c = out unless given, ld* row strides and s* batch strides
-in elements) over a fake device memory, in float64, with the GELU_AUX epilogue and the one kernel
-the MLP forward runs beside its GEMMs (k_mlp_gelu_fwd, `EmuGelu`). Used by test_qkv_rows and
-test_resid_gemm."""
+epilogue(alpha·op(a)@op(b) + beta·out), ld* row strides and s* batch strides in elements) over a
+fake device memory, in float64, with the GELU_AUX epilogue and the one kernel the MLP forward runs
+beside its GEMMs (k_mlp_gelu_fwd, `EmuGelu`). Used by test_qkv_rows."""
 
 from __future__ import annotations
 
@@ -32,13 +31,13 @@ class EmuGemm:
     """LtGemm.matmul in numpy over `mem` (float64; address a holds element a // ES). Every
     operand is read through the strides the call gives (and must lie inside the memory handed
     out so far), so a wrong leading dimension or batch stride reads the wrong elements, as it
-    would on the device. A separate C (`c=`) is read through D's layout and never written."""
+    would on the device."""
 
     def __init__(self, words: int) -> None:
         self.mem = np.full(words, np.nan)
         self.top = ALIGN  # address 0 stays unused, as a null pointer
         self.calls: list[tuple[int, int, int, int]] = []  # (M, N, K, batch) per GEMM
-        self.log: list[dict[str, Any]] = []  # per GEMM: out, c, beta, epilogue
+        self.log: list[dict[str, Any]] = []  # per GEMM: out, beta, epilogue
         # what Ops._gelu_variant reads of an LtGemm (never tuning here: no timer)
         self.choices: dict[str, str] = {}
         self.choice_ms: dict[str, tuple[float, float]] = {}
@@ -72,8 +71,8 @@ class EmuGemm:
                tb: bool = False, lda: int | None = None, ldb: int | None = None,
                ldc: int | None = None, alpha: float = 1.0, beta: float = 0.0, batch: int = 1,
                sa: int = 0, sb: int = 0, sc: int = 0, epilogue: int = EPILOGUE_DEFAULT,
-               aux: int = 0, scales: tuple[int, int] = (0, 0), fast_accum: bool = False,
-               c: int = 0) -> None:
+               aux: int = 0, scales: tuple[int, int] = (0, 0), fast_accum: bool = False
+               ) -> None:
         assert types == (R_32F, R_32F, R_32F) and not any(scales)
         assert epilogue in (EPILOGUE_DEFAULT, EPILOGUE_GELU_AUX), epilogue
         assert bool(aux) == (epilogue == EPILOGUE_GELU_AUX)
@@ -84,14 +83,14 @@ class EmuGemm:
         B = self._view(b, (batch, K, N), (sb, 1, ldb) if tb else (sb, ldb, 1))
         D = self._view(out, (batch, M, N), (sc, ldc, 1))
         z = alpha * (A @ B)
-        if beta != 0.0:  # beta 0: C is not read
-            z = z + beta * self._view(c or out, (batch, M, N), (sc, ldc, 1))
+        if beta != 0.0:  # beta 0: the output's old contents are not read
+            z = z + beta * D
         if epilogue == EPILOGUE_GELU_AUX:
             self._view(aux, (batch, M, N), (sc, ldc, 1))[...] = z
             z = gelu(z)
         D[...] = z
         self.calls.append((M, N, K, batch))
-        self.log.append({"out": out, "c": c, "beta": beta, "epilogue": epilogue})
+        self.log.append({"out": out, "beta": beta, "epilogue": epilogue})
 
 
 class EmuGelu:

@@ -428,15 +428,21 @@ def test_ranks_started_with_other_cuda_settings_are_refused() -> None:
         in_step = True
 
     class Backend:
-        fused_step, use_graphs = True, True
+        use_graphs = True
 
-    same = collective_settings(Reducer(), Backend())
+        def __init__(self, attention: str) -> None:
+            self.resolved = {"attention": attention, "fusions": True}
+
+    same = collective_settings(Reducer(), Backend("cudnn"))
     check_same_collectives([same, dict(same)])
-    other = {**same, "ANDREA_DDP_OVERLAP": False}
+    other = {**same, "gpu.ddp_overlap": False}
     with pytest.raises(UserError) as e:
         check_same_collectives([same, same, other])
-    assert "ANDREA_DDP_OVERLAP on rank 0 on, on rank 2 off" in str(e.value)
+    assert "gpu.ddp_overlap on rank 0 on, on rank 2 off" in str(e.value)
     assert "same environment" in str(e.value)
+    other = collective_settings(Reducer(), Backend("classic"))  # a rank without cuDNN
+    with pytest.raises(UserError, match=r"gpu\.attention on rank 0 cudnn, on rank 1 classic"):
+        check_same_collectives([same, other])
 
 
 @pytest.mark.parametrize("due", ["checkpoint", "sample", "eval"])

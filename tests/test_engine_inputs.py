@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engine.run.checkpoint import write_checkpoint
+from engine.run.checkpoint_write import write_checkpoint
 from tests.conftest import ROOT, engine_cmd, micro_config_dict, run_engine
 
 TABLE = [{"name": "wte", "shape": [4, 4], "offset": 0}]
@@ -150,7 +150,7 @@ def test_cgroup_limits_are_read_at_every_level(tmp_path: Path) -> None:
 SLOW_BUILD = r"""
 import sys, time
 from pathlib import Path
-import engine.model.trainer as trainer
+import engine.train.trainer as trainer
 real = trainer.init_params
 def slow(shapes, seed):  # a build that takes a long time (a model of billions of parameters)
     Path(sys.argv[1]).write_text("building")
@@ -477,13 +477,13 @@ def test_the_checkpoint_browser_shows_rows_before_verifying(tmp_path: Path,
 
     from andrea_tui.ckpt_screens import CheckpointApp
     from engine import jsonio
-    from engine.run import checkpoint
+    from engine.run import checkpoint_store
 
     small_checkpoints(tmp_path, (1,))  # the oldest entry is the one valid checkpoint
     _bogus(tmp_path / "checkpoints", 2, 3000)
     work = {"state_reads": 0, "verified": 0}
     at_first_row: dict[str, int] = {}
-    read_bytes, verify, add_row = jsonio.read_bytes, checkpoint.verify_checkpoint, \
+    read_bytes, verify, add_row = jsonio.read_bytes, checkpoint_store.verify_checkpoint, \
         DataTable.add_row
 
     def counted_read(path: Path, *a: Any, **kw: Any) -> bytes:
@@ -500,7 +500,7 @@ def test_the_checkpoint_browser_shows_rows_before_verifying(tmp_path: Path,
         return add_row(self, *a, **kw)
 
     monkeypatch.setattr(jsonio, "read_bytes", counted_read)
-    monkeypatch.setattr(checkpoint, "verify_checkpoint", counted_verify)
+    monkeypatch.setattr(checkpoint_store, "verify_checkpoint", counted_verify)
     monkeypatch.setattr(DataTable, "add_row", first_row)
 
     async def go() -> tuple[int, str, list[Any]]:

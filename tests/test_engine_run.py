@@ -184,7 +184,7 @@ def test_backend_notes_added_after_start_up_reach_the_log() -> None:
     from engine.run.loop import TrainingRun
 
     logged: list[str] = []
-    backend = SimpleNamespace(notes=["GEMMs: 22 problems timed"])
+    backend = SimpleNamespace(name="cuda", notes=["GEMMs: 22 problems timed"])
     run = SimpleNamespace(trainer=SimpleNamespace(backend=backend),
                           out=SimpleNamespace(log=logged.append), _notes_logged=0)
     TrainingRun._log_backend_notes(run)  # start-up
@@ -194,6 +194,7 @@ def test_backend_notes_added_after_start_up_reach_the_log() -> None:
     TrainingRun._log_backend_notes(run)
     assert logged == ["cuda: GEMMs: 22 problems timed",
                       "cuda: the graph's memset nodes stay memsets: ..."]
-    TrainingRun._log_backend_notes(SimpleNamespace(  # a backend without notes (numpy)
-        trainer=SimpleNamespace(backend=object()), out=run.out, _notes_logged=0))
+    TrainingRun._log_backend_notes(SimpleNamespace(  # a backend with none (numpy's)
+        trainer=SimpleNamespace(backend=SimpleNamespace(name="numpy", notes=[])), out=run.out,
+        _notes_logged=0))
     assert len(logged) == 2

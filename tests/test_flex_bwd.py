@@ -469,7 +469,7 @@ def test_the_build_interpreter_sees_the_same_recipe(flex_python: str) -> None:
 @pytest.mark.slow
 def test_the_dq_accumulator_is_stored_first_not_zeroed(flex_python: str, tmp_path: Path) -> None:
     """flex_build_main.first_dq_stores, read in the PTX the build emits: the preprocess writes
-    no zeros (it used to zero the float32 dQ accumulator), and every bulk add of a dQ
+    no zeros into the float32 dQ accumulator, and every bulk add of a dQ
     contribution into the accumulator is the rank-0 contribution's bulk store otherwise."""
     env = {**os.environ, "CUTE_DSL_KEEP": "ptx", "CUTE_DSL_DUMP_DIR": str(tmp_path)}
     r = subprocess.run([flex_python, str(flex_build.BUILD_SCRIPT), "compile", str(tmp_path / "f.o"),

@@ -1,4 +1,4 @@
-"""ANDREA_FLEX_BWD in the CUDA backend, on the CPU: whether it runs (flex_attn.refusal and
+"""The flex attention backward (gpu.flex_backward) in the CUDA backend, on the CPU: whether it runs (flex_attn.refusal and
 CudaBackend._pick_flex on a backend stopped short of the GPU), where its library comes from, its
 buffers in the memory plan, and Ops.attn_bwd_cudnn's choice between it and cuDNN's backward.
 Its run on a GPU: tests/gpu/test_flex_gpu.py."""
@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from engine import env
 from engine.backends.cuda import flex_attn
 from engine.backends.cuda.backend import CudaBackend
 from engine.backends.cuda.buffers import plan_memory
@@ -22,7 +23,6 @@ from engine.backends.cuda.flex_call import scratch_bytes
 from engine.backends.cuda.flex_plan import FIELDS, causal_plan
 from engine.backends.cuda.memory import Plan
 from engine.backends.cuda.ops import Ops
-from engine.backends.cuda.settings import CudaSettings
 from engine.errors import RunError
 from engine.model.layout import ModelShapes
 
@@ -34,7 +34,7 @@ def test_it_runs_only_where_its_kernels_do() -> None:
     assert flex_attn.refusal(**OK) == ""
     for change, said in (({"attention": "classic"}, "needs cuDNN's attention, and the classic"),
                          ({"rows": False}, "needs Q, K, V in rows, and cuDNN runs them as "
-                                           "slabs (ANDREA_QKV_ROWS is off)"),
+                                           "slabs (gpu.qkv_rows is false)"),
                          ({"rows": False, "rows_off": "why"}, "as slabs (why)"),
                          ({"precision": "fp16"}, "computes in bf16 only, not fp16"),
                          ({"head_dim": 128}, "needs head dim 64 (d_model / n_head), the model "
@@ -46,16 +46,16 @@ def test_it_runs_only_where_its_kernels_do() -> None:
 
 
 def test_the_cache_is_the_users_unless_given(monkeypatch, tmp_path) -> None:
-    monkeypatch.delenv(flex_attn.CACHE_ENV, raising=False)
+    monkeypatch.delenv(env.FLEX_CACHE.name, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert flex_attn.cache_dir() == tmp_path / "andrea" / "flex"
-    monkeypatch.setenv(flex_attn.CACHE_ENV, str(tmp_path / "c"))
+    monkeypatch.setenv(env.FLEX_CACHE.name, str(tmp_path / "c"))
     assert flex_attn.cache_dir() == tmp_path / "c"
 
 
 def test_a_given_library_takes_the_run_time_libraries_beside_it(monkeypatch, tmp_path) -> None:
     lib = tmp_path / "flex.so"
-    monkeypatch.setenv(flex_attn.LIB_ENV, str(lib))
+    monkeypatch.setenv(env.FLEX_LIB.name, str(lib))
     with pytest.raises(RunError, match=r"ANDREA_FLEX_LIB=.*no such file"):
         flex_attn.library_paths()
     lib.write_bytes(b"")
@@ -75,9 +75,9 @@ def test_without_a_given_library_it_builds_in_the_cache(monkeypatch, tmp_path) -
         seen.update(cache=cache, python=python)
         return tmp_path / "built.so", False
 
-    monkeypatch.delenv(flex_attn.LIB_ENV, raising=False)
-    monkeypatch.setenv(flex_attn.CACHE_ENV, str(tmp_path / "c"))
-    monkeypatch.setenv(flex_attn.PYTHON_ENV, "/opt/py312/bin/python")
+    monkeypatch.delenv(env.FLEX_LIB.name, raising=False)
+    monkeypatch.setenv(env.FLEX_CACHE.name, str(tmp_path / "c"))
+    monkeypatch.setenv(env.FLEX_PYTHON.name, "/opt/py312/bin/python")
     monkeypatch.setattr(flex_build, "build", build)
     monkeypatch.setattr(flex_attn, "_built", {})
     assert flex_attn.library_paths() == (tmp_path / "built.so", None, None)
@@ -176,13 +176,11 @@ def test_ops_runs_the_flex_backward_where_it_fits(fits, rows) -> None:
         assert calls["flex"] == [] and len(calls["cudnn"]) == 1
 
 
-def _backend(monkeypatch, recorded: dict | None = None, **over) -> CudaBackend:
+def _backend(monkeypatch, **over) -> CudaBackend:
     """A CudaBackend with only what _pick_flex reads: cuDNN's attention in rows, bf16, hd 64,
     T 256, on an sm_90 device, unless `over` says otherwise."""
     bk = object.__new__(CudaBackend)
     bk.notes = []
-    bk._cuda = CudaSettings(recorded, bk.notes)
-    bk.settings = bk._cuda.values
     bk.shapes = ModelShapes(n_layer=1, d_model=over.pop("d_model", 192), n_head=3, d_ff=128,
                             vocab_size=64, seq_len=256)
     bk.S, bk.B, bk.precision = bk.shapes.seq_len, 2, "bf16"
@@ -195,24 +193,6 @@ def _backend(monkeypatch, recorded: dict | None = None, **over) -> CudaBackend:
     for k, v in over.items():
         setattr(bk, k, v)
     return bk
-
-
-def test_on_by_default_for_a_new_run_off_for_a_record_that_predates_it(monkeypatch) -> None:
-    monkeypatch.delenv(flex_attn.SETTING, raising=False)
-    monkeypatch.setattr(flex_attn, "open_backward", lambda B, T, H, d: _FakeBackward(B, T, H))
-    bk = _backend(monkeypatch)
-    assert isinstance(bk._pick_flex(), flex_attn.FlexAttention)
-    assert bk.settings == {flex_attn.SETTING: True} and bk.notes == []
-    assert "flex deterministic backward" in bk.attention_info
-    # a run recorded before the setting existed (a record without it) keeps cuDNN's backward
-    bk = _backend(monkeypatch, recorded={"ANDREA_FUSIONS": True})
-    assert bk._pick_flex() is None
-    assert bk.settings[flex_attn.SETTING] is False and bk.notes == []
-    assert "flex" not in bk.attention_info
-    # and "0" turns it off for a new run
-    monkeypatch.setenv(flex_attn.SETTING, "0")
-    bk = _backend(monkeypatch)
-    assert bk._pick_flex() is None and bk.settings == {flex_attn.SETTING: False}
 
 
 def test_a_build_is_tried_once_per_process(monkeypatch, tmp_path) -> None:
@@ -228,12 +208,12 @@ def test_a_build_is_tried_once_per_process(monkeypatch, tmp_path) -> None:
             raise RunError("flex attention build: the package nvidia-cutlass-dsl is not installed")
         return tmp_path / "built.so", True
 
-    monkeypatch.delenv(flex_attn.LIB_ENV, raising=False)
+    monkeypatch.delenv(env.FLEX_LIB.name, raising=False)
     monkeypatch.setattr(flex_build, "build", build)
     monkeypatch.setattr(flex_attn, "_built", {})
     monkeypatch.setattr(flex_attn, "build_notes", [])
     for cache in ("good", "bad"):
-        monkeypatch.setenv(flex_attn.CACHE_ENV, str(tmp_path / cache))
+        monkeypatch.setenv(env.FLEX_CACHE.name, str(tmp_path / cache))
         for _ in range(3):
             if cache == "good":
                 assert flex_attn.library_paths()[0] == tmp_path / "built.so"
@@ -254,9 +234,8 @@ def test_a_build_that_compiled_is_said_at_start(monkeypatch, tmp_path) -> None:
     def build(cache, *, python=None):
         return tmp_path / "x.so", compiles.pop(0)
 
-    monkeypatch.delenv(flex_attn.LIB_ENV, raising=False)
-    monkeypatch.delenv(flex_attn.SETTING, raising=False)
-    monkeypatch.setenv(flex_attn.CACHE_ENV, str(tmp_path / "c"))
+    monkeypatch.delenv(env.FLEX_LIB.name, raising=False)
+    monkeypatch.setenv(env.FLEX_CACHE.name, str(tmp_path / "c"))
     monkeypatch.setattr(flex_attn, "_built", {})
     monkeypatch.setattr(flex_attn, "build_notes", [])
     monkeypatch.setattr(flex_build, "build", build)
@@ -271,7 +250,7 @@ def test_a_build_that_compiled_is_said_at_start(monkeypatch, tmp_path) -> None:
     monkeypatch.setattr(flex_attn, "FlexBackward", load)
     bk = _backend(monkeypatch)
     assert bk._pick_flex() is None  # built, then its load failed: both said, to this backend
-    assert len(bk.notes) == 2 and bk.notes[0].startswith("ANDREA_FLEX_BWD: flex attention: "
+    assert len(bk.notes) == 2 and bk.notes[0].startswith("gpu.flex_backward: flex attention: "
                                                          "cannot load")
     assert bk.notes[1].startswith("the flex attention backward was built in ")
     assert str(tmp_path / "c") in bk.notes[1]
@@ -282,30 +261,7 @@ def test_a_build_that_compiled_is_said_at_start(monkeypatch, tmp_path) -> None:
     assert bk._pick_flex() is not None and bk.notes == []
 
 
-def test_refused_by_default_it_is_recorded_off_and_said_nowhere(monkeypatch) -> None:
-    """On a model, precision or GPU it does not fit, the default says nothing (nothing to do
-    about it) and records off; asked for by the environment or the record, it says why."""
-    monkeypatch.delenv(flex_attn.SETTING, raising=False)
-    monkeypatch.setattr(flex_attn, "open_backward", lambda *a: pytest.fail("not to be loaded"))
-    bk = _backend(monkeypatch, capability=(8, 0))
-    assert bk._pick_flex() is None
-    assert bk.settings == {flex_attn.SETTING: False} and bk.notes == []
-    bk = _backend(monkeypatch, recorded={flex_attn.SETTING: True}, capability=(8, 0))
-    assert bk._pick_flex() is None and bk.settings == {flex_attn.SETTING: False}
-    assert bk.notes[0] == ("ANDREA_FLEX_BWD: its kernels are sm_90a's (Hopper), this GPU is "
-                           "sm_80; cuDNN's deterministic backward runs")
-
-
-def test_a_record_that_says_off_stays_off(monkeypatch) -> None:
-    monkeypatch.delenv(flex_attn.SETTING, raising=False)
-    monkeypatch.setattr(flex_attn, "open_backward", lambda *a: pytest.fail("not to be loaded"))
-    bk = _backend(monkeypatch, recorded={flex_attn.SETTING: False})
-    assert bk._pick_flex() is None
-    assert bk.settings == {flex_attn.SETTING: False} and bk.notes == []
-
-
-def test_on_it_says_so_and_is_recorded(monkeypatch) -> None:
-    monkeypatch.setenv(flex_attn.SETTING, "1")
+def test_where_it_can_run_it_runs_and_says_so(monkeypatch) -> None:
     opened = []
 
     def open_backward(B, T, H, device_id):
@@ -317,53 +273,46 @@ def test_on_it_says_so_and_is_recorded(monkeypatch) -> None:
     fa = bk._pick_flex()
     assert isinstance(fa, flex_attn.FlexAttention) and fa.scale == 0.125
     assert opened == [(2, 256, 3, 0)]  # the backward's one shape: the micro-batch, seq_len
-    assert bk.settings == {flex_attn.SETTING: True} and bk.notes == []
-    assert bk.attention_info == "cudnn (cuDNN 9; flex deterministic backward, ANDREA_FLEX_BWD)"
-    # a resume takes it up from the record, the environment silent
-    monkeypatch.delenv(flex_attn.SETTING)
-    bk = _backend(monkeypatch, recorded={flex_attn.SETTING: True})
-    assert bk._pick_flex() is not None and bk.settings[flex_attn.SETTING] is True
+    assert bk.notes == []
+    assert bk.attention_info == "cudnn (cuDNN 9; flex deterministic backward)"
 
 
 @pytest.mark.parametrize(("over", "said"), [
-    ({"attention": "classic"}, "ANDREA_FLEX_BWD: needs cuDNN's attention, and the classic "
+    ({"attention": "classic"}, "gpu.flex_backward: needs cuDNN's attention, and the classic "
                                "attention runs; it is not used"),
     ({"qkv_rows": False, "_want_qkv_rows": False},
-     "ANDREA_FLEX_BWD: needs Q, K, V in rows, and cuDNN runs them as slabs (ANDREA_QKV_ROWS is "
-     "off); cuDNN's deterministic backward runs"),
+     "gpu.flex_backward: needs Q, K, V in rows, and cuDNN runs them as slabs (gpu.qkv_rows is "
+     "false); cuDNN's deterministic backward runs"),
     ({"qkv_rows": False, "_want_qkv_rows": False, "fusions": False},
-     "ANDREA_FLEX_BWD: needs Q, K, V in rows, and cuDNN runs them as slabs (the rows are the "
-     "fused path's, and ANDREA_FUSIONS is off); cuDNN's deterministic backward runs"),
+     "gpu.flex_backward: needs Q, K, V in rows, and cuDNN runs them as slabs (the rows are the "
+     "fused path's, and gpu.fusions is false); cuDNN's deterministic backward runs"),
     ({"qkv_rows": False, "_want_qkv_rows": False, "d_model": 46464 * 3},
-     "ANDREA_FLEX_BWD: needs Q, K, V in rows, and cuDNN runs them as slabs (d_model² ≥ 2³¹: the "
-     "optimizer kernels' 32-bit division keeps the slabs); cuDNN's deterministic backward runs"),
+     "gpu.flex_backward: needs Q, K, V in rows, and cuDNN runs them as slabs (d_model² ≥ 2³¹: "
+     "the optimizer kernels' 32-bit division keeps the slabs); cuDNN's deterministic backward "
+     "runs"),
     ({"qkv_rows": False},
-     "ANDREA_FLEX_BWD: needs Q, K, V in rows, and cuDNN runs them as slabs (cuDNN refuses them "
-     "in rows: see the ANDREA_QKV_ROWS note); cuDNN's deterministic backward runs"),
-    ({"d_model": 384}, "ANDREA_FLEX_BWD: needs head dim 64 (d_model / n_head), the model has "
+     "gpu.flex_backward: needs Q, K, V in rows, and cuDNN runs them as slabs (cuDNN refuses "
+     "them in rows: see the gpu.qkv_rows note); cuDNN's deterministic backward runs"),
+    ({"d_model": 384}, "gpu.flex_backward: needs head dim 64 (d_model / n_head), the model has "
                        "128; cuDNN's deterministic backward runs"),
-    ({"capability": (10, 0)}, "ANDREA_FLEX_BWD: its kernels are sm_90a's (Hopper), this GPU is "
-                              "sm_100; cuDNN's deterministic backward runs"),
+    ({"capability": (10, 0)}, "gpu.flex_backward: its kernels are sm_90a's (Hopper), this GPU "
+                              "is sm_100; cuDNN's deterministic backward runs"),
+    ({"capability": (8, 0)}, "gpu.flex_backward: its kernels are sm_90a's (Hopper), this GPU "
+                             "is sm_80; cuDNN's deterministic backward runs"),
 ])
-def test_refused_it_says_why_and_is_recorded_off(monkeypatch, over, said) -> None:
-    monkeypatch.setenv(flex_attn.SETTING, "1")
+def test_refused_it_says_why(monkeypatch, over, said) -> None:
     monkeypatch.setattr(flex_attn, "open_backward", lambda *a: pytest.fail("not to be loaded"))
     bk = _backend(monkeypatch, **over)
     assert bk._pick_flex() is None
-    assert bk.notes == [said] and bk.settings == {flex_attn.SETTING: False}
+    assert bk.notes == [said]
 
 
-def test_a_library_that_does_not_load_falls_back_and_a_recorded_on_is_said(monkeypatch,
-                                                                          tmp_path) -> None:
-    monkeypatch.delenv(flex_attn.SETTING, raising=False)
-    monkeypatch.setenv(flex_attn.LIB_ENV, str(tmp_path / "none.so"))
-    bk = _backend(monkeypatch, recorded={flex_attn.SETTING: True})
+def test_a_library_that_does_not_load_falls_back_and_says_so(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv(env.FLEX_LIB.name, str(tmp_path / "none.so"))
+    bk = _backend(monkeypatch)
     assert bk._pick_flex() is None
-    assert bk.notes == [f"ANDREA_FLEX_BWD: ANDREA_FLEX_LIB={tmp_path / 'none.so'}: no such file; "
-                        f"cuDNN's deterministic backward runs",
-                        "ANDREA_FLEX_BWD: the run recorded 1: the bits differ from an "
-                        "uninterrupted run"]
-    assert bk.settings == {flex_attn.SETTING: False}
+    assert bk.notes == [f"gpu.flex_backward: ANDREA_FLEX_LIB={tmp_path / 'none.so'}: no such "
+                        f"file; cuDNN's deterministic backward runs"]
     assert "flex" not in bk.attention_info
 
 
@@ -376,12 +325,11 @@ class _FailingBackward(_FakeBackward):
         raise RunError("flex attention backward: CUDA error: no kernel image is available")
 
 
-def _started(monkeypatch, fb: _FakeBackward, recorded: dict | None = None) -> tuple:
-    """A backend at the point of __init__ where the flex backward is bound (_bind_flex): its
-    setting on, _pick_flex done with `fb`, the plan allocated, Ops made without it."""
-    monkeypatch.setenv(flex_attn.SETTING, "1")
+def _started(monkeypatch, fb: _FakeBackward) -> tuple:
+    """A backend at the point of __init__ where the flex backward is bound (_bind_flex):
+    _pick_flex done with `fb`, the plan allocated, Ops made without it."""
     monkeypatch.setattr(flex_attn, "open_backward", lambda *a: fb)
-    bk = _backend(monkeypatch, recorded)
+    bk = _backend(monkeypatch)
     bk.flex = bk._pick_flex()
     assert bk.flex is not None
     plan = Plan()
@@ -409,23 +357,18 @@ def test_bound_its_first_call_runs_eagerly_on_layer_0_and_ops_then_runs_it(monke
                         "dq_accum": plan["flex.dq_accum"], "dq_sem": plan["flex.dq_sem"],
                         "scale": 0.125}]
     assert fb.ran[0][1] == 55  # on the backend's stream
-    assert bk.settings == {flex_attn.SETTING: True} and bk.notes == []
+    assert bk.notes == []
     assert "flex" in bk.attention_info
 
 
-@pytest.mark.parametrize("recorded", [None, {flex_attn.SETTING: True}])
-def test_a_first_call_that_fails_falls_back_to_cudnn_and_says_so(monkeypatch, recorded) -> None:
+def test_a_first_call_that_fails_falls_back_to_cudnn_and_says_so(monkeypatch) -> None:
     fb = _FailingBackward()
-    bk, plan, _ = _started(monkeypatch, fb, recorded)
+    bk, plan, _ = _started(monkeypatch, fb)
     bk._bind_flex(plan)  # no exception: start-up goes on
     assert bk.flex is None and bk.ops.flex is None
-    assert bk.settings == {flex_attn.SETTING: False}
-    said = ["ANDREA_FLEX_BWD: its first call failed: flex attention backward: CUDA error: no "
-            "kernel image is available; cuDNN's deterministic backward runs"]
-    if recorded:
-        said.append("ANDREA_FLEX_BWD: the run recorded 1: the bits differ from an "
-                    "uninterrupted run")
-    assert bk.notes == said
+    assert bk.notes == ["gpu.flex_backward: its first call failed: flex attention backward: CUDA "
+                        "error: no kernel image is available; cuDNN's deterministic backward "
+                        "runs"]
     assert bk.attention_info == "cudnn (cuDNN 9; deterministic backward)"
 
 
@@ -442,10 +385,10 @@ def test_a_first_call_that_faults_the_context_is_a_run_error_that_says_so(monkey
         raise LaunchError("cuStreamSynchronize failed: an illegal memory access was encountered")
 
     bk.stream.synchronize = synchronize
-    with pytest.raises(RunError, match=r"ANDREA_FLEX_BWD: its first call faulted \(LaunchError: "
+    with pytest.raises(RunError, match=r"gpu.flex_backward: its first call faulted \(LaunchError: "
                                        r"cuStreamSynchronize failed: an illegal memory access"
                                        r".*the CUDA context is lost: start with "
-                                       r"ANDREA_FLEX_BWD=0"):
+                                       r"\"flex_backward\": false in the config's gpu section"):
         bk._bind_flex(plan)
     assert len(fb.ran) == 1 and bk.ops.flex is None
 
@@ -460,7 +403,7 @@ def test_a_bind_that_fails_falls_back_to_cudnn(monkeypatch) -> None:
     fb.set_plan = set_plan
     bk._bind_flex(plan)
     assert bk.flex is None and bk.ops.flex is None and fb.ran == []
-    assert bk.notes == ["ANDREA_FLEX_BWD: its plan did not upload: flex attention: set_plan "
+    assert bk.notes == ["gpu.flex_backward: its plan did not upload: flex attention: set_plan "
                         "failed; cuDNN's deterministic backward runs"]
 
 

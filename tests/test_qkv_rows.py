@@ -1,4 +1,4 @@
-"""Q, K, V in rows (ANDREA_QKV_ROWS), checked on the CPU: no GPU, no pycuda.
+"""Q, K, V in rows (gpu.qkv_rows), checked on the CPU: no GPU, no pycuda.
 
 With cuDNN the backend keeps Q, K, V side by side in each row of `qkv` ([R,3d]) and keeps each
 layer's W_Q, W_K, W_V side by side in the GEMM copy of the weights (W_QKV [d,3d] in that

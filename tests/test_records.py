@@ -146,35 +146,6 @@ def test_later_record_for_a_step_wins() -> None:
     assert [r.loss for r in rec.latest_by_step(recs)] == [9.0, 7.5]
 
 
-PLAN = rec.GemmPlan(
-    version=1, library="cublasLt 130000", device="NVIDIA H200 (sm_90, 141 GiB, bf16)",
-    gemms={"8192x2304x768 NN": rec.GemmAlgo("0123456789abcdef" * 8, ms=0.05, rank=3,
-                                            top1_ms=0.06, candidates=8),
-           "8x8x8 TN": rec.GemmAlgo("f" * 128)},
-    choices={"mlp_fwd R=8192 d=768 F=3072": rec.GemmChoice("kernel", 0.09, 0.07)})
-
-
-def test_gemm_plan_reads_back_what_it_wrote() -> None:
-    assert rec.GemmPlan.from_json(roundtrip(PLAN.to_json())) == PLAN
-    assert rec.GemmPlan.from_json(roundtrip(rec.GemmPlan(1, "l", "d").to_json())) == \
-        rec.GemmPlan(1, "l", "d")
-
-
-def test_a_hostile_gemm_plan_reads_as_unreadable_or_drops_the_bad_entries() -> None:
-    assert isinstance(rec.GemmPlan.from_json([1, 2]), rec.Unreadable)
-    assert isinstance(rec.GemmPlan.from_json({"version": "one"}), rec.Unreadable)
-    obj = PLAN.to_json()
-    obj["gemms"]["bad hex"] = {"algo": "xyz"}
-    obj["gemms"]["short"] = {"algo": "ab"}
-    obj["gemms"]["not a map"] = 7
-    obj["choices"]["odd"] = {"use": "sometimes"}
-    obj["gemms"]["8x8x8 TN"]["ms"] = "fast"
-    got = rec.GemmPlan.from_json(roundtrip(obj))
-    assert isinstance(got, rec.GemmPlan)
-    assert set(got.gemms) == set(PLAN.gemms) and set(got.choices) == set(PLAN.choices)
-    assert got.gemms["8x8x8 TN"].ms is None
-
-
 def test_ready_event_without_attention_reads_empty() -> None:
     """A run file from before the field (or a fake run) has no attention: read as ""."""
     obj = next(e for e in EVENTS if isinstance(e, rec.ReadyEvent)).to_json()
@@ -183,14 +154,3 @@ def test_ready_event_without_attention_reads_empty() -> None:
     assert isinstance(e, rec.ReadyEvent) and e.attention == ""
     obj["attention"] = 42
     assert rec.Event.from_json(obj).attention == ""
-
-
-def test_gemm_plan_file_in_the_run_directory(tmp_path) -> None:
-    from engine.runfiles import RunPaths, read_gemm_plan, write_json_atomic
-
-    assert isinstance(read_gemm_plan(tmp_path), rec.Unreadable)
-    write_json_atomic(RunPaths(tmp_path).gemm_plan, PLAN.to_json())
-    assert RunPaths(tmp_path).gemm_plan.name == "gemm_plan.json"
-    assert read_gemm_plan(tmp_path) == PLAN
-    RunPaths(tmp_path).gemm_plan.write_text("{not json")
-    assert isinstance(read_gemm_plan(tmp_path), rec.Unreadable)

@@ -12,11 +12,11 @@ MARGIN_BYTES) for what is not in it: the interpreter, libraries, data pages, tra
 
 from __future__ import annotations
 
-import os
 import resource
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine import env
 from engine.errors import UserError
 
 MEMINFO = "/proc/meminfo"
@@ -24,7 +24,7 @@ CGROUP_FS = "/sys/fs/cgroup"
 SELF_CGROUP = "/proc/self/cgroup"
 SELF_STATUS = "/proc/self/status"
 # Tests: pretend this many bytes are available (read by the check alone, nowhere else).
-TEST_AVAILABLE_ENV = "ANDREA_TEST_MEM_AVAILABLE"
+TEST_AVAILABLE_ENV = env.TEST_MEM_AVAILABLE.name
 MARGIN_FRACTION = 0.05
 MARGIN_BYTES = 256 << 20
 _UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a number near 2**63
@@ -130,13 +130,9 @@ def _address_space_left() -> int | None:
 
 def available() -> Available | None:
     """What a new allocation can have now (None when nothing can be read)."""
-    test = os.environ.get(TEST_AVAILABLE_ENV)
-    if test:
-        try:
-            return Available(int(test), f"{TEST_AVAILABLE_ENV}")
-        except ValueError:
-            raise UserError(f"{TEST_AVAILABLE_ENV}: expected a number of bytes, got "
-                            f"{test!r}") from None
+    test = env.TEST_MEM_AVAILABLE.read()
+    if test is not None:
+        return Available(test, TEST_AVAILABLE_ENV)
     found = [(v, src) for v, src in (
         (meminfo_available(), "MemAvailable in /proc/meminfo"),
         (cgroup_headroom(), "under the cgroup's memory limit"),

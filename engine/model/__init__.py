@@ -1,2 +1,3 @@
-"""The model: parameter layout, learning-rate schedule and clipping, the optimizer step over a
-backend (`Trainer`), and sampling text from it. The backends (engine.backends) run the ops."""
+"""The model as data: the parameter layout (DESIGN §2), the learning-rate schedule and clipping,
+and sampling text from a backend's logits. Below the backends (engine.backends), which run its
+ops; the optimizer step over a backend is engine.train."""

@@ -26,13 +26,11 @@ from engine.run.checkpoint import (
     STATE_FILE,
     CheckpointInvalid,
     ckpt_root_of,
-    list_checkpoints,
     load_checkpoint,
-    prune,
-    summarize,
     tensor_stats,
     verify_checkpoint,
 )
+from engine.run.checkpoint_store import list_checkpoints, prune, summarize
 
 
 def _targets(path: Path) -> tuple[bool, list[Path]]:

@@ -12,7 +12,7 @@ import stat
 import sys
 from pathlib import Path
 
-from engine.config import PRECISIONS, load_config
+from engine.config import ATTENTIONS, PRECISIONS, load_config
 from engine.errors import UserError, cli_entry
 from engine.run.identity import EngineLock, make_run_dir, unmade_on_refusal
 from engine.run.loop import RunOptions, TrainingRun
@@ -34,10 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override train.precision (on --resume too: the checkpoint holds fp32 "
                         "masters, so a run may go on in another precision); fp8: bf16 with the "
                         "MLP's GEMMs in FP8 (CUDA, compute capability 8.9+)")
-    p.add_argument("--attention", choices=("auto", "cudnn", "classic"),
-                   help="CUDA backend: cuDNN's fused attention (auto: when installed and it "
-                        "accepts the model) or the engine's own (classic); default "
-                        "ANDREA_ATTENTION or auto, and on --resume the run's recorded path")
+    p.add_argument("--attention", choices=ATTENTIONS,
+                   help="override gpu.attention (on --resume too): cuDNN's fused attention "
+                        "(auto: when installed and it accepts the model) or the engine's own "
+                        "(classic)")
     p.add_argument("--retune", action="store_true",
                    help="CUDA backend: time the GEMM algorithms again instead of using the run "
                         "directory's gemm_plan.json on --resume (the bits may then differ)")
@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = cfg.with_max_steps(args.max_steps)
     if args.precision is not None:
         cfg = cfg.with_precision(args.precision)
+    if args.attention is not None:
+        cfg = cfg.with_attention(args.attention)
     run_dir = Path(args.run_dir or Path("runs") / cfg.name)
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"{run_dir}: exists and is not a directory")
@@ -106,19 +108,15 @@ def _launch(args: argparse.Namespace, run_dir: Path, created: bool) -> int:
     """`--gpus N`: hold the run's lock and run N ranks of this command (engine.run.launch).
     Rank 0 refused its input (exit status 2): it put its files back; the lock file goes too if
     this process made it, and the run directory if it made that and it is empty."""
-    from engine.backends import resolve_backend
+    from engine.backends import gpu_count, resolve_backend
     from engine.run.launch import run_ranks
 
     with unmade_on_refusal(run_dir, created):
-        backend, _ = resolve_backend(args.backend)
-        if backend == "cuda":
-            import pycuda.driver as drv
-
-            drv.init()
-            if drv.Device.count() < args.gpus:
-                raise UserError(f"--gpus {args.gpus}: this host has {drv.Device.count()} GPU(s)")
+        backend = resolve_backend(args.backend)
+        if backend.on_gpu and gpu_count() < args.gpus:
+            raise UserError(f"--gpus {args.gpus}: this host has {gpu_count()} GPU(s)")
     lock = EngineLock().acquire(run_dir)  # the job's lock, for as long as any rank runs
-    rank_argv = [args.config, "--run-dir", str(run_dir), "--backend", backend]
+    rank_argv = [args.config, "--run-dir", str(run_dir), "--backend", backend.name]
     if args.resume:
         rank_argv.append("--resume")
     if args.max_steps is not None:
@@ -129,7 +127,7 @@ def _launch(args: argparse.Namespace, run_dir: Path, created: bool) -> int:
         (["--retune"] if args.retune else [])
     code = 1
     try:
-        code = run_ranks(args.gpus, rank_argv, run_dir, cuda=backend == "cuda")
+        code = run_ranks(args.gpus, rank_argv, run_dir, cuda=backend.on_gpu)
         return code
     finally:
         if code == 2:

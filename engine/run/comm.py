@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import errno
 import json
-import math
 import os
 import select
 import socket
@@ -30,10 +29,10 @@ from pathlib import Path
 
 import numpy as np
 
+from engine import env
 from engine.errors import RunError, UserError
-from engine.run.world import LISTEN_FD, World
+from engine.run.world import World
 
-JOIN_TIMEOUT_S = 120.0  # ANDREA_JOIN_TIMEOUT overrides
 JOIN_POLL_S = 0.2  # a rank waiting for the others looks at its stop flag this often
 STEP_TIMEOUT_S = 1800.0  # a collective waits this long for a live peer (a first step compiles)
 MAX_HEADER = 1 << 16
@@ -42,16 +41,7 @@ MAX_BODY = 2 << 30
 
 def join_timeout() -> float:
     """Seconds a rank waits for the others (ANDREA_JOIN_TIMEOUT, default 120)."""
-    raw = os.environ.get("ANDREA_JOIN_TIMEOUT")
-    if raw is None:
-        return JOIN_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not 0 < value < 1e7:
-        raise UserError(f"environment ANDREA_JOIN_TIMEOUT: expected seconds > 0, got {raw!r:.40}")
-    return value
+    return env.JOIN_TIMEOUT.read()
 
 
 class JoinInterrupted(Exception):
@@ -120,7 +110,7 @@ def _rendezvous_file(run_dir: Path, world: World) -> Path:
 
 def _forget_inherited(fd: int) -> None:
     """Close the socket `andrea-train --gpus` handed down when it is not used."""
-    os.environ.pop(LISTEN_FD, None)
+    os.environ.pop(env.LISTEN_FD.name, None)
     try:
         os.close(fd)
     except OSError:
@@ -147,17 +137,17 @@ class Channel:
         """The socket `andrea-train --gpus` bound to MASTER_PORT and handed to rank 0 (bound
         before any rank started: no other process can take the port in between)."""
         assert w.listen_fd is not None
-        os.environ.pop(LISTEN_FD, None)  # this process's children must not take it for theirs
+        os.environ.pop(env.LISTEN_FD.name, None)  # its children must not take it for theirs
         try:
             os.set_inheritable(w.listen_fd, False)
             srv = socket.socket(fileno=w.listen_fd)
             port = srv.getsockname()[1]
         except OSError as e:
-            raise UserError(f"environment {LISTEN_FD}: fd {w.listen_fd} is not a usable "
+            raise UserError(f"environment {env.LISTEN_FD.name}: fd {w.listen_fd} is not a usable "
                             f"listening socket ({e.strerror or e})") from None
         if port != w.master_port:
             srv.close()
-            raise UserError(f"environment {LISTEN_FD}: the socket listens on port {port}, not "
+            raise UserError(f"environment {env.LISTEN_FD.name}: the socket listens on port {port}, not "
                             f"MASTER_PORT {w.master_port}")
         return srv
 

@@ -11,50 +11,53 @@ batch B give the same bits as one rank with batch B and grad_accum 2.
 
 from __future__ import annotations
 
-import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from engine import env
 from engine.errors import UserError
 from engine.run.comm import Channel
 
+if TYPE_CHECKING:
+    from engine.backends.cuda.backend import CudaBackend
+    from engine.backends.numpy.model import NumpyBackend
+
 
 class HostReducer:
-    """The numpy backend: gradients summed on the host through the control channel."""
+    """The numpy backend: gradients summed on the host through the control channel, between
+    the backward and the step."""
+
+    in_step = False
 
     def __init__(self, channel: Channel) -> None:
         self.channel = channel
         self.world = channel.world.size
 
-    def reduce(self, backend: Any) -> None:
+    def reduce(self, backend: NumpyBackend) -> None:
         g = backend.grad_array()
         g[:] = self.channel.allreduce_sum(g)
 
 
 class NcclReducer:
     """The CUDA backend: fp32 NCCL all-reduces in place, inside the one-graph step (a bucket per
-    layer as the backward completes it) or, after several micro-batches, one on the training
-    stream before the optimizer step."""
+    layer as the backward completes it: `in_step`, the config's gpu.ddp_overlap) or, after
+    several micro-batches or without it, one on the training stream before the optimizer
+    step."""
 
-    def __init__(self, channel: Channel) -> None:
+    def __init__(self, channel: Channel, in_step: bool = True) -> None:
         from engine.backends.cuda.nccl import Nccl
 
         w = channel.world
         self.world = w.size
-        # ANDREA_DDP_OVERLAP=0: one all-reduce after the backward instead (the path before)
-        overlap = os.environ.get("ANDREA_DDP_OVERLAP", "1")
-        if overlap not in ("0", "1"):
-            raise UserError(f"environment ANDREA_DDP_OVERLAP: expected 0 or 1, got "
-                            f"{overlap!r:.40}")
-        self.in_step = overlap == "1"
+        self.in_step = in_step
         self.nccl = Nccl()
         uid = channel.broadcast(self.nccl.new_id() if w.main else b"")
         self.nccl.init(w.size, w.rank, uid)
         # A rank that dies leaves the others blocked in the all-reduce: end it from the watch.
         channel.on_peer_lost(lambda _why: self.nccl.abort())
 
-    def reduce(self, backend: Any) -> None:
+    def reduce(self, backend: CudaBackend) -> None:
         ptr, n, stream = backend.grad_device()
         self.nccl.all_reduce_sum(ptr, n, stream)
 
@@ -67,16 +70,16 @@ class NcclReducer:
         self.nccl.close()
 
 
-def collective_settings(reducer: Any, backend: Any) -> dict[str, bool | int | str]:
+def collective_settings(reducer: NcclReducer, backend: CudaBackend
+                        ) -> dict[str, bool | int | str]:
     """What decides which NCCL calls a rank makes in a step, and in which order: the all-reduce
-    inside the one-graph step or after it, the fused step, CUDA graphs (the eager warm-up); and
-    what decides its bits (the backend's resolved `settings`: attention path, switches), so
-    that no rank computes otherwise unseen (only rank 0 writes a log)."""
-    return {**{k: v for k, v in (getattr(backend, "settings", None) or {}).items()
-               if isinstance(v, (bool, int, str))},
-            "ANDREA_DDP_OVERLAP": bool(getattr(reducer, "in_step", False)),
-            "ANDREA_FUSIONS": bool(getattr(backend, "fused_step", False)),
-            "ANDREA_CUDA_GRAPHS": bool(getattr(backend, "use_graphs", False))}
+    inside the one-graph step or after it, the fused step (both in `resolved`), CUDA graphs
+    (the eager warm-up); and what decides its bits (the rest of the backend's `resolved`
+    config: attention path, switches), so that no rank computes otherwise unseen (only rank 0
+    writes a log)."""
+    return {**{f"gpu.{k}": v for k, v in backend.resolved.items()},
+            "gpu.ddp_overlap": reducer.in_step,
+            env.CUDA_GRAPHS.name: backend.use_graphs}
 
 
 def _said(v: bool | int | str | None) -> str:
@@ -97,17 +100,18 @@ def check_same_collectives(per_rank: list[dict[str, bool | int | str]]) -> None:
         if differ:
             said = ", ".join(f"{k} on rank 0 {_said(first.get(k))}, on rank {rank} "
                              f"{_said(mine.get(k))}" for k in differ)
-            raise UserError(f"data parallel: the ranks were started with other CUDA settings "
-                            f"({said}); give every rank the same environment "
-                            f"(ANDREA_DDP_OVERLAP, ANDREA_FUSIONS, ANDREA_CUDA_GRAPHS, "
-                            f"ANDREA_CUDA_SYNC, the fusion switches, ANDREA_ATTN_CHUNK, "
-                            f"ANDREA_FLEX_BWD with the same ANDREA_FLEX_LIB or ANDREA_FLEX_CACHE "
-                            f"on every rank: one where it is refused or fails runs cuDNN's "
-                            f"backward, and only rank 0 writes a log) and the same cuDNN")
+            raise UserError(f"data parallel: the ranks resolved the config's gpu section "
+                            f"otherwise ({said}); give every rank the same environment "
+                            f"({env.CUDA_GRAPHS.name}, {env.CUDA_SYNC.name}, the same "
+                            f"{env.FLEX_LIB.name} or {env.FLEX_CACHE.name}: a rank where the "
+                            f"flex backward is refused or fails runs cuDNN's, and only rank 0 "
+                            f"writes a log) and the same cuDNN")
 
 
-def make_reducer(channel: Channel, backend_name: str) -> HostReducer | NcclReducer:
-    return NcclReducer(channel) if backend_name == "cuda" else HostReducer(channel)
+def make_reducer(channel: Channel, on_gpu: bool, overlap: bool) -> HostReducer | NcclReducer:
+    """The gradient sum for a backend on GPUs (NCCL; `overlap`: inside the one-graph step, the
+    config's gpu.ddp_overlap) or on the CPU (through the channel)."""
+    return NcclReducer(channel, overlap) if on_gpu else HostReducer(channel)
 
 
 def my_micro_batches(world_rank: int, grad_accum: int, total: int) -> range:

@@ -22,10 +22,10 @@ import time
 import uuid
 from pathlib import Path
 
+from engine import env as variables
 from engine import records as rec
-from engine.run.checkpoint import resume_point
+from engine.run.checkpoint_store import resume_point
 from engine.run.topology import pin_reduction_order
-from engine.run.world import JOB_TOKEN, LAUNCHER_PID, LISTEN_FD
 from engine.runfiles import JsonlWriter, RunPaths, read_json, write_json_atomic
 
 GRACE_S = 30.0
@@ -53,10 +53,11 @@ def rank_env(rank: int, n: int, port: int, token: str, job: str, cuda: bool) -> 
     env = dict(os.environ)
     env.update({"RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_RANK": str(rank),
                 "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port), LAUNCHER_PID: str(os.getpid()), JOB_TOKEN: token,
+                "MASTER_PORT": str(port), variables.LAUNCHER_PID.name: str(os.getpid()),
+                variables.JOB_TOKEN.name: token,
                 "TORCHELASTIC_RUN_ID": job})
     if cuda:
-        env["ANDREA_CUDA_DEVICE"] = str(rank)
+        env[variables.CUDA_DEVICE.name] = str(rank)
     return pin_reduction_order(env, n)
 
 
@@ -104,7 +105,7 @@ def run_ranks(n: int, argv: list[str], run_dir: Path, cuda: bool) -> int:
         for r in range(n):
             env = rank_env(r, n, port, token, job, cuda)
             if r == 0:
-                env[LISTEN_FD] = str(srv.fileno())
+                env[variables.LISTEN_FD.name] = str(srv.fileno())
             procs.append(subprocess.Popen([sys.executable, "-m", "engine.run.cli", *argv],
                                           env=env, stdin=subprocess.DEVNULL,
                                           pass_fds=(srv.fileno(),) if r == 0 else ()))

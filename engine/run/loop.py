@@ -19,17 +19,21 @@ import sys
 import time
 import traceback
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from engine import env
 from engine import records as rec
-from engine.config import Config, config_diff, parse_config
+from engine.backends import BackendChoice
+from engine.backends.base import Backend
+from engine.config import Config, config_diff, gpu_section_of_checkpoint, parse_config
 from engine.errors import UserError
 from engine.records import Status
-from engine.run.checkpoint import cleanup_tmp
+from engine.run.checkpoint_write import cleanup_tmp
 from engine.run.comm import Channel, JoinInterrupted
 from engine.run.ddp import (
     check_same_collectives,
@@ -61,7 +65,7 @@ class RunOptions:
     resume: bool = False
     max_steps: int | None = None  # overrides train.max_steps (and so the lr schedule)
     backend: str = "auto"
-    # CUDA backend: auto | cudnn | classic; None: ANDREA_ATTENTION or auto (a resume: the run's)
+    # overrides gpu.attention (auto | cudnn | classic; a resumed run's too)
     attention: str | None = None
     retune: bool = False  # CUDA backend: time the GEMMs again instead of the recorded plan
     precision: str | None = None  # overrides train.precision (a resumed run's too)
@@ -83,7 +87,6 @@ class TrainingRun:
         with unmade_on_refusal(run_dir, created_dir):  # bad input before the lock is taken
             self.world = world = world_from_env()
         self.channel: Channel | None = None  # the other ranks, when there are any
-        self._saved_precision: str | None = None  # a resumed run's train.precision
         # Rank 0 owns the run directory; `andrea-train --gpus` holds its lock for the job.
         self.lock = (EngineLock().acquire(run_dir)  # refuses when another engine holds the run
                      if world.main and world.launcher_pid is None else None)
@@ -121,6 +124,7 @@ class TrainingRun:
         self.watchdog: Any = None
         self.telemetry: Any = None
         self.evaluator: Any = None
+        self.trainer: Any = None  # engine.train.trainer.Trainer, once built
 
     # -- start-up -----------------------------------------------------------------------
 
@@ -134,12 +138,12 @@ class TrainingRun:
                 cleanup_tmp(self.ckpt_root)  # half-written dirs of writers that died
                 resume = self._pick_resume()
                 backend = resolve_backend(self.args.backend)
-                ranks = self._ranks = self._join(backend[0])
+                ranks = self._ranks = self._join(backend)
                 # Only now, with the quick refusals behind it, does the engine say who it is: a
                 # launcher that waits for engine.json knows the engine has accepted its input.
                 info = engine_info(self.argv, self.run_id, self.world, ranks)
                 self.out.write_json(self.out.paths.engine, info.to_json())
-                self._start(resume, *backend)
+                self._start(resume, backend)
             except UserError:
                 # Bad input, found before anything was trained: the run's files go back to what
                 # they were, and what this process created goes, while it holds the lock
@@ -194,14 +198,13 @@ class TrainingRun:
         print(f"error: [{self.world.describe()}] {what}{where}", file=sys.stderr)
         return 1
 
-    def _join(self, backend: str) -> list[rec.RankInfo]:
+    def _join(self, backend: BackendChoice) -> list[rec.RankInfo]:
         """Meet the job's other ranks; every rank's pid, host and device, in rank order."""
         w = self.world
-        if backend == "cuda" and w.distributed:
-            os.environ.setdefault("ANDREA_CUDA_DEVICE", str(w.local_rank))  # one GPU a rank
+        if backend.on_gpu and w.distributed and not env.CUDA_DEVICE.is_set():
+            os.environ[env.CUDA_DEVICE.name] = str(w.local_rank)  # one GPU a rank
         me = rec.RankInfo(w.rank, os.getpid(), socket.gethostname(),
-                          f"cuda:{os.environ.get('ANDREA_CUDA_DEVICE', '0')}"
-                          if backend == "cuda" else "cpu")
+                          f"cuda:{env.CUDA_DEVICE.read()}" if backend.on_gpu else "cpu")
         if not w.distributed:
             return []
         self.channel = Channel.join(w, self.run_dir,
@@ -213,7 +216,7 @@ class TrainingRun:
     def _unwritable(self) -> int:
         """The run directory stopped taking writes: say what was kept and end (exit 1). The
         first failed write is on stderr already (RunWriter); this adds where a resume goes on."""
-        step = self.trainer.step_count if hasattr(self, "trainer") else 0
+        step = self.trainer.step_count if self.trainer is not None else 0
         what = f"run directory not writable: {self.out.failed}"
         if self.write_error is not None:
             what += f"; {self.write_error.error}"
@@ -227,7 +230,8 @@ class TrainingRun:
         return 1
 
     def _pick_resume(self) -> Any:
-        from engine.run.checkpoint import find_resume_checkpoint, load_checkpoint
+        from engine.run.checkpoint import load_checkpoint
+        from engine.run.checkpoint_store import find_resume_checkpoint
 
         if not (self.args.resume and has_checkpoints(self.run_dir)):
             if self.args.resume:
@@ -241,17 +245,18 @@ class TrainingRun:
             raise UserError(f"{self.ckpt_root}: no checkpoint verifies, nothing to resume from "
                             f"({why})")
         ck = load_checkpoint(path)
-        saved = parse_config(ck.state["config"], f"{path / 'state.json'}: config", path)
+        saved = parse_config(self._checkpoint_config(ck.state), f"{path / 'state.json'}: config",
+                             path)
         # what the command line set on purpose; a train.max_steps of the given config that
         # differs from the run's is kept as the run's and said (--max-steps changes it)
         overridden = ({"train.max_steps"} if self.args.max_steps is not None else set()) | \
-            ({"train.precision"} if self.args.precision else set())
+            ({"train.precision"} if self.args.precision else set()) | \
+            ({"gpu.attention"} if self.args.attention else set())
         ignored = [rec.IgnoredSetting(k, kept, given)
                    for k, kept, given in config_diff(saved, self.cfg) if k not in overridden]
         if ignored:
             self._warn_ignored(ignored)
         self.cfg = saved
-        self._saved_precision = saved.train.precision  # the run's, before any --precision
         if self.args.max_steps is not None and self.args.max_steps < ck.step:
             raise UserError(f"--max-steps {self.args.max_steps}: the run is already at step "
                             f"{ck.step} ({path.name}); give a larger number")
@@ -264,6 +269,10 @@ class TrainingRun:
                          f"{saved.train.precision} (the checkpoint's fp32 masters and Adam "
                          f"moments go on as they are)")
             self.cfg = self.cfg.with_precision(self.args.precision)
+        if self.args.attention is not None and self.args.attention != saved.gpu.attention:
+            self.out.log(f"resume: --attention {self.args.attention} replaces the run's "
+                         f"{saved.gpu.attention} (the bits may differ from an uninterrupted run)")
+            self.cfg = self.cfg.with_attention(self.args.attention)
         self.out.log(f"resume: from {path} (step {ck.step})")
         was = ck.state.get("world_size", 1)
         self.world_size_was = was if was != self.world.size else None
@@ -278,6 +287,21 @@ class TrainingRun:
             world_size_was=self.world_size_was))
         return ck
 
+    def _checkpoint_config(self, state: Mapping[str, Any]) -> Any:
+        """The config a checkpoint's state.json holds; one written before the config had a gpu
+        section gets the section its run computed with (engine.config.
+        gpu_section_of_checkpoint), so that the resume computes as the run did."""
+        raw = state.get("config")
+        if not isinstance(raw, dict) or "gpu" in raw:
+            return raw
+        gpu, notes = gpu_section_of_checkpoint(state)
+        said = ", ".join(f"{k} {json.dumps(v)}" for k, v in gpu.items()) or "the defaults"
+        self.out.log(f"resume: the checkpoint's config has no gpu section (written before it "
+                     f"existed): its run's settings go on as gpu: {said}")
+        for note in notes:
+            self.out.log(f"resume: {note}")
+        return {**raw, "gpu": gpu}
+
     def _warn_ignored(self, ignored: list[rec.IgnoredSetting]) -> None:
         """A resume trains on with the checkpoint's config: say loudly what the given config
         would have changed, and how to train with it instead."""
@@ -291,19 +315,20 @@ class TrainingRun:
         for line in msg.splitlines():
             self.out.log(line, echo=False)
 
-    def _start(self, resume: Any, backend: str, why: str) -> None:
+    def _start(self, resume: Any, choice: BackendChoice) -> None:
         from engine.data.bandit import Bandit
         from engine.data.prep import load_prepared, prepare
         from engine.data.sampler import Sampler
-        from engine.model.trainer import Trainer
         from engine.run.memcheck import require_host_memory
 
         cfg = self.cfg
+        backend = choice.name
         # Before the data's preparation and the trainer's buffers: a model this host cannot
         # hold is refused now with the figures (exit 2), not killed by the kernel later.
         require_host_memory(cfg, backend, resumed=resume is not None)
         self.out.write_json(self.out.paths.config, cfg.to_json())
-        self.out.log(f"andrea-train {cfg.name} pid {os.getpid()} run {self.run_id}: {why}")
+        self.out.log(f"andrea-train {cfg.name} pid {os.getpid()} run {self.run_id}: "
+                     f"{choice.why}")
         self.out.set_status(status=Status.STARTING, step=resume.step if resume else 0,
                             max_steps=cfg.train.max_steps, backend=backend, device="",
                             pid=os.getpid(), run_id=self.run_id)
@@ -330,49 +355,12 @@ class TrainingRun:
             self._check_same_data(resume.state["data"])
 
         self.out.log(f"building the {backend} trainer")
-        options = self._backend_options(backend, resume)
-        # Building allocates and initialises everything (seconds for a large model): a stop
-        # meanwhile ends the start at once (KeyboardInterrupt: status stopped, nothing trained).
         with self.flags.interrupting():
-            if self.channel is not None and backend == "cuda":
-                # One set of GEMM algorithms for the whole job: rank 0 times them (or reads the
-                # run's plan) and the others take its choice, so every rank computes the same
-                # bits; so with its settings (attention path, switches), which the others take
-                # up as a resume takes up a record (a rank that resolves otherwise, from its
-                # environment or a cuDNN that does not start, is refused below:
-                # check_same_collectives)
-                if self.world.main:
-                    self.trainer = Trainer(cfg, backend, backend_options=options)
-                    be = self.trainer.backend
-                    self.channel.broadcast(json.dumps({"plan": be.gemm_plan,
-                                                       "settings": be.settings}).encode())
-                else:
-                    got = json.loads(self.channel.broadcast(b""))
-                    self.trainer = Trainer(cfg, backend, backend_options={
-                        **options, "gemm_plan": got["plan"],
-                        "settings": rec.parse_cuda_settings(got["settings"])})
-            else:
-                self.trainer = Trainer(cfg, backend, backend_options=options)
-        topology: dict[str, Any] = {}
-        if self.channel is not None:
-            reducer = make_reducer(self.channel, backend)
-            self.trainer.join(reducer)
-            if backend == "cuda":
-                from engine.run.topology import describe
-
-                topology = describe(reducer.nccl.version)  # type: ignore[union-attr]
-                self.out.log(f"data parallel over NCCL {topology['nccl_version']}: GPU links "
-                             f"{topology['links'] or 'unknown'}, settings "
-                             f"{topology['nccl'] or 'NCCL defaults'}")
-                be = self.trainer.backend
-                mine = collective_settings(reducer, be)
-                check_same_collectives([json.loads(p) for p in
-                                        self.channel.allgather(json.dumps(mine).encode())])
-                if cfg.train.grad_accum == 1 and mine["ANDREA_DDP_OVERLAP"] and \
-                        mine["ANDREA_FUSIONS"]:
-                    self.out.log(f"gradients summed inside the one-graph step: "
-                                 f"{len(be.grad_buckets())} buckets, each all-reduced as the "
-                                 f"backward completes it")
+            # building allocates and initialises everything (seconds for a large model): a stop
+            # meanwhile ends the start at once (KeyboardInterrupt: status stopped, nothing
+            # trained)
+            self.trainer = self._build_trainer(choice, resume)
+        topology = self._join_reducer(choice) if self.channel is not None else {}
         be = self.trainer.backend
         attention = self._report_backend(be)
         self.sampler = Sampler(self.data.shards, cfg.model.seq_len, cfg.train.seed,
@@ -399,7 +387,7 @@ class TrainingRun:
                 and a.flags.writeable for a in (resume.params, resume.m, resume.v))
             self.snap = ({"params": resume.params, "m": resume.m, "v": resume.v} if own else
                          {k: np.empty(n, dtype=np.float32) for k in ("params", "m", "v")})
-        from engine.run.checkpoint import CheckpointWriter
+        from engine.run.checkpoint_write import CheckpointWriter
 
         self.writer = CheckpointWriter(self.ckpt_root) if self.world.main else None
         plan = dict(be.memory_plan())
@@ -414,28 +402,67 @@ class TrainingRun:
                                       tokens_per_step=cfg.tokens_per_step * self.world.size,
                                       world_size=self.world.size, attention=attention,
                                       topology=topology, precision=cfg.train.precision,
-                                      fp8_gemms=list(getattr(be, "fp8_gemms", []))))
+                                      fp8_gemms=list(be.fp8_gemms)))
         if self.world.main:
-            self._start_monitors(backend)
+            self._start_monitors(choice)
 
-    def _backend_options(self, backend: str, resume: Any) -> dict[str, Any]:
-        """The CUDA backend's options: attention, the run directory's GEMM plan
-        (gemm_plan.json) when it has one, so a resumed run (or a new run given that plan)
-        runs the very same GEMM algorithms: the same bits (--retune times them again); and on
-        a resume the checkpoint's CUDA settings (its attention path and ANDREA_* switches), so
-        that it computes as the run did where the command line and environment say nothing."""
-        if backend != "cuda":
+    def _build_trainer(self, choice: BackendChoice, resume: Any) -> Any:
+        """The trainer on the chosen backend. A data-parallel job on GPUs computes with one set
+        of GEMM algorithms: rank 0 times them (or reads the run's plan) and the others take its
+        choice, so every rank computes the same bits (a rank that resolves its config otherwise,
+        a cuDNN that does not start, say, is refused by `_join_reducer`)."""
+        from engine.train.trainer import Trainer
+
+        cfg = self.cfg
+        plan = self._gemm_plan(resume) if choice.on_gpu else None
+        if self.channel is None or not choice.on_gpu:
+            return Trainer(cfg, choice.name, gemm_plan=plan)
+        if self.world.main:
+            trainer = Trainer(cfg, choice.name, gemm_plan=plan)
+            self.channel.broadcast(json.dumps({"plan": trainer.backend.gemm_plan}).encode())
+            return trainer
+        got = json.loads(self.channel.broadcast(b""))
+        return Trainer(cfg, choice.name, gemm_plan=got["plan"])
+
+    def _join_reducer(self, choice: BackendChoice) -> dict[str, Any]:
+        """One rank of a data-parallel job: the trainer's gradients summed over the ranks (NCCL
+        on GPUs), every rank checked to make the same collective calls with the same choices;
+        returns the GPUs' topology for the ready event ({} on the CPU)."""
+        assert self.channel is not None
+        reducer = make_reducer(self.channel, choice.on_gpu, self.cfg.gpu.ddp_overlap)
+        self.trainer.join(reducer)
+        if not choice.on_gpu:
             return {}
+        from engine.run.topology import describe
+
+        topology = describe(reducer.nccl.version)  # type: ignore[union-attr]
+        self.out.log(f"data parallel over NCCL {topology['nccl_version']}: GPU links "
+                     f"{topology['links'] or 'unknown'}, settings "
+                     f"{topology['nccl'] or 'NCCL defaults'}")
+        be = self.trainer.backend
+        mine = collective_settings(reducer, be)
+        check_same_collectives([json.loads(p) for p in
+                                self.channel.allgather(json.dumps(mine).encode())])
+        if self.cfg.train.grad_accum == 1 and reducer.in_step and be.device_step() is not None:
+            self.out.log(f"gradients summed inside the one-graph step: "
+                         f"{len(be.grad_buckets())} buckets, each all-reduced as the "
+                         f"backward completes it")
+        return topology
+
+    def _gemm_plan(self, resume: Any) -> dict[str, Any] | None:
+        """The run directory's GEMM plan (gemm_plan.json) when it has one, so a resumed run (or
+        a new run given that plan) runs the very same GEMM algorithms: the same bits
+        (--retune times them again)."""
+        from engine.backends.cuda.gemm_plan import GemmPlan, read_gemm_plan
+
         plan = None
         path = self.out.paths.gemm_plan
         if self.args.retune:
             self.out.log("--retune: timing the GEMMs again" + (
                 " (the bits may differ from the run before the checkpoint)" if resume else ""))
         elif path.exists():
-            from engine.runfiles import read_gemm_plan
-
             got = read_gemm_plan(self.run_dir)
-            if isinstance(got, rec.GemmPlan):
+            if isinstance(got, GemmPlan):
                 plan = got.to_json()
                 self.out.log(f"GEMM algorithms from {path.name} ({len(got.gemms)} problems, "
                              f"{len(got.choices)} epilogue choices)")
@@ -445,38 +472,23 @@ class TrainingRun:
                                 if resume else ""))
         elif resume is not None:
             self.out.log(f"resume: no {path.name}; timing the GEMMs")
-        settings = rec.cuda_settings_of(resume.state) if resume is not None else {}
-        if resume is not None and rec.lacks_cuda_settings(resume.state):
-            self.out.log("resume: the checkpoint records no CUDA settings (written before runs "
-                         "recorded them): today's defaults run, and where one changed since, the "
-                         "bits differ from an uninterrupted run")
-        was = self._saved_precision
-        if settings.get("attention") == "classic" and was != self.cfg.train.precision:
-            # (classic may have been fp32's only path: a run going on in another precision
-            # picks its attention afresh)
-            del settings["attention"]
-            self.out.log(f"resume: precision {was} -> {self.cfg.train.precision}: the attention "
-                         f"path is picked afresh (the run recorded classic)")
-        if settings:
-            self.out.log("resume: the run's CUDA settings from the checkpoint: " + ", ".join(
-                f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in settings.items()))
-        return {"attention": self.args.attention, "gemm_plan": plan, "settings": settings}
+        return plan
 
-    def _report_backend(self, be: Any) -> str:
-        """Log what the CUDA backend runs (attention, GEMMs, fusions) and keep its GEMM plan in
-        the run directory; returns the attention line for the ready event."""
-        if be.name != "cuda":
-            return ""
-        self.out.log(f"cuda: {be.describe()}")
+    def _report_backend(self, be: Backend) -> str:
+        """Log what the backend runs (for the CUDA one: attention, GEMMs, fusions) and keep its
+        GEMM plan, where it has one, in the run directory; returns the attention line for the
+        ready event."""
+        self.out.log(f"{be.name}: {be.describe()}")
         self._log_backend_notes()
-        plan = be.gemm_plan
-        if plan is not None:
-            record = rec.GemmPlan.from_json(plan)
-            if isinstance(record, rec.GemmPlan):
-                self.out.write_json(self.out.paths.gemm_plan, record.to_json())
-        return str(be.attention_info)
+        if be.gemm_plan is not None:
+            from engine.backends.cuda.gemm_plan import GemmPlan
 
-    def _start_monitors(self, backend: str) -> None:
+            record = GemmPlan.from_json(be.gemm_plan)
+            if isinstance(record, GemmPlan):
+                self.out.write_json(self.out.paths.gemm_plan, record.to_json())
+        return be.attention_info
+
+    def _start_monitors(self, choice: BackendChoice) -> None:
         """Alerts (engine.run.alerts) and telemetry (engine.run.telemetry): rank 0 only."""
         from engine.config import AlertsConfig
         from engine.run.alerts import AlertMonitor, AlertSink, CommandRunner, Watchdog
@@ -496,7 +508,7 @@ class TrainingRun:
 
         self.watchdog = Watchdog(stall, a.stall_factor, a.stall_min_s)
         self.watchdog.start()
-        gpus = self._my_gpus() if backend == "cuda" else []
+        gpus = self._my_gpus() if choice.on_gpu else []
         self.telemetry = SystemSampler(self.out.system, lambda: self.trainer.step_count, gpus)
         self.telemetry.start()
 
@@ -515,7 +527,7 @@ class TrainingRun:
         ords = sorted({int(r.device.split(":")[1]) for r in ranks
                        if r.host == host and r.device.startswith("cuda:")
                        and r.device.split(":")[1].isdigit()})
-        return ords or [int(os.environ.get("ANDREA_CUDA_DEVICE", "0") or 0)]
+        return ords or [env.CUDA_DEVICE.read()]
 
     def _stop_monitors(self) -> None:
         for part in (self.watchdog, self.telemetry, self.sink):
@@ -677,12 +689,12 @@ class TrainingRun:
         return step % cfg.checkpoint.every == 0
 
     def _log_backend_notes(self) -> None:
-        """The CUDA backend's notes not logged yet: its start-up's, then any it adds later (a
-        graph captured at the first step of its kind, e.g. CudaGraph.fill_note)."""
-        notes = getattr(self.trainer.backend, "notes", None) or []
-        for note in notes[self._notes_logged:]:
-            self.out.log(f"cuda: {note}")
-        self._notes_logged = len(notes)
+        """The backend's notes not logged yet: its start-up's, then any it adds later (a graph
+        captured at the first step of its kind, e.g. CudaGraph.fill_note)."""
+        be = self.trainer.backend
+        for note in be.notes[self._notes_logged:]:
+            self.out.log(f"{be.name}: {note}")
+        self._notes_logged = len(be.notes)
 
     def _after_step(self, record: rec.StepRecord, change: Any) -> None:
         """A step's records: loss.jsonl, its events and alerts, the log line, the status; and
@@ -791,11 +803,8 @@ class TrainingRun:
             "backend": tr.backend.name,
             "world_size": self.world.size,
             "versions": {"python": platform.python_version(), "numpy": np.__version__},
-            # the CUDA backend's bit-deciding settings, which a resume takes up
-            **({rec.STATE_CUDA_SETTINGS: dict(s)} if (s := getattr(tr.backend, "settings", None))
-               else {}),
             # train/precision "fp8": the GEMMs that ran in FP8 (only then: the key says so)
-            **({rec.STATE_FP8_GEMMS: fp8} if (fp8 := list(getattr(tr.backend, "fp8_gemms", [])))
+            **({rec.STATE_FP8_GEMMS: list(tr.backend.fp8_gemms)} if tr.backend.fp8_gemms
                else {}),
         }
 
@@ -804,7 +813,7 @@ class TrainingRun:
 
     def _checkpoint(self, reason: str, wait: bool) -> None:
         """Copy the state (the only stall) and hand it to the background writer."""
-        from engine.run.checkpoint import CheckpointWriteError, WriteResult, check_room
+        from engine.run.checkpoint_write import CheckpointWriteError, WriteResult, check_room
 
         if self.writer.busy:
             self.writer.wait()  # one set of copy buffers: never overwrite one being written
@@ -824,7 +833,7 @@ class TrainingRun:
             self._collect_writes()
 
     def _collect_writes(self) -> None:
-        from engine.run.checkpoint import MANUAL_REASONS, prune, prune_periodic
+        from engine.run.checkpoint_store import MANUAL_REASONS, prune, prune_periodic
 
         if self.writer is None:
             return
@@ -946,7 +955,7 @@ class TrainingRun:
 
     def _resume_point(self) -> str:
         """Where a `--resume` of this run directory continues: its newest valid checkpoint."""
-        from engine.run.checkpoint import resume_point
+        from engine.run.checkpoint_store import resume_point
 
         where = resume_point(self.ckpt_root)
         return where + (" once the run directory has room again" if "newest" in where else "")
@@ -954,7 +963,7 @@ class TrainingRun:
     def _resume_point_or_none(self) -> str:
         """`_resume_point` for a crash, once a checkpoint being written is done (it may be the
         newest): whatever failed may fail this too, and the first error is the one to tell."""
-        from engine.run.checkpoint import resume_point
+        from engine.run.checkpoint_store import resume_point
 
         try:
             if self.writer is not None:
@@ -965,7 +974,7 @@ class TrainingRun:
             return "see `andrea-ckpt verify` for a checkpoint to resume from"
 
     def _has_final(self, step: int) -> bool:
-        from engine.run.checkpoint import list_checkpoints
+        from engine.run.checkpoint_store import list_checkpoints
 
         return any(e.step == step and e.reason in ("final", "stop") and e.valid
                    for e in list_checkpoints(self.ckpt_root, check_hash=False))

@@ -11,24 +11,22 @@ prepared and the trainer built, so a model the host cannot hold is refused with 
 
 from __future__ import annotations
 
-from engine.backends import hostmem
+from engine.backends import get_backend, hostmem
 from engine.config import Config
 from engine.model.layout import ModelShapes, n_params
 
 
 def run_host_plan(cfg: Config, backend: str, resumed: bool) -> dict[str, int]:
-    """Host bytes by group that training `cfg` on `backend` allocates: the numpy backend's
-    buffers, and the checkpoint copies (`host_checkpoint_copy`). On a resume the checkpoint
+    """Host bytes by group that training `cfg` on `backend` (its name) allocates: the backend's
+    own (Backend.host_plan: the numpy backend's buffers; none for a GPU's), and the checkpoint
+    copies (`host_checkpoint_copy`). On a resume the checkpoint
     already read serves as those copies; what is still to come is then the initial weights the
     trainer draws before it loads the checkpoint's (`initial_weights`, 4 bytes a parameter)."""
     shapes = ModelShapes.from_config(cfg.model)
     n = n_params(shapes)
     plan: dict[str, int] = {}
-    if backend == "numpy":
-        from engine.backends.numpy.model import host_plan
-
-        plan.update(host_plan(shapes, cfg.train.batch_size,
-                              separate_micro=cfg.train.grad_accum > 1))
+    plan.update(get_backend(backend).host_plan(shapes, cfg.train.batch_size,
+                                               separate_micro=cfg.train.grad_accum > 1))
     if resumed:
         plan["initial_weights"] = 4 * n
     else:

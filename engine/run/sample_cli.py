@@ -90,7 +90,8 @@ def check_prompt(prompt: str) -> str:
 def resolve_checkpoint(path: Path) -> Path:
     """`path` when it is a checkpoint directory; for a run or checkpoints directory, its newest
     checkpoint that verifies. UserError when there is none."""
-    from engine.run.checkpoint import MODEL_FILE, ckpt_root_of, find_resume_checkpoint
+    from engine.run.checkpoint import MODEL_FILE, ckpt_root_of
+    from engine.run.checkpoint_store import find_resume_checkpoint
 
     path = Path(path)
     if not path.exists():
@@ -169,7 +170,7 @@ def build_model(cfg: Config, backend: str, params: np.ndarray) -> Any:
     from engine.model.layout import ModelShapes
 
     model = get_backend(backend)(ModelShapes.from_config(cfg.model), 1,
-                                 precision=cfg.train.precision)
+                                 precision=cfg.train.precision, gpu=cfg.gpu)
     model.load_params(params)
     return model
 

@@ -15,15 +15,10 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from engine import env as variables
 from engine.errors import UserError
 
 DEFAULT_PORT = 29500
-LAUNCHER_PID = "ANDREA_LAUNCHER_PID"  # set by `andrea-train --gpus`: it holds the run's lock
-JOB_TOKEN = "ANDREA_JOB_TOKEN"  # a secret the ranks of one job show each other
-RENDEZVOUS = "ANDREA_RENDEZVOUS"  # "tcp" (MASTER_ADDR:MASTER_PORT) or "file" (the run directory)
-# set by `andrea-train --gpus` for rank 0: the descriptor of the listening socket it bound for
-# MASTER_PORT and handed down, so no other process can take the port in between
-LISTEN_FD = "ANDREA_LISTEN_FD"
 
 
 @dataclass(frozen=True)
@@ -73,7 +68,7 @@ def world_from_env(env: Mapping[str, str] | None = None) -> World:
     """The World the environment describes (a single process when it describes none)."""
     env = os.environ if env is None else env
     if "WORLD_SIZE" in env or "RANK" in env:
-        launcher = "andrea" if LAUNCHER_PID in env else "torchrun"
+        launcher = "andrea" if variables.LAUNCHER_PID.is_set(env) else "torchrun"
         names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
         job = env.get("TORCHELASTIC_RUN_ID", "")
     elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
@@ -103,12 +98,13 @@ def world_from_env(env: Mapping[str, str] | None = None) -> World:
         raise UserError(f"environment {names[2]}: expected an integer < {local_size} "
                         f"({names[3]}), got {local_rank}")
     port = _int(env, "MASTER_PORT", 1, 65535) if "MASTER_PORT" in env else DEFAULT_PORT
-    rdv = env.get(RENDEZVOUS, "tcp")
-    if rdv not in ("tcp", "file"):
-        raise UserError(f"environment {RENDEZVOUS}: expected tcp or file, got {rdv!r}")
-    lpid = _int(env, LAUNCHER_PID, 1) if LAUNCHER_PID in env else None
-    lfd = _int(env, LISTEN_FD, 0, 1 << 30) if LISTEN_FD in env and rank == 0 else None
+    rdv = variables.RENDEZVOUS.read(env)
+    lpid = variables.LAUNCHER_PID.read(env)
+    # the socket `andrea-train --gpus` bound for MASTER_PORT and handed down to rank 0, so that
+    # no other process can take the port in between
+    lfd = variables.LISTEN_FD.read(env) if rank == 0 else None
     return World(rank=rank, size=size, local_rank=local_rank, local_size=local_size,
                  master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=port,
-                 launcher=launcher, job_id=job, token=env.get(JOB_TOKEN, ""), rendezvous=rdv,
+                 launcher=launcher, job_id=job, token=variables.JOB_TOKEN.read(env),
+                 rendezvous=rdv,
                  launcher_pid=lpid, listen_fd=lfd)

@@ -6,14 +6,8 @@ and CI collect this folder safely.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
-
-# cuBLASLt's first choices, not timed ones, unless a test asks: two backends of a test then run
-# the same GEMM algorithms (timing picks by noise), and start-up stays short.
-os.environ.setdefault("ANDREA_GEMM_TUNE", "0")
 
 
 def _cuda_usable() -> tuple[bool, str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from cudabk import cuda_backend
 from devarrays import MEASURED, check_close, rel_err
 
 from engine.backends.numpy import NumpyBackend
@@ -22,10 +23,9 @@ M12 = ModelShapes(n_layer=6, d_model=384, n_head=6, d_ff=1536, vocab_size=8449, 
 STEP_BOUND = {"fp32": {"loss": 1e-5, "grad": 2e-4}, "bf16": {"loss": 1e-2, "grad": 5e-2}}
 
 
-def make(shapes: ModelShapes, B: int, precision: str, **kw):
-    from engine.backends.cuda import CudaBackend
-
-    return CudaBackend(shapes, B, precision, **kw)
+def make(shapes: ModelShapes, B: int, precision: str, **gpu):
+    """A CudaBackend with these gpu settings (cudabk.cuda_backend)."""
+    return cuda_backend(shapes, B, precision, **gpu)
 
 
 # the paths a test runs on: (attention, fusions); "cudnn" falls back to classic where cuDNN is
@@ -240,7 +240,7 @@ def test_memory_plan_adds_up():
     plan = gpu.memory_plan()
     n = n_params(TINY)
     assert plan["adam_m"] == plan["adam_v"] >= 4 * n
-    # the float32 gradients, and the bf16 step's weight gradients beside them (ANDREA_GRADS_LP)
+    # the float32 gradients, and the bf16 step's weight gradients beside them (gpu.grads_low_precision)
     lp = -(-2 * n // 256) * 256 if gpu.grads_lp else 0
     assert plan["grads"] == plan["adam_m"] + lp
     assert plan["weights"] >= 6 * n

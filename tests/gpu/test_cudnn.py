@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cudabk import cuda_backend
 from devarrays import DevArrays, check_close, rounded
 
 from engine.backends.numpy import ops as npo
@@ -85,7 +86,7 @@ def test_cudnn_attention_matches_numpy(att, rng, B, T, H, hd):
             got = tm(grads[0][j, : R * d].reshape(T, B, d))
             check_close(got, w_dqkv[j], 1e-2, f"cudnn attn_bwd d{name}", precision)
 
-        # rows: Q, K, V and dQ, dK, dV side by side in each row, [R, 3d] (ANDREA_QKV_ROWS); O
+        # rows: Q, K, V and dQ, dK, dV side by side in each row, [R, 3d] (gpu.qkv_rows); O
         # and dO stay [R, d]
         rows_att = ar = CudnnAttention(precision, H, hd, gpu.stream.handle, rows=True)
         ar.build(B, T, backward=True)
@@ -198,7 +199,6 @@ def test_short_sequences_through_the_full_length_graph(att):
     """The backend builds cuDNN's graphs for seq_len; a shorter T runs them at full length
     (causal: rows < T never see the rest; the backward zeroes dO past T). Against the classic
     attention on the same weights and tokens: the same function, to bf16 rounding."""
-    from engine.backends.cuda import CudaBackend
 
     params = init_params(TINY, seed=2)
     rng = np.random.default_rng(4)
@@ -206,7 +206,7 @@ def test_short_sequences_through_the_full_length_graph(att):
     y = rng.integers(0, 8449, (4, 77)).astype(np.int32)
     res = {}
     for attention in ("cudnn", "classic"):
-        bk = CudaBackend(TINY, 4, "bf16", attention=attention)
+        bk = cuda_backend(TINY, 4, "bf16", attention=attention)
         assert bk.attention == attention
         bk.load_params(params)
         bk.zero_grads()
@@ -228,7 +228,7 @@ def test_a_refused_rows_graph_falls_back_to_the_slabs(att, monkeypatch, refused)
     sampling forward, B = 1, built after them), the backend keeps cuDNN's attention with the
     slabs and three GEMMs (not the classic attention), says so in its notes, keeps the GEMM copy
     in the flat layout (it is decided before the copy is first written), and trains."""
-    from engine.backends.cuda import CudaBackend, cudnn_attn
+    from engine.backends.cuda import cudnn_attn
     from engine.errors import RunError
 
     build = cudnn_attn.CudnnAttention.build
@@ -239,12 +239,11 @@ def test_a_refused_rows_graph_falls_back_to_the_slabs(att, monkeypatch, refused)
         return build(self, B, T, backward)
 
     monkeypatch.setattr(cudnn_attn.CudnnAttention, "build", refuse_rows)
-    monkeypatch.setenv("ANDREA_QKV_ROWS", "1")
-    bk = CudaBackend(TINY, 4, "bf16", attention="cudnn")
+    bk = cuda_backend(TINY, 4, "bf16", attention="cudnn", qkv_rows=True)
     try:
         assert bk.attention == "cudnn" and not bk.qkv_rows and not bk.cudnn.rows
         assert any("cuDNN refuses Q, K, V in rows" in n for n in bk.notes), bk.notes
-        assert "ANDREA_QKV_ROWS" not in bk.describe()
+        assert "Q, K, V in rows" not in bk.describe()
         params = init_params(TINY, seed=3)
         bk.load_params(params)
         assert np.array_equal(bk.read_params_lp(), rounded(params, "bf16")), "GEMM copy"
@@ -256,11 +255,10 @@ def test_a_refused_rows_graph_falls_back_to_the_slabs(att, monkeypatch, refused)
 
 
 def test_memory_plan_shrinks_without_probabilities(att):
-    from engine.backends.cuda import CudaBackend
 
     plans = {}
     for attention in ("classic", "cudnn"):
-        bk = CudaBackend(TINY, 8, "bf16", attention=attention, fusions=False)
+        bk = cuda_backend(TINY, 8, "bf16", attention=attention, fusions=False)
         plans[attention] = bk.memory_plan()
         bk.close()
     B, H, S, L = 8, TINY.n_head, TINY.seq_len, TINY.n_layer

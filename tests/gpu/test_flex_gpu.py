@@ -1,7 +1,7 @@
-"""ANDREA_FLEX_BWD=1 on the GPU (engine/backends/cuda/flex_attn.py): the flex deterministic
-attention backward against cuDNN's deterministic backward and numpy on the same inputs, eager and
-replayed from a captured CUDA graph; a training step against the numpy backend; two runs the
-same bits; SIGTERM + --resume bit-exact with the setting recorded.
+"""The flex attention backward on the GPU (gpu.flex_backward, engine/backends/cuda/flex_attn.py):
+the flex deterministic attention backward against cuDNN's deterministic backward and numpy on
+the same inputs, eager and replayed from a captured CUDA graph; a training step against the
+numpy backend; two runs the same bits; SIGTERM + --resume bit-exact with the run's config.
 
 Skipped, with the reason, without cuDNN's frontend, off sm_90, or without a flex library:
 ANDREA_FLEX_LIB (scripts/flex-pack builds and packs one where its packages are; `FLEX=1
@@ -15,7 +15,6 @@ kernel that never ends fails every test here after FIRST_CALL_S instead of hangi
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,20 +23,12 @@ import numpy as np
 import pytest
 from devarrays import DevArrays, check_close, rounded
 from test_backend import STEP_BOUND, batch, make
-from test_train_resume import (
-    CUDA,
-    N,
-    assert_same_as_straight,
-    settings_free_env,
-    stop_at_k,
-    train,
-)
+from test_train_resume import CUDA, N, assert_same_as_straight, checkpoint_gpu, stop_at_k, train
 
 from engine.backends.cuda.flex_call import scratch_bytes
 from engine.backends.numpy import NumpyBackend
 from engine.backends.numpy import ops as npo
 from engine.model.layout import ModelShapes, init_params, tensor_table
-from engine.records import cuda_settings_of
 from tests.conftest import micro_config_dict
 
 pytestmark = pytest.mark.gpu
@@ -47,7 +38,8 @@ FLEX = "flex deterministic backward"
 
 @pytest.fixture
 def flex(gpu, monkeypatch):
-    """The GPU, with ANDREA_FLEX_BWD=1 and a flex library found (else the test skips)."""
+    """The GPU, with a flex library found (else the test skips)."""
+    from engine import env
     from engine.backends.cuda import flex_attn
     from engine.backends.cuda.cudnn_attn import cudnn_available
     from engine.errors import RunError
@@ -61,8 +53,7 @@ def flex(gpu, monkeypatch):
         lib = flex_attn.library_paths()
     except RunError as e:
         pytest.skip(f"no flex library: {e} (scripts/flex-pack, then FLEX=1 scripts/gpu-check)")
-    monkeypatch.setenv(flex_attn.LIB_ENV, str(lib[0]))  # built once: the backends load it
-    monkeypatch.setenv(flex_attn.SETTING, "1")
+    monkeypatch.setenv(env.FLEX_LIB.name, str(lib[0]))  # built once: the backends load it
     why = first_call_ends()
     if why:
         pytest.fail(why)
@@ -74,7 +65,7 @@ _first_call: list[str] = []
 
 
 def first_call_ends() -> str:
-    """"" where a small CudaBackend with ANDREA_FLEX_BWD=1 starts in a subprocess within
+    """"" where a small CudaBackend with the flex backward starts in a subprocess within
     FIRST_CALL_S and runs the flex backward; else why not. Once per session (cached): pytest-
     timeout is not installed here, and a kernel that spins (dq_sem left nonzero) or faults
     would hang or kill this process's context, so no test here makes the first call in it.
@@ -86,7 +77,7 @@ def first_call_ends() -> str:
             "from engine.model.layout import ModelShapes\n"
             "m = ModelShapes(n_layer=1, d_model=128, n_head=2, d_ff=512, vocab_size=8449, "
             "seq_len=256)\n"
-            "b = CudaBackend(m, 2, 'bf16', attention='cudnn')\n"
+            "b = CudaBackend(m, 2, 'bf16')\n"
             # two steps: the first captures the step graph (the dq_sem memset as a node), the
             # second replays it, where a fill node that failed to zero dq_sem would spin
             "import numpy as np\n"
@@ -98,11 +89,11 @@ def first_call_ends() -> str:
                            text=True, timeout=FIRST_CALL_S)
         out = r.stdout + r.stderr
         why = ("" if r.returncode == 0 and FLEX in r.stdout else
-               f"a backend with ANDREA_FLEX_BWD=1 (exit {r.returncode}) did not run the flex "
+               f"a backend with the flex backward (exit {r.returncode}) did not run it: "
                f"backward:\n{out[-3000:]}")
         print(f"first flex call, in a subprocess: {r.stdout.strip()}")
     except subprocess.TimeoutExpired:
-        why = (f"a backend with ANDREA_FLEX_BWD=1 did not start within {FIRST_CALL_S} s in a "
+        why = (f"a backend with the flex backward did not start within {FIRST_CALL_S} s in a "
                f"subprocess (its first flex call spinning? dq_sem left nonzero); the other flex "
                f"tests are not run in this process")
     _first_call.append(why)
@@ -239,12 +230,12 @@ def _count_runs(gpu) -> list[int]:
     return calls
 
 
-def test_a_step_with_flex_matches_numpy_and_says_so(flex, rng, monkeypatch):
-    """forward_backward with ANDREA_FLEX_BWD=1 (T 201 < seq_len: the full-length backward with
+def test_a_step_with_flex_matches_numpy_and_says_so(flex, rng):
+    """forward_backward with the flex backward (T 201 < seq_len: the full-length backward with
     dO zeroed past T) against numpy in float64, within the full-step bf16 bounds; the memory
     plan has its "flex" group; describe() names it; Ops runs it (ops.flex, FlexBackward.run
     once per layer in each step, each a graph's first use here, one argument set per layer);
-    and a backend with ANDREA_FLEX_BWD=0 (the same GEMM plan) gives other bits for every
+    and a backend with gpu.flex_backward false (the same GEMM plan) gives other bits for every
     layer's W_Q, W_K, W_V gradient (another reduction order), within the bound of them."""
     params = init_params(M, seed=int(rng.integers(1 << 30)))
     ref = NumpyBackend(M, 4, dtype=np.float64)
@@ -252,12 +243,12 @@ def test_a_step_with_flex_matches_numpy_and_says_so(flex, rng, monkeypatch):
     gpu = make(M, 4, "bf16", attention="cudnn")
     cud = None
     try:
-        monkeypatch.setenv("ANDREA_FLEX_BWD", "0")
-        cud = make(M, 4, "bf16", attention="cudnn", gemm_plan=gpu.gemm_plan)
+        cud = make(M, 4, "bf16", attention="cudnn", gemm_plan=gpu.gemm_plan,
+                   flex_backward=False)
         assert gpu.flex is not None, gpu.notes
         assert gpu.ops.flex is gpu.flex, "the backend does not hand its flex backward to Ops"
         assert cud.flex is None and cud.ops.flex is None and FLEX not in cud.describe()
-        assert FLEX in gpu.describe() and gpu.settings["ANDREA_FLEX_BWD"] is True
+        assert FLEX in gpu.describe() and gpu.resolved["flex_backward"] is True
         assert gpu.memory_plan()["flex"] >= sum(scratch_bytes(4, M.seq_len, 4).values())
         calls = _count_runs(gpu)
         gpu.load_params(params)
@@ -333,25 +324,22 @@ def test_two_runs_same_bits_with_flex(flex):
 
 
 @pytest.mark.slow
-def test_sigterm_resume_with_flex_is_bit_exact_and_recorded(flex, tmp_path: Path,
-                                                             prepared_data: Path) -> None:
-    """A micro model with head dim 64 and seq_len 128, started with ANDREA_FLEX_BWD=1 and
-    stopped at step K: its checkpoints record the setting; resumed with nothing in the
-    environment it runs on with it (the log says so), bit for bit the run straight with it."""
+def test_sigterm_resume_with_flex_is_bit_exact(flex, tmp_path: Path,
+                                              prepared_data: Path) -> None:
+    """A micro model with head dim 64 and seq_len 128, the flex backward on (the default) and
+    stopped at step K: its checkpoints' config says so; resumed, it runs on with it (the log
+    says so), bit for bit the run straight with it."""
     c = micro_config_dict(max_steps=N, precision="bf16")
     c["model"].update(d_model=128, n_head=2, seq_len=128)
+    c["gpu"] = {"gemm_tune": True}
     cfg = tmp_path / "cfg.json"
     cfg.write_text(json.dumps(c))
-    base = {**settings_free_env(), "ANDREA_FLEX_LIB": os.environ["ANDREA_FLEX_LIB"]}
-    on = {**base, "ANDREA_FLEX_BWD": "1"}
     run = tmp_path / "stopped"
-    stop_at_k(cfg, run, CUDA, on)
-    states = sorted((run / "checkpoints").glob("step_*/state.json"))
-    assert states, "no checkpoint"
-    assert cuda_settings_of(json.loads(states[-1].read_text()))["ANDREA_FLEX_BWD"] is True
+    stop_at_k(cfg, run, CUDA)
+    assert checkpoint_gpu(run)["flex_backward"] is True
     plan = (run / "gemm_plan.json").read_text()
-    train(cfg, run, ("--resume", *CUDA), base)  # nothing said: the record's setting
+    train(cfg, run, ("--resume", *CUDA))
     log = (run / "engine.log").read_text()
     starts = [line for line in log.splitlines() if "cuda: attention" in line]
     assert len(starts) == 2 and all(FLEX in s for s in starts), log[-3000:]
-    assert_same_as_straight(tmp_path, cfg, run, plan, CUDA, on)
+    assert_same_as_straight(tmp_path, cfg, run, plan, CUDA)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from cudabk import cuda_backend
 
 import engine
 from engine.config import parse_config
@@ -51,8 +52,7 @@ def test_fp16_step_tracks_numpy_and_overflow_halves_the_scale() -> None:
 
 
 def test_too_many_tensors_for_adamw_is_a_clear_refusal() -> None:
-    from engine.backends.cuda import CudaBackend
 
     shapes = ModelShapes(n_layer=103, d_model=64, n_head=2, d_ff=128, vocab_size=8449, seq_len=32)
     with pytest.raises(UserError, match="at most 102 layers, got 103"):
-        CudaBackend(shapes, 1, "bf16")
+        cuda_backend(shapes, 1, "bf16")

@@ -5,12 +5,12 @@ between fp8 and bf16."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cudabk import cuda_backend
 from devarrays import DevArrays, rounded
 
 from engine.model.layout import ModelShapes, init_params
@@ -137,10 +137,9 @@ def test_fp8_copies_and_gemms_against_fp32(lt, rng) -> None:
 
 
 def backend(precision: str, **kw):
-    from engine.backends.cuda import CudaBackend
-
-    bk = CudaBackend(SHAPES, 4, precision, tune=False, **kw)
-    # the FP8 MLP writes its own float32 weight gradients: never the bf16 ones of ANDREA_GRADS_LP
+    bk = cuda_backend(SHAPES, 4, precision, **kw)
+    # the FP8 MLP writes its own float32 weight gradients: never the bf16 ones of
+    # gpu.grads_low_precision
     assert not (precision == "fp8" and bk.grads_lp)
     bk.load_params(init_params(SHAPES, seed=5))
     return bk
@@ -190,10 +189,10 @@ def test_sigterm_resume_in_fp8_is_bit_exact(tmp_path: Path, prepared_data: Path)
     the same GEMM plan give the same records and model.ckpt bytes."""
     n = 30
     cfg = tmp_path / "cfg.json"
-    cfg.write_text(json.dumps(micro_config_dict(max_steps=n, precision="fp8")))
-    tuned = {"ANDREA_GEMM_TUNE": "1"}
+    cfg.write_text(json.dumps({**micro_config_dict(max_steps=n, precision="fp8"),
+                               "gpu": {"gemm_tune": True}}))
     run = tmp_path / "stopped"
-    proc = start_engine(cfg, run, "--backend", "cuda", env={**os.environ, **tuned})
+    proc = start_engine(cfg, run, "--backend", "cuda")
     wait_for_step(run, 17, proc)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
@@ -203,12 +202,12 @@ def test_sigterm_resume_in_fp8_is_bit_exact(tmp_path: Path, prepared_data: Path)
     ck = Path(state["last_checkpoint"]["path"])
     assert json.loads((ck / "state.json").read_text())["fp8_gemms"], "no FP8 GEMM recorded"
     plan = (run / "gemm_plan.json").read_text()
-    r = run_engine(cfg, run, "--resume", "--backend", "cuda", env=tuned)
+    r = run_engine(cfg, run, "--resume", "--backend", "cuda")
     assert r.returncode == 0, r.stdout + r.stderr
     straight = tmp_path / "straight"
     straight.mkdir()
     (straight / "gemm_plan.json").write_text(plan)
-    r = run_engine(cfg, straight, "--backend", "cuda", env=tuned)
+    r = run_engine(cfg, straight, "--backend", "cuda")
     assert r.returncode == 0, r.stdout + r.stderr
     keys = ("step", "loss", "grad_norm", "clip_scale", "lr", "tokens")
     traj = [[json.dumps(getattr(x, k)) for k in keys] for x in loss_records(run)]

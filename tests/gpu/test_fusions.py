@@ -1,9 +1,9 @@
 """Each fused kernel against the unfused kernels it replaces (the reference stays reachable:
-Ops' unfused methods, and CudaBackend(fusions=False)), on fresh random inputs: the fused ones are
+Ops' unfused methods, and cuda_backend(fusions=False)), on fresh random inputs: the fused ones are
 written to give the same bits, and these tests hold them to that. Then the fused step of the
 backend (one graph: zero, forward, backward, norm, clip, AdamW) against the step the trainer
-drives from the host; and the residual adds in the GEMM epilogues (ANDREA_RESID_GEMM), which
-round each sum once instead of twice, against the residual + LayerNorm kernel, within stated
+drives from the host; and the choices of the config's gpu section that change the bits (Q, K,
+V in rows, the logits in the compute precision) against the path without them, within stated
 bounds instead of bits."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import itertools
 
 import numpy as np
 import pytest
-from devarrays import DevArrays, check_close, rel_err, rounded
+from cudabk import cuda_backend
+from devarrays import DevArrays, check_close, rounded
 
 from engine.model.layout import ModelShapes, init_params, n_params, tensor_table
 
@@ -62,55 +63,6 @@ def test_residual_layernorm_is_residual_add_then_layernorm(env, rng, D):
         outs.append([dev.get(p) for p in (xsum, out, mean, rstd)])
     for name, f, u in zip(("xsum", "out", "mean", "rstd"), *outs, strict=True):
         same(f, u, f"residual_layernorm_fwd {name} D={D}")
-
-
-@pytest.mark.parametrize("accumulate", [False, True])
-@pytest.mark.parametrize("D", [64, 384, 768])
-@pytest.mark.parametrize("rows", [37 * 3, 1000])
-def test_layernorm_bwd_fused_is_the_three_kernels(env, rng, accumulate, D, rows):
-    """k_layernorm_bwd_fused + k_colsum_chunks against k_layernorm_bwd + k_layernorm_bwd_params
-    + k_colsum_reduce: dx bit for bit (the same row function), dγ and dβ (the same sums in
-    another fixed order) to float rounding; the residual gradient read from another buffer
-    (`resid`), as the backend's ring does; and `overwrite` storing the sums instead of adding
-    them. rows = 1000 leaves the last chunk part-filled (1000 = 31·32 + 8)."""
-    from engine.backends.cuda.ops import LN_FUSED_ROWS
-
-    precision, o, dev = env
-    x = dev.put(rounded(rng.normal(0.3, 2.0, (rows, D)), precision))
-    dout = dev.put(rounded(rng.normal(0, 1, (rows, D)), precision))
-    mean, rstd = dev.put(rng.normal(0.3, 0.1, rows), "f32"), dev.put(
-        rng.uniform(0.4, 0.6, rows), "f32")
-    gamma = dev.put(rng.normal(1, 0.2, D), "f32")
-    gb0 = rng.normal(0, 1, 2 * D)
-    resid = rounded(rng.normal(0, 1, (rows, D)), precision)
-    outs = []
-    for fused in (True, False):
-        dx = dev.empty((rows, D))
-        src = dev.put(resid)
-        dgb = dev.put(gb0, "f32")
-        part = dev.empty((-(-rows // LN_FUSED_ROWS), 2 * D), "f32")
-        if fused and not o.fused_ln_bwd_ok(D, dx, src, dout, x):
-            # fp32 rows past 512 take the three kernels: nothing fused to compare
-            assert precision == "fp32" and D > 512, (precision, D)
-            pytest.skip(f"{precision} D={D}: the fused kernel does not take these rows")
-        o.layernorm_bwd(dout, x, gamma, mean, rstd, dx, dgb, part, rows, D, accumulate,
-                        resid=src, fused=fused)
-        outs.append((dev.get(dx), dev.get(dgb)))
-    same(outs[0][0], outs[1][0], f"layernorm_bwd dx D={D}")
-    check_close(outs[0][1] - gb0, outs[1][1] - gb0, 1e-5, "layernorm_bwd_fused dgamma/dbeta",
-                "fp32")
-    # again, overwriting: the sums are stored, not added, and twice the same bits
-    stored = []
-    for _ in range(2):
-        dgb = dev.empty((2 * D,), "f32")  # NaN: every sum must be stored
-        o.overwrite_grads = True
-        o.layernorm_bwd(dout, x, gamma, mean, rstd, dev.empty((rows, D)), dgb,
-                        dev.empty((-(-rows // LN_FUSED_ROWS), 2 * D), "f32"), rows, D,
-                        accumulate, resid=dev.put(resid), fused=True)
-        o.overwrite_grads = False
-        stored.append(dev.get(dgb))
-    same(stored[0], stored[1], "layernorm_bwd_fused, overwrite twice")
-    check_close(stored[0], outs[0][1] - gb0, 1e-5, "layernorm_bwd_fused overwrite", "fp32")
 
 
 @pytest.mark.parametrize("D", [64, 384, 768])
@@ -394,15 +346,14 @@ def test_train_step_is_the_host_driven_step(attention):
     backend: the same bits when no clipping happens (max_norm large); within float rounding of
     the clip factor (float32 division on the device, float64 on the host) when it does (cuDNN,
     Q, K, V's input gradient in one GEMM: 1.06e-5 measured on the H200)."""
-    from engine.backends.cuda import CudaBackend
 
     params = init_params(SHAPES, seed=5)
     for max_norm in (1e9, 0.05):
         res, plan = [], None
         for fused_step in (True, False):
             # the second backend runs the first one's GEMM algorithms, so that the bits hold
-            # with the GEMMs timed at start too (ANDREA_GEMM_TUNE=1: each start chooses its own)
-            bk = CudaBackend(SHAPES, 4, "bf16", attention=attention, fusions=True,
+            # with the GEMMs timed at start too (gpu.gemm_tune: each start chooses its own)
+            bk = cuda_backend(SHAPES, 4, "bf16", attention=attention, fusions=True,
                              gemm_plan=plan)
             plan = bk.gemm_plan
             res.append(_steps(bk, params, 3, 255, fused_step, max_norm))
@@ -420,22 +371,20 @@ def test_train_step_is_the_host_driven_step(attention):
 
 
 @pytest.mark.parametrize("max_norm", [1e9, 0.05])
-def test_optimizer_step_is_the_end_of_train_step(max_norm, monkeypatch):
+def test_optimizer_step_is_the_end_of_train_step(max_norm):
     """forward_backward + optimizer_step (the path of several micro-batches, or of an all-reduce
-    outside the step) against the one-graph train_step with float32 gradients (ANDREA_GRADS_LP=0:
-    the others' kind; tests/gpu/test_grads_lp.py compares the bf16 ones): the same bits, clipped
-    or not; and the gradient buckets of a data-parallel step tile the flat gradient in backward
-    order."""
-    from engine.backends.cuda import CudaBackend
-
-    monkeypatch.setenv("ANDREA_GRADS_LP", "0")
+    outside the step) against the one-graph train_step with float32 gradients
+    (gpu.grads_low_precision false: the others' kind; tests/gpu/test_grads_lp.py compares the
+    bf16 ones): the same bits, clipped or not; and the gradient buckets of a data-parallel step
+    tile the flat gradient in backward order."""
 
     params = init_params(SHAPES, seed=6)
     rng = np.random.default_rng(4)
     toks = [rng.integers(0, 64, (4, 257)).astype(np.int32) for _ in range(3)]
     got, plan = [], None
     for fused in (True, False):
-        bk = CudaBackend(SHAPES, 4, "bf16", fusions=True, gemm_plan=plan)  # the same GEMMs
+        bk = cuda_backend(SHAPES, 4, "bf16", fusions=True, gemm_plan=plan,  # the same GEMMs
+                          grads_low_precision=False)
         plan = bk.gemm_plan
         bk.load_params(params)
         hp = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, max_norm=max_norm)
@@ -466,14 +415,13 @@ def test_optimizer_step_is_the_end_of_train_step(max_norm, monkeypatch):
 @pytest.mark.parametrize("attention", ["cudnn", "classic"])
 def test_fused_backend_tracks_the_unfused_one(attention):
     """fusions on (cuBLASLt GEMMs, second stream, fused kernels, one-graph step) against
-    fusions off (the path before them) from the same weights: losses and weights after three
+    fusions off (the unfused reference) from the same weights: losses and weights after three
     steps agree to bf16 rounding (other GEMM algorithms sum in other orders)."""
-    from engine.backends.cuda import CudaBackend
 
     params = init_params(SHAPES, seed=8)
     res = []
     for fusions in (True, False):
-        bk = CudaBackend(SHAPES, 4, "bf16", attention=attention, fusions=fusions)
+        bk = cuda_backend(SHAPES, 4, "bf16", attention=attention, fusions=fusions)
         res.append(_steps(bk, params, 3, 256, fusions, 1.0))
         bk.close()
     (a, pa), (b, pb) = res
@@ -489,12 +437,11 @@ def test_kernels_per_step_fall():
     """The fused step's graph holds far fewer kernels than the unfused forward/backward graph
     plus the optimizer's launches (the benchmark prints these counts less the k_fill nodes that
     stand for memsets, graph_fills)."""
-    from engine.backends.cuda import CudaBackend
 
     counts = {}
     tok = np.random.default_rng(0).integers(0, 64, (4, 257)).astype(np.int32)
     for fusions, attention in ((False, "classic"), (True, "cudnn")):
-        bk = CudaBackend(SHAPES, 4, "bf16", attention=attention, fusions=fusions)
+        bk = cuda_backend(SHAPES, 4, "bf16", attention=attention, fusions=fusions)
         if fusions:  # two steps: the second's graph holds the first's deferred update too
             for t in (1, 2):
                 bk.train_step(tok[:, :-1], tok[:, 1:], loss_scale=1.0, grad_mult=1.0, lr=1e-3,
@@ -516,10 +463,9 @@ def test_adamw_decays_exactly_the_2d_tensors(fusions):
     start-up memset of the scratch group: k_adamw then searched a table of zeros, read past its
     shared arrays and decayed tensors at random). With zero gradients an AdamW step changes only
     the 2-D tensors, by p·(1 - lr·wd); 1-D tensors keep their bits."""
-    from engine.backends.cuda import CudaBackend
 
     params = init_params(SHAPES, seed=4)
-    bk = CudaBackend(SHAPES, 4, "fp32", fusions=fusions)
+    bk = cuda_backend(SHAPES, 4, "fp32", fusions=fusions)
     try:
         starts = np.empty(bk.nseg + 1, np.int64)
         bk.drv.memcpy_dtoh(starts, bk._plan["seg_start"])
@@ -538,17 +484,16 @@ def test_adamw_decays_exactly_the_2d_tensors(fusions):
             assert np.array_equal(a, b), f"{t.name} is 1-D and must not decay"
 
 
-def test_qkv_rows_track_the_slabs(monkeypatch):
+def test_qkv_rows_track_the_slabs():
     """Q, K, V in rows (the default: one GEMM with N = 3d forward, cuDNN reading Q, K, V and
     writing dQ, dK, dV in rows, one input-gradient GEMM over K = 3d, the GEMM copy's W_Q, W_K,
-    W_V side by side) against the slabs and their three GEMMs each way (ANDREA_QKV_ROWS=0),
+    W_V side by side) against the slabs and their three GEMMs each way (gpu.qkv_rows false),
     from the same weights: the sampling forward's logits (B = 1, T = 1, 77, 256) agree to 1e-2;
     losses, norms and the updates of three one-graph steps (deferred AdamW included) agree to
     bf16 rounding (the one GEMM rounds the sum once, the three after each addend); then, from
     the same weights again (Adam's moments carried on), one step of a short sequence (T = 131)
     through the full-length graph. Each backend's GEMM copy is its masters rounded (bits). Two
     backends with rows give the same bits."""
-    from engine.backends.cuda import CudaBackend
     from engine.backends.cuda.cudnn_attn import cudnn_available
 
     if not cudnn_available()[0]:
@@ -557,10 +502,9 @@ def test_qkv_rows_track_the_slabs(monkeypatch):
     prompt = np.random.default_rng(6).integers(0, 8449, 256)
     res, logits = {}, {}
     for rows in ("0", "1", "1 again"):
-        monkeypatch.setenv("ANDREA_QKV_ROWS", rows.split()[0])
-        bk = CudaBackend(SHAPES, 4, "bf16", attention="cudnn", fusions=True)
+        bk = cuda_backend(SHAPES, 4, "bf16", attention="cudnn", qkv_rows=rows != "0")
         assert bk.qkv_rows == (rows != "0")
-        assert ("ANDREA_QKV_ROWS" in bk.describe()) == bk.qkv_rows
+        assert ("Q, K, V in rows" in bk.describe()) == bk.qkv_rows
         bk.load_params(params)
         logits[rows] = [bk.logits_last(prompt[:t]) for t in (1, 77, 256)]
         res[rows] = (_steps(bk, params, 3, 256, True, 1.0), _steps(bk, params, 1, 131, True, 1.0))
@@ -584,7 +528,7 @@ def test_qkv_rows_track_the_slabs(monkeypatch):
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("rows", ["1", "0"])
-def test_the_backends_gemm_copy_is_its_masters_rounded(monkeypatch, precision, rows):
+def test_the_backends_gemm_copy_is_its_masters_rounded(precision, rows):
     """CudaBackend.read_params_lp (the GEMM copy, taken back to the flat layout through
     buffers.lp_positions where Q, K, V run in rows) equals read_params() rounded to the
     precision, bit for bit: after load_params, after two one-graph steps (the first's AdamW
@@ -592,12 +536,9 @@ def test_the_backends_gemm_copy_is_its_masters_rounded(monkeypatch, precision, r
     left pending, applied by the read), after a shorter sequence's step and after the
     host-driven adamw; and a backend given the stepped masters (a resume) rebuilds the same
     copy. With the rows (the copy permuted by k_params_to_lp and the AdamW kernels) and
-    without (ANDREA_QKV_ROWS=0, in place)."""
-    from engine.backends.cuda import CudaBackend
-
-    monkeypatch.setenv("ANDREA_QKV_ROWS", rows)
+    without (gpu.qkv_rows false, in place)."""
     params = init_params(SHAPES, seed=12)
-    bk = CudaBackend(SHAPES, 4, precision, fusions=True)
+    bk = cuda_backend(SHAPES, 4, precision, qkv_rows=rows == "1")
     other = None
     try:
         if bk.attention == "cudnn":
@@ -616,7 +557,7 @@ def test_the_backends_gemm_copy_is_its_masters_rounded(monkeypatch, precision, r
         check("after a short sequence's step")
         _steps(bk, params, 1, 256, False, 1.0)
         lp = check("after the host-driven adamw")
-        other = CudaBackend(SHAPES, 4, precision, fusions=True)
+        other = cuda_backend(SHAPES, 4, precision, qkv_rows=rows == "1")
         other.load_params(bk.read_params())
         assert np.array_equal(other.read_params_lp(), lp), "the GEMM copy rebuilt on a resume"
     finally:
@@ -625,95 +566,25 @@ def test_the_backends_gemm_copy_is_its_masters_rounded(monkeypatch, precision, r
             other.close()
 
 
-# fused backend with the residual adds in the GEMM epilogues (=1; the default is 0) against the
-# residual + LayerNorm kernel (=0): losses, the gradient of one forward_backward, and (bf16) the
-# losses, norms and updates of three one-graph steps. fp32: test_backend's full-step bounds
-# against numpy (rounding and summation order only). bf16: the epilogue rounds each residual
-# sum once where the kernel path rounds the branch output and then the sum (up to 2^-8 of the
-# sum per residual add, test_ops.RESID_BOUND), and those differences go through the rest of
-# the model as any bf16 rounding does: the bounds of the other bf16 layout change
-# (test_qkv_rows_track_the_slabs: losses 1e-2, norm 2e-2, updates 5e-2), and for the gradient
-# 5e-2 over the whole vector and 1e-1 for the worst tensor (test_backend bounds each tensor by
-# 5e-2 against float64 numpy; here both sides carry their bf16 error).
-RESID_STEP_BOUND = {"fp32": {"loss": 1e-5, "grad": 2e-4, "worst": 2e-4},
-                    "bf16": {"loss": 1e-2, "grad": 5e-2, "worst": 1e-1}}
-
-
-@pytest.mark.parametrize("precision", ["bf16", "fp32"])
-def test_resid_gemm_tracks_the_residual_kernel(monkeypatch, precision):
-    """ANDREA_RESID_GEMM=1 against =0 from the same weights, within RESID_STEP_BOUND; the
-    switch said in describe(); and two backends with it give the same bits."""
-    from engine.backends.cuda import CudaBackend
-
-    bound = RESID_STEP_BOUND[precision]
-    params = init_params(SHAPES, seed=10)
-    tok = np.random.default_rng(5).integers(0, 64, (4, 257)).astype(np.int32)
-    res = {}
-    for flag in ("0", "1", "1 again"):
-        monkeypatch.setenv("ANDREA_RESID_GEMM", flag.split()[0])
-        bk = CudaBackend(SHAPES, 4, precision, fusions=True)
-        assert bk.resid_gemm == (flag != "0")
-        assert ("ANDREA_RESID_GEMM" in bk.describe()) == bk.resid_gemm
-        bk.load_params(params)
-        bk.zero_grads()
-        rows = bk.forward_backward(tok[:, :-1], tok[:, 1:])
-        grads = bk.read_grads()
-        steps = _steps(bk, params, 3, 256, True, 1.0) if precision == "bf16" else None
-        res[flag] = (rows, grads, steps)
-        bk.close()
-    (r0, g0, s0), (r1, g1, s1) = res["0"], res["1"]
-    what = f"resid GEMM vs kernel ({precision})"
-    check_close(r1, r0, bound["loss"], f"{what}: row losses", precision)
-    check_close(g1, g0, bound["grad"], f"{what}: gradient", precision)
-    worst = max(((t.name, slice(t.offset, t.offset + t.size)) for t in tensor_table(SHAPES)),
-                key=lambda ts: rel_err(g1[ts[1]], g0[ts[1]]))
-    check_close(g1[worst[1]], g0[worst[1]], bound["worst"], f"{what}: worst grad ({worst[0]})",
-                precision)
-    if s0 is not None:
-        (a, pa), (b, pb) = s0, s1
-        for (ra, na, _), (rb, nb, _) in zip(a, b, strict=True):
-            check_close(rb, ra, 1e-2, f"{what}: step losses", precision)
-            check_close(np.array([nb]), np.array([na]), 2e-2, f"{what}: step norm", precision)
-        check_close(pb - params, pa - params, 5e-2, f"{what}: updates", precision)
-    if precision == "bf16":  # the sum rounded once, not twice: the switch really changed the path
-        assert not np.array_equal(g1, g0), "ANDREA_RESID_GEMM=1 computed the =0 path's bits"
-    r2, g2, s2 = res["1 again"]
-    assert np.array_equal(r1, r2) and np.array_equal(g1, g2)
-    if s1 is not None:
-        for (rb, nb, cb), (rc, nc, cc) in zip(s1[0], s2[0], strict=True):
-            assert np.array_equal(rb, rc) and nb == nc and cb == cc
-        assert np.array_equal(s1[1], s2[1])
-
-
-def test_logits_in_the_compute_precision_track_float32_logits(monkeypatch):
-    """ANDREA_LOGITS_LP (default on: bf16 logits, dlogits over them) against =0 (float32) from
-    the same weights: the row losses within 1e-2 and the gradient within 5e-2 (RESID_STEP_BOUND's
-    bf16 figures: both sides carry bf16 rounding; the logits' own is 2^-9 of z); the setting is
-    recorded, and a resumed record that predates it keeps float32 logits."""
-    from engine.backends.cuda import CudaBackend
+def test_logits_in_the_compute_precision_track_float32_logits():
+    """gpu.logits_low_precision (default on: bf16 logits, dlogits over them) against float32
+    logits from the same weights: the row losses within 1e-2 and the gradient within 5e-2 (both
+    sides carry bf16 rounding, as the other bf16 layout change does: test_qkv_rows_track_the_
+    slabs; the logits' own is 2^-9 of z)."""
 
     params = init_params(SHAPES, seed=11)
     tok = np.random.default_rng(6).integers(0, 64, (4, 257)).astype(np.int32)
     res = {}
-    for flag in ("0", None):
-        if flag is None:
-            monkeypatch.delenv("ANDREA_LOGITS_LP", raising=False)
-        else:
-            monkeypatch.setenv("ANDREA_LOGITS_LP", flag)
-        bk = CudaBackend(SHAPES, 4, "bf16", fusions=True)
-        assert bk.logits_lp == (flag is None) and bk.settings["ANDREA_LOGITS_LP"] == bk.logits_lp
+    for on in (False, True):
+        bk = cuda_backend(SHAPES, 4, "bf16", logits_low_precision=on)
+        assert bk.logits_lp == on and bk.resolved["logits_low_precision"] == on
         assert (bk.train.at("dlogits") == bk.train.at("logits")) == bk.logits_lp
         bk.load_params(params)
         bk.zero_grads()
         rows = bk.forward_backward(tok[:, :-1], tok[:, 1:])
-        res[flag] = (rows, bk.read_grads())
+        res[on] = (rows, bk.read_grads())
         bk.close()
-    (r0, g0), (r1, g1) = res["0"], res[None]
+    (r0, g0), (r1, g1) = res[False], res[True]
     check_close(r1, r0, 1e-2, "bf16 logits vs float32: row losses", "bf16")
     check_close(g1, g0, 5e-2, "bf16 logits vs float32: gradient", "bf16")
-    assert not np.array_equal(g1, g0), "the switch did not change the path"
-    old = CudaBackend(SHAPES, 4, "bf16", fusions=True, settings={"attention": "cudnn"})
-    try:
-        assert not old.logits_lp and old.settings["ANDREA_LOGITS_LP"] is False
-    finally:
-        old.close()
+    assert not np.array_equal(g1, g0), "the setting did not change the path"

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from cudabk import cuda_backend
 from devarrays import DevArrays, check_close, rounded
 
+from engine.backends.cuda.gemm_plan import GemmPlan
 from engine.model.layout import ModelShapes, init_params
-from engine.records import GemmPlan
 
 pytestmark = pytest.mark.gpu
 
@@ -87,7 +88,6 @@ def test_timed_gemms_are_right_and_replay_from_the_plan(gpu, rng, precision):
 def test_a_recorded_plan_gives_the_same_bits():
     """Backend A times its GEMMs; backend B gets A's plan and times nothing: B's plan is A's,
     and three training steps from the same weights give the same bits on both."""
-    from engine.backends.cuda import CudaBackend
 
     shapes = ModelShapes(n_layer=2, d_model=384, n_head=6, d_ff=1536, vocab_size=8449,
                          seq_len=256)
@@ -95,7 +95,7 @@ def test_a_recorded_plan_gives_the_same_bits():
     tok = np.random.default_rng(1).integers(0, 64, (3, 4, 257)).astype(np.int32)
     res, plan = [], None
     for given in (None, "A's"):
-        bk = CudaBackend(shapes, 4, "bf16", gemm_plan=plan, tune=given is None)
+        bk = cuda_backend(shapes, 4, "bf16", gemm_plan=plan, gemm_tune=given is None)
         if given is None:
             plan = bk.gemm_plan
             assert plan and plan["gemms"] and plan["choices"], plan
@@ -121,12 +121,11 @@ def test_a_recorded_plan_gives_the_same_bits():
 
 
 def test_a_plan_from_elsewhere_is_not_used():
-    from engine.backends.cuda import CudaBackend
 
     shapes = ModelShapes(n_layer=1, d_model=128, n_head=2, d_ff=256, vocab_size=8449,
                          seq_len=64)
     foreign = {"version": 1, "library": "cublasLt 1", "device": "another GPU", "gemms": {},
                "choices": {}}
-    bk = CudaBackend(shapes, 2, "bf16", gemm_plan=foreign, tune=False)
+    bk = cuda_backend(shapes, 2, "bf16", gemm_plan=foreign, gemm_tune=False)
     assert any("another GPU" in n for n in bk.notes), bk.notes
     bk.close()

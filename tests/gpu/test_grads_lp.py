@@ -1,7 +1,7 @@
-"""The fused bf16 step's weight gradients in bf16 (ANDREA_GRADS_LP, CudaBackend.grads_lp): the
-layers' weight-gradient GEMMs write bf16 into grads_lp, the norm and AdamW read them there, and
+"""The fused bf16 step's weight gradients in bf16 (gpu.grads_low_precision, CudaBackend.grads_lp):
+the layers' weight-gradient GEMMs write bf16 into grads_lp, the norm and AdamW read them there, and
 anything else that reads or adds to the gradients gets them back as float32 first. Checked
-against the same backend with float32 gradients (ANDREA_GRADS_LP=0) on the same weights and
+against the same backend with float32 gradients (the setting false) on the same weights and
 tokens, and against itself (the step's norm equals the host's norm of what read_grads returns)."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import itertools
 
 import numpy as np
 import pytest
+from cudabk import cuda_backend
 from devarrays import DevArrays, rounded
 
 from engine.model.layout import ModelShapes, init_params
@@ -23,10 +24,7 @@ HP = {"loss_scale": 1.0, "lr": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8,
 
 
 def _backend(monkeypatch: pytest.MonkeyPatch, on: bool):
-    from engine.backends.cuda import CudaBackend
-
-    monkeypatch.setenv("ANDREA_GRADS_LP", "1" if on else "0")
-    bk = CudaBackend(SHAPES, 4, "bf16", tune=False)  # cuBLASLt's first choices: no timing
+    bk = cuda_backend(SHAPES, 4, "bf16", grads_low_precision=on)
     assert bk.grads_lp == on
     assert ("weight gradients in bf16" in bk.describe()) == on
     bk.load_params(init_params(SHAPES, seed=11))

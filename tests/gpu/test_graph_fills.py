@@ -6,10 +6,10 @@ with cuDNN's and cuBLASLt's memset nodes left in."""
 from __future__ import annotations
 
 import ctypes as C
-import os
 
 import numpy as np
 import pytest
+from cudabk import cuda_backend
 
 from engine.model.layout import ModelShapes, init_params
 
@@ -168,11 +168,11 @@ def test_the_edges_stay_where_they_were(gpu) -> None:
 def test_a_step_with_fill_kernels_gives_the_bits_of_one_with_memsets() -> None:
     """cuDNN's attention and cuBLASLt's GEMMs bring memset nodes into the step graph; as k_fill
     nodes, with the very same parameters, the step computes the same bits (the other GPU tests
-    run with them by default). Both backends take cuBLASLt's first choices (conftest: no GEMM
-    timing), so that they run the same GEMM algorithms. This shows that the fills corrupt
+    run with them by default; the memset nodes are what runs where the fill kernel does not
+    load). Both backends take cuBLASLt's first choices (no GEMM timing), so that they run the
+    same GEMM algorithms. This shows that the fills corrupt
     nothing and race with nothing; that they write the right bytes is the first test's (the
     counters may hold zeros already)."""
-    from engine.backends.cuda import CudaBackend
 
     shapes = ModelShapes(n_layer=2, d_model=128, n_head=2, d_ff=512, vocab_size=8449,
                          seq_len=128)
@@ -180,25 +180,18 @@ def test_a_step_with_fill_kernels_gives_the_bits_of_one_with_memsets() -> None:
           "weight_decay": 0.1, "max_norm": 1.0}
     tok = np.random.default_rng(5).integers(0, 8449, (3, 4, 129)).astype(np.int32)
     out, nodes, fills = [], [], []
-    saved = os.environ.get("ANDREA_MEMSET_KERNELS")
-    try:
-        for on in ("0", "1"):
-            os.environ["ANDREA_MEMSET_KERNELS"] = on
-            bk = CudaBackend(shapes, 4, "bf16", tune=False)
-            bk.load_params(init_params(shapes, seed=4))
-            rows = [bk.train_step(t[:, :-1], t[:, 1:], grad_mult=1.0, t=i + 1, **hp)
-                    for i, t in enumerate(tok)]
-            nodes.append(bk.graph_nodes("step"))
-            step = max((k for k in bk._graphs if k[0] == "step"), default=None)
-            fills.append(bk._graphs[step].fills if step else [])
-            m, v = bk.read_optimizer()
-            out.append((rows, bk.read_params(), m, v))
-            bk.close()
-    finally:
-        if saved is None:
-            os.environ.pop("ANDREA_MEMSET_KERNELS", None)
-        else:
-            os.environ["ANDREA_MEMSET_KERNELS"] = saved
+    for fill_kernels in (False, True):
+        bk = cuda_backend(shapes, 4, "bf16")
+        bk._memset_kernels = fill_kernels  # before any graph is captured
+        bk.load_params(init_params(shapes, seed=4))
+        rows = [bk.train_step(t[:, :-1], t[:, 1:], grad_mult=1.0, t=i + 1, **hp)
+                for i, t in enumerate(tok)]
+        nodes.append(bk.graph_nodes("step"))
+        step = max((k for k in bk._graphs if k[0] == "step"), default=None)
+        fills.append(bk._graphs[step].fills if step else [])
+        m, v = bk.read_optimizer()
+        out.append((rows, bk.read_params(), m, v))
+        bk.close()
     if not nodes[0].get("memset"):
         pytest.skip(f"this step graph has no memset nodes to replace: {nodes[0]}")
     assert not nodes[1].get("memset"), nodes[1]

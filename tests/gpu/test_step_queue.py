@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from cudabk import cuda_backend
 
 from engine.model.layout import ModelShapes, init_params
 
@@ -18,13 +19,12 @@ HP = {"loss_scale": 1.0, "lr": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8,
 
 @pytest.mark.parametrize("first", ["applied", "skipped"])
 def test_a_queued_step_gives_the_bits_of_steps_run_in_turn(first: str) -> None:
-    from engine.backends.cuda import CudaBackend
 
     tok = np.random.default_rng(3).integers(0, 8449, (3, 4, 65)).astype(np.int32)
     gm0 = float("nan") if first == "skipped" else 1.0  # a NaN gradient scale: a skipped step
     out = []
     for queued in (False, True):
-        bk = CudaBackend(SHAPES, 4, "bf16", tune=False)
+        bk = cuda_backend(SHAPES, 4, "bf16", gemm_tune=False)
         bk.load_params(init_params(SHAPES, seed=9))
         rows = []
         x = [(t[:, :-1], t[:, 1:]) for t in tok]
@@ -54,22 +54,20 @@ def test_a_queued_step_gives_the_bits_of_steps_run_in_turn(first: str) -> None:
 def test_the_update_beside_the_next_forward_gives_the_bits_of_the_update_in_its_step(
         monkeypatch: pytest.MonkeyPatch, first: str) -> None:
     """Each step's AdamW left to the next step's graph (on the weight-gradient stream, layer by
-    layer beside the forward) and the LayerNorm parameter sums on that stream: the same bits as
-    both on the main stream in their own step, through two-deep queues, a validation forward
+    layer beside the forward): the same bits as the update in its own step (`defer_update`
+    turned off on a second backend before its first step), through two-deep queues, a validation forward
     between steps (which applies the pending update first), a shorter sequence (its pending
     update applied before its gradients are zeroed), a skipped step and the state read at the
     end."""
-    from engine.backends.cuda import CudaBackend
 
     tok = np.random.default_rng(5).integers(0, 8449, (7, 4, 65)).astype(np.int32)
     x = [(t[:, :-1], t[:, 1:]) for t in tok]
     gm0 = float("nan") if first == "skipped" else 1.0
     out = []
-    for on in ("0", "1"):
-        monkeypatch.setenv("ANDREA_DEFER_ADAMW", on)
-        monkeypatch.setenv("ANDREA_SIDE_LN", on)
-        bk = CudaBackend(SHAPES, 4, "bf16", tune=False)
-        assert bk.defer_update == (on == "1")
+    for defer in (False, True):
+        bk = cuda_backend(SHAPES, 4, "bf16")
+        assert bk.defer_update
+        bk.defer_update = defer
         bk.load_params(init_params(SHAPES, seed=9))
         t = 1
         rows = [bk.train_step(*x[0], grad_mult=gm0, t=t, **HP)]

@@ -2,12 +2,13 @@
 node captured from a stream keeps the stream's priority, a k_fill node that replaced a memset
 takes its neighbour kernel's, and the fused step's graph holds the main stream's kernels at the
 greatest priority and the weight-gradient stream's at the least, with the very bits of a step
-whose streams are equal (ANDREA_STREAM_PRIORITY=0: both at the greatest)."""
+whose streams are equal (both at the greatest)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from cudabk import cuda_backend
 
 from engine.model.layout import ModelShapes, init_params
 
@@ -46,14 +47,15 @@ def test_captured_nodes_keep_their_streams_priority(gpu) -> None:
 
 
 def test_the_step_graph_puts_the_main_stream_first_with_the_same_bits(monkeypatch) -> None:
-    """Two live backends, one with priorities and one without (ANDREA_STREAM_PRIORITY=0), take
-    steps in turn on the process's one main stream: each step graph holds its own backend's
-    priorities, and both give the same bits."""
-    from engine.backends.cuda import CudaBackend, graphs
+    """Two live backends, one as built (its weight-gradient stream below the main one) and one
+    whose weight-gradient stream the test raises to the main stream's priority before anything
+    is captured, take steps in turn on the process's one main stream: each step graph holds its
+    own backend's priorities, and both give the same bits."""
+    from engine import env
+    from engine.backends.cuda import graphs
 
-    for name in ("ANDREA_SIDE_STREAM", "ANDREA_CUDA_GRAPHS", "ANDREA_CUDA_SYNC",
-                 "ANDREA_FUSIONS", "ANDREA_DEFER_ADAMW"):
-        monkeypatch.delenv(name, raising=False)  # the defaults: a side stream, graphs
+    for v in (env.CUDA_GRAPHS, env.CUDA_SYNC):
+        monkeypatch.delenv(v.name, raising=False)  # the defaults: graphs
     shapes = ModelShapes(n_layer=2, d_model=128, n_head=2, d_ff=512, vocab_size=8449,
                          seq_len=128)
     hp = {"loss_scale": 1.0, "lr": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8,
@@ -61,17 +63,18 @@ def test_the_step_graph_puts_the_main_stream_first_with_the_same_bits(monkeypatc
     tok = np.random.default_rng(7).integers(0, 8449, (3, 4, 129)).astype(np.int32)
     bks = []
     try:
-        for on in ("1", "0"):
-            monkeypatch.setenv("ANDREA_STREAM_PRIORITY", on)
-            bks.append(CudaBackend(shapes, 4, "bf16", tune=False))
-            bks[-1].load_params(init_params(shapes, seed=4))
+        for equal in (False, True):
+            bk = cuda_backend(shapes, 4, "bf16")
+            if equal:
+                graphs.set_stream_priority(bk.side.handle, bk.gpu.stream_priorities[1])
+            bk.load_params(init_params(shapes, seed=4))
+            bks.append(bk)
         rows: list[list] = [[], []]
         for i, t in enumerate(tok):  # in turn, on the process's one main stream
             for k, bk in enumerate(bks):
                 rows[k].append(bk.train_step(t[:, :-1], t[:, 1:], grad_mult=1.0, t=i + 1, **hp))
         prios = [{k: g.kernel_priorities() for k, g in bk._graphs.items() if k[0] == "step"}
                  for bk in bks]
-        described = ["ANDREA_STREAM_PRIORITY" in bk.describe() for bk in bks]
         states = [(bk.read_params(), *bk.read_optimizer()) for bk in bks]
     finally:
         for bk in bks:
@@ -82,7 +85,6 @@ def test_the_step_graph_puts_the_main_stream_first_with_the_same_bits(monkeypatc
         assert set(counts) == {least, greatest}, (key, counts)
     for key, counts in prios[1].items():  # both streams at the main stream's
         assert set(counts) == {greatest}, (key, counts)
-    assert described == [True, False]
     for (la, na, ca), (lb, nb, cb) in zip(rows[0], rows[1], strict=True):
         assert np.array_equal(la, lb) and (na, ca) == (nb, cb), ((na, ca), (nb, cb))
     for x, y in zip(*states, strict=True):

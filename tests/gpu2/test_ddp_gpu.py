@@ -4,9 +4,12 @@ CUDA backend, so the gradients go through ncclAllReduce instead of the host stan
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+import tests.test_ddp as scenarios
+from tests.conftest import micro_config_dict
 from tests.test_ddp import (
     cfgs,  # noqa: F401 (a fixture)
     kill_9_of_one_rank_fails_the_job_in_bounded_time,
@@ -20,9 +23,14 @@ pytestmark = pytest.mark.gpu2
 
 @pytest.fixture(autouse=True)
 def first_choice_gemms(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The runs compared here each start afresh: cuBLASLt's first choices (no timing) give every
-    one of them the same GEMM algorithms, so bit-for-bit comparisons compare the parallelism."""
-    monkeypatch.setenv("ANDREA_GEMM_TUNE", "0")
+    """The runs compared here each start afresh: cuBLASLt's first choices (gpu.gemm_tune false:
+    no timing) give every one of them the same GEMM algorithms, so bit-for-bit comparisons
+    compare the parallelism."""
+
+    def untuned(**train: Any) -> dict[str, Any]:
+        return {**micro_config_dict(**train), "gpu": {"gemm_tune": False}}
+
+    monkeypatch.setattr(scenarios, "micro_config_dict", untuned)
 
 
 def test_two_gpus_equal_one_gpu_with_two_micro_batches(tmp_path: Path, cfgs) -> None:  # noqa: F811

@@ -6,7 +6,9 @@ replayed, so a step costs a few host copies and one graph launch. Precision: flo
 weights, gradients and Adam moments always; activations and the GEMM weight copy in `precision`
 (bf16 default, fp16, or fp32).
 
-Two choices, both made at start and said in `attention_info` / `describe()`:
+The config's gpu section (engine.config.GpuConfig) says what to run; what runs, where the GPU
+cannot honour it, is decided once at start, said in `attention_info` / `describe()` and `notes`,
+and kept in `resolved`. The two main choices:
 - attention: "cudnn" (cuDNN's fused flash attention, cudnn_attn.py: no [B,H,T,T] buffers) or
   "classic" (ops.attn_fwd / attn_bwd: chunked GEMMs and a softmax kernel). "auto" takes cuDNN
   when the frontend is installed, the precision is bf16/fp16 and cuDNN accepts the shapes; else
@@ -14,16 +16,14 @@ Two choices, both made at start and said in `attention_info` / `describe()`:
   with N = 3d computes them, cuDNN reads them and writes dQ, dK, dV so, and their input
   gradient is one GEMM over K = 3d; the GEMM copy of the weights keeps each layer's W_Q, W_K,
   W_V side by side for that ([d,3d], see `qkv_rows`). The slabs and three GEMMs where cuDNN
-  refuses the rows, or with ANDREA_QKV_ROWS=0.
-- fusions (default on): every GEMM through gemm.LtGemm with algorithms chosen by timing at start
-  (or taken from a recorded plan: `gemm_plan`), weight-gradient GEMMs on a second stream, the
-  fused kernels (residual + LayerNorm, LayerNorm backward with its parameter sums, loss forward
-  and backward in one pass; opt-in, the forward's residual adds in the epilogues of the GEMMs
-  before them, ANDREA_RESID_GEMM=1), and `train_step`: zero, forward, backward, gradient norm, clip,
-  non-finite skip and AdamW in one graph with one host read (the AdamW left to the next step's
-  graph, beside its forward, unless ANDREA_DEFER_ADAMW=0: see `_apply_update`). Off: the path
-  before all this (plain cuBLAS, separate kernels, the optimizer launched from the host), kept
-  for comparison and as the unfused reference (ANDREA_FUSIONS=0 sets the default).
+  refuses the rows, or with gpu.qkv_rows false.
+- fusions (gpu.fusions, default on): every GEMM through gemm.LtGemm with algorithms chosen by timing at start
+  (or taken from a recorded plan: `gemm_plan`), weight-gradient GEMMs and the LayerNorm parameter
+  sums on a second stream, the fused kernels (residual + LayerNorm, loss forward and backward in
+  one pass), and `train_step`: zero, forward, backward, gradient norm, clip, non-finite skip and
+  AdamW in one graph with one host read (the AdamW left to the next step's graph, beside its
+  forward: see `_apply_update`). Off: plain cuBLAS, separate kernels, the optimizer launched
+  from the host: the unfused reference the fused kernels are checked against.
 
 Activation rows are time-major (row r = t*B + b): see ops.py for why. Buffers are named, sized
 and laid out by buffers.py (the saved activations by engine/backends/activations.py, the
@@ -33,12 +33,13 @@ names the numpy backend uses too).
 from __future__ import annotations
 
 import collections
-import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
+from engine import env
+from engine.backends.base import StepOutcome
 from engine.backends.cuda import flex_attn, graphs
 from engine.backends.cuda.buffers import (
     HP_FIELDS,
@@ -56,37 +57,43 @@ from engine.backends.cuda.cublaslt import CublasLt
 from engine.backends.cuda.fp8 import GEMMS as FP8_GEMMS
 from engine.backends.cuda.fp8 import Fp8Mlp, plan_fp8
 from engine.backends.cuda.memory import format_plan
-from engine.backends.cuda.ops import ATTN_CHUNK, NORM_RANGE_BLOCKS, Ops
+from engine.backends.cuda.ops import NORM_RANGE_BLOCKS, Ops
 from engine.backends.cuda.runtime import ACT_BYTES, Gpu
-from engine.backends.cuda.settings import ATTENTIONS, CudaSettings, default_attention
+from engine.config import ATTENTIONS, GpuConfig
 from engine.errors import RunError, UserError
 from engine.model.layout import ModelShapes, init_params, n_params, tensor_table
 
 ADAMW_MAX_SEGS = 1024  # the same cap as kernels/optim.cu
 STEP_SLOTS = 2  # fused steps that can be queued at once (launch_step before step_result)
 SAFETY_BYTES = 256 << 20  # left free for the driver, cuBLAS's own state and graph instantiation
+DEFAULT_GPU = GpuConfig()
 
 
 class CudaBackend:
     """The interface of engine/backends/base.py on one GPU."""
 
     name = "cuda"
+    on_gpu = True
+
+    @staticmethod
+    def host_plan(shapes: ModelShapes, micro_batch: int, separate_micro: bool = False
+                  ) -> dict[str, int]:
+        """{}: the buffers live on the device (checked against its free memory at start)."""
+        return {}
+
+    def device_step(self) -> CudaBackend | None:
+        """This backend, whose `launch_step` runs the whole optimizer step in one graph, where
+        fusions are on; else None."""
+        return self if self.fused_step else None
 
     def __init__(self, shapes: ModelShapes, micro_batch: int, precision: str = "bf16",
-                 dtype: type = np.float32, *, attention: str | None = None,
-                 fusions: bool | None = None, gemm_plan: dict[str, Any] | None = None,
-                 tune: bool | None = None, separate_micro: bool = False,
-                 settings: Mapping[str, Any] | None = None) -> None:
-        """attention: "auto" | "cudnn" | "classic" (default ANDREA_ATTENTION or auto);
-        fusions: see the module doc (default ANDREA_FUSIONS or on); gemm_plan: a recorded
-        GEMM plan (engine.records.GemmPlan.to_json()) to use instead of timing; tune: time the
-        GEMM candidates at start when no plan covers them (else cuBLASLt's first choice;
-        default ANDREA_GEMM_TUNE or on); separate_micro: the buffer that
-        forward_backward(separate=True) needs (gradient accumulation, see the interface);
-        settings: what the run being resumed recorded (`self.settings` then, in its state.json:
-        engine.records.cuda_settings_of): its attention path, where `attention` is auto, and its
-        switches, where the environment does not set them, so that the resume computes the
-        same bits even where a default changed since."""
+                 dtype: type = np.float32, *, gpu: GpuConfig = DEFAULT_GPU,
+                 gemm_plan: Mapping[str, Any] | None = None,
+                 separate_micro: bool = False) -> None:
+        """gpu: the config's gpu section (engine.config.GpuConfig: attention, fusions, ...);
+        gemm_plan: a recorded GEMM plan (gemm_plan.GemmPlan.to_json()) to use instead of timing;
+        separate_micro: the buffer that forward_backward(separate=True) needs (gradient
+        accumulation, see the interface)."""
         if precision not in (*ACT_BYTES, "fp8"):
             raise UserError(f"train/precision: expected fp32, bf16, fp16 or fp8, got "
                             f"{precision!r}")
@@ -97,115 +104,85 @@ class CudaBackend:
             raise UserError("the CUDA backend computes in float32 masters; dtype must be float32")
         if micro_batch < 1:
             raise UserError(f"train/batch_size: expected a positive integer, got {micro_batch}")
+        if gpu.attention not in ATTENTIONS:
+            raise UserError(f"gpu.attention: expected auto, cudnn or classic, got "
+                            f"{gpu.attention!r}")
+        self.gpu_config = gpu
         self.notes: list[str] = []  # what the start-up decided, for the run's log
-        # the settings that decide the bits, as resolved here (settings.py; then the record's
-        # others, carried on: one this start does not read): the run records them
-        self._cuda = CudaSettings(settings, self.notes)
-        self.settings = self._cuda.values
-        attention = attention or default_attention()
-        if attention not in ATTENTIONS:
-            raise UserError(f"attention: expected auto, cudnn or classic, got {attention!r}")
-        # auto prefers cuDNN, so a recorded cudnn needs nothing (and where cuDNN cannot run
-        # now, auto falls back and a note says so); a recorded classic stays classic
-        recorded_classic = attention == "auto" and self._cuda.recorded.get("attention") == "classic"
-        if recorded_classic:
-            attention = "classic"
-        if fusions is None:
-            self.fusions = self._cuda.flag("ANDREA_FUSIONS")
-            if self.fp8 and not self.fusions and os.environ.get("ANDREA_FUSIONS") is None:
-                self.fusions = self.settings["ANDREA_FUSIONS"] = True
-                self.notes.append("ANDREA_FUSIONS: the run recorded 0, and fp8 runs on the fused "
-                                  "path only: on (the bits differ from the run's)")
-        else:
-            self.fusions = self.settings["ANDREA_FUSIONS"] = bool(fusions)
+        self.fusions = gpu.fusions
         if self.fp8 and not self.fusions:
-            raise UserError("train/precision fp8: the FP8 GEMMs are the fused path's "
-                            "(cuBLASLt); ANDREA_FUSIONS=0 turns it off")
+            raise UserError("train/precision fp8: the FP8 GEMMs are the fused path's, and the "
+                            "config's gpu.fusions is false")
         self.shapes, self.B, self.precision = shapes, micro_batch, precision
-        self.gpu = gpu = Gpu.get()
-        self.drv = drv = gpu.drv
-        self.device = gpu.describe(named)
-        if self.fp8 and gpu.dev.compute_capability() < (8, 9):
-            major, minor = gpu.dev.compute_capability()
-            raise UserError(f"train/precision fp8: {gpu.dev.name()} (sm_{major}{minor}) has no "
+        self.gpu = gpu_ = Gpu.get()
+        self.drv = drv = gpu_.drv
+        self.device = gpu_.describe(named)
+        if self.fp8 and gpu_.dev.compute_capability() < (8, 9):
+            major, minor = gpu_.dev.compute_capability()
+            raise UserError(f"train/precision fp8: {gpu_.dev.name()} (sm_{major}{minor}) has no "
                             f"FP8 tensor cores; FP8 needs compute capability 8.9 or newer "
                             f"(Ada, Hopper): use bf16")
-        if precision == "bf16" and gpu.dev.compute_capability() < (8, 0):
+        if precision == "bf16" and gpu_.dev.compute_capability() < (8, 0):
             raise RunError(f"bf16 needs compute capability 8.0 or newer, {self.device} has not")
-        self.stream = gpu.stream
+        self.stream = gpu_.stream
         self.table = tensor_table(shapes)
         self.n = n = n_params(shapes)
         self.off = {t.name: t.offset for t in self.table}
         self.es = ACT_BYTES[precision]
         self.ldv = logits_ld(shapes.vocab_size)  # aligned logits rows
         self.wte_rows = n // shapes.d_model  # rows readable from wte on (see ops.loss_fwd)
-        self.use_graphs = (os.environ.get("ANDREA_CUDA_GRAPHS", "1") != "0"
-                           and os.environ.get("ANDREA_CUDA_SYNC", "0") != "1")
+        self.use_graphs = env.CUDA_GRAPHS.read() and not env.CUDA_SYNC.read()
         # the captured graphs' memset nodes (cuDNN's, cuBLASLt's) as k_fill kernel nodes
-        # (graphs.py); the same bytes, so not a recorded setting
-        self._memset_kernels = os.environ.get("ANDREA_MEMSET_KERNELS", "1") != "0"
+        # (graphs.py; the same bytes), unless the fill kernel does not load
+        self._memset_kernels = True
         self.S = shapes.seq_len
 
         self.cudnn: Any = None
         # Q, K, V side by side in rows ([R,3d]): computed by one GEMM with N = 3d, read by
         # cuDNN, which writes dQ, dK, dV so, and their input gradient one GEMM over K = 3d,
         # instead of slabs and three GEMMs each way: cuDNN attention and fusions only
-        # (ANDREA_QKV_ROWS=0: the slabs). The GEMM copy of the weights (plp) then keeps each
+        # (gpu.qkv_rows false: the slabs). The GEMM copy of the weights (plp) then keeps each
         # layer's W_Q, W_K, W_V as one [d,3d] W_QKV in their 3d² range (kernels/optim.cu
         # lp_index, buffers.lp_positions); the float32 masters, gradients, m and v, and so the
         # checkpoint, keep the flat layout of DESIGN §2. It changes the bits (the input
-        # gradient's sum rounded once instead of three times); a resume takes up the run's
-        # recorded setting (`settings`).
+        # gradient's sum rounded once instead of three times).
         # (d² < 2³¹: the optimizer kernels' 32-bit division, buffers.qkv_seg_table)
-        self._want_qkv_rows = (self.fusions and shapes.d_model ** 2 < 2**31
-                               and self._cuda.flag("ANDREA_QKV_ROWS"))
-        self.attention, self.attention_info = self._pick_attention(attention)
-        if recorded_classic:
-            self.attention_info = "classic (the run's recorded path)"
-        self.settings["attention"] = self.attention
-        if self._cuda.recorded.get("attention") not in (None, self.attention):
-            self.notes.append(f"attention {self.attention}, where the run recorded "
-                              f"{self._cuda.recorded['attention']}: the bits differ from an "
-                              f"uninterrupted run")
+        self._want_qkv_rows = (self.fusions and shapes.d_model ** 2 < 2**31 and gpu.qkv_rows)
+        self.attention, self.attention_info = self._pick_attention(gpu.attention)
         # the layout cuDNN's graphs were built for decides (one place, before the GEMM copy is
         # first written): the GEMMs and the GEMM copy follow it
         self.qkv_rows = self.attention == "cudnn" and self.cudnn.rows
-        # classic attention's causal chunks: its GEMMs' shapes, so its bits (recorded there;
-        # checked whichever path runs)
-        chunk = self._cuda.count("ANDREA_ATTN_CHUNK", ATTN_CHUNK,
-                                 record=self.attention == "classic",
-                                 expected=self._cuda.recorded.get("attention") == "classic")
-        if (self._want_qkv_rows and self.attention != "cudnn"
-                and os.environ.get("ANDREA_QKV_ROWS") is not None):  # asked for, not the default
-            self.notes.append("ANDREA_QKV_ROWS: needs cuDNN's attention; the classic one runs "
-                              "with its three GEMMs")
-        # the flex deterministic attention backward instead of cuDNN's (flex_attn.py):
-        # it changes the bits, so it is recorded; where it cannot run, cuDNN's does, said
-        self.flex = self._pick_flex()
+        # classic attention's causal chunks: its GEMMs' shapes, so its bits
+        chunk = gpu.attention_chunk
+        # the flex deterministic attention backward instead of cuDNN's (flex_attn.py): it
+        # changes the bits; where it cannot run, cuDNN's does, and a note says why
+        self.flex = self._pick_flex() if gpu.flex_backward else None
         cudnn_ws = (max(self.cudnn.workspace_bytes(self.B, self.S),
                         self.cudnn.workspace_bytes(1, self.S)) if self.cudnn else 0)
         # The training logits in the compute precision (fusions, bf16/fp16): the logits GEMM
         # rounds z as PyTorch's autocast does, the loss kernel reads half the bytes and writes
-        # dlogits over them (ops.loss_fwd_bwd). It changes the bits, so it is recorded; a run
-        # resumed from a record written before it existed keeps its float32 logits.
-        self.logits_lp = (self.fusions and precision != "fp32"
-                          and self._cuda.flag("ANDREA_LOGITS_LP",
-                                              default=not self._cuda.recorded))
+        # dlogits over them (ops.loss_fwd_bwd). It changes the bits.
+        self.logits_lp = self.fusions and precision != "fp32" and gpu.logits_low_precision
         # The layers' weight gradients in the compute precision (fusions, bf16, no FP8, d_model
         # a multiple of 4, buffers.GRAD_LP_TENSORS): where a fused step writes its gradients
         # (one micro-batch at full length, one rank), its weight-gradient GEMMs round them to
         # bf16 as PyTorch's autocast does, and the norm and AdamW read half the bytes; every
-        # other path keeps float32 (`_settle_glp`). It changes the bits, so it is recorded; a
-        # run resumed from a record written before it keeps float32 gradients.
+        # other path keeps float32 (`_settle_glp`). It changes the bits.
         # Not in fp8 (its precision here is bf16, but its MLP writes its own float32
         # gradients). The setting also cuts the norm's ranges where the kind would change
         # (`norm_by_kind`) wherever it is on: with gradient accumulation (separate_micro, whose
         # steps add float32 gradients and keep no bf16 ones) as well, so that one GPU of two
         # micro-batches sums the norm in the order two GPUs of one do (DESIGN §11).
         norm_by_kind = (self.fusions and precision == "bf16" and not self.fp8
-                        and shapes.d_model % 4 == 0
-                        and self._cuda.flag("ANDREA_GRADS_LP", default=not self._cuda.recorded))
+                        and shapes.d_model % 4 == 0 and gpu.grads_low_precision)
         self.grads_lp = norm_by_kind and not separate_micro
+        # what runs, where the GPU could not honour the config: what the ranks of a job compare
+        self.resolved: dict[str, bool | int | str] = {
+            "attention": self.attention, "fusions": self.fusions, "qkv_rows": self.qkv_rows,
+            "flex_backward": False, "logits_low_precision": self.logits_lp,
+            "grads_low_precision": norm_by_kind,
+            **({"attention_chunk": chunk} if self.attention == "classic" else {}),
+            **({} if self.fusions else {"gelu_in_gemm": gpu.gelu_in_gemm})}
         plan, self.train, self.sample = plan_memory(shapes, micro_batch, precision,
                                                     self.attention, self.fusions, cudnn_ws,
                                                     separate_micro, self.qkv_rows,
@@ -239,50 +216,37 @@ class CudaBackend:
         if self.fusions:
             from engine.backends.cuda.gemm import LtGemm
 
-            self.gemm = LtGemm(WORKSPACE_BYTES, self.device)
+            self.gemm = LtGemm(WORKSPACE_BYTES, self.device, gpu.gemm_candidates)
             plan_refused = self.gemm.import_plan(gemm_plan)  # "" or why it is not used
             if plan_refused:
                 self.notes.append(plan_refused)
-            # the weight-gradient stream (non-blocking)
-            self.side = drv.Stream(flags=1) if self._cuda.flag("ANDREA_SIDE_STREAM") else None
-            self.ops = Ops(gpu.kernels(precision), None, self.stream, precision,
+            self.side = drv.Stream(flags=1)  # the weight-gradient stream (non-blocking)
+            self.ops = Ops(gpu_.kernels(precision), None, self.stream, precision,
                            gemm=self.gemm, ws=plan["cublas_ws"], side=self.side,
                            ws2=plan["cublas_ws2"], cudnn=self.cudnn, cudnn_ws=cws,
                            event=lambda: drv.Event(drv.event_flags.DISABLE_TIMING),
                            attn_chunk=chunk)
-            if self.side is not None:
-                # two per weight-gradient GEMM (fork, done; 4 a layer, dwte) and per LayerNorm
-                # parameter sum (2 a layer, the final one), one per layer's deferred update and
-                # per range of the gradient norm (a layer's, the embeddings'), the joins
-                self.ops.reserve_events(14 * shapes.n_layer + 26)
+            # two per weight-gradient GEMM (fork, done; 4 a layer, dwte) and per LayerNorm
+            # parameter sum (2 a layer, the final one), one per layer's deferred update and per
+            # range of the gradient norm (a layer's, the embeddings'), the joins
+            self.ops.reserve_events(14 * shapes.n_layer + 26)
         else:
             self.blas = Cublas(self.stream.handle, plan["cublas_ws"], WORKSPACE_BYTES)
-            # GELU in the MLP GEMMs' epilogues (ANDREA_GELU_FUSION=0: separate GELU kernels)
+            # GELU in the MLP GEMMs' epilogues (gpu.gelu_in_gemm false: separate GELU kernels)
             self.lt = (CublasLt(self.stream.handle, plan["cublas_ws"], WORKSPACE_BYTES)
-                       if self._cuda.flag("ANDREA_GELU_FUSION") else None)
-            self.ops = Ops(gpu.kernels(precision), self.blas, self.stream, precision, self.lt,
+                       if gpu.gelu_in_gemm else None)
+            self.ops = Ops(gpu_.kernels(precision), self.blas, self.stream, precision, self.lt,
                            cudnn=self.cudnn, cudnn_ws=cws, attn_chunk=chunk)
         self._set_stream_priorities()
         self.fp8_mlp = (Fp8Mlp(self.ops, plan, shapes.n_layer, shapes.d_model, shapes.d_ff,
                                self.ops.act, self.train.R) if self.fp8 else None)
         self.fused_step = self.fusions
-        self.fused_ln = self.fusions and self._cuda.flag("ANDREA_FUSED_LN", default=False)
-        # the forward's residual adds in the epilogues of the attention-output and MLP-output
-        # GEMMs (beta 1, C = the residual stream), then the plain LayerNorm: cuBLASLt's GEMMs
-        # only (a C apart from D). It changes the bits (the sum rounded once instead of the
-        # projection and then the sum), so a run resumes with the setting it started with.
-        self.resid_gemm = (self.fusions and self.gemm is not None
-                           and self._cuda.flag("ANDREA_RESID_GEMM", default=False))
-        self.write_grads = self._cuda.flag("ANDREA_WRITE_GRADS")
-        self.dwte_pad = self.S if self._cuda.flag("ANDREA_DWTE_PAD") else 0
         # A fused step may leave its AdamW update pending (k_step_clip recorded it): the next
         # step's graph applies it layer by layer on the weight-gradient stream while its
         # forward runs, each layer's forward waiting for its own range; anything else that
         # touches the state applies it first (_settle_update). Not with FP8 (its weight copies
         # are made at the start of the pass) nor data-parallel steps.
-        self.defer_update = (self.fused_step and self.side is not None and not self.fp8
-                             and self._cuda.flag("ANDREA_DEFER_ADAMW"))
-        self._cuda.carry_recorded()
+        self.defer_update = self.fused_step and not self.fp8
         self._update_pending = False
         self.p, self.g = plan["params"], plan["grads"]
         self.glp = plan["grads_lp"] if self.grads_lp else 0
@@ -324,9 +288,8 @@ class CudaBackend:
         for group in ("activations", "scratch") + (("flex",) if self.flex is not None else ()):
             base, size = plan.span(group)
             drv.memset_d8_async(base, 0, size, self.stream)
-        # The optimizer's tensor table lives in "scratch" too: written only after that zeroing (it
-        # was written before it once, so k_adamw read a table of zeros and its segment search
-        # ran past the shared arrays: the illegal address and the wrong weight decay).
+        # The optimizer's tensor table lives in "scratch" too: written only after that zeroing
+        # (a table of zeros sends k_adamw's segment search past its shared arrays).
         self.stream.synchronize()
         self.seg_start = np.array([t.offset for t in self.table] + [n], dtype=np.int64)
         self.seg_decay = np.array([len(t.shape) == 2 for t in self.table], dtype=np.int32)
@@ -342,10 +305,10 @@ class CudaBackend:
             drv.memcpy_htod(plan["seg_qkv"], self.seg_qkv)
         if self.flex is not None:
             self._bind_flex(plan)
+        self.resolved["flex_backward"] = self.flex is not None
         drv.Context.synchronize()  # pageable copies may still be in flight for our stream
         self._zero_state()
-        if tune is None:
-            tune = os.environ.get("ANDREA_GEMM_TUNE", "1") != "0"
+        tune = gpu.gemm_tune
         self.gemm_source = ("from the recorded plan" if gemm_plan and not plan_refused else
                             "timed at start" if tune else "cuBLASLt's first choices")
         self._warm_up(tune and self.fusions)
@@ -355,8 +318,8 @@ class CudaBackend:
     # --- start-up ---------------------------------------------------------------------------------
     def _pick_attention(self, want: str) -> tuple[str, str]:
         """("cudnn" | "classic", what runs and why), building cuDNN's graphs when it is used:
-        with Q, K, V and dQ, dK, dV side by side in rows when ANDREA_QKV_ROWS wants it, else
-        (or where cuDNN refuses any of those graphs, with a note) as slabs."""
+        with Q, K, V and dQ, dK, dV side by side in rows when gpu.qkv_rows wants it, else (or
+        where cuDNN refuses any of those graphs, with a note) as slabs."""
         if want == "classic":
             return "classic", "classic (requested)"
         why = ""
@@ -382,7 +345,7 @@ class CudaBackend:
                     att.build(self.B, self.S, backward=True)
                     att.build(1, self.S, backward=False)  # sampling (logits_last)
                     if self._want_qkv_rows and not rows:
-                        self.notes.append(f"ANDREA_QKV_ROWS: cuDNN refuses Q, K, V in rows "
+                        self.notes.append(f"gpu.qkv_rows: cuDNN refuses Q, K, V in rows "
                                           f"({why}); the slabs and three GEMMs run instead")
                     return "cudnn", f"cudnn ({att.version}; deterministic backward)"
                 except RunError as e:
@@ -393,27 +356,19 @@ class CudaBackend:
                     self.cudnn.close()
                     self.cudnn = None
         if want == "cudnn":
-            raise UserError(f"attention cudnn: {why}")
+            raise UserError(f"gpu.attention cudnn: {why}")
         return "classic", f"classic ({why})"
 
     def _pick_flex(self) -> flex_attn.FlexAttention | None:
-        """The flex deterministic backward where ANDREA_FLEX_BWD (the environment's, else the
-        run's record; on for a new run, off for a record that predates it) asks for it and it
-        can run (flex_attn.refusal, then its library loads), with `attention_info` saying so;
-        else None: cuDNN's backward runs and the setting is recorded off. A note says why where
-        the environment or the record asked for it, or where its library failed on a GPU and
-        model it fits (and, where the run recorded it on, that the bits differ); the default
-        refused by the model, precision or GPU is said nowhere (nothing to do about it)."""
-        if not self._cuda.flag(flex_attn.SETTING, default=not self._cuda.recorded):
-            return None
+        """The flex deterministic backward (gpu.flex_backward) where it can run
+        (flex_attn.refusal, then its library loads), with `attention_info` saying so; else
+        None, cuDNN's backward runs and a note says why."""
         s = self.shapes
         hd = s.d_model // s.n_head
         why = flex_attn.refusal(self.attention, self.qkv_rows, self.precision, hd, self.S,
                                 self.gpu.dev.compute_capability(), rows_off=self._rows_off())
         if why:
-            asked = (os.environ.get(flex_attn.SETTING) is not None
-                     or self._cuda.recorded.get(flex_attn.SETTING) is True)
-            self._flex_off(why, say=asked)
+            self._flex_off(why)
             return None
         try:
             # the one shape the backward runs at: the micro-batch at full length (_backward)
@@ -424,38 +379,30 @@ class CudaBackend:
         finally:  # a build's note, whether or not its library then loads
             self.notes.extend(flex_attn.build_notes)
             flex_attn.build_notes.clear()
-        self.attention_info = (f"cudnn ({self.cudnn.version}; flex deterministic "
-                               f"backward, {flex_attn.SETTING})")
+        self.attention_info = f"cudnn ({self.cudnn.version}; flex deterministic backward)"
         return flex_attn.FlexAttention(fb, self.cudnn.scale)  # cuDNN's forward's
 
     def _rows_off(self) -> str:
         """Why Q, K, V are not in rows (`qkv_rows` false; "" where they are), as __init__
-        decides it: fusions off, d² ≥ 2³¹, ANDREA_QKV_ROWS off (or the run's record), or cuDNN
-        refusing the rows (its note says why)."""
+        decides it: fusions off, d² ≥ 2³¹, gpu.qkv_rows false, or cuDNN refusing the rows (its
+        note says why)."""
         if self.qkv_rows:
             return ""
         if not self.fusions:
-            return "the rows are the fused path's, and ANDREA_FUSIONS is off"
+            return "the rows are the fused path's, and gpu.fusions is false"
         if self.shapes.d_model ** 2 >= 2**31:
             return "d_model² ≥ 2³¹: the optimizer kernels' 32-bit division keeps the slabs"
         if not self._want_qkv_rows:
-            return "ANDREA_QKV_ROWS is off"
+            return "gpu.qkv_rows is false"
         if self.attention != "cudnn":
             return f"the {self.attention} attention runs"
-        return "cuDNN refuses them in rows: see the ANDREA_QKV_ROWS note"
+        return "cuDNN refuses them in rows: see the gpu.qkv_rows note"
 
-    def _flex_off(self, why: str, say: bool = True) -> None:
-        """The flex backward refused (`why`): the setting recorded off, a note saying why and
-        what runs instead (where `say`), and, where the run recorded it on, that the bits
-        differ."""
-        self.settings[flex_attn.SETTING] = False
+    def _flex_off(self, why: str) -> None:
+        """The flex backward refused (`why`): a note saying why and what runs instead."""
         then = ("cuDNN's deterministic backward runs" if self.attention == "cudnn"
                 else "it is not used")
-        if say:
-            self.notes.append(f"{flex_attn.SETTING}: {why}; {then}")
-        if self._cuda.recorded.get(flex_attn.SETTING) is True:
-            self.notes.append(f"{flex_attn.SETTING}: the run recorded 1: the bits differ from an "
-                              f"uninterrupted run")
+        self.notes.append(f"gpu.flex_backward: {why}; {then}")
 
     def _bind_flex(self, plan: Any) -> None:
         """Once the plan is allocated and zeroed: the flex backward's plan arrays uploaded, then
@@ -482,8 +429,9 @@ class CudaBackend:
         try:
             self.stream.synchronize()
         except Exception as e:  # pycuda's own error: a fault the context does not survive
-            raise RunError(f"ANDREA_FLEX_BWD: its first call faulted ({type(e).__name__}: {e}); "
-                           f"the CUDA context is lost: start with ANDREA_FLEX_BWD=0") from None
+            raise RunError(f"gpu.flex_backward: its first call faulted ({type(e).__name__}: "
+                           f"{e}); the CUDA context is lost: start with \"flex_backward\": "
+                           f"false in the config's gpu section") from None
         self.ops.flex = self.flex
 
     def _time_ms(self, fn: Callable[[], None]) -> float:
@@ -540,7 +488,7 @@ class CudaBackend:
             self.ops.begin_pass()
             # as train_step runs at full length (the weight-gradient GEMMs with beta 0): those
             # are the problems to time
-            self.ops.overwrite_grads = self.fused_step and self.write_grads
+            self.ops.overwrite_grads = self.fused_step
             self.ops.wgrad_lp = self.ops.overwrite_grads and self.grads_lp
             self._forward(b, T, loss=True, train=True)
             self._backward(b, T)
@@ -576,16 +524,13 @@ class CudaBackend:
         return self.gemm.export_plan() if self.gemm is not None else None
 
     def _set_stream_priorities(self) -> None:
-        """The weight-gradient stream one priority below the main stream (which runs at the
-        greatest: runtime.Gpu): where both have blocks waiting for SMs, the main stream's (the
-        step's chain) are served first; the kernel nodes of a graph keep the priority of the
-        stream they were captured from (graphs.py). ANDREA_STREAM_PRIORITY=0: both at the
-        greatest, equal. The same kernels in the same order: the same bits."""
-        self.priority_on = (self.side is not None
-                            and os.environ.get("ANDREA_STREAM_PRIORITY", "1") != "0")
+        """The weight-gradient stream at the least priority, below the main stream (which runs
+        at the greatest: runtime.Gpu): where both have blocks waiting for SMs, the main stream's
+        (the step's chain) are served first; the kernel nodes of a graph keep the priority of
+        the stream they were captured from (graphs.py)."""
         if self.side is not None:
-            least, greatest = self.gpu.stream_priorities
-            graphs.set_stream_priority(self.side.handle, least if self.priority_on else greatest)
+            least, _greatest = self.gpu.stream_priorities
+            graphs.set_stream_priority(self.side.handle, least)
 
     def describe(self) -> str:
         """One line: attention, GEMMs and fusions as they run."""
@@ -599,19 +544,16 @@ class CudaBackend:
                    f"{', '.join(on) if on else 'none'}"
                    + (f" (bf16: {', '.join(g for g in FP8_GEMMS if g not in on)})"
                       if len(on) < len(FP8_GEMMS) else ""))
-        rows = ("; Q, K, V in rows, one GEMM forward and one for their input gradient "
-                "(ANDREA_QKV_ROWS)" if self.qkv_rows else "")
-        resid = ("; residual adds in the GEMM epilogues (ANDREA_RESID_GEMM)" if self.resid_gemm
-                 else "")
+        rows = ("; Q, K, V in rows, one GEMM forward and one for their input gradient"
+                if self.qkv_rows else "")
         over = ", dlogits over them" if self.train.dlogits_in_logits else ""
-        logits = (f"; logits in {'fp16' if self.precision == 'fp16' else 'bf16'}{over} "
-                  f"(ANDREA_LOGITS_LP)" if self.logits_lp else "")
-        glp = ("; the layers' weight gradients in bf16 (ANDREA_GRADS_LP)" if self.grads_lp
-               else "")
-        prio = ("; the main stream's kernels before the weight-gradient stream's "
-                "(ANDREA_STREAM_PRIORITY)" if self.priority_on else "")
+        logits = (f"; logits in {'fp16' if self.precision == 'fp16' else 'bf16'}{over}"
+                  if self.logits_lp else "")
+        glp = "; the layers' weight gradients in bf16" if self.grads_lp else ""
+        prio = ("; the main stream's kernels before the weight-gradient stream's"
+                if self.side is not None else "")
         return (f"attention {self.attention_info}; GEMMs {gemm}; fusions "
-                f"{'on' if self.fusions else 'off'}{prio}{rows}{resid}{logits}{glp}{fp8}")
+                f"{'on' if self.fusions else 'off'}{prio}{rows}{logits}{glp}{fp8}")
 
     @property
     def fp8_gemms(self) -> list[str]:
@@ -652,11 +594,8 @@ class CudaBackend:
         ready(l): called before layer l's parameters are first read (l = L: the final
         LayerNorm's), where the previous step's update is still being applied.
 
-        Each residual add, x + branch, then a LayerNorm of the sum: with `resid_gemm`, the
-        branch's output GEMM writes the sum itself (C = x, D = the new residual) and the
-        LayerNorm reads it (one [R,d] tensor read and written less than residual_layernorm_fwd's
-        x and proj in, sum and LayerNorm out); the FP8 MLP writes `proj` and keeps the fused
-        kernel; without fusions, residual_add and layernorm_fwd."""
+        Each residual add, x + branch, then a LayerNorm of the sum: one residual_layernorm_fwd
+        with fusions, else residual_add and layernorm_fwd."""
         s, o = self.shapes, self.ops
         d, F, L = s.d_model, s.d_ff, s.n_layer
         B, R = b.B, b.B * T
@@ -664,8 +603,6 @@ class CudaBackend:
         io = b.io()
         proj = b.at("proj")
         fp8 = self.fp8_mlp if train and b is self.train else None
-        attn_resid = fused and self.resid_gemm
-        mlp_resid = attn_resid and fp8 is None
         if fp8 is not None:  # this pass's FP8 weight copies, from the masters
             fp8.begin_pass(lambda layer, name: self._p32(f"h.{layer}.{name}"))
         o.embed_fwd(io["tokens"], self._p32("wte"), self._p32("wpe"), b.at("x", 0), B, T, d)
@@ -686,24 +623,16 @@ class CudaBackend:
             self._attention_fwd(b, a, T)
             # xmid = x[l] + att @ W_O; ln2 = LayerNorm(xmid)
             g2, b2 = self._p32(h + "ln2.gamma"), self._p32(h + "ln2.beta")
-            if attn_resid:
-                o.attn_out_fwd(a["att"], self._w(h + "attn.W_O"), a["xmid"], R, d,
-                               resid=b.at("x", l))
-                o.layernorm_fwd(a["xmid"], g2, b2, a["ln2"], st2, st2 + R * 4, R, d)
+            o.attn_out_fwd(a["att"], self._w(h + "attn.W_O"), proj, R, d)
+            if fused:
+                o.residual_layernorm_fwd(b.at("x", l), proj, a["xmid"], g2, b2, a["ln2"],
+                                         st2, st2 + R * 4, R, d)
             else:
-                o.attn_out_fwd(a["att"], self._w(h + "attn.W_O"), proj, R, d)
-                if fused:
-                    o.residual_layernorm_fwd(b.at("x", l), proj, a["xmid"], g2, b2, a["ln2"],
-                                             st2, st2 + R * 4, R, d)
-                else:
-                    o.residual_add(b.at("x", l), proj, a["xmid"], R * d)
-                    o.layernorm_fwd(a["xmid"], g2, b2, a["ln2"], st2, st2 + R * 4, R, d)
+                o.residual_add(b.at("x", l), proj, a["xmid"], R * d)
+                o.layernorm_fwd(a["xmid"], g2, b2, a["ln2"], st2, st2 + R * 4, R, d)
             if fp8 is not None:
                 fp8.forward(l, a["ln2"], self._w(h + "mlp.W_1"), self._w(h + "mlp.W_2"),
                             a["pre"], a["act"], proj, R)
-            elif mlp_resid:  # x[l+1] = xmid + mlp(ln2), written by the second GEMM
-                o.mlp_fwd(a["ln2"], self._w(h + "mlp.W_1"), self._w(h + "mlp.W_2"), a["pre"],
-                          a["act"], b.at("x", l + 1), R, d, F, resid=a["xmid"])
             else:
                 o.mlp_fwd(a["ln2"], self._w(h + "mlp.W_1"), self._w(h + "mlp.W_2"), a["pre"],
                           a["act"], proj, R, d, F)
@@ -718,9 +647,7 @@ class CudaBackend:
             else:
                 gn, bn = self._p32("lnf.gamma"), self._p32("lnf.beta")
                 out, st = b.at("lnf"), b.at("lnf_stats")
-            if mlp_resid:
-                o.layernorm_fwd(b.at("x", l + 1), gn, bn, out, st, st + R * 4, R, d)
-            elif fused:
+            if fused:
                 o.residual_layernorm_fwd(a["xmid"], proj, b.at("x", l + 1), gn, bn, out, st,
                                          st + R * 4, R, d)
             else:
@@ -758,16 +685,15 @@ class CudaBackend:
         if fused:  # dlogits came with the forward (loss_fwd_bwd)
             o.loss_bwd_gemms(b.at("lnf"), self._w("wte"), dln, self._g32("wte"),
                              b.at("dlogits"), B, T, s.vocab_size, self.ldv, d, self.wte_rows,
-                             pad_rows=self.dwte_pad)
+                             pad_rows=self.S)
         else:
             o.loss_bwd(b.at("lnf"), self._w("wte"), io["targets"], b.at("logits"), b.at("lse"),
                        io["scale"], dln, self._g32("wte"), b.at("dlogits"), B, T, s.vocab_size,
                        self.ldv, d, self.wte_rows)
         stf = b.at("lnf_stats")
         cur, nxt = res
-        fln = self.fused_ln
         o.layernorm_bwd(dln, b.at("x", L), self._p32("lnf.gamma"), stf, stf + R * 4, cur,
-                        self._g32("lnf.gamma"), part, R, d, accumulate=False, fused=fln)
+                        self._g32("lnf.gamma"), part, R, d, accumulate=False)
         for l in reversed(range(L)):
             h = f"h.{l}."
             a = b.layer(l)
@@ -782,7 +708,7 @@ class CudaBackend:
                 o.mlp_bwd(*mlp, R, d, F)
             o.layernorm_bwd(dln, a["xmid"], self._p32(h + "ln2.gamma"), st2, st2 + R * 4, nxt,
                             self._g32(h + "ln2.gamma"), part, R, d, accumulate=True,
-                            resid=cur, fused=fln)
+                            resid=cur)
             # xmid = x[l] + attn(ln1(x[l])); nxt holds d xmid
             o.attn_out_bwd(nxt, a["att"], self._w(h + "attn.W_O"), datt,
                            self._gw(h + "attn.W_O"), R, d)
@@ -802,7 +728,7 @@ class CudaBackend:
                                self._gw(h + "attn.W_Q"), R, d, slab)
             o.layernorm_bwd(dln, b.at("x", l), self._p32(h + "ln1.gamma"), st1, st1 + R * 4,
                             cur, self._g32(h + "ln1.gamma"), part, R, d, accumulate=True,
-                            resid=nxt, fused=fln)
+                            resid=nxt)
             if completed is not None:
                 completed(L - 1 - l)
         o.embed_bwd(cur, (io["n_unique"], io["bucket_tok"], io["bucket_start"], io["rows"]),
@@ -943,7 +869,7 @@ class CudaBackend:
     def train_step(self, inputs: np.ndarray, targets: np.ndarray, *, loss_scale: float,
                    grad_mult: float, lr: float, beta1: float, beta2: float, eps: float,
                    weight_decay: float, t: int, max_norm: float, reducer: Any = None
-                   ) -> tuple[np.ndarray, float, float]:
+                   ) -> StepOutcome:
         """`launch_step` then `step_result`: one optimizer step, waited for."""
         self.launch_step(inputs, targets, loss_scale=loss_scale, grad_mult=grad_mult, lr=lr,
                          beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, t=t,
@@ -992,7 +918,7 @@ class CudaBackend:
         # At full length every parameter's gradient is written by this micro-batch (GEMMs with
         # beta 0, the LayerNorm and position sums stored): no zeroing pass over the 4·n bytes.
         # A shorter sequence leaves position rows unwritten: zero, then add, as usual.
-        write = T == self.S and self.write_grads
+        write = T == self.S
         # ... and with grads_lp, on one rank, the layers' weight gradients into grads_lp
         lp = self.grads_lp and write and reducer is None
         if reducer is not None or not write:
@@ -1061,16 +987,15 @@ class CudaBackend:
         """Steps `launch_step` queued that `step_result` has not returned yet."""
         return len(self._queued)
 
-    def step_result(self) -> tuple[np.ndarray, float, float]:
-        """Wait for the oldest step `launch_step` queued (not for any queued after it): (per-row
-        mean loss [B], norm, clip)."""
+    def step_result(self) -> StepOutcome:
+        """Wait for the oldest step `launch_step` queued (not for any queued after it)."""
         if not self._queued:
             raise RunError("step_result() without launch_step()")
         slot, T = self._queued.popleft()
         self._done[slot].synchronize()
         h, R = self.h_res[slot], self.train.B * T
         rows = h[:R].reshape(T, self.train.B).astype(np.float64).mean(axis=0)
-        return rows, float(h[R]), float(h[R + 1])
+        return StepOutcome(rows, float(h[R]), float(h[R + 1]))
 
     def optimizer_step(self, *, grad_mult: float, lr: float, beta1: float, beta2: float,
                        eps: float, weight_decay: float, t: int, max_norm: float

@@ -12,7 +12,7 @@ layer and a scores scratch; "cudnn": neither, cuDNN's row statistics [B,H,T] and
 instead) and `fused` (the fused step: a second copy of the gradient buffers that the weight-
 gradient GEMMs on the second stream read — dres, dpre, dqkv — so the main stream can write the
 next layer's while they run; the step's hyper-parameters in the io block; a second cuBLAS
-workspace). The defaults are the plan the backend had before either.
+workspace). The defaults are the unfused path's classic-attention plan.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from engine.backends.activations import BY_NAME, LAYER, Dims, saved
 from engine.backends.cuda.cublas import WORKSPACE_BYTES
 from engine.backends.cuda.memory import Plan
 from engine.backends.cuda.ops import (
-    LN_FUSED_ROWS,
     LN_ROWS_PER_CHUNK,
     LOSS_ROW_MAX,
     NORM_BLOCKS,
@@ -121,8 +120,7 @@ class BatchBuffers:
             if not self.dlogits_in_logits:
                 self._add("scratch", "dlogits", 1, R * ldv * es)
             # ops.layernorm_bwd's per-chunk column sums [ceil(R/rows), 2d] float32
-            rows = LN_FUSED_ROWS if fused else LN_ROWS_PER_CHUNK
-            self._add("scratch", "ln_partial", 1, -(-R // rows) * 2 * dims.d * 4)
+            self._add("scratch", "ln_partial", 1, -(-R // LN_ROWS_PER_CHUNK) * 2 * dims.d * 4)
             if fused:  # the second copies the weight-gradient stream reads (see module doc)
                 self._add("scratch", "dres2", 1, R * dims.d * es)
                 for name in ("dqkv", "dpre"):

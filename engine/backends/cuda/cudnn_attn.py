@@ -28,17 +28,17 @@ dO are zeroed first (the backend does it), so they add nothing to dK, dV of the 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Any
 
+from engine import env
 from engine.errors import RunError
 
 
 def cudnn_available() -> tuple[bool, str]:
     """(importable, why not) for the cuDNN frontend; never raises, never imports torch."""
-    if os.environ.get("ANDREA_CUDNN", "1") == "0":
-        return False, "ANDREA_CUDNN=0"
+    if not env.CUDNN.read():
+        return False, f"{env.CUDNN.name}=0"
     try:
         import cudnn  # noqa: F401
     except Exception as e:  # ImportError, or a library it cannot load

@@ -1,20 +1,18 @@
-"""The flex deterministic attention backward in the CUDA backend (`ANDREA_FLEX_BWD`; on by
-default for a new run where it can run): whether it runs, where its library comes from, its
-buffers, and the call.
+"""The flex deterministic attention backward in the CUDA backend (the config's
+gpu.flex_backward, on by default, where it can run): whether it runs, where its library comes
+from, its buffers, and the call.
 
 It replaces only cuDNN's deterministic backward (ops.attn_bwd_cudnn): cuDNN's forward stays, and
 the backward reads its output O and its stats (float32 [B,H,T,1], read as [B,H,T]: each row's
 natural-log log-sum-exp of the scaled scores) with Q, K, V, dO and writes dQ, dK, dV in the
-engine's rows (flex_call.py has the layout). Its bits differ from cuDNN's, so the setting is
-recorded with the run (settings.py) and a resume keeps it.
+engine's rows (flex_call.py has the layout). Its bits differ from cuDNN's, so the choice is the
+config's, which a run records and a resume keeps.
 
 Where it runs (`refusal` says why not, "" where it can): cuDNN's attention with Q, K, V in rows
 (CudnnAttention.rows), bf16 activations (fp8's attention is bf16 too), head dim 64, seq_len a
 multiple of 128, compute capability 9.0 (the kernels are sm_90a's), and a library that loads
-(`open_backward`). Anything else: cuDNN's deterministic backward and the setting recorded off;
-the log says why where the library failed, or where the environment or the record asked for it
-(CudaBackend._pick_flex). A resumed run keeps what it recorded (off for a run
-recorded before the setting existed).
+(`open_backward`). Anything else: cuDNN's deterministic backward, and the log says why
+(CudaBackend._pick_flex).
 
 The library (`library_paths`): `ANDREA_FLEX_LIB`, a built `.so` with its manifest beside it
 (scripts/flex-pack makes one to carry to a GPU machine), with libtvm_ffi.so and
@@ -39,21 +37,17 @@ call loads the cubin: CudaBackend._bind_flex makes it, eagerly on zeroed buffers
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from engine import env
 from engine.backends.cuda import flex_build
 from engine.backends.cuda.flex_call import FlexArgs, FlexBackward, scratch_bytes
 from engine.backends.cuda.flex_plan import FIELDS, HEAD_DIM, TILE, causal_plan
 from engine.errors import RunError
 
-SETTING = "ANDREA_FLEX_BWD"
-LIB_ENV = "ANDREA_FLEX_LIB"
-CACHE_ENV = "ANDREA_FLEX_CACHE"
-PYTHON_ENV = "ANDREA_FLEX_PYTHON"
 TVM_FFI_NAME = "libtvm_ffi.so"
 RUNTIME_NAME = "libcute_dsl_runtime.so"
 GROUP = "flex"  # memory.GROUPS
@@ -69,7 +63,7 @@ def refusal(attention: str, rows: bool, precision: str, head_dim: int, seq_len: 
         return f"needs cuDNN's attention, and the {attention} attention runs"
     if not rows:
         return (f"needs Q, K, V in rows, and cuDNN runs them as slabs "
-                f"({rows_off or 'ANDREA_QKV_ROWS is off'})")
+                f"({rows_off or 'gpu.qkv_rows is false'})")
     if precision != "bf16":
         return f"computes in bf16 only, not {precision}"
     if head_dim != HEAD_DIM:
@@ -85,11 +79,10 @@ def refusal(attention: str, rows: bool, precision: str, head_dim: int, seq_len: 
 def cache_dir() -> Path:
     """Where built libraries are cached: ANDREA_FLEX_CACHE, else $XDG_CACHE_HOME/andrea/flex
     (~/.cache/andrea/flex)."""
-    given = os.environ.get(CACHE_ENV)
+    given = env.FLEX_CACHE.read()
     if given:
         return Path(given)
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg) / "andrea" / "flex"
+    return Path(env.cache_home()) / "andrea" / "flex"
 
 
 def library_paths() -> tuple[Path, str | None, str | None]:
@@ -97,15 +90,15 @@ def library_paths() -> tuple[Path, str | None, str | None]:
     run-time libraries found in its folder (None: the manifest's), else a build in cache_dir()
     (the manifest's run-time libraries). RunError when ANDREA_FLEX_LIB names no file, or the
     build fails (flex_build.build_library: the interpreter, its packages, g++)."""
-    given = os.environ.get(LIB_ENV)
+    given = env.FLEX_LIB.read()
     if given:
         lib = Path(given)
         if not lib.is_file():
-            raise RunError(f"{LIB_ENV}={given}: no such file")
+            raise RunError(f"{env.FLEX_LIB.name}={given}: no such file")
         beside = [lib.parent / name for name in (TVM_FFI_NAME, RUNTIME_NAME)]
         tvm, runtime = (str(p) if p.is_file() else None for p in beside)
         return lib, tvm, runtime
-    python = os.environ.get(PYTHON_ENV) or sys.executable
+    python = env.FLEX_PYTHON.read() or sys.executable
     key = (str(cache_dir()), python)
     if key not in _built:  # once per process: each CudaBackend start would probe again
         t0 = time.monotonic()

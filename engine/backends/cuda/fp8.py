@@ -6,7 +6,7 @@ in this step, so there is no amax history and the checkpoint format stays as it 
 weights and activations in the forward, E5M2 for the gradients in the backward; fast
 accumulation in the forward only (Transformer Engine's current-scaling recipe).
 
-Hopper runs FP8 GEMMs only with both operands K-contiguous (NOTES.md, "FP8"): with X = ln2's
+Hopper runs FP8 GEMMs only with both operands K-contiguous (cuBLASLt's "TN"): with X = ln2's
 output [R,d], W1 [d,F], H = GELU(X·W1) [R,F], W2 [F,d], dY the gradient of the MLP's output
 [R,d] and dH that of its pre-activation [R,F]:
 

@@ -2,20 +2,19 @@
 
 `LtGemm.matmul` speaks row-major like `Cublas.matmul` (out[M,N] = alpha·op(a)@op(b) + beta·out,
 optional strided batching) and adds the GELU epilogues of the MLP (GELU_AUX forward, DGELU
-backward) and a C apart from the output (`c=`: out = alpha·op(a)@op(b) + beta·c, the forward's
-residual adds). For each distinct problem — shape, transposes, leading dimensions, batch strides,
+backward). For each distinct problem — shape, transposes, leading dimensions, batch strides,
 data types, epilogue, beta = 0 or not, pointer alignments — one algorithm is used for the whole
 run, so the same shape always runs the same kernel (determinism, bit-exact resume).
 
 How the algorithm is chosen (`tuning` on, during the backend's start-up pass): cuBLASLt's
-heuristic proposes up to `CANDIDATES` algorithms; each is run and timed on the stream (CUDA
-events, one call at a time, the candidates in turn for TIMING_ROUNDS rounds: `time_interleaved`),
-and the one with the lowest median is kept. The heuristic's first choice was up to 20%
-slower than the best of 8 on the H200 (../shared/notes/gpu-next.md; NOTES.md: 5% over all 22 problems of a step). Without tuning, an unseen problem
-takes the heuristic's first choice (a deterministic function of the problem, the library version
-and the device).
+heuristic proposes up to `candidates` algorithms (the config's gpu.gemm_candidates); each is run
+and timed on the stream (CUDA events, one call at a time, the candidates in turn for
+TIMING_ROUNDS rounds: `time_interleaved`), and the one with the lowest median is kept. The
+heuristic's first choice was up to 20% slower than the best of 8 on the H200 (5% over all 22
+problems of a step). Without tuning, an unseen problem takes the heuristic's first choice (a
+deterministic function of the problem, the library version and the device).
 
-The choices are exported as a plan (`export_plan`, a JSON-able dict: engine.records.GemmPlan) that
+The choices are exported as a plan (`export_plan`, a JSON-able dict: gemm_plan.GemmPlan) that
 the run directory keeps as gemm_plan.json; `import_plan` makes a resumed run use the very same
 algorithms (the opaque 64-byte cublasLtMatmulAlgo_t, checked with cublasLtMatmulAlgoCheck), so
 resume never depends on re-timing. No pycuda here: timing is a callback the backend provides.
@@ -25,7 +24,6 @@ from __future__ import annotations
 
 import ctypes as C
 import math
-import os
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,9 +45,10 @@ from engine.backends.cuda.cublaslt import (
     lt_check,
     lt_set,
 )
-from engine.errors import RunError, UserError
+from engine.config import GpuConfig
+from engine.errors import RunError
 
-CANDIDATES = 8  # heuristic proposals timed per problem (ANDREA_GEMM_CANDIDATES overrides)
+CANDIDATES = GpuConfig().gemm_candidates  # heuristic proposals timed per problem, by default
 TIMING_ROUNDS = 5  # timings of each candidate, taken in turn with the others (time_interleaved)
 R_8F_E4M3, R_8F_E5M2 = 28, 29  # cudaDataType of FP8 operands (train/precision "fp8")
 DESC_A_SCALE_POINTER, DESC_B_SCALE_POINTER, DESC_FAST_ACCUM = 17, 18, 25
@@ -82,25 +81,12 @@ def problem_key(types: tuple[int, int, int], ta: bool, tb: bool, M: int, N: int,
             f"align={aligns[0]},{aligns[1]},{aligns[2]}" + (" fast_accum" if fast_accum else ""))
 
 
-def candidates() -> int:
-    """Heuristic proposals to time per problem: CANDIDATES, or ANDREA_GEMM_CANDIDATES (to look
-    further down cuBLASLt's list; the plan records the choice, so a resume does not depend on
-    it)."""
-    raw = os.environ.get("ANDREA_GEMM_CANDIDATES", "")
-    if not raw:
-        return CANDIDATES
-    if not raw.isdigit() or not 1 <= int(raw) <= 64:
-        raise UserError(f"ANDREA_GEMM_CANDIDATES: expected an integer from 1 to 64, got {raw!r}")
-    return int(raw)
-
-
 def time_interleaved(timer: Callable[[Callable[[], None]], float],
                      fns: list[Callable[[], None]], rounds: int = TIMING_ROUNDS) -> list[float]:
     """The median of `rounds` timings of each of fns, taken in turn, so that a slow spell of the
     GPU (its clock meeting the power limit) falls on one round of every candidate instead of on
-    all of one candidate's timings: on the H200 the five consecutive timings of an MLP epilogue
-    GEMM once all came out 1.5x its usual time and the slower variant was kept (NOTES.md, tenth
-    session). Every other round runs the other way (fns[0], ..., fns[-1], fns[-1], ...,
+    all of one candidate's timings (on the H200, five consecutive timings of one candidate can
+    all come out 1.5x its usual time, and the slower variant would be kept). Every other round runs the other way (fns[0], ..., fns[-1], fns[-1], ...,
     fns[0], ...), so that a steady drift adds as much to each. timer(fn) times one fn()."""
     times: list[list[float]] = [[] for _ in fns]
     for r in range(rounds):
@@ -127,7 +113,9 @@ class LtGemm:
     (`matmul(..., stream=, ws=)`), so a second stream with its own workspace shares the choices.
     """
 
-    def __init__(self, workspace_bytes: int, device: str) -> None:
+    def __init__(self, workspace_bytes: int, device: str, candidates: int = CANDIDATES) -> None:
+        """candidates: heuristic proposals timed per problem while tuning (a recorded plan
+        keeps the choice, so a resume does not depend on it)."""
         lib = load_cublaslt()
         vp = C.c_void_p
         self._lib = lib
@@ -136,6 +124,7 @@ class LtGemm:
         self.ws_bytes = workspace_bytes
         self.library = f"cublasLt {int(lib.cublasLtGetVersion())}"
         self.device = device
+        self.candidates = candidates
         self._problems: dict[str, _Problem] = {}
         self._imported: dict[str, bytes] = {}
         self._imported_plan: dict[str, Any] = {}  # exported again as it came
@@ -204,9 +193,8 @@ class LtGemm:
         return [results[i] for i in range(count.value) if results[i].state == 0]
 
     def _run(self, p: _Problem, algo: LtAlgo, out: int, a: int, b: int, alpha: float, beta: float,
-             aux: int, stream: int, ws: int, scales: tuple[int, int] = (0, 0), c: int = 0) -> int:
-        """One cublasLtMatmul: D = out, C = c (0: out, in place); C is described by D's layout
-        (same type, ldc and batch stride)."""
+             aux: int, stream: int, ws: int, scales: tuple[int, int] = (0, 0)) -> int:
+        """One cublasLtMatmul: D = C = out (in place)."""
         vp = C.c_void_p
         sd = self._lib.cublasLtMatmulDescSetAttribute
         if aux:
@@ -217,7 +205,7 @@ class LtGemm:
         al, be = C.c_float(alpha), C.c_float(beta)
         la, lb, lc = p.layouts
         return self._lib.cublasLtMatmul(self.handle, p.desc, C.byref(al), vp(b), la, vp(a), lb,
-                                        C.byref(be), vp(c or out), lc, vp(out), lc, C.byref(algo),
+                                        C.byref(be), vp(out), lc, vp(out), lc, C.byref(algo),
                                         vp(ws), self.ws_bytes, vp(stream))
 
     def _choose(self, key: str, p: _Problem, aligns: tuple[int, int, int],
@@ -234,17 +222,16 @@ class LtGemm:
                 return
             self.warnings.append(f"gemm plan: the recorded algorithm for {key} is not valid "
                                  f"here; the heuristic's choice runs instead")
-        cands = self._heuristics(p, aligns, candidates() if self.tuning else 1)
+        cands = self._heuristics(p, aligns, self.candidates if self.tuning else 1)
         if not cands:
             raise RunError(f"cuBLASLt proposes no algorithm for the GEMM {key}")
         p.candidates = len(cands)
         if not (self.tuning and self.timer and len(cands) > 1):
             p.algo, p.rank, p.source = cands[0].algo, 0, "heuristic"
             return
-        # Each candidate runs several times. With beta 0, or with a C apart from D (matmul
-        # refuses one that overlaps D), every run rewrites D from inputs it does not touch, so
-        # the last run's output is the right one; an in-place beta 1 (C = D, a gradient
-        # accumulation) adds once per run, which is why the backend tunes in a start-up pass
+        # Each candidate runs several times. With beta 0 every run rewrites D from inputs it
+        # does not touch, so the last run's output is the right one; an in-place beta 1 (a
+        # gradient accumulation) adds once per run, which is why the backend tunes in a start-up pass
         # whose state it zeroes afterwards.
         runs: list[tuple[int, Callable[[], None]]] = []
         for i, h in enumerate(cands):
@@ -266,21 +253,17 @@ class LtGemm:
                tb: bool = False, lda: int | None = None, ldb: int | None = None,
                ldc: int | None = None, alpha: float = 1.0, beta: float = 0.0, batch: int = 1,
                sa: int = 0, sb: int = 0, sc: int = 0, epilogue: int = EPILOGUE_DEFAULT,
-               aux: int = 0, scales: tuple[int, int] = (0, 0), fast_accum: bool = False,
-               c: int = 0) -> None:
-        """Row-major out[M,N] = epilogue(alpha·op(a)@op(b) + beta·c); a is [M,K] (stored [K,M]
-        when ta), b is [K,N] (stored [N,K] when tb); ld* row strides, s* batch strides, in
-        elements; types = (a, b, out) cudaDataType. c: the device pointer of C, of out's type
-        and layout (ldc, sc), read and not written (0, the default: out itself, in place; with
-        beta 1 and c = a residual stream, out = c + product: the residual add in the GEMM).
-        GELU_AUX also writes the pre-activation to aux, DGELU reads it from aux (both [M,N]
+               aux: int = 0, scales: tuple[int, int] = (0, 0), fast_accum: bool = False
+               ) -> None:
+        """Row-major out[M,N] = epilogue(alpha·op(a)@op(b) + beta·out); a is [M,K] (stored
+        [K,M] when ta), b is [K,N] (stored [N,K] when tb); ld* row strides, s* batch strides, in
+        elements; types = (a, b, out) cudaDataType. GELU_AUX also writes the pre-activation to aux, DGELU reads it from aux (both [M,N]
         with row stride ldc). FP8 operands (types R_8F_E4M3/E5M2): `scales` are device pointers
         to a's and b's inverse scales, and Hopper takes them only as a [M,K], b stored [N,K]
         (ta False, tb True); fast_accum."""
         lda = lda if lda is not None else (M if ta else K)
         ldb = ldb if ldb is not None else (K if tb else N)
         ldc = ldc if ldc is not None else N
-        c = 0 if c == out else c
         # what every row of every batch matrix is aligned to: the base, the row stride and the
         # batch stride (in bytes), so the heuristic only proposes algorithms that can run them
         esz = tuple(ELEM_BYTES.get(t, 2) for t in types)
@@ -289,22 +272,10 @@ class LtGemm:
             al = min(alignment(ptr), alignment(ld * es))
             return min(al, alignment(stride * es)) if batch > 1 and stride else al
 
-        if c:
-            # cuBLASLt does not define a C that partly overlaps D; disjoint, D is rewritten from
-            # an unchanged C on every run (so `_choose` may run the GEMM as often as it likes)
-            span = ((batch - 1) * sc + (M - 1) * ldc + N) * esz[2]
-            if c < out + span and out < c + span:
-                raise ValueError(f"LtGemm.matmul: C at {c:#x} overlaps D at {out:#x} "
-                                 f"({span} bytes each) without being D")
-        # C and D get one alignment, the lower of the two (and of aux): the heuristic then only
-        # proposes algorithms that can read C and write D where they are
+        # C = D and aux get one alignment, the lower of the two: the heuristic then only
+        # proposes algorithms that can read and write them where they are
         aligns = (align(a, lda, sa, esz[0]), align(b, ldb, sb, esz[1]),
-                  min(align(out, ldc, sc, esz[2]), align(c, ldc, sc, esz[2]),
-                      align(aux, ldc, 0, esz[2])))
-        # The key does not say whether C is D: cuBLASLt's heuristic and its algorithm check see
-        # the layouts (C's is D's) and the alignments, never the pointers, so one algorithm
-        # serves both, and a separate C enters the key only through the alignment (a C as
-        # aligned as D leaves the key, and a recorded plan's entry, as they were).
+                  min(align(out, ldc, sc, esz[2]), align(aux, ldc, 0, esz[2])))
         key = problem_key(types, ta, tb, M, N, K, lda, ldb, ldc, batch, sa, sb, sc, beta == 0.0,
                           epilogue, aligns, fast_accum)
         p = self._problems.get(key)
@@ -314,7 +285,7 @@ class LtGemm:
                                                      batch, sa, sb, sc, epilogue, ldc, fast_accum)
 
         def run(algo: LtAlgo) -> int:
-            return self._run(p, algo, out, a, b, alpha, beta, aux, stream, ws, scales, c)
+            return self._run(p, algo, out, a, b, alpha, beta, aux, stream, ws, scales)
 
         if fresh:
             try:

@@ -10,7 +10,7 @@ the tokens) are read from device memory the host fills before each launch.
 `capture(..., fill=)` turns the graph's memset nodes (the 4-byte counters that cuDNN and
 cuBLASLt zero inside their calls) into kernel nodes of kernels/fill.cu's k_fill before
 instantiating: on the H200 the step graph's GPU sat idle for a median 3–4 µs (up to 7) before
-each memset node, 1.6 µs before a kernel node (NOTES.md). The bytes written are the same.
+each memset node, 1.6 µs before a kernel node. The bytes written are the same.
 
 Stream priorities: a captured kernel node keeps the priority of the stream it was captured
 from, and graphs are instantiated to run with these per-node priorities

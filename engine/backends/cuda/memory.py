@@ -7,8 +7,8 @@ from typing import Any
 
 ALIGN = 256
 GROUPS = ("weights", "grads", "adam_m", "adam_v", "activations", "scratch", "fp8", "flex")
-# groups a plan names only when it has them (train/precision "fp8"; ANDREA_FLEX_BWD's scratch
-# and plan arrays, flex_attn.plan_buffers)
+# groups a plan names only when it has them (train/precision "fp8"; the flex attention
+# backward's scratch and plan arrays, flex_attn.plan_buffers)
 OPTIONAL = ("fp8", "flex")
 
 

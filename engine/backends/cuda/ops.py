@@ -13,50 +13,42 @@ Differences from the numpy twins, all of layout, fusion or rounding, never of ma
 - `layernorm_bwd` can accumulate into dx (the skip path's `residual_add_bwd` fused in).
 - `attn_bwd` writes dS over the saved probabilities (they are not needed after the backward).
 - `loss_fwd` keeps float logits and the log-sum-exp; `loss_bwd` writes dlogits separately.
-- `attn_out_fwd(..., resid=)`, `mlp_fwd(..., resid=)` (LtGemm only): numpy's projection then
-  `residual_add`, the residual added in the output GEMM's epilogue (beta 1, C = the residual
-  stream, D = the new one). The same math, other rounding: the sum is rounded once to the
-  activation precision, where the two steps round the projection and then the sum (so it is more
-  accurate, and not the bits of the unfused ops).
 Backward ops accumulate (+=) into float32 parameter gradients, like numpy's.
 
 The fused step (CudaBackend with fusions on) adds, each next to the unfused ops it replaces and
-with their bits: `residual_layernorm_fwd` (residual_add + layernorm_fwd), `layernorm_bwd(...,
-fused=True)` (dx, dγ, dβ in one kernel), `loss_fwd_bwd` (the loss and dlogits in one pass),
+with their bits: `residual_layernorm_fwd` (residual_add + layernorm_fwd), `loss_fwd_bwd` (the
+loss and dlogits in one pass),
 `grad_norm_ranges` (the norm's partials range by range, as the backward completes them),
 `step_clip` (clip and non-finite skip on the device) and
 `adamw_step` (AdamW over a range, as step_clip decided). GEMMs then go through gemm.LtGemm
 (algorithms chosen by timing, GELU epilogue or kernel chosen per shape), and the weight-gradient
 GEMMs and the LayerNorm parameter sums run on a second stream (`side`): see `_wgrad`, `_on_side`.
-The residual adds in the GEMM epilogues (`resid=`, above) do not keep the bits; with them the
-backend runs the plain `layernorm_fwd` where it ran `residual_layernorm_fwd`.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from typing import Any
 
+from engine import env
 from engine.backends.cuda.cublas import DTYPE_OF_PRECISION, R_32F, Cublas
 from engine.backends.cuda.cublaslt import EPILOGUE_DGELU, EPILOGUE_GELU_AUX, OP_N, OP_T, CublasLt
 from engine.backends.cuda.gemm import LtGemm, time_interleaved
+from engine.config import GpuConfig
 from engine.errors import RunError
 
 THREADS = 256
 ROWS_PER_BLOCK = THREADS // 32  # one warp per row
 # k_layernorm_bwd's block (a warp a row): at 72 registers a thread, blocks of 128 fit 7 an SM
 # (28 warps, against 24 in blocks of 256) and retire sooner beside the weight-gradient stream's
-# GEMMs (NOTES.md, eighteenth session: faster alone; in the step within the passes' spread)
+# GEMMs (faster alone on the H200; in the whole step within the spread between runs)
 LN_BWD_THREADS = 128
-LN_ROWS_PER_CHUNK = 64  # rows per column-sum chunk of the unfused LayerNorm backward
+LN_ROWS_PER_CHUNK = 64  # rows per column-sum chunk of the LayerNorm backward's parameter sums
 LN_PARAMS_ROWS = 64  # the most k_layernorm_bwd_params takes per chunk (8 per warp, 8 warps)
-LN_FUSED_ROWS = 32  # rows per block (chunk) of k_layernorm_bwd_fused: 4 per warp
-LN_FUSED_SHARED = 48 << 10  # its shared column sums must fit the default limit
-# classic attention's queries per causal chunk (ANDREA_ATTN_CHUNK, resolved and recorded by the
-# backend: the chunks are its GEMMs' shapes, so its bits)
-ATTN_CHUNK = 256
+# classic attention's queries per causal chunk (the config's gpu.attention_chunk: the chunks are
+# its GEMMs' shapes, so its bits)
+ATTN_CHUNK = GpuConfig().attention_chunk
 NORM_BLOCKS = 1024
 LOSS_ROW_MAX = 5 * 8 * THREADS  # kernels/loss.cu: a row held in registers (LOSS_OCTETS octets)
 NORM_RANGE_BLOCKS = 256  # k_grad_norm_ranges' blocks per range (its partials: this many a range)
@@ -76,7 +68,7 @@ class Ops:
     kernels). `side`: a second stream (with workspace `ws2`, LtGemm only) for the weight-
     gradient GEMMs; `cudnn`: a cudnn_attn.CudnnAttention for attn_fwd_cudnn / attn_bwd_cudnn,
     with `cudnn_ws` its workspace; `flex`: a flex_attn.FlexAttention that attn_bwd_cudnn runs
-    instead of cuDNN's backward where it fits the shape (ANDREA_FLEX_BWD; None: cuDNN's).
+    instead of cuDNN's backward where it fits the shape (gpu.flex_backward; None: cuDNN's).
     """
 
     def __init__(self, kernels: dict[str, Any], blas: Cublas | None, stream: Any, precision: str,
@@ -94,10 +86,7 @@ class Ops:
         self.act = DTYPE_OF_PRECISION[precision]
         self.esize = 4 if precision == "fp32" else 2  # bytes per activation element
         self.attn_chunk = attn_chunk  # classic attention's causal chunk (queries)
-        self.ln_rows = LN_ROWS_PER_CHUNK  # chunk rows of the unfused LayerNorm backward
-        # ... and of the fused one: the partial is sized for LN_FUSED_ROWS (buffers.py), so
-        # fewer rows (more chunks) only where the caller's partial holds them (bench_kernels)
-        self.ln_fused_rows = LN_FUSED_ROWS
+        self.ln_rows = LN_ROWS_PER_CHUNK  # chunk rows of the LayerNorm backward's sums
         # the fused step's single micro-batch WRITES the parameter gradients (GEMMs with beta 0,
         # the LayerNorm and position sums stored) instead of zeroing them and adding
         self.overwrite_grads = False
@@ -106,12 +95,10 @@ class Ops:
         self.wgrad_lp = False
         # ANDREA_CUDA_SYNC=1: wait for every launch and name the one that fails (the backend then
         # runs without graphs): for finding an illegal address, not for speed
-        self.debug = os.environ.get("ANDREA_CUDA_SYNC", "0") == "1"
+        self.debug = env.CUDA_SYNC.read()
         self._events: list[Any] = []
         self._used = 0
         self._side_reads: dict[int, Any] = {}  # buffer -> event after the side's last read
-        # the LayerNorm parameter sums on the side stream too (ANDREA_SIDE_LN=0: on the main)
-        self.side_ln = os.environ.get("ANDREA_SIDE_LN", "1") != "0"
 
     def _go(self, name: str, grid: int | tuple[int, int], *args: Any, shared: int = 0,
             stream: Any = None, threads: int = THREADS) -> None:
@@ -133,23 +120,18 @@ class Ops:
             raise RunError(f"{what}: {type(e).__name__}: {e}") from None
 
     def _mm(self, out: int, a: int, b: int, M: int, N: int, K: int, *, acc32: bool = False,
-            out32: bool = False, side: bool = False, c: int = 0, **kw: Any) -> None:
+            out32: bool = False, side: bool = False, **kw: Any) -> None:
         """GEMM on activations/low-precision weights; acc32: += into a float32 gradient;
-        `types` (a, b, out) instead of the precision's (the FP8 GEMMs, fp8.py); c: C's device
-        pointer when it is not out (out = alpha·op(a)@op(b) + beta·c), LtGemm only."""
+        `types` (a, b, out) instead of the precision's (the FP8 GEMMs, fp8.py)."""
         act = self.act
         cty = R_32F if (acc32 or out32) else act
         types = kw.pop("types", None) or (act, act, cty)
         beta = 1.0 if acc32 else kw.pop("beta", 0.0)
         if self.gemm is not None:
             stream, ws = (self.side, self.ws2) if side else (self.stream, self.ws)
-            if c:
-                kw["c"] = c
             self.gemm.matmul(out, a, b, M, N, K, types=types, stream=stream.handle,
                              ws=ws, beta=beta, **kw)
         else:
-            if c and c != out:  # cublasGemmEx has one C, written in place
-                raise ValueError("Ops._mm: a C apart from the output needs LtGemm (fusions on)")
             assert self.blas is not None
             self.blas.matmul(out, a, b, M, N, K, types=types, beta=beta, **kw)
         if self.debug:
@@ -201,7 +183,7 @@ class Ops:
         """issue(stream) after everything the main stream has queued so far, on the side stream
         when there is one (work whose result only the gradient norm reads: the LayerNorm
         parameter sums), with `reads` marked as in `_wgrad`."""
-        if self.side is None or not self.side_ln:
+        if self.side is None:
             issue(self.stream)
             return
         issue(self._to_side())
@@ -279,39 +261,17 @@ class Ops:
         self._go("k_residual_layernorm_fwd", -(-R // ROWS_PER_BLOCK), xsum, out, mean, rstd, a, b,
                  gamma, beta, R, d)
 
-    def fused_ln_bwd_ok(self, d: int, *ptrs: int) -> bool:
-        """k_layernorm_bwd_fused's conditions: whole 16-byte vectors per row (at most 4 a
-        lane), aligned rows, and its shared column sums within the default 48 KiB."""
-        vec = VEC_BYTES // self.esize
-        return (d % vec == 0 and d <= 32 * vec * 4 and self._ln_fused_shared(d) <= LN_FUSED_SHARED
-                and all(p % VEC_BYTES == 0 for p in ptrs))
-
-    def _ln_fused_shared(self, d: int) -> int:
-        """Bytes of k_layernorm_bwd_fused's shared column sums: a row of 2·span floats per warp,
-        span = d rounded up to whole warps of 16-byte vectors (layernorm.cu ln_span)."""
-        per_warp = 32 * VEC_BYTES // self.esize
-        return (THREADS // 32) * 2 * (-(-d // per_warp) * per_warp) * 4
-
     def layernorm_bwd(self, dout: int, x: int, gamma: int, mean: int, rstd: int, dx: int,
                       dgamma_beta: int, partial: int, R: int, d: int, accumulate: bool,
-                      resid: int = 0, fused: bool = False) -> None:
+                      resid: int = 0) -> None:
         """dgamma_beta: the float32 gradient of gamma, followed by beta's (adjacent in the flat
-        buffer). partial: float32 scratch [ceil(R/rows), 2d]. resid: the residual gradient added
-        when accumulating (0: dx itself, in place). fused: dx and the chunks' sums in one pass
-        (k_layernorm_bwd_fused, chunks of LN_FUSED_ROWS), then k_colsum_chunks, where it
-        applies; else the three kernels (chunks of ln_rows)."""
+        buffer). partial: float32 scratch [ceil(R/ln_rows), 2d]. resid: the residual gradient
+        added when accumulating (0: dx itself, in place). dx by k_layernorm_bwd; dγ, dβ by
+        k_layernorm_bwd_params over chunks of ln_rows rows, then k_colsum_reduce."""
         self._writes(dx)
         src = resid or dx
         ow = int(self.overwrite_grads)
-        if fused and self.fused_ln_bwd_ok(d, dx, src, dout, x):
-            self._writes(partial)  # an unfused call's sums may still read it on the side
-            nchunk = -(-R // self.ln_fused_rows)
-            self._go("k_layernorm_bwd_fused", nchunk, dx, src, dout, x, mean, rstd, gamma,
-                     partial, R, d, self.ln_fused_rows, int(accumulate),
-                     shared=self._ln_fused_shared(d))
-            self._go("k_colsum_chunks", -(-2 * d // 32), dgamma_beta, partial, nchunk, 2 * d, ow)
-            return
-        rows = LN_FUSED_ROWS if fused else self.ln_rows
+        rows = self.ln_rows
         self._go("k_layernorm_bwd", -(-R // (LN_BWD_THREADS // 32)), dx, src, dout, x, mean,
                  rstd, gamma, R, d, int(accumulate), threads=LN_BWD_THREADS)
         nchunk = -(-R // rows)
@@ -449,21 +409,9 @@ class Ops:
         if self.debug:
             self._sync("cuDNN attention backward")
 
-    def _resid(self, resid: int) -> dict[str, Any]:
-        """The GEMM arguments of out = resid + product (beta 1, C = resid, read, not written);
-        {} without a residual. Only LtGemm takes a C apart from the output: refused here, before
-        anything runs, on the plain cuBLAS path."""
-        if not resid:
-            return {}
-        if self.gemm is None:
-            raise ValueError("a residual added in the GEMM (resid=) needs LtGemm (fusions on)")
-        return {"beta": 1.0, "c": resid}
-
-    def attn_out_fwd(self, y: int, w_o: int, out: int, R: int, d: int, resid: int = 0) -> None:
-        """out = y @ W_O; with resid (a device pointer, [R,d] like out; LtGemm only): out =
-        resid + y @ W_O in the GEMM's epilogue, numpy's attn_out_fwd then residual_add with the
-        sum rounded once instead of twice."""
-        self._mm(out, y, w_o, R, d, d, **self._resid(resid))
+    def attn_out_fwd(self, y: int, w_o: int, out: int, R: int, d: int) -> None:
+        """out = y @ W_O."""
+        self._mm(out, y, w_o, R, d, d)
 
     def attn_out_bwd(self, dout: int, y: int, w_o: int, dy: int, dw_o: int, R: int,
                      d: int) -> None:
@@ -504,13 +452,9 @@ class Ops:
             self.fused_gelu_calls += 1
 
     def mlp_fwd(self, x: int, w1: int, w2: int, pre: int, act: int, out: int, R: int, d: int,
-                F: int, resid: int = 0) -> None:
+                F: int) -> None:
         """pre = x @ W_1; act = GELU(pre) (in the GEMM's epilogue when cuBLASLt has one for
-        this shape and it is the faster, else k_mlp_gelu_fwd); out = act @ W_2. With resid (a
-        device pointer, [R,d] like out; LtGemm only): out = resid + act @ W_2 in the second
-        GEMM's epilogue, whichever GELU variant runs (numpy's mlp_fwd then residual_add, the
-        sum rounded once instead of twice); the first GEMM is the same either way."""
-        fc2 = self._resid(resid)  # refused before any GEMM runs where it cannot be done
+        this shape and it is the faster, else k_mlp_gelu_fwd); out = act @ W_2."""
         if self.gemm is not None:
             def epilogue() -> None:
                 self._mm(act, x, w1, R, F, d, epilogue=EPILOGUE_GELU_AUX, aux=pre)
@@ -527,7 +471,7 @@ class Ops:
         else:
             self._mm(pre, x, w1, R, F, d)
             self._go("k_mlp_gelu_fwd", _blocks(R * F), act, pre, R * F, 0)
-        self._mm(out, act, w2, R, d, F, **fc2)
+        self._mm(out, act, w2, R, d, F)
 
     def mlp_bwd(self, dout: int, x: int, w1: int, w2: int, pre: int, act: int, dx: int, dw1: int,
                 dw2: int, dpre: int, R: int, d: int, F: int) -> None:

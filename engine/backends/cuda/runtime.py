@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from engine import env
 from engine.backends.cuda import KERNEL_DIR, graphs
 from engine.errors import RunError
 
@@ -33,8 +34,6 @@ SIGNATURES: dict[str, str] = {
     "k_layernorm_bwd": "PPPPPPPiii",
     "k_layernorm_bwd_params": "PPPPPiii",
     "k_colsum_reduce": "PPiii",
-    "k_layernorm_bwd_fused": "PPPPPPPPiiii",
-    "k_colsum_chunks": "PPiii",
     "k_attn_fwd": "PPiii",
     "k_attn_bwd": "PPPiii",
     "k_mlp_gelu_fwd": "PPqP",
@@ -72,8 +71,7 @@ def nvcc_path() -> str | None:
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("ANDREA_CUBIN_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "andrea", "cubin")
+    base = env.CUBIN_CACHE.read() or os.path.join(env.cache_home(), "andrea", "cubin")
     path = Path(base)
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -115,7 +113,7 @@ class Gpu:
         if drv.Device.count() < 1:
             raise RunError("no CUDA device found")
         self.drv = drv
-        self.ordinal = int(os.environ.get("ANDREA_CUDA_DEVICE", "0"))  # the device's number
+        self.ordinal = env.CUDA_DEVICE.read()  # the device's number
         self.dev = drv.Device(self.ordinal)
         self.ctx = self.dev.retain_primary_context()
         self.ctx.push()

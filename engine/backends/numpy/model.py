@@ -13,12 +13,15 @@ import dataclasses
 import glob
 import math
 import os
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
 from engine.backends import hostmem
 from engine.backends.activations import BY_NAME, LAYER, MODEL, STREAM, Dims, saved
 from engine.backends.numpy import ops
+from engine.config import GpuConfig
 from engine.errors import UserError
 from engine.model.layout import ModelShapes, decay_mask, n_params, tensor_table, views
 
@@ -139,9 +142,12 @@ def host_plan(shapes: ModelShapes, micro_batch: int, dtype: type = np.float32,
 
 
 class NumpyBackend:
-    """The numpy reference backend (see engine.backends.base.Backend for the interface)."""
+    """The numpy reference backend (see engine.backends.base.Backend for the interface). It has
+    no choices of its own: the config's gpu section and a GEMM plan mean nothing here."""
 
     name = "numpy"
+    on_gpu = False
+    host_plan = staticmethod(host_plan)
 
     def __init__(
         self,
@@ -149,6 +155,9 @@ class NumpyBackend:
         micro_batch: int,
         precision: str = "fp32",
         dtype: type = np.float32,
+        *,
+        gpu: GpuConfig | None = None,
+        gemm_plan: Mapping[str, Any] | None = None,
         separate_micro: bool = False,
     ) -> None:
         if precision == "fp8":
@@ -166,6 +175,11 @@ class NumpyBackend:
         self.requested_precision = precision
         self.dtype = np.dtype(dtype)
         self.device = f"cpu (numpy {np.__version__}, {blas_threads()} BLAS threads)"
+        self.notes: list[str] = []
+        self.resolved: dict[str, bool | int | str] = {}
+        self.attention_info = ""
+        self.fp8_gemms: list[str] = []
+        self.gemm_plan: dict[str, Any] | None = None
 
         s, B = shapes, micro_batch
         d, L = s.d_model, s.n_layer
@@ -195,6 +209,14 @@ class NumpyBackend:
         self._scratch = _Arena(scratch, self.dtype)
         # sampling has its own buffers (batch 1, one reusable layer slot, one logits row)
         self._sample = _Arena(sample, self.dtype)
+
+    def describe(self) -> str:
+        """One line: what computes (the reference ops in numpy, in one precision)."""
+        return f"the numpy reference ops in {self.precision}"
+
+    def device_step(self) -> None:
+        """None: the trainer drives the step call by call."""
+        return None
 
     # --- state in and out --------------------------------------------------------------------
 

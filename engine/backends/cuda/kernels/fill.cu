@@ -1,6 +1,6 @@
 // A captured graph's memset nodes as kernel nodes (graphs.py `memsets_as_kernels`).
 // Inside the H200's step graph the GPU sat idle for a median 3-4 µs (up to 7) before each
-// memset node, 1.6 µs before a kernel node (NOTES.md); cuDNN and cuBLASLt zero their 4-byte
+// memset node, 1.6 µs before a kernel node; cuDNN and cuBLASLt zero their 4-byte
 // counters with memsets, which a stream capture records as such nodes.
 // k_fill writes exactly what the memset node would have: `height` rows of `width` elements of
 // `elem` bytes (1, 2 or 4), each the low `elem` bytes of `value`, rows `pitch` bytes apart.

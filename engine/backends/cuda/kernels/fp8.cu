@@ -12,7 +12,7 @@
 // kernels, kernels/mlp.cu). The caller zeroes the amax words before the step.
 //
 // Hopper's FP8 GEMMs take both operands K-contiguous ("TN"), so some GEMMs need a transposed copy
-// (engine/backends/cuda/NOTES.md, "FP8"): k_fp8_cast_t writes it, with the plain copy when asked.
+// (fp8.py's table): k_fp8_cast_t writes it, with the plain copy when asked.
 // cuda_fp8.h comes with CUDA 11.8 and newer: the engine's kernels need that toolkit at least
 // (every .cu is compiled at start, whatever the precision).
 #include <cfloat>

@@ -1,9 +1,9 @@
 // Layer normalisation (DESIGN §3 `layernorm_fwd` / `layernorm_bwd`), eps 1e-5, one warp per row.
 //
 // Rows whose length is a whole number of 16-byte vectors (d % VEC == 0, d <= 32·VEC·LN_MAXV)
-// take the vector path: the row is read once, as vectors held in registers. The row functions
-// below are shared by the plain and the fused kernels, so a fused kernel gives the very bits of
-// the unfused sequence it replaces (tests/gpu/test_fusions.py checks that).
+// take the vector path: the row is read once, as vectors held in registers. The forward's row
+// functions are shared by k_layernorm_fwd and k_residual_layernorm_fwd, so the fused kernel gives
+// the very bits of the unfused sequence it replaces (tests/gpu/test_fusions.py checks that).
 #include "common.cuh"
 
 #define LN_MAXV 4  // 16-byte vectors cached per lane: rows up to 32*VEC*LN_MAXV elements
@@ -157,14 +157,6 @@ extern "C" __global__ void k_residual_layernorm_fwd(act_t* xsum, act_t* out, flo
     ln_fwd_row_scalar(xsum + base, out + base, mean, rstd, gamma, beta, r, d, lane);
 }
 
-// The shared-memory slot of column c = (k·32 + lane)·VEC + i in a warp's row of column sums:
-// (k·VEC + i)·32 + lane, so that the 32 lanes' adds of one (k, i) hit 32 consecutive words, one
-// per bank (columns in their natural order would put lanes VEC words apart: VEC-way bank
-// conflicts). A row holds span = 32·VEC·ceil(d / (32·VEC)) slots (ln_span), some unused when d
-// is not a multiple of 32·VEC.
-__device__ __forceinline__ int ln_slot(int k, int i, int lane) { return (k * VEC + i) * 32 + lane; }
-__device__ __forceinline__ int ln_span(int d) { return 32 * VEC * ((d + 32 * VEC - 1) / (32 * VEC)); }
-
 // One row's inputs of the backward, held in registers: dout (g), x and, when accumulating,
 // the residual gradient (o, whose registers then receive dx).
 struct LnBwdRow {
@@ -186,16 +178,11 @@ __device__ __forceinline__ void ln_bwd_load(LnBwdRow& in, const act_t* res, cons
 }
 
 // dx of one row loaded by ln_bwd_load: dx = rstd·(g - mean(g) - x̂·mean(g·x̂)), g = dout·γ; with
-// accumulate, dx = resid + that (resid may be dx itself), stored to o. With SUMS, the row's
-// column terms of dγ and dβ (dout·x̂ and dout) are added into the warp's shared row acc
-// (ln_slot: dγ's at the column's slot, dβ's span further; a lane only ever touches its own
-// columns, so no synchronisation is needed), for k_layernorm_bwd_fused. Every operation is
-// explicitly rounded (no fused multiply-add): the compiler may not contract differently in the
-// kernels that share this function, whose dx must be the same bits.
-template <bool SUMS>
+// accumulate, dx = resid + that (resid may be dx itself), stored to o. Every operation is
+// explicitly rounded (no fused multiply-add), so no build contracts it differently.
 __device__ __forceinline__ void ln_bwd_finish(LnBwdRow& in, act_t* o, float mu, float rs,
                                               const float* gamma, int d, int lane,
-                                              int accumulate, float* acc, int span) {
+                                              int accumulate) {
     float s1 = 0.0f, s2 = 0.0f;
 #pragma unroll
     for (int k = 0; k < LN_MAXV; k++) {
@@ -210,11 +197,6 @@ __device__ __forceinline__ void ln_bwd_finish(LnBwdRow& in, act_t* o, float mu, 
                 const float dn = __fmul_rn(gi, gk[i]);
                 s1 = __fadd_rn(s1, dn);
                 s2 = __fadd_rn(s2, __fmul_rn(__fmul_rn(dn, xc), rs));
-                if (SUMS) {
-                    const int j = ln_slot(k, i, lane);
-                    acc[j] = __fadd_rn(acc[j], __fmul_rn(__fmul_rn(gi, xc), rs));
-                    acc[span + j] = __fadd_rn(acc[span + j], gi);
-                }
             }
         }
     }
@@ -271,7 +253,7 @@ extern "C" __global__ void k_layernorm_bwd(act_t* dx, const act_t* resid, const 
     if (ln_vector_row(d) && aligned16(dx) && aligned16(res) && aligned16(dout) && aligned16(x)) {
         LnBwdRow in;
         ln_bwd_load(in, res, g, xr, d, lane, accumulate);
-        ln_bwd_finish<false>(in, o, mu, rs, gamma, d, lane, accumulate, nullptr, 0);
+        ln_bwd_finish(in, o, mu, rs, gamma, d, lane, accumulate);
         return;
     }
     float s1 = 0.0f, s2 = 0.0f;  // general rows: two passes over global memory
@@ -380,91 +362,4 @@ extern "C" __global__ void k_colsum_reduce(float* dst, const float* partial, int
     float s = 0.0f;
     for (int k = 0; k < nchunk; k++) s = __fadd_rn(s, partial[(long)k * n + c]);
     dst[c] = overwrite ? s : __fadd_rn(dst[c], s);
-}
-
-// numpy twin: ops.layernorm_bwd (dx, and dgamma, dbeta per chunk of rows)
-// >   dgamma += np.einsum("ij,ij->j", dout, xhat)
-// >   dbeta += dout.sum(axis=0)
-// >   dx *= rstd[:, None]
-// k_layernorm_bwd and k_layernorm_bwd_params in one pass: dout and x are read once. dx has
-// k_layernorm_bwd's bits (the same row function). Block = one chunk of rows_per_chunk rows;
-// warp w takes the chunk's rows w, w + 8, ... in order and adds each row's column terms into
-// its own shared row (ln_bwd_finish<true>); the warps' rows are then added in warp order into
-// partial[chunk, 0, 2d) (dγ's terms, then dβ's), and k_colsum_chunks adds the chunks into the
-// gradients. No atomics: the same inputs give the same bits; the sums are numpy's in another
-// fixed order. The vector path only (d % VEC == 0, 16-byte aligned rows; Ops.fused_ln_bwd_ok);
-// dynamic shared memory (blockDim.x / 32)·2·ln_span(d) floats. The column sums live in shared
-// memory, not registers, so that enough warps fit on an SM to keep the memory busy.
-extern "C" __global__ void k_layernorm_bwd_fused(act_t* dx, const act_t* resid, const act_t* dout,
-                                                 const act_t* x, const float* mean,
-                                                 const float* rstd, const float* gamma,
-                                                 float* partial, int R, int d,
-                                                 int rows_per_chunk, int accumulate) {
-    extern __shared__ float sm[];  // [warps][2·span]: each warp's column sums, by ln_slot
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const int span = ln_span(d), chunk = blockIdx.x;
-    const int r0 = chunk * rows_per_chunk, r1 = min(R, r0 + rows_per_chunk);
-    float* acc = sm + warp * 2 * span;
-#pragma unroll
-    for (int k = 0; k < LN_MAXV; k++) {  // the lane's own slots, as ln_bwd_finish adds into them
-        if ((k * 32 + lane) * VEC < d) {
-#pragma unroll
-            for (int i = 0; i < VEC; i++) {
-                acc[ln_slot(k, i, lane)] = 0.0f;
-                acc[span + ln_slot(k, i, lane)] = 0.0f;
-            }
-        }
-    }
-    const act_t* res = resid ? resid : dx;
-    for (int r = r0 + warp; r < r1; r += nw) {  // (prefetching the next row measured no faster)
-        const long base = (long)r * d;
-        LnBwdRow in;
-        ln_bwd_load(in, res + base, dout + base, x + base, d, lane, accumulate);
-        ln_bwd_finish<true>(in, dx + base, mean[r], rstd[r], gamma, d, lane, accumulate, acc,
-                            span);
-    }
-    __syncthreads();
-    // slot j of part p (0: dγ, 1: dβ) is column c; partial[chunk] holds dγ's d columns, then dβ's
-    for (int t = threadIdx.x; t < 2 * span; t += blockDim.x) {
-        const int p = t / span, j = t % span;
-        const int ln = j % 32, ki = j / 32;
-        const int c = ((ki / VEC) * 32 + ln) * VEC + ki % VEC;
-        if (c >= d) continue;
-        float s = 0.0f;
-        for (int w = 0; w < nw; w++) s = __fadd_rn(s, sm[w * 2 * span + t]);
-        partial[(long)chunk * 2 * d + p * d + c] = s;
-    }
-}
-
-#define COLSUM_BATCH 16  // loads a lane of k_colsum_chunks issues before it adds them
-
-// numpy twin: none — the second pass of k_layernorm_bwd_fused's column sums (numpy sums all rows
-// at once): dst[c] += Σ over chunks of partial[chunk, c] (= when overwrite != 0), into the
-// float32 dgamma, dbeta (adjacent in the flat gradient buffer). Block = 32 columns, lane = its
-// column; warp w adds its contiguous share of the chunks in order, COLSUM_BATCH loads in flight
-// at a time (a loop that added each load as it came would wait for every one of them), then
-// warp 0 adds the warps' sums in warp order: a fixed order, no atomics.
-extern "C" __global__ void k_colsum_chunks(float* dst, const float* partial, int nchunk, int n,
-                                           int overwrite) {
-    __shared__ float sm[32][33];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const int c = blockIdx.x * 32 + lane;
-    const int per = (nchunk + nw - 1) / nw, k0 = warp * per, k1 = min(nchunk, k0 + per);
-    float s = 0.0f;
-    if (c < n) {
-        for (int kb = k0; kb < k1; kb += COLSUM_BATCH) {
-            float v[COLSUM_BATCH];
-#pragma unroll
-            for (int u = 0; u < COLSUM_BATCH; u++)
-                v[u] = kb + u < k1 ? __ldcg(partial + (long)(kb + u) * n + c) : 0.0f;
-#pragma unroll
-            for (int u = 0; u < COLSUM_BATCH; u++) s = __fadd_rn(s, v[u]);
-        }
-    }
-    sm[warp][lane] = s;
-    __syncthreads();
-    if (warp != 0 || c >= n) return;
-    float t = 0.0f;
-    for (int w = 0; w < nw; w++) t = __fadd_rn(t, sm[w][lane]);
-    dst[c] = overwrite ? t : __fadd_rn(dst[c], t);
 }

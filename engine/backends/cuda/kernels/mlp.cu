@@ -6,8 +6,8 @@
 
 // tanh(y) = 1 - 2/(exp(2y) + 1), with the hardware exp (__expf) and one division: a few
 // 1e-6 absolute at most, and a handful of instructions where tanhf's accurate path takes
-// several times as many, which made these kernels compute-bound (about 2 TB/s on the H200,
-// NOTES.md). Saturates to ±1 (exp overflows to inf, or underflows to 0); NaN stays NaN.
+// several times as many, enough to make these kernels compute-bound (about 2 TB/s on the
+// H200). Saturates to ±1 (exp overflows to inf, or underflows to 0); NaN stays NaN.
 __device__ __forceinline__ float tanh_exp(float y) {
     return 1.0f - 2.0f / (__expf(2.0f * y) + 1.0f);
 }

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import collections
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
 from engine.backends import get_backend
+from engine.backends.base import Backend, DeviceStep
 from engine.config import Config
 from engine.model.layout import ModelShapes, init_params, n_params, tensor_table
 from engine.model.optim import clip_scale, lr_at
@@ -75,9 +77,11 @@ class LossScaler:
 class GradientReducer(Protocol):
     """Data parallelism, as the trainer sees it: `world` ranks, each with its own micro-batches;
     `reduce(backend)` replaces the backend's gradient buffer by the sum over all ranks (the same
-    bits on every rank), so that every rank then takes the same optimizer step."""
+    bits on every rank), so that every rank then takes the same optimizer step. `in_step`: the
+    sum runs inside the backend's device step instead (DeviceStep.launch_step's reducer)."""
 
     world: int
+    in_step: bool
 
     def reduce(self, backend: Any) -> None: ...
 
@@ -87,10 +91,12 @@ class Trainer:
     `reducer`: the data-parallel gradient sum (engine.run.ddp), when this is one rank of many."""
 
     def __init__(self, config: Config, backend: str = "numpy", *,
-                 dtype: Any = np.float32, backend_options: dict[str, Any] | None = None,
+                 dtype: Any = np.float32, gemm_plan: Mapping[str, Any] | None = None,
                  reducer: GradientReducer | None = None) -> None:
-        """backend_options: keyword arguments for the backend's constructor beyond the shapes,
-        batch and precision (the CUDA backend's attention, fusions, gemm_plan, tune, settings)."""
+        """backend: its name (engine.backends.BACKEND_NAMES), built with the config's model,
+        batch, precision and gpu section; dtype: the numpy backend's (float64 for gradient
+        checks); gemm_plan: the GEMM algorithms a run recorded (gemm_plan.json), to use instead
+        of timing them."""
         self.config = config
         self.shapes = ModelShapes.from_config(config.model)
         self.reducer = reducer
@@ -100,11 +106,11 @@ class Trainer:
         # grad_accum > 1: a micro-batch beyond the first forms its gradient on its own and adds
         # it whole, as a data-parallel all-reduce adds ranks' gradients (the same bits)
         self._separate = train.grad_accum > 1
-        kwargs: dict[str, Any] = {"precision": train.precision, **(backend_options or {}),
-                                  "separate_micro": self._separate}
-        if backend == "numpy":
-            kwargs["dtype"] = dtype
-        self.backend = cls(self.shapes, train.batch_size, **kwargs)
+        self.backend: Backend = cls(self.shapes, train.batch_size, train.precision, dtype,
+                                    gpu=config.gpu, gemm_plan=gemm_plan,
+                                    separate_micro=self._separate)
+        # the whole step on the device, where the backend has one (the CUDA one-graph step)
+        self._device: DeviceStep | None = self.backend.device_step()
         self.tensor_table = [
             {"name": t.name, "shape": list(t.shape), "offset": t.offset}
             for t in tensor_table(self.shapes)
@@ -113,8 +119,9 @@ class Trainer:
         self.backend.load_params(init_params(self.shapes, train.seed))
         zeros = np.zeros(self.n_params, dtype=np.float32)
         self.backend.load_optimizer(zeros, zeros)
-        # fp16 needs loss scaling; the numpy backend always computes in fp32 or fp64.
-        self.scaler = LossScaler(enabled=(train.precision == "fp16" and backend != "numpy"))
+        # fp16 compute needs loss scaling (the numpy backend computes in fp32 or fp64 whatever
+        # train.precision says)
+        self.scaler = LossScaler(enabled=self.backend.precision == "fp16")
         self.step_count = 0  # completed optimizer steps (skipped ones included)
         self.adam_t = 0  # applied updates, for Adam's bias correction
         self.tokens = 0
@@ -192,12 +199,12 @@ class Trainer:
         if self.reducer is not None:
             self.reducer.reduce(self.backend)  # the gradient of the whole job, on every rank
         grad_mult = 1.0 / (n_micro * self.world * self.scaler.scale)
-        if getattr(self.backend, "fused_step", False):
+        if self._device is not None:
             # on the device, with the one-graph step's kernels: the same bits as train_step
             # with float32 gradients (so two ranks of one micro-batch match one rank of two,
-            # clipped or not; a one-rank train_step may keep bf16 ones: ANDREA_GRADS_LP)
+            # clipped or not; a one-rank train_step may keep bf16 ones: gpu.grads_low_precision)
             b1, b2 = o.betas
-            norm, scale = self.backend.optimizer_step(
+            norm, scale = self._device.optimizer_step(
                 grad_mult=grad_mult, lr=lr, beta1=b1, beta2=b2, eps=o.eps,
                 weight_decay=o.weight_decay, t=self.adam_t + 1, max_norm=o.max_grad_norm)
             return self._stepped(step, lr, norm, scale)
@@ -222,29 +229,27 @@ class Trainer:
 
     def train_step(self, tokens: np.ndarray) -> StepResult:
         """`zero_grads` → `forward_backward(tokens)` → `step()` for one micro-batch: the same
-        step, and on a backend with a fused step (`fused_step`: the CUDA backend's one-graph
-        step) in one backend call with one host read, the data-parallel all-reduce inside it
-        (a reducer with `in_step`). The numbers it feeds the backend are those `step()` would
-        use (grads·1/(world·loss_scale), the clip, lr and Adam's t)."""
+        step, and on a backend with a device step (Backend.device_step: the CUDA backend's
+        one-graph step) in one backend call with one host read, the data-parallel all-reduce
+        inside it (a reducer with `in_step`). The numbers it feeds the backend are those
+        `step()` would use (grads·1/(world·loss_scale), the clip, lr and Adam's t)."""
         self.begin_step(tokens)
         return self.end_step()
 
     def _queues_steps(self) -> bool:
-        """Whether begin_step queues the step on the device: the fused step, with the
+        """Whether begin_step queues the step on the device: the device step, with the
         data-parallel all-reduce inside it when there is one."""
-        reduce_in_step = self.reducer is not None and getattr(self.reducer, "in_step", False)
-        return bool(getattr(self.backend, "fused_step", False)) and (self.reducer is None
-                                                                     or reduce_in_step)
+        return self._device is not None and (self.reducer is None or self.reducer.in_step)
 
     def prepare(self, tokens: np.ndarray) -> None:
-        """Hand over the next step's tokens `[B, T+1]` early: on a backend with a fused step
+        """Hand over the next step's tokens `[B, T+1]` early: on a backend with a device step
         the host stages them (checks, the embedding-gradient buckets) while the step before
         still runs on the device. Then `begin_step()` without tokens."""
         if self._prepared is not None:
             raise RuntimeError("prepare() twice without begin_step()")
         tokens = np.array(tokens, dtype=np.int32)
-        if self._queues_steps():
-            self.backend.prepare_step(np.ascontiguousarray(tokens[:, :-1]),
+        if self._device is not None and self._queues_steps():
+            self._device.prepare_step(np.ascontiguousarray(tokens[:, :-1]),
                                       np.ascontiguousarray(tokens[:, 1:]))
         self._prepared = tokens
 
@@ -268,7 +273,7 @@ class Trainer:
 
     def begin_step(self, tokens: np.ndarray | None = None) -> None:
         """The first half of `train_step` (tokens None: those given to `prepare`): on a
-        backend with a fused step the step is queued and the host is free until `end_step`
+        backend with a device step the step is queued and the host is free until `end_step`
         (the training loop writes the previous step's records and draws the next batch
         meanwhile); elsewhere the tokens are kept and `end_step` runs the step. Up to
         `queue_depth` steps may be begun before the first of them is ended."""
@@ -283,7 +288,7 @@ class Trainer:
                 raise RuntimeError("begin_step(tokens) after prepare(): tokens twice")
             tokens, staged = np.array(tokens, dtype=np.int32), False
         self._prepared = None
-        if not self._queues_steps():
+        if self._device is None or not self._queues_steps():
             self._begun.append(tokens)
             return
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
@@ -294,7 +299,7 @@ class Trainer:
         b1, b2 = o.betas
         # data parallel: the all-reduce runs inside the step, bucket by bucket (the backend's)
         extra = {"reducer": self.reducer} if self.reducer is not None else {}
-        self.backend.launch_step(
+        self._device.launch_step(
             None if staged else np.ascontiguousarray(inputs),
             None if staged else np.ascontiguousarray(targets),
             loss_scale=self.scaler.scale, grad_mult=1.0 / (self.world * self.scaler.scale),
@@ -313,7 +318,8 @@ class Trainer:
             self.forward_backward(begun)
             return self.step()
         step, lr, n_tokens = begun
-        rows, norm, clip = self.backend.step_result()
+        assert self._device is not None  # only a device step queues a (step, lr, tokens)
+        rows, norm, clip = self._device.step_result()
         self._row_losses = [np.asarray(rows, dtype=np.float64)]
         self._micro_tokens = n_tokens
         return self._stepped(step, lr, norm, clip)
