@@ -32,7 +32,8 @@ test: $(TEST_STAMP)
 nvcc-check:
 	scripts/nvcc-check
 
-# On a GPU machine: install pycuda from .whl/, run `pytest -m gpu` and the GPU benchmark.
+# On a GPU machine: install pycuda from .whl/, run `pytest -m gpu` and the GPU benchmark
+# (dev/bench_gpu.py; dev/README.md lists the other benchmarks and probes).
 gpu-check:
 	scripts/gpu-check
 

@@ -140,7 +140,7 @@ class CheckpointListScreen(Screen[None]):
     def _load(self, gen: int) -> None:
         from textual.worker import get_current_worker
 
-        from engine.run.checkpoint import checkpoint_dirs, checkpoint_entry
+        from engine.run.checkpoint_store import checkpoint_dirs, checkpoint_entry
 
         worker = get_current_worker()
         dirs = checkpoint_dirs(self.path)

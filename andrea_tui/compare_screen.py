@@ -18,7 +18,7 @@ from textual.widgets import DataTable, Footer, Static
 
 from andrea_tui import compare_export
 from andrea_tui import settings as user_settings
-from andrea_tui.charts import AXIS_COLUMNS, LIGHT, CachedPlot, x_ticks, y_ticks
+from andrea_tui.chartparts import AXIS_COLUMNS, LIGHT, x_ticks, y_ticks
 from andrea_tui.compare import (
     METRICS,
     XAXES,
@@ -28,6 +28,7 @@ from andrea_tui.compare import (
     load_curves,
     run_labels,
 )
+from andrea_tui.plotcache import CachedPlot
 from andrea_tui.textfmt import fmt_metric
 from andrea_tui.ticks import full_range
 from engine.errors import UserError

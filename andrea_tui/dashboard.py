@@ -26,7 +26,8 @@ from textual.widget import Widget
 from textual.widgets import Footer, Static
 
 from andrea_tui import panels
-from andrea_tui.charts import ChartOptions, GradNormChart, LossChart, LrChart
+from andrea_tui.chartparts import ChartOptions
+from andrea_tui.charts import GradNormChart, LossChart, LrChart
 from andrea_tui.linepanel import LinePanel
 from andrea_tui.runstate import RunState
 from andrea_tui.settings import Settings

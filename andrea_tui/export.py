@@ -308,73 +308,87 @@ def png_figure(run_dir: Path, size: tuple[int, int] = PNG_SIZE) -> Any:
                                            gridspec_kw={"height_ratios": [3, 2, 1.2]})
     fig.suptitle(f"{name} · {run_dir} · steps {int(steps[0]):,}–{int(steps[-1]):,}", fontsize=10)
     cols = max(100, width)
-
-    # loss, its EMA and the validation loss on one axes; alerts along the top
-    x, y = _downsampled(steps, series.col("loss"), cols)
-    ax_loss.plot(x, y, color="0.7", linewidth=0.6, label="loss")
-    ex, ey = _downsampled(steps, series.ema(), cols)
-    ax_loss.plot(ex, ey, color="tab:blue", linewidth=1.2, label=f"EMA ({series.ema_alpha:g})")
-    if len(vs):
-        ax_loss.plot(vs, vl, color="tab:orange", marker="o", markersize=3, linewidth=1.0,
-                     label="validation loss")
-    else:
-        ax_loss.text(0.99, 0.03, "no validation loss (no eval.jsonl)", ha="right",
-                     va="bottom", transform=ax_loss.transAxes, color="0.4", fontsize=8)
-    if alerts:
-        ax_loss.vlines([a.step for a in alerts], 0.93, 1.0,
-                       transform=ax_loss.get_xaxis_transform(), colors="tab:red",
-                       linewidth=1.2, label=f"alerts ({len(alerts)})")
-    ax_loss.set_ylabel("loss")
-    ax_loss.legend(loc="upper right", fontsize=8)
-
-    # the grad norm on its robust axis
-    g = series.col("grad_norm")
-    gx, glo, ghi = column_ranges(steps, g, cols)
-    gx2, gy = _downsampled(steps, g, cols)
-    clip = cfg.optim.max_grad_norm if cfg is not None else None
-    yr = ticks.grad_range(g, glo, ghi, clip)
-    ax_grad.plot(gx2, gy if yr is None else np.clip(gy, yr.lo, yr.hi), color="tab:green",
-                 linewidth=0.6, label="grad norm")
-    if yr is not None:
-        ax_grad.set_ylim(yr.lo, yr.hi)
-        up = gx[ghi > yr.hi]
-        if len(up):
-            ax_grad.plot(up, np.full(len(up), yr.hi), linestyle="none", marker="^",
-                         color="tab:purple", markersize=5, clip_on=False,
-                         label=f"{yr.above} above the axis")
-        if yr.line is not None:
-            ax_grad.axhline(yr.line, color="tab:red", linewidth=0.8, linestyle="--",
-                            label=f"clip {fmt_grad(yr.line).strip()}")
-        elif yr.line_off_scale and clip is not None:
-            ax_grad.plot([], [], color="tab:red", linestyle="--",
-                         label=f"clip {fmt_grad(clip).strip()}, off scale")
-    grad_alerts = [a.step for a in alerts if a.alert in ("grad_spike", "nonfinite")]
-    if grad_alerts:
-        ax_grad.vlines(grad_alerts, 0.9, 1.0, transform=ax_grad.get_xaxis_transform(),
-                       colors="tab:red", linewidth=1.2)
-    ax_grad.set_ylabel("grad norm")
-    ax_grad.legend(loc="upper right", fontsize=8)
-
-    # the learning rate, with resumes and evaluations
-    lx, ly = _downsampled(steps, series.col("lr"), cols)
-    ax_lr.plot(lx, ly, color="tab:blue", linewidth=1.0, label="learning rate")
-    shown = [r.step for r in resumes if steps[0] <= r.step <= steps[-1]]
-    for i, s in enumerate(shown):
-        ax_lr.axvline(s, color="tab:purple", linewidth=0.8, linestyle=":",
-                      label="resume" if i == 0 else None)
-    if len(vs):
-        ax_lr.vlines(vs, 0.0, 0.12, transform=ax_lr.get_xaxis_transform(), colors="tab:orange",
-                     linewidth=0.8, label="evaluation")
-    ax_lr.set_ylabel("learning rate")
-    ax_lr.set_xlabel("step")
-    ax_lr.legend(loc="upper right", fontsize=8)
-
+    _draw_loss(ax_loss, series, vs, vl, alerts, cols)
+    _draw_grad(ax_grad, series, cfg.optim.max_grad_norm if cfg is not None else None, alerts,
+               cols)
+    _draw_lr(ax_lr, series, resumes, vs, cols)
     mpl_round_ticks(ax_lr.xaxis, "count")
     for ax in (ax_loss, ax_grad, ax_lr):
         mpl_round_ticks(ax.yaxis, "value")
         ax.grid(True, alpha=0.3)
     fig.subplots_adjust(left=0.08, right=0.98, top=0.94, bottom=0.07, hspace=0.15)
     return fig
+
+
+def _draw_loss(ax: Any, series: StepSeries, vs: np.ndarray, vl: np.ndarray,
+               alerts: list[AlertEvent], cols: int) -> None:
+    """The loss, its EMA and the validation loss on one axes; the alerts along its top."""
+    steps = series.steps
+    x, y = _downsampled(steps, series.col("loss"), cols)
+    ax.plot(x, y, color="0.7", linewidth=0.6, label="loss")
+    ex, ey = _downsampled(steps, series.ema(), cols)
+    ax.plot(ex, ey, color="tab:blue", linewidth=1.2, label=f"EMA ({series.ema_alpha:g})")
+    if len(vs):
+        ax.plot(vs, vl, color="tab:orange", marker="o", markersize=3, linewidth=1.0,
+                label="validation loss")
+    else:
+        ax.text(0.99, 0.03, "no validation loss (no eval.jsonl)", ha="right", va="bottom",
+                transform=ax.transAxes, color="0.4", fontsize=8)
+    if alerts:
+        ax.vlines([a.step for a in alerts], 0.93, 1.0, transform=ax.get_xaxis_transform(),
+                  colors="tab:red", linewidth=1.2, label=f"alerts ({len(alerts)})")
+    ax.set_ylabel("loss")
+    ax.legend(loc="upper right", fontsize=8)
+
+
+def _draw_grad(ax: Any, series: StepSeries, clip: float | None, alerts: list[AlertEvent],
+               cols: int) -> None:
+    """The grad norm on its robust axis: points above it on the top edge, the clip line where
+    it is on scale, the gradient alerts along the top."""
+    steps = series.steps
+    g = series.col("grad_norm")
+    gx, glo, ghi = column_ranges(steps, g, cols)
+    gx2, gy = _downsampled(steps, g, cols)
+    yr = ticks.grad_range(g, glo, ghi, clip)
+    ax.plot(gx2, gy if yr is None else np.clip(gy, yr.lo, yr.hi), color="tab:green",
+            linewidth=0.6, label="grad norm")
+    if yr is not None:
+        ax.set_ylim(yr.lo, yr.hi)
+        up = gx[ghi > yr.hi]
+        if len(up):
+            ax.plot(up, np.full(len(up), yr.hi), linestyle="none", marker="^",
+                    color="tab:purple", markersize=5, clip_on=False,
+                    label=f"{yr.above} above the axis")
+        if yr.line is not None:
+            ax.axhline(yr.line, color="tab:red", linewidth=0.8, linestyle="--",
+                       label=f"clip {fmt_grad(yr.line).strip()}")
+        elif yr.line_off_scale and clip is not None:
+            ax.plot([], [], color="tab:red", linestyle="--",
+                    label=f"clip {fmt_grad(clip).strip()}, off scale")
+    grad_alerts = [a.step for a in alerts if a.alert in ("grad_spike", "nonfinite")]
+    if grad_alerts:
+        ax.vlines(grad_alerts, 0.9, 1.0, transform=ax.get_xaxis_transform(), colors="tab:red",
+                  linewidth=1.2)
+    ax.set_ylabel("grad norm")
+    ax.legend(loc="upper right", fontsize=8)
+
+
+def _draw_lr(ax: Any, series: StepSeries, resumes: list[ResumeEvent], vs: np.ndarray,
+             cols: int) -> None:
+    """The learning rate, a line at each resume and a tick at each evaluation."""
+    steps = series.steps
+    lx, ly = _downsampled(steps, series.col("lr"), cols)
+    ax.plot(lx, ly, color="tab:blue", linewidth=1.0, label="learning rate")
+    shown = [r.step for r in resumes if steps[0] <= r.step <= steps[-1]]
+    for i, s in enumerate(shown):
+        ax.axvline(s, color="tab:purple", linewidth=0.8, linestyle=":",
+                   label="resume" if i == 0 else None)
+    if len(vs):
+        ax.vlines(vs, 0.0, 0.12, transform=ax.get_xaxis_transform(), colors="tab:orange",
+                  linewidth=0.8, label="evaluation")
+    ax.set_ylabel("learning rate")
+    ax.set_xlabel("step")
+    ax.legend(loc="upper right", fontsize=8)
 
 
 def figure_png(fig: Any) -> bytes:

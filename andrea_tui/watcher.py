@@ -48,7 +48,7 @@ class RunWatcher:
     # files changed or not; a change is reported once a step passed without another (1-2 steps
     # after it). 50 ms (watchfiles' default): 20 wake-ups a second rather than 50 at 20 ms, and
     # a report within 100 ms, where the pacer holds a frame up to PANEL_MIN_INTERVAL anyway.
-    # Following 10 steps/s (scripts/bench_tui.py, paired runs): the thread's CPU 0.35-0.59% of
+    # Following 10 steps/s (dev/bench_tui.py, paired runs): the thread's CPU 0.35-0.59% of
     # a core at 20 ms, 0.29-0.41% at 50 ms; append-to-screen latency the same (p50 ~110 ms,
     # p95 ~200 ms).
     STEP_MS = 50  # a wake-up waits this long for more changes...

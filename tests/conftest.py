@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 # The suite runs engines side by side (pytest-xdist, `make test`). OpenBLAS's worker threads spin
-# while they wait, so on a 2-core machine two engines of 2 threads each spent the CPU waiting on
+# while they wait, so on a 2-core machine two engines of 2 threads each spend the CPU waiting on
 # each other: one thread per process (set before numpy loads; engine processes inherit it).
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 

@@ -119,7 +119,7 @@ def run_state(data: bytes) -> None:
 
 
 def _checkpoint_dir(tmp: Path) -> Path:
-    from engine.run.checkpoint import write_checkpoint
+    from engine.run.checkpoint_write import write_checkpoint
 
     n = 12
     arrays = [np.arange(n, dtype=np.float32) * k for k in (1, 2, 3)]
@@ -130,7 +130,8 @@ def _checkpoint_dir(tmp: Path) -> Path:
 
 def checkpoint_state(data: bytes) -> None:
     """verify, list and load a checkpoint whose state.json holds `data`."""
-    from engine.run.checkpoint import list_checkpoints, load_checkpoint, verify_checkpoint
+    from engine.run.checkpoint import load_checkpoint, verify_checkpoint
+    from engine.run.checkpoint_store import list_checkpoints
 
     with tempfile.TemporaryDirectory() as tmp:
         ck = _checkpoint_dir(Path(tmp))

@@ -1,5 +1,5 @@
 """A process and its descendants as Linux /proc sees them: for the tests and benchmarks that
-measure a command's memory and CPU (scripts/bench_data.py, scripts/bench_tui.py,
+measure a command's memory and CPU (dev/bench_data.py, dev/bench_tui.py,
 tests/test_prep_resume.py)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""scripts/bench_flex_configs.py and the config overrides behind it (flex_build_main.BWD_CONFIG,
-scripts/flex-variants) on the CPU: argument errors (one line on stderr, exit 2, no traceback),
+"""dev/bench_flex_configs.py and the config overrides behind it (flex_build_main.BWD_CONFIG,
+dev/flex-variants) on the CPU: argument errors (one line on stderr, exit 2, no traceback),
 the variants' listing, the run-time library's unpacking, and the plan adapted to a variant's
 manifest. The timing and the kernels need an H200 (the script's docstring says what is not
 verified here)."""
@@ -21,7 +21,7 @@ from engine.backends.cuda import flex_build
 from engine.backends.cuda.flex_plan import causal_plan, diagonal_mask_words, fragment_coords
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "bench_flex_configs.py"
+SCRIPT = ROOT / "dev" / "bench_flex_configs.py"
 
 
 def _load(name: str, path: Path):
@@ -258,7 +258,7 @@ def test_build_variant_refuses_a_bad_name(tmp_path: Path) -> None:
 
 
 def test_flex_variants_lists_and_refuses_unknown_names() -> None:
-    script = ROOT / "scripts" / "flex-variants"
+    script = ROOT / "dev" / "flex-variants"
     r = _run("--list", script=script)
     assert r.returncode == 0 and r.stdout.splitlines()[0].split() == ["frontend", "(none)"]
     fv = _load("flex_variants", script)

@@ -1,5 +1,7 @@
-"""The GPU benchmark's timing loops (scripts/bench_gpu.py) on fakes: what they queue, wait for
-and measure, without a GPU (the times themselves are the benchmark's, never a test's)."""
+"""The GPU benchmark's timing loops (dev/gpu_timing.py, run by dev/bench_gpu.py and so by
+`make gpu-check`) on fakes: what they queue, wait for and measure, without a GPU (the times
+themselves are the benchmark's, never a test's); its PyTorch variants' names and its command
+line's errors."""
 
 from __future__ import annotations
 
@@ -14,12 +16,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "scripts" / "bench_gpu.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_gpu"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+def _dev(name: str):
+    """dev/NAME.py as a module (dev/ is no package: its scripts import each other by name)."""
+    if str(ROOT / "dev") not in sys.path:
+        sys.path.insert(0, str(ROOT / "dev"))
+    return importlib.import_module(name)
+
+
+def _timing():
+    return _dev("gpu_timing")
 
 
 class FakeStream:
@@ -85,7 +90,7 @@ def batches(n: int) -> list[np.ndarray]:
 
 
 def test_sustained_engine_steps_are_queued_two_deep_and_timed_one_by_one():
-    b = _bench()
+    b = _timing()
     bk = FakeBackend()
     toks = batches(3)
     times = b.sustained_ms(b.andrea_queued(bk, toks, t0=7), b.andrea_clock(bk), 6)
@@ -98,7 +103,7 @@ def test_sustained_engine_steps_are_queued_two_deep_and_timed_one_by_one():
 
 
 def test_sustained_marks_follow_each_step():
-    b = _bench()
+    b = _timing()
     log: list[str] = []
     stream = FakeStream()
     stream.work = log
@@ -117,7 +122,7 @@ def test_sustained_marks_follow_each_step():
 def test_rounds_and_long_runs_take_each_step_once_in_order():
     """The rounds' step function (the next batch queued ahead) and bench_sustained's two passes
     leave nothing queued, and the engine's Adam steps t run 1, 2, 3, ... with batch t each."""
-    b = _bench()
+    b = _timing()
     bk = FakeBackend()
     toks = batches(4)
     step = b.andrea_step(bk)
@@ -157,7 +162,7 @@ def test_a_round_is_timed_after_its_own_untimed_lead():
     """timed_round runs the implementation's own steps for at least lead_s (whole rounds of
     them, the step count going on), waits for them, and only then times `steps` steps; the
     engine's next batch is queued behind each step and nothing is left queued."""
-    b = _bench()
+    b = _timing()
     bk = FakeBackend()
     toks = batches(4)
     step = b.andrea_step(bk)
@@ -191,7 +196,7 @@ def test_energy_meter_averages_power_between_counter_changes():
     """watts() takes the counter's first and last change inside the window (the counter moves
     in steps, so the window's own ends would cut a step in two), and says None when too few
     changes fall inside."""
-    b = _bench()
+    b = _timing()
     m = b.EnergyMeter(lambda: 0, every_s=0.001)
     m.close()
     m.points = [(0.95, 900), (1.0, 1000), (1.1, 71000), (1.2, 141000), (1.3, 211000),
@@ -202,7 +207,7 @@ def test_energy_meter_averages_power_between_counter_changes():
 
 
 def test_energy_meter_reads_in_a_thread_until_closed():
-    b = _bench()
+    b = _timing()
     import time
 
     count = [0]
@@ -231,7 +236,7 @@ def test_energy_meter_opens_through_telemetry_nvml(monkeypatch):
     shuts NVML down when closed."""
     from engine.run import telemetry
 
-    b = _bench()
+    b = _timing()
     shut: list[str] = []
 
     class FakeNvml:
@@ -256,7 +261,7 @@ def test_energy_meter_opens_through_telemetry_nvml(monkeypatch):
 
 
 def test_a_long_run_that_fails_is_reported_and_the_others_go_on():
-    b = _bench()
+    b = _timing()
     bk = FakeBackend()
 
     def broken(tok: np.ndarray, t: int) -> None:
@@ -278,7 +283,7 @@ def test_a_long_run_that_fails_is_reported_and_the_others_go_on():
     ("max-autotune-sepqkv", ("max-autotune", False, False, False)),
 ])
 def test_torch_variant_names(name, want):
-    v = _bench().torch_variant(name)
+    v = _dev("torch_peer").torch_variant(name)
     assert (v.mode, v.fused_qkv, v.cudnn_sdpa, v.sync) == want
 
 
@@ -286,7 +291,7 @@ def test_torch_variant_names(name, want):
                                   "compile-cudnn-sepqkv", ""])
 def test_a_misspelt_torch_variant_is_refused(name):
     with pytest.raises(ValueError, match="expected one of eager"):
-        _bench().torch_variant(name)
+        _dev("torch_peer").torch_variant(name)
 
 
 @pytest.mark.parametrize(("args", "says"), [
@@ -298,6 +303,6 @@ def test_a_misspelt_torch_variant_is_refused(name):
     (["--torch", "reduce-overhead,eagre"], "--torch: PyTorch variant 'eagre': expected one of"),
 ])
 def test_bad_arguments_get_one_line_and_exit_status_2(args, says):
-    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), *args],
+    p = subprocess.run([sys.executable, str(ROOT / "dev" / "bench_gpu.py"), *args],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, p.stderr

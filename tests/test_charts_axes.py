@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from textual.color import Color
 
-from andrea_tui.charts import GradNormChart, LossChart, LrChart, fit_title
+from andrea_tui.chartparts import fit_title
+from andrea_tui.charts import GradNormChart, LossChart, LrChart
 from andrea_tui.settings import Settings
 from engine import records as rec
 from engine.runfiles import JsonlWriter

@@ -22,18 +22,20 @@ import numpy as np
 import pytest
 
 from engine.errors import UserError
-from engine.run import checkpoint as ck
+from engine.run import checkpoint_write
 from engine.run.checkpoint import (
     CheckpointInvalid,
+    load_checkpoint,
+    state_digest,
+    tensor_stats,
+    verify_checkpoint,
+)
+from engine.run.checkpoint_store import find_resume_checkpoint, list_checkpoints, prune_periodic
+from engine.run.checkpoint_write import (
+    CheckpointInfo,
     CheckpointWriteError,
     CheckpointWriter,
     cleanup_tmp,
-    find_resume_checkpoint,
-    list_checkpoints,
-    load_checkpoint,
-    prune_periodic,
-    tensor_stats,
-    verify_checkpoint,
     write_checkpoint,
 )
 
@@ -59,7 +61,7 @@ def state(step: int) -> dict:
             "bandit": {"phase": 2, "weights": {"a": 0.25, "b": 0.75}}, "lr": 1e-3 / 3}
 
 
-def write(root: Path, step: int, reason: str = "periodic") -> ck.CheckpointInfo:
+def write(root: Path, step: int, reason: str = "periodic") -> CheckpointInfo:
     return write_checkpoint(root, step, *arrays(step), state(step), reason, TABLE)
 
 
@@ -156,7 +158,7 @@ def _patch(path: Path, offset: int, data: bytes) -> None:
 def _drop_field(d: Path, key: str) -> None:
     doc = json.loads((d / "state.json").read_bytes())
     del doc[key]
-    doc["state_sha256"] = ck.state_digest(doc)  # a consistent state.json that lacks the field
+    doc["state_sha256"] = state_digest(doc)  # a consistent state.json that lacks the field
     (d / "state.json").write_text(json.dumps(doc))
 
 
@@ -164,7 +166,7 @@ def test_tensor_table_must_cover_n_params(tmp_path: Path) -> None:
     info = write(tmp_path, 3)
     doc = json.loads((info.path / "state.json").read_bytes())
     doc["tensor_table"] = TABLE[:2]
-    doc["state_sha256"] = ck.state_digest(doc)
+    doc["state_sha256"] = state_digest(doc)
     (info.path / "state.json").write_text(json.dumps(doc))
     with pytest.raises(CheckpointInvalid, match=f"tensors cover 44 floats, expected n_params = {N}"):
         verify_checkpoint(info.path)
@@ -245,7 +247,7 @@ def test_write_error_leaves_nothing_and_keeps_earlier(tmp_path: Path, monkeypatc
     def enospc(fd: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(ck.os, "fsync", enospc)
+    monkeypatch.setattr(checkpoint_write.os, "fsync", enospc)
     with pytest.raises(CheckpointWriteError, match="ENOSPC"):
         write(tmp_path, 2)
     monkeypatch.undo()
@@ -276,13 +278,13 @@ def test_tensor_stats_against_statistics_module(tmp_path: Path) -> None:
 
 def test_writer_busy_coalesce_wait_and_results(tmp_path: Path, monkeypatch) -> None:
     gate = threading.Event()
-    real = ck.write_checkpoint
+    real = checkpoint_write.write_checkpoint
 
     def gated(*args, **kw):
         gate.wait(5)
         return real(*args, **kw)
 
-    monkeypatch.setattr(ck, "write_checkpoint", gated)
+    monkeypatch.setattr(checkpoint_write, "write_checkpoint", gated)
     w = CheckpointWriter(tmp_path)
     assert not w.busy
     w.submit(3, *arrays(3), state(3), "snapshot", TABLE)
@@ -321,7 +323,8 @@ def test_writer_reports_errors_without_raising(tmp_path: Path) -> None:
 KILL_CHILD = textwrap.dedent("""
     import sys, numpy as np
     from pathlib import Path
-    from engine.run.checkpoint import write_checkpoint, prune_periodic, list_checkpoints
+    from engine.run.checkpoint_store import prune_periodic, list_checkpoints
+    from engine.run.checkpoint_write import write_checkpoint
     root, n = Path(sys.argv[1]), int(sys.argv[2])
     table = [{"name": "w", "shape": [n], "offset": 0}]
     entries = list_checkpoints(root, check_hash=False)
@@ -373,7 +376,7 @@ def test_kill9_at_random_moments_never_yields_a_bad_checkpoint(tmp_path: Path) -
 FULL_DISK_CHILD = textwrap.dedent("""
     import json, resource, signal, sys, numpy as np
     from pathlib import Path
-    from engine.run.checkpoint import CheckpointWriter, CheckpointWriteError, write_checkpoint
+    from engine.run.checkpoint_write import CheckpointWriter, CheckpointWriteError, write_checkpoint
     root, n = Path(sys.argv[1]), 4096
     table = [{"name": "w", "shape": [n], "offset": 0}]
     p = np.ones(n, np.float32)

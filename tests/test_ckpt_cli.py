@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engine.run.checkpoint import write_checkpoint
+from engine.run.checkpoint_write import write_checkpoint
 from engine.run.ckpt_cli import main
 from tests.conftest import DATA_DIR, loss_records, micro_config_dict, run_engine
 

@@ -52,7 +52,7 @@ def test_the_trained_tokenizer_is_exact_for_tiktoken(tok):
 
 
 # The built-in sources are compared through the whole pipeline (cut, parallel, tiktoken) against
-# the old path in tests/test_prep_stream.py.
+# the whole-document reference in tests/test_prep_stream.py.
 
 
 def test_same_ids_on_hostile_text(tok, fast):

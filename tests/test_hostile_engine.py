@@ -1,6 +1,6 @@
-"""What users and machines actually do to the engine: each test reproduces one defect a hostile
-trial found (a refused resume that rewrote the run, nested JSON, an unwritable or vanishing run
-directory, a stop during tokenizer training, a closed terminal, a model too large for memory)."""
+"""What users and machines actually do to the engine, one test each: a resume it refuses (which
+must leave the run as it was), nested JSON, an unwritable or vanishing run directory, a stop
+during tokenizer training, a closed terminal, a model too large for memory."""
 
 from __future__ import annotations
 
@@ -253,7 +253,7 @@ def test_a_huge_description_is_refused(tmp_path: Path) -> None:
     assert r.returncode == 2 and "description: must be at most 4096 characters" in r.stderr
 
 
-# ---------------------------------------------------------------- also from the trial
+# ---------------------------------------------------------------- resume, retention, crash
 
 
 def test_resume_names_every_setting_it_does_not_use(finished_run, tmp_path: Path) -> None:

@@ -237,7 +237,7 @@ def test_telemetry_finds_the_gpu_cuda_visible_devices_names_by_uuid(monkeypatch)
 
 
 def test_nvml_energy_counter_of_the_first_gpu(monkeypatch) -> None:
-    """Nvml.energy_mj (scripts/bench_gpu.py's EnergyMeter reads it): the first GPU's counter,
+    """Nvml.energy_mj (dev/bench_gpu.py's EnergyMeter reads it): the first GPU's counter,
     None where the GPU does not report it."""
     monkeypatch.setitem(sys.modules, "pynvml", FakeNvml())
     assert Nvml.open([0, 1]).energy_mj() == 123_456_789
@@ -275,7 +275,7 @@ def test_holdout_keeps_validation_tokens_out_of_training() -> None:
     w = validation_windows(sh[1], 16, 0.1, 6)
     assert w.shape == (6, 17) and w.min() >= 3000 - held_out(3000, 0.1) and w.max() < 3000
     assert np.array_equal(w, validation_windows(sh[1], 16, 0.1, 6))  # fixed windows
-    # No holdout: the very draws of the sampler as it always was.
+    # No holdout: the sampler draws from the whole source, the same windows as holdout=0.0.
     a, b = Sampler(sh, 16, 5), Sampler(sh, 16, 5, holdout=0.0)
     assert all(np.array_equal(a.sample(4, np.array([1.0, 1.0]))[0],
                               b.sample(4, np.array([1.0, 1.0]))[0]) for _ in range(5))

@@ -191,8 +191,9 @@ def peak_rss_of_prep(cfg: Path, *args: str) -> int:
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
 def test_memory_does_not_grow_with_the_size_of_a_single_document(tmp_path, tokfile):
-    """One text file is one document; the old path held it whole (and its ids as Python ints,
-    36 bytes a token). Streaming, 40 MB more of it costs nothing measurable."""
+    """One text file is one document; held whole (with its ids as Python ints, 36 bytes a
+    token) it would cost its size many times over. Streamed, 40 MB more of it costs nothing
+    measurable."""
     peaks = {}
     for mb in (8, 48):
         src = tmp_path / f"one-{mb}.txt"

@@ -1,6 +1,7 @@
-"""The streaming, parallel prep writes exactly what the old path did (every document whole, HF's
-encoder, `<|endoftext|>` after each), whatever --jobs, encoder and part size; errors in a later
-part name the file and the byte or line, the first in document order."""
+"""The streaming, parallel prep writes exactly what the whole-document reference does (every
+document whole through HF's encoder, `<|endoftext|>` after each), whatever --jobs, encoder and
+part size; errors in a later part name the file and the byte or line, the first in document
+order."""
 
 from __future__ import annotations
 
@@ -42,8 +43,8 @@ def make_config(data_dir: Path, sources: list[dict], tokenizer: Path | None = No
     return parse_config(c, "stream-test", data_dir)
 
 
-def old_path(tok, source) -> np.ndarray:
-    """What prep wrote before: every document whole, HF encode_batch, EOT after each."""
+def whole_documents(tok, source) -> np.ndarray:
+    """The reference: every document whole, HF encode_batch, EOT after each."""
     docs = list(iter_documents(source))
     encs = tok.hf.encode_batch(docs, add_special_tokens=False)
     eot = np.array([tok.eot_id], dtype=np.uint16)
@@ -66,7 +67,7 @@ def quiet(event):
     pass
 
 
-def test_builtin_sources_old_path_equals_new_path(tmp_path, tokfile):
+def test_builtin_sources_match_the_whole_document_reference(tmp_path, tokfile):
     sources = [{"name": n, "builtin": n}
                for n in ("python-reference", "stdlib-docstrings", "stdlib-code")]
     cfg = make_config(tmp_path, sources, tokfile)
@@ -75,10 +76,10 @@ def test_builtin_sources_old_path_equals_new_path(tmp_path, tokfile):
     tok = load_tokenizer(tokfile)
     for s in cfg.data.sources:
         got = open_shard(result.shard_paths[s.name]).tokens
-        np.testing.assert_array_equal(got, old_path(tok, s), err_msg=s.name)
+        np.testing.assert_array_equal(got, whole_documents(tok, s), err_msg=s.name)
 
 
-def test_hostile_sources_old_path_equals_new_path(tmp_path, tokfile, hostile):
+def test_hostile_sources_match_the_whole_document_reference(tmp_path, tokfile, hostile):
     cfg = make_config(tmp_path / "a", hostile, tokfile)
     result = prepare(cfg, progress=quiet, jobs=2, part_bytes=64 << 10)
     tok = load_tokenizer(tokfile)
@@ -86,7 +87,7 @@ def test_hostile_sources_old_path_equals_new_path(tmp_path, tokfile, hostile):
     assert len(plans["h-text"].parts) > 20 and len(plans["h-jsonl"].parts) > 10  # cut up
     for s in cfg.data.sources:
         got = open_shard(result.shard_paths[s.name]).tokens
-        np.testing.assert_array_equal(got, old_path(tok, s), err_msg=s.name)
+        np.testing.assert_array_equal(got, whole_documents(tok, s), err_msg=s.name)
     # the same files with one process and other cuts: the same shard bytes
     again = prepare(make_config(tmp_path / "b", hostile, tokfile), progress=quiet, jobs=1,
                     part_bytes=1 << 20)
@@ -130,12 +131,12 @@ def test_bad_utf8_deep_in_a_large_file_names_the_byte(tmp_path, tokfile):
     at = 600_001
     src.write_bytes(data[:at] + b"\xff" + data[at:])
     sources = [{"name": "p", "paths": [str(src)]}]
-    with pytest.raises(UserError) as old:
+    with pytest.raises(UserError) as reading:
         list(iter_documents(as_source(sources[0])))
     with pytest.raises(UserError) as new:
         prepare(make_config(tmp_path / "d", sources, tokfile), progress=quiet, jobs=2,
                 part_bytes=50_000)
-    assert str(new.value) == str(old.value) == f"{src}: byte {at}: expected UTF-8 text"
+    assert str(new.value) == str(reading.value) == f"{src}: byte {at}: expected UTF-8 text"
 
 
 def test_bad_jsonl_line_in_a_later_part_names_the_line(tmp_path, tokfile):
@@ -145,12 +146,12 @@ def test_bad_jsonl_line_in_a_later_part_names_the_line(tmp_path, tokfile):
     lines[2500] = '{"conversations": [{"from": "robot", "value": "x"}]}'
     src.write_text("\r\n".join(lines) + "\n", encoding="utf-8")
     sources = [{"name": "c", "paths": [str(src)]}]
-    with pytest.raises(UserError) as old:
+    with pytest.raises(UserError) as reading:
         list(iter_documents(as_source(sources[0])))
     with pytest.raises(UserError) as new:
         prepare(make_config(tmp_path / "d", sources, tokfile), progress=quiet, jobs=2,
                 part_bytes=20_000)
-    assert str(new.value) == str(old.value)
+    assert str(new.value) == str(reading.value)
     assert f"{src}:2501: conversations[0].from" in str(new.value)
 
 

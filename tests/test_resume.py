@@ -145,7 +145,7 @@ def test_a_storm_of_100_sigusr1(straight: dict, tmp_path: Path) -> None:
 def wait_for_committed_checkpoint(run: Path, proc: subprocess.Popen[str], timeout: float = 120
                                   ) -> None:
     """Block until `run` has a checkpoint that verifies (the engine still running)."""
-    from engine.run.checkpoint import find_resume_checkpoint
+    from engine.run.checkpoint_store import find_resume_checkpoint
 
     deadline = time.monotonic() + timeout
     while find_resume_checkpoint(run / "checkpoints")[0] is None:
@@ -159,14 +159,10 @@ def wait_for_committed_checkpoint(run: Path, proc: subprocess.Popen[str], timeou
 @pytest.mark.slow
 def test_kill_9_during_checkpoint_writes_then_resume(straight: dict, tmp_path: Path) -> None:
     """Checkpoint every step, SIGKILL at random moments; the newest valid checkpoint loads and
-    the resumed trajectory is the straight one. (The 20+ trial kill -9 test of the writer
-    itself is in test_checkpoint.py.)"""
-    from engine.run.checkpoint import (
-        CheckpointInvalid,
-        find_resume_checkpoint,
-        list_checkpoints,
-        verify_checkpoint,
-    )
+    the resumed trajectory is the straight one. (The kill -9 test of the writer itself, over
+    20 and more kills, is in test_checkpoint.py.)"""
+    from engine.run.checkpoint import CheckpointInvalid, verify_checkpoint
+    from engine.run.checkpoint_store import find_resume_checkpoint, list_checkpoints
 
     cfg_d = micro_config_dict(max_steps=N)
     cfg_d["checkpoint"].update(every=1, keep=3)
@@ -226,7 +222,8 @@ def test_full_disk_periodic_failure_stops_the_run(tmp_path: Path, write_config) 
     assert [e["reason"] for e in errors] == ["periodic"]
     assert [r.step for r in loss_records(run)][-1] == 20  # no step past the failed checkpoint
     assert json.loads((run / "state.json").read_text())["status"] == "failed"
-    from engine.run.checkpoint import list_checkpoints, verify_checkpoint
+    from engine.run.checkpoint import verify_checkpoint
+    from engine.run.checkpoint_store import list_checkpoints
 
     names = sorted(p.name for p in (run / "checkpoints").iterdir() if not p.name.startswith("."))
     assert names == ok_before

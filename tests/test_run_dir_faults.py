@@ -260,16 +260,16 @@ def test_a_state_json_that_cannot_be_replaced_is_said(finished_run) -> None:
 # model.ckpt fails in the background writer, after the loop went on.
 FILLS_WHILE_WRITING = """
 import errno, os, sys
-from engine.run import checkpoint
+from engine.run import checkpoint_write
 
-real = checkpoint._write_model_file
+real = checkpoint_write._write_model_file
 
 def write_model_file(path, step, arrays):
     if step == 20:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     return real(path, step, arrays)
 
-checkpoint._write_model_file = write_model_file
+checkpoint_write._write_model_file = write_model_file
 from engine.run.cli import main
 main(sys.argv[1:])
 """

@@ -550,7 +550,7 @@ def test_notes_are_parsed_kept_atomically_and_read_tolerantly(tmp_path: Path) ->
 
 def test_the_browser_and_the_dashboard_take_the_same_newest_health(tmp_path: Path) -> None:
     """state.json says healthy; a health event written after it says warning: both viewers
-    show warning (the newer word), and the older state.json no longer wins."""
+    show warning (the newer word), not the older state.json's."""
     from andrea_tui.runstate import RunState
 
     paths = write_run(tmp_path / "run", 60, t0=T0)

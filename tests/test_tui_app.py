@@ -249,7 +249,7 @@ def test_stop_timeout_offers_force(tmp_path: Path) -> None:
 
 
 def write_checkpoints(run_dir: Path) -> list[Path]:
-    from engine.run.checkpoint import write_checkpoint
+    from engine.run.checkpoint_write import write_checkpoint
 
     table = [{"name": "wte", "shape": [8, 4], "offset": 0},
              {"name": "h0.w", "shape": [4, 4], "offset": 32}]
@@ -350,7 +350,7 @@ def test_q_in_pushed_screens_closes_them_not_the_engine(engine_proc) -> None:
     run(go())
 
 
-# ---------------------------------------------------------------- launch guards (review fixes)
+# ---------------------------------------------------------------- launch guards
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "experiments" / "ANDREA-tiny-TRAIN.json"

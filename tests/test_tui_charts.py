@@ -12,7 +12,7 @@ import pytest
 from textual.visual import Visual, visualize
 from textual_plotext import PlotextPlot
 
-from andrea_tui.charts import CachedPlot
+from andrea_tui.plotcache import CachedPlot
 from andrea_tui.settings import Settings
 from engine.records import StepRecord
 from tests.fakerun import loss_record, write_run

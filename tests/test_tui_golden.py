@@ -72,7 +72,7 @@ def test_dashboard_golden(tmp_path: Path) -> None:
 
 def test_checkpoint_browser_golden(tmp_path: Path, monkeypatch) -> None:
     from andrea_tui.ckpt_screens import CheckpointApp
-    from engine.run.checkpoint import write_checkpoint
+    from engine.run.checkpoint_write import write_checkpoint
 
     table = [{"name": "wte", "shape": [4, 4], "offset": 0}]
     for step in (10, 20):

@@ -57,7 +57,7 @@ async def press_help(pilot, app: AndreaApp) -> bool:
 
 def test_a_huge_loss_file_swapped_in_keeps_keys_answered_and_memory_bounded(
         tmp_path: Path) -> None:
-    """The UI loop's lag during such a load is a figure for scripts/bench_tui.py; here the
+    """The UI loop's lag during such a load is a figure for dev/bench_tui.py; here the
     behaviour: keys answered while the worker loads, memory bounded, nothing left behind."""
     paths = write_run(tmp_path / "run", 200, status="finished", max_steps=150_000)
     big = tmp_path / "big.jsonl"

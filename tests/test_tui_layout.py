@@ -363,8 +363,8 @@ def test_an_alert_whose_message_looks_like_markup_is_toasted_as_text(tmp_path: P
 
 
 def test_losses_beyond_a_floats_span_give_axes_not_a_crash() -> None:
-    from andrea_tui import charts, ticks
+    from andrea_tui import chartparts, ticks
 
     assert ticks.linear_ticks(-1e308, 1e308) == []
-    vals, labels = charts.y_ticks(ticks.YRange(300.0, 320.0), log=True, height=20)
+    vals, labels = chartparts.y_ticks(ticks.YRange(300.0, 320.0), log=True, height=20)
     assert len(vals) == len(labels)

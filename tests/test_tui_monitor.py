@@ -1,7 +1,7 @@
 """The monitor practitioners expect, headless: alerts from a fake engine with an
 injected spike, NaN step and stall (toasts, bell, chart marks), the chart controls and their
-persistence, telemetry and validation on the panels, the samples and log screens, and the fixes
-of the new-user trial (resize, old checkpoints, running time, resumed-engine banner, pushed
+persistence, telemetry and validation on the panels, the samples and log screens, and what a
+newcomer meets first (resize, old checkpoints, running time, resumed-engine banner, pushed
 screens, screenshot, log echoes, help)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Training batches: each row picks its source by the mixture weights, then a random window.
 
 With a validation holdout (config `eval.holdout`), windows come only from the training part of
-each source (engine.data.validation); without one, from the whole source, as before.
+each source (engine.data.validation); without one, from the whole source.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ since the previous sample, all its threads) and resident memory, and, when the r
 NVIDIA GPUs and NVML can be loaded (`pip install nvidia-ml-py`, the `nvml` extra; imported as
 `pynvml`), each of its GPUs: utilization, memory used and total, power, temperature, SM clock.
 Sampling runs beside training in a thread of its own and never waits on the loop; NVML calls take
-tens of microseconds, /proc reads less (`scripts/bench_tui.py` measures a sample).
+tens of microseconds, /proc reads less (`dev/bench_tui.py` measures a sample).
 """
 
 from __future__ import annotations

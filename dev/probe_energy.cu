@@ -1,23 +1,23 @@
 // What a byte and a FLOP cost in energy on this GPU, and what two ways of moving fewer of them
-// through HBM save (issue 11; the step is paid in joules at the power limit).
+// through HBM save (at the power limit a step's time is its energy over the limit).
 //
-//   nvcc -O3 -arch=sm_90a scripts/probe_energy.cu -lcublas -ldl -o /tmp/probe_energy
-//   /tmp/probe_energy sms [SECONDS]      AdamW's traffic (30 bytes an element over ANDREA-120M's
-//                                        92.2M parameters) and a copy on k SMs, alone and after 12
-//                                        GEMMs
-//   /tmp/probe_energy lmhead [SECONDS]   the LM head and an in-place pass over its logits, whole or
-//                                        in row chunks whose logits could stay in L2
-//   /tmp/probe_energy grads [SECONDS]    the 120M step's weight gradients as the engine keeps them
-//                                        (float) against bf16: 12 layers' weight-gradient GEMMs,
-//                                        the norm's pass over them, AdamW
+//   nvcc -O3 -arch=sm_90a dev/probe_energy.cu -ldl -o probe_energy
+//   ./probe_energy sms [SECONDS]      AdamW's traffic (30 bytes an element over ANDREA-120M's
+//                                     92.2M parameters) and a copy on k SMs, alone and after 12
+//                                     GEMMs
+//   ./probe_energy lmhead [SECONDS]   the LM head and an in-place pass over its logits, whole or
+//                                     in row chunks whose logits could stay in L2
+//   ./probe_energy grads [SECONDS]    the 120M step's weight gradients as the engine keeps them
+//                                     (float) against bf16: 12 layers' weight-gradient GEMMs,
+//                                     the norm's pass over them, AdamW
 //
 // Each variant is a CUDA graph replayed for SECONDS (default 1.5; four replays queued between two
 // host waits) after 0.4 s of warm-up. NVML's total-energy counter moves about every 100 ms, so the
 // measured window runs from one change of it to another, and CUDA events time the same replays.
 // Two or three passes, every other one in reverse order. Prints µs, GB/s, W, mJ and the SM
 // clock of each.
-// Built on the device (it has nvcc and cuBLAS's headers); nothing of the engine.
-#include <cublas_v2.h>
+// cuBLAS and NVML are opened at run time (cuBLAS: $CUBLAS, else libcublas.so.13, else .so.12), so
+// it builds wherever nvcc is, without cuBLAS's headers; nothing of the engine.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <dlfcn.h>
@@ -39,7 +39,7 @@
     } while (0)
 #define CB(x)                                                                            \
     do {                                                                                 \
-        if ((x) != CUBLAS_STATUS_SUCCESS) {                                              \
+        if ((x) != 0) {                                                                  \
             fprintf(stderr, "probe_energy: cuBLAS error at line %d\n", __LINE__);        \
             exit(1);                                                                     \
         }                                                                                \
@@ -240,30 +240,58 @@ static void row(const char* what, const Reading& r, double bytes) {
     printf("%-52s %9.1f %7s %6.0f %9.3f %6u\n", what, r.us, gbs, r.watts, r.mj, r.mhz);
 }
 
+// --- cuBLAS, opened at run time: the four calls this needs ------------------------------------
+enum : int { OP_N = 0, OP_T = 1, R_32F = 0, R_16BF = 14, COMPUTE_32F = 68, GEMM_DEFAULT = -1 };
+
 struct Blas {
-    cublasHandle_t h;
-    void* ws;
+    using H = void*;
+    int (*create)(H*) = nullptr;
+    int (*set_stream)(H, cudaStream_t) = nullptr;
+    int (*set_workspace)(H, void*, size_t) = nullptr;
+    int (*gemm)(H, int, int, int, int, int, const void*, const void*, int, int, const void*, int,
+                int, const void*, void*, int, int, int, int) = nullptr;
+    H h = nullptr;
+    void* ws = nullptr;
+
     explicit Blas(cudaStream_t st) {
-        CB(cublasCreate(&h));
-        CB(cublasSetStream(h, st));
+        const char* env = getenv("CUBLAS");
+        void* lib = nullptr;
+        for (const char* name : {env, "libcublas.so.13", "libcublas.so.12"})
+            if (name && *name && (lib = dlopen(name, RTLD_NOW))) break;
+        if (!lib) {
+            fprintf(stderr, "probe_energy: cuBLAS could not be opened (set CUBLAS to its path)\n");
+            exit(2);
+        }
+        sym(lib, create, "cublasCreate_v2");
+        sym(lib, set_stream, "cublasSetStream_v2");
+        sym(lib, set_workspace, "cublasSetWorkspace_v2");
+        sym(lib, gemm, "cublasGemmEx");
+        CB(create(&h));
+        CB(set_stream(h, st));
         CK(cudaMalloc(&ws, 32 << 20));
-        CB(cublasSetWorkspace(h, ws, 32 << 20));
+        CB(set_workspace(h, ws, 32 << 20));
+    }
+    template <class F>
+    static void sym(void* lib, F& f, const char* name) {
+        f = reinterpret_cast<F>(dlsym(lib, name));
+        if (!f) {
+            fprintf(stderr, "probe_energy: %s not in the cuBLAS library\n", name);
+            exit(2);
+        }
     }
     // Row-major C[M, N] = A[M, K] · op(B), bf16 in and out, fp32 accumulation; B is [K, N], or
     // [N, K] when tb.
     void mm(void* c, const void* a, const void* b, int M, int N, int K, bool tb) {
         const float one = 1.0f, zero = 0.0f;
-        CB(cublasGemmEx(h, tb ? CUBLAS_OP_T : CUBLAS_OP_N, CUBLAS_OP_N, N, M, K, &one, b, CUDA_R_16BF,
-                        tb ? K : N, a, CUDA_R_16BF, K, &zero, c, CUDA_R_16BF, N, CUBLAS_COMPUTE_32F,
-                        CUBLAS_GEMM_DEFAULT));
+        CB(gemm(h, tb ? OP_T : OP_N, OP_N, N, M, K, &one, b, R_16BF, tb ? K : N, a, R_16BF, K, &zero,
+                c, R_16BF, N, COMPUTE_32F, GEMM_DEFAULT));
     }
     // Row-major C[M, N] = A[K, M]ᵀ · B[K, N] (a weight gradient), C in float (or bf16: out16).
     void mm_ta(void* c, const void* a, const void* b, int M, int N, int K, int lda, int ldb,
                bool out16 = false) {
         const float one = 1.0f, zero = 0.0f;
-        CB(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_T, N, M, K, &one, b, CUDA_R_16BF, ldb, a, CUDA_R_16BF,
-                        lda, &zero, c, out16 ? CUDA_R_16BF : CUDA_R_32F, N, CUBLAS_COMPUTE_32F,
-                        CUBLAS_GEMM_DEFAULT));
+        CB(gemm(h, OP_N, OP_T, N, M, K, &one, b, R_16BF, ldb, a, R_16BF, lda, &zero, c,
+                out16 ? R_16BF : R_32F, N, COMPUTE_32F, GEMM_DEFAULT));
     }
 };
 

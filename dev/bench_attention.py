@@ -18,9 +18,9 @@ calls a graph), FLEX_SITE (the --target directory the wheels went into, /tmp/sit
 
 Needs PyTorch (the flex API takes torch tensors), the frontend wheel and the CuTe DSL runtime
 (nvidia-cutlass-dsl 4.8.1 with -libs-base, -libs-core and -libs-cu13, apache-tvm-ffi, protobuf,
-cuda-bindings), all --no-deps into FLEX_SITE. nvidia-cutlass-dsl-libs-cu13 is a 92 MB wheel,
-more than one device call may carry: engine/backends/cuda/NOTES.md ("twelfth session") says how
-it was carried in two parts.
+cuda-bindings), all --no-deps into FLEX_SITE. nvidia-cutlass-dsl-libs-cu13 is a 92 MB wheel:
+where a GPU machine takes less at a time, carry it in parts (split, then cat) and install it
+there.
 """
 import json
 import math

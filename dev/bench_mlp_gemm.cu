@@ -6,10 +6,10 @@
 // and the plain GEMM of the same shape beside them. Each kernel: 10 calls captured in a CUDA
 // graph, 30 replays a timing, median of 7 timings (µs a call); cuBLASLt's the fastest of its
 // heuristic's first 8. Every CUTLASS output is compared with cuBLASLt's.
-// Built by scripts/bench-mlp-gemm (nvcc -arch=sm_90a, CUTLASS headers); cuBLASLt is opened at
+// Built by dev/bench-mlp-gemm (nvcc -arch=sm_90a, CUTLASS headers); cuBLASLt is opened at
 // run time (argv[1]: the library's path), so the build machine needs no cuBLAS.
 // cuBLASLt runs first in each problem, then the CUTLASS configurations in a fixed order.
-// The figures it printed on the H200 are in engine/backends/cuda/NOTES.md (fourteenth session).
+// dev/README.md has the figures it prints on an H200.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <dlfcn.h>

@@ -1,7 +1,7 @@
 """Probe (PyTorch + Triton, not the engine): does AdamW beside the forward's GEMMs cost less when
-the GEMMs leave it SMs of its own? NOTES.md, nineteenth session, has its figures on an H200.
+the GEMMs leave it SMs of its own? dev/README.md has its figures on an H200.
 
-    python3 scripts/probe_sm_split.py        (KS=8,16,24,32: the SM splits to try)
+    python3 dev/probe_sm_split.py        (KS=8,16,24,32: the SM splits to try)
 
 A 120M-shaped forward's GEMM chain (12 layers: qkv, proj, fc1, fc2 at 8192 rows) and an AdamW
 stand-in over 92M fp32 params (p, g, m, v read; p, m, v, bf16 copy written: 30 B a param), each
@@ -9,7 +9,7 @@ step a CUDA graph replayed back to back at the power cap. Variants:
   gemm       the GEMMs alone
   adam       AdamW alone (full grid)
   serial     AdamW(l) then GEMMs(l), one stream
-  side       AdamW on a second stream (low priority), GEMMs(l) waits for AdamW(l): the engine today
+  side       AdamW on a second stream (low priority), GEMMs(l) waits for AdamW(l): the engine's way
   part K     as side, GEMMs with an SM carveout of K, AdamW a persistent grid on ~K SMs
 Median ms of the last 2/3 of the replays (about 1.5 s of them); NVML's average power over them.
 """

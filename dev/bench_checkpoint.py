@@ -1,6 +1,6 @@
 """Checkpoint benchmark for ANDREA-12M-sized state on the CPU; prints a table.
 
-    .venv/bin/python scripts/bench_checkpoint.py [--dir DIR] [--repeat 3]
+    .venv/bin/python dev/bench_checkpoint.py [--dir DIR] [--repeat 3]
 
 Measures: write throughput of `write_checkpoint` (fsync included; MB = 1e6 bytes), the in-memory
 copy of params+m+v into preallocated buffers (what the loop must do before a snapshot), and the
@@ -22,7 +22,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.run.checkpoint import CheckpointWriter, load_checkpoint, write_checkpoint
+from engine.run.checkpoint import load_checkpoint
+from engine.run.checkpoint_write import CheckpointWriter, write_checkpoint
 
 SHAPE = {"n_layer": 6, "d_model": 384, "d_ff": 1536, "vocab_size": 8449, "seq_len": 1024}
 

@@ -6,14 +6,14 @@ repeated with variation (documents reordered, half of them with their letters pe
 seed's four shapes: Gutenberg books of about 16 MB (licence header and footer included), a
 documentation tree of Markdown files, a tree of code files, and JSONL conversations. Then, each in
 a process of its own whose whole process tree's peak RSS is sampled:
-- the baseline: today's path before this change, one process running HF `encode_batch` (HF's own
+- the baseline: the plain way to encode, one process running HF `encode_batch` (HF's own
   threads on every core) over whole documents, on the first `--baseline-mb` MB of every source;
 - `andrea-prep --jobs N` for each N in `--jobs`, on the whole corpus, with the same tokenizer
   (trained once on `--train-bytes` of the corpus; its time is reported).
 It checks that every run wrote the same shard bytes, and times the sampler at ANDREA-120M shapes
 (B=8, T=1024) on the shards. No network, no data beyond Python's own:
 
-    .venv/bin/python scripts/bench_data.py --gb 1 --jobs 1,2,4,8,16
+    .venv/bin/python dev/bench_data.py --gb 1 --jobs 1,2,4,8,16
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from tests.procs import measure  # noqa: E402
 SHARES = {"books": 0.30, "docs": 0.25, "code": 0.25, "chat": 0.20}
 BOOK_BYTES = 16_000_000
 CHAT_FILE_BYTES = 64_000_000
-BATCH_BYTES = 4_000_000  # the old prep's text per encode_batch call
+BATCH_BYTES = 4_000_000  # the baseline's text per encode_batch call
 
 
 def row(*cells: object) -> str:
@@ -170,7 +170,7 @@ def run_measured(argv: list[str]) -> tuple[float, int, str]:
 
 
 def baseline(config: Path, mb: float, sizes_path: Path) -> None:
-    """The path before this change: whole documents, HF encode_batch in batches of BATCH_BYTES,
+    """The baseline: whole documents, HF encode_batch in batches of BATCH_BYTES,
     on the first `mb` MB of every source (in proportion to its size). Prints JSON."""
     from engine.config import load_config
     from engine.data.sources import iter_documents
@@ -284,7 +284,7 @@ def run(args: argparse.Namespace, jobs: list[int], work: Path) -> None:
                                  str(args.baseline_mb), str(sizes_path)])
     b = json.loads(out.strip().splitlines()[-1])
     base_mb_s = b["bytes"] / 1e6 / b["seconds"]
-    results.append(("HF encode_batch, whole documents (before)", "1 (HF threads)", "hf",
+    results.append(("HF encode_batch, whole documents (baseline)", "1 (HF threads)", "hf",
                     b["bytes"], b["seconds"], base_mb_s, peak, "-"))
 
     digests = set()
@@ -302,7 +302,7 @@ def run(args: argparse.Namespace, jobs: list[int], work: Path) -> None:
                         nbytes / 1e6 / wall, peak, digest))
         last = work / f"prep-{n}"
 
-    lines += ["", row("path", "processes", "encoder", "MB", "seconds", "MB/s", "x before",
+    lines += ["", row("path", "processes", "encoder", "MB", "seconds", "MB/s", "x baseline",
                       "peak RSS (tree)", "shards sha256"),
               row("---", "---", "---", "---:", "---:", "---:", "---:", "---:", "---")]
     for name, procs, enc, nbytes, secs, mb_s, peak, digest in results:

@@ -1,6 +1,6 @@
 """CPU benchmark: one full training step of the numpy backend vs PyTorch CPU eager, same model.
 
-Usage: .venv/bin/python scripts/bench_cpu.py [--steps 20] [--rss-steps 200] [--profile]
+Usage: .venv/bin/python dev/bench_cpu.py [--steps 20] [--rss-steps 200] [--profile]
 
 A step is forward, backward, grad norm, clip and AdamW on ANDREA-tiny (B=8, T=128, d=128, 4
 layers, 4 heads, d_ff=512, V=8449), the DESIGN §2 model in both (no biases, tied wte, pre-LN,

