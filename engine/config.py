@@ -548,8 +548,10 @@ RECORDED_CHUNK = "ATTN_CHUNK"  # gpu.attention_chunk
 OFF_WHEN_NOT_RECORDED = frozenset({"logits_low_precision", "grads_low_precision",
                                    "flex_backward"})
 # switches of paths the engine now always runs one way (that way), whose other way computed
-# other bits (the others' computed the same)
-FIXED_SWITCHES = {"WRITE_GRADS": True, "RESID_GEMM": False}
+# other bits or may have (the one-pass LayerNorm backward summed dγ/dβ in another order; an
+# unpadded dwte GEMM is another GEMM problem); the side stream and the deferred update computed
+# the same bits either way
+FIXED_SWITCHES = {"WRITE_GRADS": True, "RESID_GEMM": False, "FUSED_LN": False, "DWTE_PAD": True}
 
 
 def gpu_section_of_checkpoint(state: Any) -> tuple[dict[str, Any], list[str]]:
@@ -563,9 +565,13 @@ def gpu_section_of_checkpoint(state: Any) -> tuple[dict[str, Any], list[str]]:
     record = st.get(STATE_CUDA_SETTINGS)
     if not isinstance(record, Mapping) or not record:
         if st.get("backend") == "cuda":
-            return {}, ["the checkpoint records no CUDA settings: the gpu section's defaults "
-                        "run, and where one differs from the run's, the bits differ from an "
-                        "uninterrupted run"]
+            # written before the record existed, so before these paths did: they stay off
+            off = {name: False for name in sorted(OFF_WHEN_NOT_RECORDED)}
+            return off, ["the checkpoint records no CUDA settings (written before the engine "
+                         "recorded them): " + ", ".join(f"gpu.{n} false" for n in off)
+                         + " (paths that came later); the other choices take the gpu "
+                         "section's defaults, and where one differs from the run's, the bits "
+                         "differ from an uninterrupted run"]
         return {}, []
     gpu: dict[str, Any] = {}
     for key, name in RECORDED_SWITCHES.items():

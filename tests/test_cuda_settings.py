@@ -93,9 +93,11 @@ def test_no_record_is_the_defaults_and_a_gpu_run_s_says_so() -> None:
     assert gpu_section_of_checkpoint(_state(backend="numpy")) == ({}, [])
     assert gpu_section_of_checkpoint("not a state") == ({}, [])
     gpu, notes = gpu_section_of_checkpoint(_state())
-    assert gpu == {} and len(notes) == 1
-    assert notes[0].startswith("the checkpoint records no CUDA settings: the gpu section's "
-                               "defaults run")
+    # a GPU run from before the record, so from before the paths that came after it
+    assert gpu == {"flex_backward": False, "grads_low_precision": False,
+                   "logits_low_precision": False} and len(notes) == 1
+    assert notes[0].startswith("the checkpoint records no CUDA settings (written before the "
+                               "engine recorded them): gpu.flex_backward false")
 
 
 def test_a_record_translates_switch_by_switch() -> None:
@@ -131,11 +133,13 @@ def test_the_attention_path(attention: str, precision: str, expected: str | None
 
 def test_a_path_the_engine_no_longer_has_is_said_where_its_bits_differed() -> None:
     record = {"attention": "cudnn", "ANDREA_RESID_GEMM": True, "ANDREA_WRITE_GRADS": False,
-              "ANDREA_SIDE_STREAM": False, "ANDREA_FUSED_LN": True}
+              "ANDREA_SIDE_STREAM": False, "ANDREA_FUSED_LN": True, "ANDREA_DWTE_PAD": False,
+              "ANDREA_DEFER_ADAMW": False}
     _, notes = gpu_section_of_checkpoint(_state(record))
+    # (the side stream and the deferred update computed the same bits either way: no note)
     assert notes == [f"the checkpoint's run had ANDREA_{k}, a path the engine no longer has: "
                      f"the bits may differ from an uninterrupted run"
-                     for k in ("WRITE_GRADS=0", "RESID_GEMM=1")]
+                     for k in ("WRITE_GRADS=0", "RESID_GEMM=1", "FUSED_LN=1", "DWTE_PAD=0")]
 
 
 def test_what_it_translates_is_checked_as_the_config_is() -> None:
