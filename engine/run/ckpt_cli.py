@@ -71,8 +71,8 @@ def _by_source(names: Any, values: Any) -> dict[str, Any] | None:
 
 def state_summary(state: dict[str, Any]) -> dict[str, Any]:
     """The parts of state.json a person wants to see first, read from where the engine writes
-    them (engine.run.loop `_state`: trainer, schedule, bandit, sampler, data, ...). A field the
-    checkpoint lacks is None."""
+    them (engine.run.checkpointing `_state`: trainer, schedule, bandit, sampler, data, ...). A
+    field the checkpoint lacks is None."""
     bandit = state.get("bandit")
     return {
         "reason": state.get("reason"),
