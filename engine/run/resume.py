@@ -12,11 +12,18 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Mapping
+from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine import records as rec
-from engine.config import Config, config_diff, gpu_section_of_checkpoint, parse_config
+from engine.config import (
+    Config,
+    GpuConfig,
+    config_diff,
+    gpu_section_of_checkpoint,
+    parse_config,
+)
 from engine.errors import UserError
 from engine.runfiles import has_checkpoints
 
@@ -73,6 +80,10 @@ class RunResume:
         overridden = ({"train.max_steps"} if self.args.max_steps is not None else set()) | \
             ({"train.precision"} if self.args.precision else set()) | \
             ({"gpu.attention"} if self.args.attention else set())
+        if not _has_gpu_section(ck.state) and self.cfg.gpu == GpuConfig():
+            # a checkpoint from before the gpu section, resumed with a config that sets none of
+            # it: the section's defaults were not given against the run's translated one
+            overridden |= {f"gpu.{f.name}" for f in fields(GpuConfig)}
         ignored = [rec.IgnoredSetting(k, kept, given)
                    for k, kept, given in config_diff(saved, self.cfg) if k not in overridden]
         if ignored:
@@ -153,3 +164,8 @@ class RunResume:
         if problems:
             raise UserError(f"{self.cfg.data.dir}: the data changed since the checkpoint "
                             f"({'; '.join(problems)}); restore it, or start a new run")
+
+
+def _has_gpu_section(state: Mapping[str, Any]) -> bool:
+    raw = state.get("config")
+    return isinstance(raw, dict) and "gpu" in raw
