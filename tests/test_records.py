@@ -154,3 +154,17 @@ def test_ready_event_without_attention_reads_empty() -> None:
     assert isinstance(e, rec.ReadyEvent) and e.attention == ""
     obj["attention"] = 42
     assert rec.Event.from_json(obj).attention == ""
+
+
+def test_what_ran_is_read_back_from_a_checkpoint_state_and_compared() -> None:
+    from engine.run.start import gpu_differences
+
+    state = {rec.STATE_GPU_RAN: {"attention": "classic", "fusions": True, "x" * 100: 1,
+                                 "bad": [1], "long": "y" * 100}}
+    ran = rec.gpu_ran_of(state)
+    assert ran == {"attention": "classic", "fusions": True, "x" * 64: 1}
+    assert rec.gpu_ran_of({}) == {} and rec.gpu_ran_of("no") == {}
+    assert gpu_differences(ran, {"attention": "cudnn", "fusions": True, "qkv_rows": True}) == [
+        'gpu.attention ran as "classic" before the checkpoint and runs as "cudnn" now (where '
+        "the GPU could not honour the config, or can now): the bits differ from an "
+        "uninterrupted run"]

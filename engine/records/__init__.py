@@ -70,10 +70,12 @@ from engine.records.sequence import (
 from engine.records.status import (
     LIVE_STATUSES,
     STATE_FP8_GEMMS,
+    STATE_GPU_RAN,
     CheckpointRef,
     RunStatus,
     Status,
     fp8_gemms_of,
+    gpu_ran_of,
 )
 from engine.records.steps import StepRecord, abandoned, drop_abandoned, latest_by_step
 
@@ -84,6 +86,7 @@ __all__ = [
     "MIXTURE_SHIFT",
     "SEQUENCE_CONFIRM",
     "STATE_FP8_GEMMS",
+    "STATE_GPU_RAN",
     "STEP_GAP_MAX",
     "STEP_MAX",
     "AlertEvent",
@@ -131,6 +134,7 @@ __all__ = [
     "drop_abandoned",
     "follows",
     "fp8_gemms_of",
+    "gpu_ran_of",
     "ignored_advice",
     "impossible_step",
     "latest_by_step",

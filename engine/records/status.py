@@ -100,6 +100,9 @@ class RunStatus:
 
 # A checkpoint's state.json: the GEMMs that ran in FP8, written by fp8 runs only
 STATE_FP8_GEMMS = "fp8_gemms"
+# what the backend resolved the config's gpu section to (what ran where the GPU could not honour
+# the config): a resume that resolves otherwise says that its bits differ
+STATE_GPU_RAN = "gpu_ran"
 
 
 def fp8_gemms_of(state: Any) -> list[str]:
@@ -107,3 +110,11 @@ def fp8_gemms_of(state: Any) -> list[str]:
     got = state.get(STATE_FP8_GEMMS) if isinstance(state, Mapping) else None
     return [g[:32] for g in got[:16] if isinstance(g, str)] if isinstance(got, list) else []
 
+
+def gpu_ran_of(state: Any) -> dict[str, bool | int | str]:
+    """What a checkpoint's state.json says the backend ran ({} when it says nothing)."""
+    got = state.get(STATE_GPU_RAN) if isinstance(state, Mapping) else None
+    if not isinstance(got, Mapping):
+        return {}
+    return {str(k)[:64]: v for k, v in list(got.items())[:64]
+            if isinstance(v, (bool, int, str)) and not (isinstance(v, str) and len(v) > 64)}

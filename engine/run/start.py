@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -100,6 +101,10 @@ class RunStartup:
             self.trainer = self._build_trainer(choice, resume)
         topology = self._join_reducer(choice) if self.channel is not None else {}
         attention = self._report_backend(self.trainer.backend)
+        if resume is not None:
+            for line in gpu_differences(rec.gpu_ran_of(resume.state),
+                                        self.trainer.backend.resolved):
+                self.out.log(f"resume: {line}")
         self._make_sampling()
         with self.flags.interrupting():
             self._load_state(resume)
@@ -292,3 +297,13 @@ class RunStartup:
         gpus = gpus_on_this_host(self._ranks) if choice.on_gpu else []
         self.monitors = RunMonitors(self.cfg, self.out, lambda: self.trainer.step_count, gpus)
         self.monitors.start()
+
+
+def gpu_differences(ran: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    """What a resumed backend resolved otherwise than the run before its checkpoint did (a
+    config of `auto` attention where cuDNN was missing then and is here, a flex backward that
+    could not load then): one line each, saying that the bits differ."""
+    return [f"gpu.{k} ran as {json.dumps(ran[k])} before the checkpoint and runs as "
+            f"{json.dumps(now[k])} now (where the GPU could not honour the config, or can now): "
+            f"the bits differ from an uninterrupted run"
+            for k in sorted(set(ran) & set(now)) if ran[k] != now[k]]
