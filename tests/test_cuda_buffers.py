@@ -15,12 +15,8 @@ from engine.backends.activations import LAYER, SAVED, SCRATCH, Dims, saved
 from engine.backends.cuda.buffers import HP_FIELDS, io_fields, logits_ld, plan_memory
 from engine.backends.cuda.cublas import WORKSPACE_BYTES
 from engine.backends.cuda.memory import Plan
-from engine.backends.cuda.ops import (
-    LN_ROWS_PER_CHUNK,
-    LOSS_ROW_MAX,
-    NORM_BLOCKS,
-    NORM_RANGE_BLOCKS,
-)
+from engine.backends.cuda.ops import LN_ROWS_PER_CHUNK, LOSS_ROW_MAX
+from engine.backends.cuda.optim_ops import NORM_BLOCKS, NORM_RANGE_BLOCKS
 from engine.backends.cuda.runtime import ACT_BYTES
 from engine.model.layout import ModelShapes, n_params, tensor_table
 

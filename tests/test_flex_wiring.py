@@ -1,6 +1,7 @@
-"""The flex attention backward (gpu.flex_backward) in the CUDA backend, on the CPU: whether it runs (flex_attn.refusal and
-CudaBackend._pick_flex on a backend stopped short of the GPU), where its library comes from, its
-buffers in the memory plan, and Ops.attn_bwd_cudnn's choice between it and cuDNN's backward.
+"""The flex attention backward (gpu.flex_backward) in the CUDA backend, on the CPU: whether it
+runs (flex_attn.refusal and AttentionChoice.pick_flex on a choice made without a GPU), where its
+library comes from, its buffers in the memory plan, and Ops.attn_bwd_cudnn's choice between it
+and cuDNN's backward.
 Its run on a GPU: tests/gpu/test_flex_gpu.py."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 
 from engine import env
 from engine.backends.cuda import flex_attn
-from engine.backends.cuda.backend import CudaBackend
+from engine.backends.cuda.attention_choice import AttentionChoice
 from engine.backends.cuda.buffers import plan_memory
 from engine.backends.cuda.flex_call import scratch_bytes
 from engine.backends.cuda.flex_plan import FIELDS, causal_plan
@@ -176,23 +177,20 @@ def test_ops_runs_the_flex_backward_where_it_fits(fits, rows) -> None:
         assert calls["flex"] == [] and len(calls["cudnn"]) == 1
 
 
-def _backend(monkeypatch, **over) -> CudaBackend:
-    """A CudaBackend with only what _pick_flex reads: cuDNN's attention in rows, bf16, hd 64,
-    T 256, on an sm_90 device, unless `over` says otherwise."""
-    bk = object.__new__(CudaBackend)
-    bk.notes = []
-    bk.shapes = ModelShapes(n_layer=1, d_model=over.pop("d_model", 192), n_head=3, d_ff=128,
-                            vocab_size=64, seq_len=256)
-    bk.S, bk.B, bk.precision = bk.shapes.seq_len, 2, "bf16"
-    bk.attention, bk.qkv_rows = "cudnn", True
-    bk.fusions, bk._want_qkv_rows = True, True
-    bk.attention_info = "cudnn (cuDNN 9; deterministic backward)"
-    bk.cudnn = SimpleNamespace(version="cuDNN 9", scale=0.125)
+def _choice(**over) -> AttentionChoice:
+    """An AttentionChoice as `choose` leaves it with cuDNN's attention in rows, bf16, hd 64,
+    T 256, on an sm_90 device, unless `over` says otherwise: what pick_flex reads."""
+    shapes = ModelShapes(n_layer=1, d_model=over.pop("d_model", 192), n_head=3, d_ff=128,
+                         vocab_size=64, seq_len=256)
     cap = over.pop("capability", (9, 0))
-    bk.gpu = SimpleNamespace(ordinal=0, dev=SimpleNamespace(compute_capability=lambda: cap))
+    gpu = SimpleNamespace(ordinal=0, dev=SimpleNamespace(compute_capability=lambda: cap))
+    choice = AttentionChoice(shapes, 2, "bf16", over.pop("fusions", True), True, gpu, None, [])
+    choice.attention, choice.qkv_rows = "cudnn", True
+    choice.info = "cudnn (cuDNN 9; deterministic backward)"
+    choice.cudnn = SimpleNamespace(version="cuDNN 9", scale=0.125)
     for k, v in over.items():
-        setattr(bk, k, v)
-    return bk
+        setattr(choice, k, v)
+    return choice
 
 
 def test_a_build_is_tried_once_per_process(monkeypatch, tmp_path) -> None:
@@ -248,17 +246,17 @@ def test_a_build_that_compiled_is_said_at_start(monkeypatch, tmp_path) -> None:
         return _FakeBackward(B, T, H)
 
     monkeypatch.setattr(flex_attn, "FlexBackward", load)
-    bk = _backend(monkeypatch)
-    assert bk._pick_flex() is None  # built, then its load failed: both said, to this backend
-    assert len(bk.notes) == 2 and bk.notes[0].startswith("gpu.flex_backward: flex attention: "
-                                                         "cannot load")
-    assert bk.notes[1].startswith("the flex attention backward was built in ")
-    assert str(tmp_path / "c") in bk.notes[1]
-    bk = _backend(monkeypatch)  # the next start in the process: nothing left over, loaded
-    assert bk._pick_flex() is not None and bk.notes == []
+    choice = _choice()
+    assert choice.pick_flex() is None  # built, then its load failed: both said, to this start
+    assert len(choice.notes) == 2
+    assert choice.notes[0].startswith("gpu.flex_backward: flex attention: cannot load")
+    assert choice.notes[1].startswith("the flex attention backward was built in ")
+    assert str(tmp_path / "c") in choice.notes[1]
+    choice = _choice()  # the next start in the process: nothing left over, loaded
+    assert choice.pick_flex() is not None and choice.notes == []
     monkeypatch.setattr(flex_attn, "_built", {})  # a new process: the cache hit says nothing
-    bk = _backend(monkeypatch)
-    assert bk._pick_flex() is not None and bk.notes == []
+    choice = _choice()
+    assert choice.pick_flex() is not None and choice.notes == []
 
 
 def test_where_it_can_run_it_runs_and_says_so(monkeypatch) -> None:
@@ -269,24 +267,24 @@ def test_where_it_can_run_it_runs_and_says_so(monkeypatch) -> None:
         return _FakeBackward(B, T, H)
 
     monkeypatch.setattr(flex_attn, "open_backward", open_backward)
-    bk = _backend(monkeypatch)
-    fa = bk._pick_flex()
+    choice = _choice()
+    fa = choice.pick_flex()
     assert isinstance(fa, flex_attn.FlexAttention) and fa.scale == 0.125
     assert opened == [(2, 256, 3, 0)]  # the backward's one shape: the micro-batch, seq_len
-    assert bk.notes == []
-    assert bk.attention_info == "cudnn (cuDNN 9; flex deterministic backward)"
+    assert choice.notes == []
+    assert choice.info == "cudnn (cuDNN 9; flex deterministic backward)"
 
 
 @pytest.mark.parametrize(("over", "said"), [
     ({"attention": "classic"}, "gpu.flex_backward: needs cuDNN's attention, and the classic "
                                "attention runs; it is not used"),
-    ({"qkv_rows": False, "_want_qkv_rows": False},
+    ({"qkv_rows": False, "want_qkv_rows": False},
      "gpu.flex_backward: needs Q, K, V in rows, and cuDNN runs them as slabs (gpu.qkv_rows is "
      "false); cuDNN's deterministic backward runs"),
-    ({"qkv_rows": False, "_want_qkv_rows": False, "fusions": False},
+    ({"qkv_rows": False, "want_qkv_rows": False, "fusions": False},
      "gpu.flex_backward: needs Q, K, V in rows, and cuDNN runs them as slabs (the rows are the "
      "fused path's, and gpu.fusions is false); cuDNN's deterministic backward runs"),
-    ({"qkv_rows": False, "_want_qkv_rows": False, "d_model": 46464 * 3},
+    ({"qkv_rows": False, "want_qkv_rows": False, "d_model": 46464 * 3},
      "gpu.flex_backward: needs Q, K, V in rows, and cuDNN runs them as slabs (d_model² ≥ 2³¹: "
      "the optimizer kernels' 32-bit division keeps the slabs); cuDNN's deterministic backward "
      "runs"),
@@ -302,18 +300,18 @@ def test_where_it_can_run_it_runs_and_says_so(monkeypatch) -> None:
 ])
 def test_refused_it_says_why(monkeypatch, over, said) -> None:
     monkeypatch.setattr(flex_attn, "open_backward", lambda *a: pytest.fail("not to be loaded"))
-    bk = _backend(monkeypatch, **over)
-    assert bk._pick_flex() is None
-    assert bk.notes == [said]
+    choice = _choice(**over)
+    assert choice.pick_flex() is None
+    assert choice.notes == [said]
 
 
 def test_a_library_that_does_not_load_falls_back_and_says_so(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv(env.FLEX_LIB.name, str(tmp_path / "none.so"))
-    bk = _backend(monkeypatch)
-    assert bk._pick_flex() is None
-    assert bk.notes == [f"gpu.flex_backward: ANDREA_FLEX_LIB={tmp_path / 'none.so'}: no such "
-                        f"file; cuDNN's deterministic backward runs"]
-    assert "flex" not in bk.attention_info
+    choice = _choice()
+    assert choice.pick_flex() is None
+    assert choice.notes == [f"gpu.flex_backward: ANDREA_FLEX_LIB={tmp_path / 'none.so'}: no "
+                            f"such file; cuDNN's deterministic backward runs"]
+    assert "flex" not in choice.info
 
 
 class _FailingBackward(_FakeBackward):
@@ -325,31 +323,33 @@ class _FailingBackward(_FakeBackward):
         raise RunError("flex attention backward: CUDA error: no kernel image is available")
 
 
-def _started(monkeypatch, fb: _FakeBackward) -> tuple:
-    """A backend at the point of __init__ where the flex backward is bound (_bind_flex):
-    _pick_flex done with `fb`, the plan allocated, Ops made without it."""
+def _started(monkeypatch, fb: _FakeBackward) -> SimpleNamespace:
+    """A choice at the point of start-up where the flex backward is bound (bind_flex):
+    pick_flex done with `fb`, the plan allocated, Ops made without it. `bind()` binds it."""
     monkeypatch.setattr(flex_attn, "open_backward", lambda *a: fb)
-    bk = _backend(monkeypatch)
-    bk.flex = bk._pick_flex()
-    assert bk.flex is not None
+    choice = _choice()
+    choice.flex = choice.pick_flex()
+    assert choice.flex is not None
     plan = Plan()
     flex_attn.plan_buffers(plan, fb.B, fb.T, fb.H)
     plan._bases = {"flex": 1 << 32}
-    bk.drv = SimpleNamespace(memcpy_htod=lambda ptr, a: None)
+    drv = SimpleNamespace(memcpy_htod=lambda ptr, a: None)
     synced = []
-    bk.stream = SimpleNamespace(handle=55, synchronize=lambda: synced.append(len(fb.ran)))
-    bk.ops = SimpleNamespace(flex=None)
+    choice.stream = SimpleNamespace(handle=55, synchronize=lambda: synced.append(len(fb.ran)))
+    ops = SimpleNamespace(flex=None)
     layer0 = {"qkv": 2 << 20, "att": 3 << 20, "attn_stats": 4 << 20}
     named = {"datt": 1 << 20, "dqkv": 5 << 20}
-    bk.train = SimpleNamespace(at=named.__getitem__, layer=lambda l: layer0 if l == 0 else {})
-    return bk, plan, synced
+    train = SimpleNamespace(at=named.__getitem__, layer=lambda l: layer0 if l == 0 else {})
+    return SimpleNamespace(choice=choice, plan=plan, synced=synced, ops=ops,
+                           bind=lambda: choice.bind_flex(plan, drv, ops, train))
 
 
 def test_bound_its_first_call_runs_eagerly_on_layer_0_and_ops_then_runs_it(monkeypatch) -> None:
     fb = _FakeBackward()
-    bk, plan, synced = _started(monkeypatch, fb)
-    bk._bind_flex(plan)
-    assert bk.ops.flex is bk.flex  # Ops runs it from here on
+    s = _started(monkeypatch, fb)
+    choice, plan, synced = s.choice, s.plan, s.synced
+    s.bind()
+    assert s.ops.flex is choice.flex  # Ops runs it from here on
     assert fb.set_plan_with == [plan[f"flex.plan.{n}"] for n in FIELDS]
     assert len(fb.ran) == 1 and synced == [1]  # one eager call, waited for
     assert fb.made == [{"qkv": 2 << 20, "o": 3 << 20, "do": 1 << 20, "lse": 4 << 20,
@@ -357,26 +357,28 @@ def test_bound_its_first_call_runs_eagerly_on_layer_0_and_ops_then_runs_it(monke
                         "dq_accum": plan["flex.dq_accum"], "dq_sem": plan["flex.dq_sem"],
                         "scale": 0.125}]
     assert fb.ran[0][1] == 55  # on the backend's stream
-    assert bk.notes == []
-    assert "flex" in bk.attention_info
+    assert choice.notes == []
+    assert "flex" in choice.info
 
 
 def test_a_first_call_that_fails_falls_back_to_cudnn_and_says_so(monkeypatch) -> None:
     fb = _FailingBackward()
-    bk, plan, _ = _started(monkeypatch, fb)
-    bk._bind_flex(plan)  # no exception: start-up goes on
-    assert bk.flex is None and bk.ops.flex is None
-    assert bk.notes == ["gpu.flex_backward: its first call failed: flex attention backward: CUDA "
-                        "error: no kernel image is available; cuDNN's deterministic backward "
-                        "runs"]
-    assert bk.attention_info == "cudnn (cuDNN 9; deterministic backward)"
+    s = _started(monkeypatch, fb)
+    choice = s.choice
+    s.bind()  # no exception: start-up goes on
+    assert choice.flex is None and s.ops.flex is None
+    assert choice.notes == ["gpu.flex_backward: its first call failed: flex attention backward: "
+                            "CUDA error: no kernel image is available; cuDNN's deterministic "
+                            "backward runs"]
+    assert choice.info == "cudnn (cuDNN 9; deterministic backward)"
 
 
 def test_a_first_call_that_faults_the_context_is_a_run_error_that_says_so(monkeypatch) -> None:
     """A fault seen only at the synchronize (pycuda's own error, the context lost): no fallback
     is possible, so start-up ends with a RunError naming the setting, not a pycuda traceback."""
     fb = _FakeBackward()
-    bk, plan, _ = _started(monkeypatch, fb)
+    s = _started(monkeypatch, fb)
+    choice = s.choice
 
     class LaunchError(Exception):
         pass
@@ -384,27 +386,28 @@ def test_a_first_call_that_faults_the_context_is_a_run_error_that_says_so(monkey
     def synchronize():
         raise LaunchError("cuStreamSynchronize failed: an illegal memory access was encountered")
 
-    bk.stream.synchronize = synchronize
+    choice.stream.synchronize = synchronize
     with pytest.raises(RunError, match=r"gpu.flex_backward: its first call faulted \(LaunchError: "
                                        r"cuStreamSynchronize failed: an illegal memory access"
                                        r".*the CUDA context is lost: start with "
                                        r"\"flex_backward\": false in the config's gpu section"):
-        bk._bind_flex(plan)
-    assert len(fb.ran) == 1 and bk.ops.flex is None
+        s.bind()
+    assert len(fb.ran) == 1 and s.ops.flex is None
 
 
 def test_a_bind_that_fails_falls_back_to_cudnn(monkeypatch) -> None:
     fb = _FakeBackward()
-    bk, plan, _ = _started(monkeypatch, fb)
+    s = _started(monkeypatch, fb)
+    choice = s.choice
 
     def set_plan(pointers):
         raise RunError("flex attention: set_plan failed")
 
     fb.set_plan = set_plan
-    bk._bind_flex(plan)
-    assert bk.flex is None and bk.ops.flex is None and fb.ran == []
-    assert bk.notes == ["gpu.flex_backward: its plan did not upload: flex attention: set_plan "
-                        "failed; cuDNN's deterministic backward runs"]
+    s.bind()
+    assert choice.flex is None and s.ops.flex is None and fb.ran == []
+    assert choice.notes == ["gpu.flex_backward: its plan did not upload: flex attention: "
+                            "set_plan failed; cuDNN's deterministic backward runs"]
 
 
 def test_the_unpack_prints_an_export_that_a_shell_can_eval(tmp_path) -> None:

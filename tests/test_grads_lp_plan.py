@@ -14,7 +14,8 @@ from engine.backends.cuda.buffers import (
     norm_ranges,
     plan_memory,
 )
-from engine.backends.cuda.ops import NORM_RANGE_BLOCKS, Ops
+from engine.backends.cuda.ops import Ops
+from engine.backends.cuda.optim_ops import NORM_RANGE_BLOCKS
 from engine.model.layout import ModelShapes, n_params, tensor_table
 from tests.test_cuda_buffers import M120, ODD, _FakeDrv
 

@@ -181,7 +181,7 @@ def test_lp_positions_leave_everything_in_place_without_qkv():
 @pytest.mark.parametrize("layer", [0, 1])
 def test_the_rows_ops_read_w_qkv_from_the_permuted_gemm_copy(layer):
     """The backend's pointer for layer l's W_QKV is the GEMM copy at W_Q's offset
-    (CudaBackend._w("h.l.attn.W_Q")): with the whole copy laid out by lp_positions in the
+    (FlatBuffers.w("h.l.attn.W_Q")): with the whole copy laid out by lp_positions in the
     emulated memory, attn_qkv_fwd_rows and attn_qkv_bwd_rows from there are numpy's
     attn_qkv_fwd / attn_qkv_bwd on the flat masters' W_Q, W_K, W_V."""
     s = SHAPES["aligned"]

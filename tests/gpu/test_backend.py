@@ -111,7 +111,7 @@ def _train(backend, shapes: ModelShapes, steps: int, seed: int, T: int, on_step=
 
 
 def backend_batch(backend) -> int:
-    return getattr(backend, "B", None) or backend.micro_batch
+    return backend.micro_batch
 
 
 @pytest.mark.slow

@@ -119,7 +119,7 @@ def test_cudnn_attention_matches_numpy(att, rng, B, T, H, hd):
 def test_q_k_v_in_rows_through_the_ops_match_numpy(att, rng, B, T, H, hd):
     """The backend's rows path op by op, on the GPU: attn_qkv_fwd_rows (one GEMM, [R,3d] =
     ln1 @ W_QKV, W_QKV read as layer 1's 3d² range of a GEMM copy laid out by lp_positions,
-    as CudaBackend._w("h.1.attn.W_Q") points), attn_fwd_cudnn on CudnnAttention(rows=True),
+    as FlatBuffers.w("h.1.attn.W_Q") points), attn_fwd_cudnn on CudnnAttention(rows=True),
     attn_bwd_cudnn, then attn_qkv_bwd_rows from the same W_QKV, against numpy's attn_qkv_fwd,
     attn_fwd, attn_bwd and attn_qkv_bwd in float64 on the same bf16 inputs (B = 1: the
     sampling forward's batch). Bounds: Q, K, V and out 1e-2 (test_ops' bf16 bound); dQ, dK, dV,
@@ -241,7 +241,7 @@ def test_a_refused_rows_graph_falls_back_to_the_slabs(att, monkeypatch, refused)
     monkeypatch.setattr(cudnn_attn.CudnnAttention, "build", refuse_rows)
     bk = cuda_backend(TINY, 4, "bf16", attention="cudnn", qkv_rows=True)
     try:
-        assert bk.attention == "cudnn" and not bk.qkv_rows and not bk.cudnn.rows
+        assert bk.attention == "cudnn" and not bk.qkv_rows and not bk.build.cudnn.rows
         assert any("cuDNN refuses Q, K, V in rows" in n for n in bk.notes), bk.notes
         assert "Q, K, V in rows" not in bk.describe()
         params = init_params(TINY, seed=3)

@@ -219,7 +219,7 @@ M = ModelShapes(n_layer=2, d_model=256, n_head=4, d_ff=1024, vocab_size=8449, se
 def _count_runs(gpu) -> list[int]:
     """FlexBackward.run on this backend counted from here on: [calls]. (Python's call happens
     eagerly or while a graph is captured, not when it is replayed.)"""
-    fb, calls = gpu.flex.fb, [0]
+    fb, calls = gpu.build.flex.fb, [0]
     run = fb.run
 
     def counted(*a, **kw):
@@ -245,9 +245,9 @@ def test_a_step_with_flex_matches_numpy_and_says_so(flex, rng):
     try:
         cud = make(M, 4, "bf16", attention="cudnn", gemm_plan=gpu.gemm_plan,
                    flex_backward=False)
-        assert gpu.flex is not None, gpu.notes
-        assert gpu.ops.flex is gpu.flex, "the backend does not hand its flex backward to Ops"
-        assert cud.flex is None and cud.ops.flex is None and FLEX not in cud.describe()
+        assert gpu.build.flex is not None, gpu.notes
+        assert gpu.build.ops.flex is gpu.build.flex, "the backend does not hand its flex backward to Ops"
+        assert cud.build.flex is None and cud.build.ops.flex is None and FLEX not in cud.describe()
         assert FLEX in gpu.describe() and gpu.resolved["flex_backward"] is True
         assert gpu.memory_plan()["flex"] >= sum(scratch_bytes(4, M.seq_len, 4).values())
         calls = _count_runs(gpu)
@@ -264,7 +264,7 @@ def test_a_step_with_flex_matches_numpy_and_says_so(flex, rng):
             before = calls[0]
             got = gpu.forward_backward(x, y, loss_scale=3.0)
             assert calls[0] - before == M.n_layer, f"T={T}: flex ran {calls[0] - before} times"
-            assert len(gpu.flex._args) == M.n_layer  # one argument set per layer's buffers
+            assert len(gpu.build.flex._args) == M.n_layer  # one argument set per layer's buffers
             cud.forward_backward(x, y, loss_scale=3.0)
             check_close(got, want, bound["loss"], f"flex step T={T}: row losses", "bf16")
             g, gc = gpu.read_grads(), cud.read_grads()
@@ -305,8 +305,8 @@ def test_two_runs_same_bits_with_flex(flex):
     for graphs in (True, True, False):
         gpu = make(M, 4, "bf16", attention="cudnn")
         try:
-            assert gpu.flex is not None, gpu.notes
-            assert gpu.ops.flex is gpu.flex, "the backend does not hand its flex backward to Ops"
+            assert gpu.build.flex is not None, gpu.notes
+            assert gpu.build.ops.flex is gpu.build.flex, "the backend does not hand its flex backward to Ops"
             calls = _count_runs(gpu)
             gpu.use_graphs = graphs
             gpu.load_params(params)

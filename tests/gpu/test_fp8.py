@@ -158,7 +158,7 @@ def test_fp8_step_against_the_bf16_step(rng) -> None:
         out[precision] = (float(np.mean(rows)), bk.read_grads().astype(np.float64))
         if precision == "fp8":
             assert bk.fp8_gemms == ["fc1 fwd", "fc2 fwd", "fc2 dgrad", "fc1 dgrad",
-                                    "fc2 wgrad", "fc1 wgrad"], bk.fp8_mlp.notes
+                                    "fc2 wgrad", "fc1 wgrad"], bk.build.fp8_mlp.notes
             assert "FP8" in bk.describe() and bk.memory_plan().get("fp8", 0) > 0
         bk.close()
     (l16, g16), (l8, g8) = out["bf16"], out["fp8"]
@@ -280,7 +280,7 @@ def test_a_shorter_pass_keeps_fp8_at_full_length(rng) -> None:
         bk.zero_grads()
         bk.forward_backward(tok[:, :-1], tok[:, 1:])
         if precision == "fp8":
-            assert len(bk.fp8_gemms) == 6, bk.fp8_mlp.notes
+            assert len(bk.fp8_gemms) == 6, bk.build.fp8_mlp.notes
         bk.close()
     g16, g8 = out["bf16"], out["fp8"]
     assert np.all(np.isfinite(g8))

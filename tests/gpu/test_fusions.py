@@ -168,7 +168,7 @@ def test_grad_norm_ranges_launched_apart_are_the_ranges_launched_together(env, r
     alone (as the one-graph step's backward completes it) or with every other (the host-driven
     grad_norm), with the scale given or read from the device; the norm within float rounding
     of numpy's float64 one; a one-group range, and a tail past the last float4 group, counted."""
-    from engine.backends.cuda.ops import NORM_RANGE_BLOCKS
+    from engine.backends.cuda.optim_ops import NORM_RANGE_BLOCKS
 
     _precision, o, dev = env
     cuts = np.array([0, 4, 100_004, 612_345], dtype=np.int64)  # begins: multiples of 4
@@ -213,9 +213,9 @@ def test_adamw_step_is_the_host_driven_step(env, rng, case):
     norm = {"clip": 3.7, "no clip": 0.6, "non-finite": np.inf}[case]
     t, max_norm, gm = 7, 1.0, 0.5
     b1, b2 = 0.9, 0.95
-    from engine.backends.cuda.backend import CudaBackend
+    from engine.backends.cuda.optimizer import hyper_parameters
 
-    hp = CudaBackend._hp(gm, 1e-2, b1, b2, 1e-8, 0.1, t, max_norm)
+    hp = hyper_parameters(gm, 1e-2, b1, b2, 1e-8, 0.1, t, max_norm)
     outs = []
     for fused in (True, False):
         dp, dg, dm, dv = (dev.put(a, "f32") for a in (p, g, m, v))
@@ -245,7 +245,7 @@ def test_adamw_step_is_the_host_driven_step(env, rng, case):
 
 
 def _lp_table(s: ModelShapes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(seg_start, seg_decay, seg_qkv) as CudaBackend uploads them."""
+    """(seg_start, seg_decay, seg_qkv) as CudaBuild uploads them."""
     from engine.backends.cuda.buffers import qkv_seg_table
 
     table = tensor_table(s)
@@ -264,8 +264,8 @@ def test_the_gemm_copy_keeps_w_q_w_k_w_v_in_rows(env, rng, d):
     other element in place; the masters, m and v are those of the same launches without the
     table, bit for bit (the table changes where the copy goes, nothing else: decay included).
     d = 37: tensor boundaries and W_j's rows inside float4 groups; 64: aligned."""
-    from engine.backends.cuda.backend import CudaBackend
     from engine.backends.cuda.buffers import HP_FIELDS, UPD_WORDS, lp_positions
+    from engine.backends.cuda.optimizer import hyper_parameters
 
     precision, o, dev = env
     s = ModelShapes(n_layer=2, d_model=d, n_head=1, d_ff=40, vocab_size=53, seq_len=7)
@@ -279,7 +279,7 @@ def test_the_gemm_copy_keeps_w_q_w_k_w_v_in_rows(env, rng, d):
     cut2 = (off["h.1.attn.W_K"] + 2 * d + 11) // 4 * 4
     p, g = rng.normal(0, 1, n), rng.normal(0, 1, n)
     m, v = rng.normal(0, 0.1, n), rng.uniform(0, 0.1, n)
-    hp = CudaBackend._hp(0.5, 1e-2, 0.9, 0.95, 1e-8, 0.1, 3, 1.0)
+    hp = hyper_parameters(0.5, 1e-2, 0.9, 0.95, 1e-8, 0.1, 3, 1.0)
     outs = []
     for table in (True, False):
         rows = {"seg_qkv": dqkv, "d": d} if table else {}
@@ -466,17 +466,18 @@ def test_adamw_decays_exactly_the_2d_tensors(fusions):
 
     params = init_params(SHAPES, seed=4)
     bk = cuda_backend(SHAPES, 4, "fp32", fusions=fusions)
+    flat = bk.build.flat
     try:
-        starts = np.empty(bk.nseg + 1, np.int64)
-        bk.drv.memcpy_dtoh(starts, bk._plan["seg_start"])
-        assert np.array_equal(starts, bk.seg_start) and starts[-1] == bk.n
+        starts = np.empty(flat.nseg + 1, np.int64)
+        bk.drv.memcpy_dtoh(starts, bk.build.plan["seg_start"])
+        assert np.array_equal(starts, flat.seg_start) and starts[-1] == flat.n
         bk.load_params(params)
         bk.zero_grads()
         bk.adamw(1e-2, 0.9, 0.95, 1e-8, 0.1, 1)
         p = bk.read_params()
     finally:
         bk.close()
-    for t in bk.table:
+    for t in flat.table:
         a, b = params[t.offset : t.offset + t.size], p[t.offset : t.offset + t.size]
         if len(t.shape) == 2:
             check_close(b, a * np.float32(1 - 1e-3), 1e-6, f"decayed {t.name}", "fp32")
@@ -578,7 +579,7 @@ def test_logits_in_the_compute_precision_track_float32_logits():
     for on in (False, True):
         bk = cuda_backend(SHAPES, 4, "bf16", logits_low_precision=on)
         assert bk.logits_lp == on and bk.resolved["logits_low_precision"] == on
-        assert (bk.train.at("dlogits") == bk.train.at("logits")) == bk.logits_lp
+        assert (bk.build.train.at("dlogits") == bk.build.train.at("logits")) == bk.logits_lp
         bk.load_params(params)
         bk.zero_grads()
         rows = bk.forward_backward(tok[:, :-1], tok[:, 1:])

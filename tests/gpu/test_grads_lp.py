@@ -171,14 +171,14 @@ def test_adamw_reads_a_tensors_gradient_from_grads_lp_where_seg_glp_says(ops, rn
     """k_adamw_step (in ranges cut inside tensors) and k_adamw, with the bf16 tensors' gradients
     in grads_lp and NaN in their float32 places, against the same kernel given every gradient
     in float32: the same bits, and no NaN read."""
-    from engine.backends.cuda.backend import CudaBackend
     from engine.backends.cuda.buffers import HP_FIELDS, UPD_WORDS
+    from engine.backends.cuda.optimizer import hyper_parameters
 
     o, dev = ops
     n = int(SEG[-1])
     g, mask = _split(rng)
     p, m, v = rng.normal(0, 1, n), rng.normal(0, 0.1, n), rng.uniform(0, 0.1, n)
-    hp = CudaBackend._hp(0.5, 1e-2, 0.9, 0.95, 1e-8, 0.1, 7, 1.0)
+    hp = hyper_parameters(0.5, 1e-2, 0.9, 0.95, 1e-8, 0.1, 7, 1.0)
     norm = {"clip": 3.7, "no clip": 0.6}[case]
     decay = np.array([1, 1, 0, 1, 0], np.int32)
     dseg, ddec = dev.put(SEG.view(np.int32), "i32"), dev.put(decay, "i32")
@@ -212,7 +212,7 @@ def test_the_norm_and_the_write_back_read_grads_lp_where_the_kinds_say(ops, rng)
     """k_grad_norm_ranges with kinds (the bf16 ranges read from grads_lp, NaN in their float32
     places) gives the bits of the same values all in float32; k_grads_from_lp writes exactly
     those values into the float32 places of the bf16 ranges and nothing else."""
-    from engine.backends.cuda.ops import NORM_RANGE_BLOCKS
+    from engine.backends.cuda.optim_ops import NORM_RANGE_BLOCKS
 
     o, dev = ops
     # ranges cut at multiples of 4 (as buffers.norm_ranges makes them), kinds alternating

@@ -182,13 +182,13 @@ def test_a_step_with_fill_kernels_gives_the_bits_of_one_with_memsets() -> None:
     out, nodes, fills = [], [], []
     for fill_kernels in (False, True):
         bk = cuda_backend(shapes, 4, "bf16")
-        bk._memset_kernels = fill_kernels  # before any graph is captured
+        bk.graphs.memset_kernels = fill_kernels  # before any graph is captured
         bk.load_params(init_params(shapes, seed=4))
         rows = [bk.train_step(t[:, :-1], t[:, 1:], grad_mult=1.0, t=i + 1, **hp)
                 for i, t in enumerate(tok)]
         nodes.append(bk.graph_nodes("step"))
-        step = max((k for k in bk._graphs if k[0] == "step"), default=None)
-        fills.append(bk._graphs[step].fills if step else [])
+        step = max((k for k in bk.graphs.graphs if k[0] == "step"), default=None)
+        fills.append(bk.graphs.graphs[step].fills if step else [])
         m, v = bk.read_optimizer()
         out.append((rows, bk.read_params(), m, v))
         bk.close()

@@ -99,7 +99,7 @@ def test_embed_vector_paths_same_bits(env, rng):
     bits of the element-a-thread kernels: the forward against k_embed_fwd, the backward
     against its own scalar path, taken on a copy of dout one element off 16-byte alignment.
     One token holds 60 of the rows, so a bucket runs past the batch of loads."""
-    from engine.backends.cuda.ops import ROWS_PER_BLOCK, _blocks
+    from engine.backends.cuda.launch import ROWS_PER_BLOCK, blocks
 
     precision, o, dev = env
     tokens = rng.integers(0, V, (B, T)).astype(np.int32)
@@ -109,7 +109,7 @@ def test_embed_vector_paths_same_bits(env, rng):
     d_tok, d_wte, d_wpe = dev.put(tokens, "i32"), dev.put(wte, "f32"), dev.put(wpe, "f32")
     vec, scalar, ops = (dev.empty((T, B, D)) for _ in range(3))
     o._go("k_embed_fwd_rows", -(-R // ROWS_PER_BLOCK), vec, d_tok, d_wte, d_wpe, B, T, D)
-    o._go("k_embed_fwd", _blocks(R * D), scalar, d_tok, d_wte, d_wpe, B, T, D)
+    o._go("k_embed_fwd", blocks(R * D), scalar, d_tok, d_wte, d_wpe, B, T, D)
     o.embed_fwd(d_tok, d_wte, d_wpe, ops, B, T, D)  # Ops' choice between the two
     assert not np.isnan(dev.get(vec)).any()
     assert np.array_equal(dev.get(vec), dev.get(scalar))
@@ -361,7 +361,7 @@ def test_loss(env, rng, padded):
 
 def test_grad_norm_scale_adamw(env, rng):
     precision, o, dev = env
-    from engine.backends.cuda.ops import NORM_BLOCKS
+    from engine.backends.cuda.optim_ops import NORM_BLOCKS
 
     n = 100_003
     g = rng.normal(0, 1, n).astype(np.float32)

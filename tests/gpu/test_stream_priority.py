@@ -1,4 +1,4 @@
-"""Stream priorities (graphs.set_stream_priority, CudaBackend._set_stream_priorities): a kernel
+"""Stream priorities (graphs.set_stream_priority, CudaBuild._set_stream_priorities): a kernel
 node captured from a stream keeps the stream's priority, a k_fill node that replaced a memset
 takes its neighbour kernel's, and the fused step's graph holds the main stream's kernels at the
 greatest priority and the weight-gradient stream's at the least, with the very bits of a step
@@ -66,14 +66,14 @@ def test_the_step_graph_puts_the_main_stream_first_with_the_same_bits(monkeypatc
         for equal in (False, True):
             bk = cuda_backend(shapes, 4, "bf16")
             if equal:
-                graphs.set_stream_priority(bk.side.handle, bk.gpu.stream_priorities[1])
+                graphs.set_stream_priority(bk.build.side.handle, bk.build.gpu.stream_priorities[1])
             bk.load_params(init_params(shapes, seed=4))
             bks.append(bk)
         rows: list[list] = [[], []]
         for i, t in enumerate(tok):  # in turn, on the process's one main stream
             for k, bk in enumerate(bks):
                 rows[k].append(bk.train_step(t[:, :-1], t[:, 1:], grad_mult=1.0, t=i + 1, **hp))
-        prios = [{k: g.kernel_priorities() for k, g in bk._graphs.items() if k[0] == "step"}
+        prios = [{k: g.kernel_priorities() for k, g in bk.graphs.graphs.items() if k[0] == "step"}
                  for bk in bks]
         states = [(bk.read_params(), *bk.read_optimizer()) for bk in bks]
     finally:

@@ -24,12 +24,8 @@ import numpy as np
 from engine.backends.activations import BY_NAME, LAYER, Dims, saved
 from engine.backends.cuda.cublas import WORKSPACE_BYTES
 from engine.backends.cuda.memory import Plan
-from engine.backends.cuda.ops import (
-    LN_ROWS_PER_CHUNK,
-    LOSS_ROW_MAX,
-    NORM_BLOCKS,
-    NORM_RANGE_BLOCKS,
-)
+from engine.backends.cuda.ops import LN_ROWS_PER_CHUNK, LOSS_ROW_MAX
+from engine.backends.cuda.optim_ops import NORM_BLOCKS, NORM_RANGE_BLOCKS
 from engine.backends.cuda.runtime import ACT_BYTES
 from engine.model.layout import ModelShapes, n_params, tensor_table
 
@@ -258,7 +254,7 @@ def grads_lp_table(shapes: ModelShapes) -> np.ndarray:
 def layer_ranges(shapes: ModelShapes) -> list[tuple[int, int]]:
     """The flat parameters cut where each layer begins (rounded up to a 16-byte float group):
     the embeddings, then layer 0 .. L-1, the last with the final LayerNorm: the ranges the
-    fused step's AdamW runs over, one per layer beside the forward (CudaBackend._apply_update).
+    fused step's AdamW runs over, one per layer beside the forward (DeviceOptimizer.apply_update).
     A layer's few elements before its cut are in the range before it, applied earlier."""
     off = {t.name: t.offset for t in tensor_table(shapes)}
     n = n_params(shapes)

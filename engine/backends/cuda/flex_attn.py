@@ -12,7 +12,7 @@ Where it runs (`refusal` says why not, "" where it can): cuDNN's attention with 
 (CudnnAttention.rows), bf16 activations (fp8's attention is bf16 too), head dim 64, seq_len a
 multiple of 128, compute capability 9.0 (the kernels are sm_90a's), and a library that loads
 (`open_backward`). Anything else: cuDNN's deterministic backward, and the log says why
-(CudaBackend._pick_flex).
+(attention_choice.AttentionChoice.pick_flex).
 
 The library (`library_paths`): `ANDREA_FLEX_LIB`, a built `.so` with its manifest beside it
 (scripts/flex-pack makes one to carry to a GPU machine), with libtvm_ffi.so and
@@ -30,7 +30,7 @@ Buffers (`plan_buffers`): the memory plan's "flex" group: flex.lse2, flex.dpsum,
 flex.dq_sem (flex_call.scratch_bytes) and the nine plan arrays flex.plan.<name>, uploaded once
 (`bind`). dq_sem is zeroed by every call on the stream (flex_call.FlexBackward.run: a memset
 node in the captured step, which graphs.py turns into a k_fill node like cuDNN's). The first
-call loads the cubin: CudaBackend._bind_flex makes it, eagerly on zeroed buffers, right after
+call loads the cubin: AttentionChoice.bind_flex makes it, eagerly on zeroed buffers, right after
 `bind` and before any graph is captured; a RunError from either falls back to cuDNN's backward
 (a fault that kills the context, or a kernel that never ends, cannot be caught so).
 """
@@ -58,7 +58,7 @@ def refusal(attention: str, rows: bool, precision: str, head_dim: int, seq_len: 
             capability: tuple[int, int], rows_off: str = "") -> str:
     """Why the flex backward cannot run with these (the backend's resolved attention path,
     Q, K, V in rows, compute precision, head dim, seq_len, compute capability; rows_off: why
-    the rows are off, CudaBackend._rows_off); "" where it can (the library aside)."""
+    the rows are off, AttentionChoice.rows_off); "" where it can (the library aside)."""
     if attention != "cudnn":
         return f"needs cuDNN's attention, and the {attention} attention runs"
     if not rows:
@@ -120,7 +120,7 @@ def library_paths() -> tuple[Path, str | None, str | None]:
 # library_paths' builds in this process, by (cache directory, interpreter): the library, or the
 # RunError that says why there is none (a build that failed is not tried again in the process)
 _built: dict[tuple[str, str], Path | RunError] = {}
-build_notes: list[str] = []  # what the builds said, for the run's log (CudaBackend._pick_flex)
+build_notes: list[str] = []  # what the builds said, for the run's log (AttentionChoice.pick_flex)
 
 
 def open_backward(batch: int, seq_len: int, heads: int, device_id: int) -> FlexBackward:

@@ -24,8 +24,8 @@ this checkout's. Everything that can fail (an interpreter, a package, g++, the c
 RunError saying what.
 
 `build_variant(out_dir, name, overrides)` builds the same library with overrides of the main
-kernel's BWD_CONFIG (not cached; its manifest records them) for scripts/flex-variants and
-scripts/bench_flex_configs.py; the engine loads only build_library's.
+kernel's BWD_CONFIG (not cached; its manifest records them) for dev/flex-variants and
+dev/bench_flex_configs.py; the engine loads only build_library's.
 """
 
 from __future__ import annotations
@@ -257,7 +257,7 @@ def build_variant(out_dir: Path | str, name: str, overrides: dict, *, python: st
     """Build the library with `overrides` of BWD_CONFIG into `out_dir/<name>.so`, its manifest
     `<name>.json` beside it (build_library's keys, plus `variant` and `overrides`; the recipe
     is this checkout's, so FlexBackward loads it). Not cached: always compiled (g++ needed).
-    `info`: probe()'s answer, when the caller has it. For scripts/bench_flex_configs.py, never
+    `info`: probe()'s answer, when the caller has it. For dev/bench_flex_configs.py, never
     for the engine: the plan (flex_plan.py) fits BWD_CONFIG as it is (flex_build_main.py says
     which entries change it). RunError for a bad name, a refused override (the build script's
     error: an unknown key, a wrong type, tile_m or tile_n, a kernel's assert) or any failure."""

@@ -12,7 +12,7 @@ leak into anything else. It imports nothing from the engine, so it runs from a b
         compiles the fused wrapper (preprocess, main kernel, dQ postprocess) for sm_90a with
         symbolic B, T, H and strides, and writes OBJ with `export_to_c(OBJ, NAME)`: an ELF object
         whose C entry point is `__tvm_ffi_<NAME>`. OVERRIDES: a JSON object of BWD_CONFIG keys
-        and values (scripts/flex-variants; without it, BWD_CONFIG as it is). Prints one JSON line
+        and values (dev/flex-variants; without it, BWD_CONFIG as it is). Prints one JSON line
         with the compile time, the config compiled (`bwd_config`, `postprocess`, `overrides`) and
         `plan_mask_words` (below).
 Errors (an unknown key, a value of another type than BWD_CONFIG's, tile_m or tile_n other than
@@ -50,7 +50,7 @@ The plan depends on two other entries (flex_plan.py builds it for BWD_CONFIG as 
   descending key-block walk), n without (plan/kernels/common.py:283-302); ranks made for the
   other walk can leave a block waiting on mSem for good.
 Only BWD_CONFIG as it is goes into the engine's library (flex_build.build_library); a library
-built with overrides (flex_build.build_variant) is for scripts/bench_flex_configs.py, which
+built with overrides (flex_build.build_variant) is for dev/bench_flex_configs.py, which
 adapts the plan to its manifest.
 """
 
@@ -310,7 +310,31 @@ def compile_object(obj: Path, name: str, head_dim: int, dtype: str,
     import tvm_ffi  # noqa: F401
 
     torch_used = install_stand_ins(Path(info["cudnn_dir"]))
+    dt = cutlass.BFloat16 if dtype == "bf16" else cutlass.Float16
+    flex_bwd = fused_wrapper(dt, head_dim, cfg, derived)
+    params = tuple(inspect.signature(flex_bwd).parameters)
+    if params != (*ARG_NAMES, "stream"):
+        raise ValueError(f"the wrapper's parameters {params} differ from ARG_NAMES + stream")
+    args = fake_arguments(dt, head_dim)
+    t0 = time.time()
+    zero_acc = not cfg["deterministic"]  # without write ranks (a variant) the adds need zeros
+    with contextlib.nullcontext() if zero_acc else first_dq_stores(dq_store_sites(cfg)):
+        fn = cute.compile(flex_bwd, *args, options="--enable-tvm-ffi")
+    seconds = time.time() - t0
+    fn.export_to_c(str(obj), name)
+    words = plan_mask_words(cutlass, cute, dt, cfg)
+    return {**info, "compile_s": round(seconds, 2), "object": str(obj),
+            "symbol": "__tvm_ffi_" + name, "arg_names": list(ARG_NAMES), "torch": torch_used,
+            "bwd_config": cfg, "postprocess": derived, "overrides": dict(overrides or {}),
+            "plan_mask_words": words}
+
+
+def fused_wrapper(dt, head_dim: int, cfg: dict, derived: dict):
+    """The cute.jit wrapper that runs the preprocess, the main kernel (BWD_CONFIG `cfg`) and
+    the dQ postprocess (`derived`: kernel_args) on one stream, its parameters ARG_NAMES and
+    the stream. Imports the frontend's kernels: after install_stand_ins."""
     import cuda.bindings.driver as cuda
+    import cutlass.cute as cute
     from cudnn.flex_attention.kernels.common.backward_postprocess import (
         FlexAttentionBackwardPostprocess,
     )
@@ -319,10 +343,9 @@ def compile_object(obj: Path, name: str, head_dim: int, dtype: str,
     )
     from cudnn.flex_attention.kernels.sm90.bwd.backward import FlexAttentionBackwardSm90
     from cudnn.flex_attention.plan.kernels import BlockSparseTensors
-    from cutlass import Float32, Int32, Uint32, const_expr
+    from cutlass import Float32, Int32, const_expr
 
     zero_acc = not cfg["deterministic"]  # without write ranks (a variant) the adds need zeros
-    dt = cutlass.BFloat16 if dtype == "bf16" else cutlass.Float16
     # padded offsets for dPsum and LSE2, as the preprocess takes them by itself when it is
     # given mdQacc (they only matter with cu_seqlens, which this call has not)
     pre = FlexAttentionBackwardPreprocess(dt, head_dim, head_dim, derived["pre_tile_m"],
@@ -351,8 +374,18 @@ def compile_object(obj: Path, name: str, head_dim: int, dtype: str,
                    None, None, bs, seqlen, seqlen, stream)
         post(mdQacc, mdQ, scale, None, seqlen, stream)
 
+    return flex_bwd
+
+
+def fake_arguments(dt, head_dim: int) -> list:
+    """The compile's arguments in ARG_NAMES order, then the stream: fake tensors with symbolic
+    B, T, H (shared: the entry point checks that all tensors agree) and strides (multiples of
+    8 elements for the bf16 tensors), and TVM FFI's environment stream."""
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32, Uint32
+
     mk, sym, sym64 = cute.runtime.make_fake_tensor, cute.sym_int, cute.sym_int64
-    b, t, h = sym(), sym(), sym()  # shared: the entry point checks that all tensors agree
+    b, t, h = sym(), sym(), sym()
 
     def bshd():
         return mk(dt, (b, t, h, head_dim), stride=(sym64(divisibility=8), sym64(divisibility=8),
@@ -368,9 +401,6 @@ def compile_object(obj: Path, name: str, head_dim: int, dtype: str,
     def row(n):
         return mk(Int32, (1, n), stride=(sym64(), 1), assumed_align=4)
 
-    params = tuple(inspect.signature(flex_bwd).parameters)
-    if params != (*ARG_NAMES, "stream"):
-        raise ValueError(f"the wrapper's parameters {params} differ from ARG_NAMES + stream")
     tr, tdr, rows, nnz, nfull = sym(), sym(), sym(), sym(), sym()
     fake = {name: bshd() for name in ("mQ", "mK", "mV", "mO", "mdO", "mdQ", "mdK", "mdV")}
     fake.update(
@@ -383,15 +413,7 @@ def compile_object(obj: Path, name: str, head_dim: int, dtype: str,
         scale=Float32(0.125), seqlen=Int32(0))
     args = [fake[name] for name in ARG_NAMES]
     args.append(cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True))
-    t0 = time.time()
-    with contextlib.nullcontext() if zero_acc else first_dq_stores(dq_store_sites(cfg)):
-        fn = cute.compile(flex_bwd, *args, options="--enable-tvm-ffi")
-    seconds = time.time() - t0
-    fn.export_to_c(str(obj), name)
-    words = plan_mask_words(cutlass, cute, dt, cfg)
-    return {**info, "compile_s": round(seconds, 2), "object": str(obj), "symbol": "__tvm_ffi_" + name,
-            "arg_names": list(ARG_NAMES), "torch": torch_used, "bwd_config": cfg,
-            "postprocess": derived, "overrides": dict(overrides or {}), "plan_mask_words": words}
+    return args
 
 
 def plan_mask_words(cutlass, cute, dt, cfg: dict) -> list[list[int]]:

@@ -117,11 +117,11 @@ def check_manifest(manifest: dict, library: Path, dtype: str, need_libs: bool,
     (RECIPE_SHA256, ARG_NAMES) with the tested package versions (flex_build.TESTED_VERSIONS)
     for `dtype` and head_dim 64 with ENTRY_SYMBOL, and, unless
     `variant_ok`, with the recipe's own kernel config (a variant of flex_build.build_variant
-    may need another plan than flex_plan's: only scripts/bench_flex_configs.py adapts it)."""
+    may need another plan than flex_plan's: only dev/bench_flex_configs.py adapts it)."""
     if manifest.get("overrides") and not variant_ok:
         raise RunError(f"flex attention: {library} is a config variant "
                        f"({manifest.get('variant')}: {manifest['overrides']}), built to be "
-                       f"timed by scripts/bench_flex_configs.py; its plan may differ from the "
+                       f"timed by dev/bench_flex_configs.py; its plan may differ from the "
                        f"engine's: use a library from flex_build.build_library (scripts/flex-pack)")
     keys = MANIFEST_KEYS + (("tvm_ffi_lib", "runtime_lib") if need_libs else ())
     missing = [k for k in keys if k not in manifest]

@@ -33,7 +33,7 @@ from typing import Any
 
 from engine.backends.cuda.cublas import R_32F
 from engine.backends.cuda.gemm import R_8F_E4M3, R_8F_E5M2
-from engine.backends.cuda.ops import _blocks
+from engine.backends.cuda.launch import blocks
 from engine.errors import RunError
 
 GEMMS = ("fc1 fwd", "fc2 fwd", "fc2 dgrad", "fc1 dgrad", "fc2 wgrad", "fc1 wgrad")
@@ -102,7 +102,7 @@ class Fp8Mlp:
     # --- kernels -------------------------------------------------------------------------------
     def _amax(self, amax: int, x: int, n: int, f32: bool = False) -> None:
         # a block reads 8 elements a thread per turn and ends with one atomic
-        self.o._go("k_fp8_amax_f32" if f32 else "k_fp8_amax", _blocks(-(-n // 8), cap=1024),
+        self.o._go("k_fp8_amax_f32" if f32 else "k_fp8_amax", blocks(-(-n // 8), cap=1024),
                    amax, x, n)
 
     def _cast_t(self, q: int, qt: int, inv: int, x: int, amax: int, rows: int, cols: int,

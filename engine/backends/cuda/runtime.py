@@ -120,7 +120,7 @@ class Gpu:
         atexit.register(self._close)
         self.stream = drv.Stream(flags=1)  # CU_STREAM_NON_BLOCKING: capturable
         # (least, greatest) stream priority; the main stream runs at the greatest, a backend's
-        # weight-gradient stream below it (CudaBackend._set_stream_priorities)
+        # weight-gradient stream below it (CudaBuild._set_stream_priorities)
         self.stream_priorities = graphs.stream_priority_range()
         graphs.set_stream_priority(self.stream.handle, self.stream_priorities[1])
         major, minor = self.dev.compute_capability()

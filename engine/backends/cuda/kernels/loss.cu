@@ -13,7 +13,7 @@
 #define LOSS_OCTETS 5  // octets per thread kept in registers: rows of up to 40·blockDim.x columns
 // The row kernels are latency-bound (one block a row, the row loaded once, one barrier): as
 // many rows in flight as the registers allow. k_loss_fwd_bwd_lp at R = 8192, ldv = 8512 on the
-// H200 (scripts/bench_kernels.py --ops loss): 89.5 µs, against 69.0 for a copy of the same
+// H200 (dev/bench_kernels.py --ops loss): 89.5 µs, against 69.0 for a copy of the same
 // bytes; 138.8 µs before, with float4s 12 a thread and two block reductions. The float ones
 // keep 40 floats a thread, 4 blocks of 256 threads an SM (at most 64 registers, no spills).
 // Ops launches them with THREADS = 256.

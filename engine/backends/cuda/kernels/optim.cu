@@ -92,7 +92,7 @@ __device__ __forceinline__ float sum_squares(const G* g, long n, float sc) {
 // int64, each range's begin a multiple of 4), and block (x, y) sums the squares of its
 // grid-stride share of that range's groups of four (then of the tail's elements), into
 // partials[r·gridDim.x + x]. A range's partials are the same bits whether it is launched alone
-// (as the backward completes it: CudaBackend._backward) or with every other (grid.y = all
+// (as the backward completes it: Network.backward) or with every other (grid.y = all
 // ranges): the host-driven grad_norm and the one-graph step agree. gs as in
 // k_grad_norm_partial, or gs_dev[0] when gs_dev is not null (the step's staged grad_mult).
 // g_lp (may be null): the layers' weight gradients in the compute precision (the fused bf16
