@@ -87,7 +87,6 @@ FP8 = {**FUSED, "precision": "fp8"}  # train/precision "fp8": the MLP's GEMMs in
 # beside it: --variants
 VARIANTS = {"andrea no QKV rows": {"qkv_rows": False},
             "andrea cuDNN backward": {"flex_backward": False},
-            "andrea GELU apart": {"gelu_in_gemm": False},
             "andrea untimed GEMMs": {"gemm_tune": False},
             "andrea 32 GEMM candidates": {"gemm_candidates": 32},
             "andrea fp32 logits": {"logits_low_precision": False},

@@ -32,7 +32,7 @@ SWITCHES = {
     "defaults": {},
     "no QKV rows": {"qkv_rows": False},
     "cuDNN backward": {"flex_backward": False},
-    "GELU apart": {"gelu_in_gemm": False},
+    "fusions off, GELU apart": {"fusions": False, "gelu_in_gemm": False},
     "fp32 logits": {"logits_low_precision": False},
     "fp32 grads": {"grads_low_precision": False},
     "fusions off": {"fusions": False},

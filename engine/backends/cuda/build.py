@@ -199,6 +199,10 @@ class CudaBuild:
         if self.fusions:
             from engine.backends.cuda.gemm import LtGemm
 
+            if not gpu.gelu_in_gemm:
+                self.notes.append("gpu.gelu_in_gemm false applies to the unfused path: the "
+                                  "fused step places GELU per shape by the start-up timing")
+
             self.gemm = LtGemm(WORKSPACE_BYTES, self.device, gpu.gemm_candidates)
             plan_refused = self.gemm.import_plan(gemm_plan)  # "" or why it is not used
             if plan_refused:
