@@ -106,7 +106,7 @@ def tm(a: np.ndarray) -> np.ndarray:
 
 # flex vs cuDNN's deterministic backward: both accumulate in fp32 and round once to bf16, in
 # other orders, so an element differs by about an ulp of its own magnitude (measured on the
-# H200 at B8/T1024/H12, randn inputs, scripts/bench_attention.py: max |diff| dQ 1.95e-3, dK
+# H200 at B8/T1024/H12, randn inputs, dev/bench_attention.py: max |diff| dQ 1.95e-3, dK
 # 7.8e-3, dV 3.9e-3, an ulp or less of those gradients' magnitudes). Per 128-row block (a
 # kernel tile: one batch row, 128 positions, one head) the largest difference is bounded by
 # BLOCK_ULPS ulps of the block's largest |cuDNN| value; one wrong tile is off by about its whole
