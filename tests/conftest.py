@@ -132,10 +132,3 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen[str] | None =
                                  f"{proc.stdout.read() if proc.stdout else ''}")
         time.sleep(poll)
     raise AssertionError(f"no step {step} in {run_dir} after {timeout} s")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The tests marked slow first (in their order, the rest after in theirs): with several
-    workers, a run of a minute then overlaps the many short tests instead of ending the suite
-    alone."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
