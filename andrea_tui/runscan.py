@@ -111,12 +111,6 @@ def head_objects(path: Path, max_bytes: int = TAIL_BYTES) -> list[dict[str, Any]
     return objects
 
 
-def first_time(paths: RunPaths) -> float | None:
-    """When the run first started: its first start event, else its first step record (read
-    from the files' heads)."""
-    return _head(paths)[0]
-
-
 def _head(paths: RunPaths) -> tuple[float | None, rec.ReadyEvent | None]:
     """(when the run first started, its first `ready` event) from the files' heads."""
     events, _ = rec.parse_all(rec.Event, head_objects(paths.events))

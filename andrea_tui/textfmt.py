@@ -103,12 +103,6 @@ PCT_WIDTH = 6  # ' 69.0%'
 MS_WIDTH = 5  # '50.0', ' 123', '1234'
 
 
-def _blank(x: Any) -> float | None:
-    """`x` as a finite float, or None (then a dash is written)."""
-    f = as_number(x)
-    return f if f is not None and math.isfinite(f) else None
-
-
 def _special(x: Any, width: int) -> str | None:
     """The text of a value with no digits to show (None, NaN, a non-number, an infinity) in
     `width`, or None when `x` is a finite number."""

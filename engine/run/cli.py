@@ -1,4 +1,4 @@
-"""`andrea-train CONFIG.json [--run-dir DIR] [--resume] [--max-steps N] [--backend auto|numpy|cuda] [--attention auto|cudnn|classic] [--retune]`
+"""`andrea-train CONFIG.json [--run-dir DIR] [--resume] [--max-steps N] [--backend auto|numpy|cuda] [--precision P] [--attention auto|cudnn|classic] [--retune] [--gpus N]`
 
 The engine's command line: parse, validate the config, pick the run directory, hand over to
 `TrainingRun` (engine.run.loop). Bad input ends here with one line and exit status 2.

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from engine import env
 from engine.errors import UserError
 from engine.run.comm import Channel
@@ -117,10 +115,3 @@ def make_reducer(channel: Channel, on_gpu: bool, overlap: bool) -> HostReducer |
 def my_micro_batches(world_rank: int, grad_accum: int, total: int) -> range:
     """The global micro-batch indices of one rank (contiguous: rank r has r·A … r·A + A - 1)."""
     return range(world_rank * grad_accum, min(total, (world_rank + 1) * grad_accum))
-
-
-def gather_rows(channel: Channel | None, rows: np.ndarray) -> np.ndarray:
-    """Every rank's per-row losses, in global micro-batch order (rank order)."""
-    if channel is None:
-        return rows
-    return np.concatenate(channel.allgather_array(np.asarray(rows, dtype=np.float64)))
