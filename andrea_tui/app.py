@@ -71,7 +71,8 @@ class AndreaApp(App[str]):
 
     CSS_PATH = "andrea.tcss"
     TITLE = "ANDREA"
-    # Short descriptions, `?` first: at 80 columns the footer still shows help and the keys
+    # Short descriptions, `?` first after `esc` (shown only in a dashboard opened from the runs
+    # browser): at 80 columns the footer still shows help and the keys
     # that steer the engine (the help screen lists every key).
     BINDINGS: ClassVar[list[Binding]] = [
         # first, so that at 80 columns the footer cuts `i system` (its panel's line says it)

@@ -316,7 +316,8 @@ def events(st: RunState, n: int) -> Text:
     shown = [e for e in st.events if not isinstance(e, PANEL_SKIPS)]
     evs = shown[-(n - 1 if head else n):] if n > 0 else []
     if not evs and head is None:
-        return Text("no events yet", style="dim")
+        return Text("no events yet" if not st.events else
+                    "only the bandit's phases lately (v: every event)", style="dim")
     text = Text(no_wrap=True, overflow="ellipsis")
     if head is not None:
         text.append_text(head)

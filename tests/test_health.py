@@ -364,3 +364,22 @@ def test_the_events_panel_shows_mixture_moves_and_leaves_phases_to_its_panel() -
     assert lines[1].endswith("mixture moved at step 251: a 0.60 → 0.10, b 0.40 → 0.90")
     assert len(lines) == 2
     assert "phase" in panels.all_events(st).plain  # the events screen keeps every phase
+    only_phases = RunState()
+    only_phases.add_events([rec.PhaseEvent(t=1.0, step=14, phase=2, weights={"a": 1.0}).to_json()])
+    assert panels.events(only_phases, 3).plain == "only the bandit's phases lately (v: every event)"
+
+
+def test_the_mixture_reference_survives_a_checkpoint_and_ignores_what_is_not_a_weight() -> None:
+    from engine.run.mixture import MixtureWatch
+
+    w = MixtureWatch()
+    assert w.observe(1, {"a": 0.5, "b": 0.5}) is None
+    assert w.observe(2, {"a": math.nan, "b": 0.5}) is None  # a non-finite weight is no move
+    again = MixtureWatch()
+    again.load_state_dict(json.loads(json.dumps(w.state_dict())))  # through state.json
+    moved = again.observe(3, {"a": 0.7, "b": 0.3})  # 0.2 less float rounding is still 0.2
+    assert moved is not None and moved.before == {"a": 0.5, "b": 0.5}
+    fresh = MixtureWatch()
+    fresh.load_state_dict(None)  # a checkpoint from before the reference was kept
+    assert fresh.observe(4, {"a": 0.9, "b": 0.1}) is None and fresh.reference == {"a": 0.9,
+                                                                                   "b": 0.1}
