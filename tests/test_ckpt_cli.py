@@ -218,8 +218,9 @@ def test_inspect_json_shows_what_the_engine_wrote(real_run: Path, step: int, cap
     assert s["n_params"] == json.loads(out)["header"]["n_params"]
     state = json.loads((real_run / "checkpoints" / f"step_{step:08d}" / "state.json").read_text())
     assert s["wall_time"] == state["wall_time"]
-    assert set(s["other_keys"]) == {"backend", "bandit", "config", "data", "run_id", "sampler",
-                                    "schedule", "tokens", "trainer", "versions", "world_size"}
+    assert set(s["other_keys"]) == {"backend", "bandit", "config", "data", "mixture", "run_id",
+                                    "sampler", "schedule", "tokens", "trainer", "versions",
+                                    "world_size"}
 
 
 @pytest.mark.slow
