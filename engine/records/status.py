@@ -103,6 +103,9 @@ STATE_FP8_GEMMS = "fp8_gemms"
 # what the backend resolved the config's gpu section to (what ran where the GPU could not honour
 # the config): a resume that resolves otherwise says that its bits differ
 STATE_GPU_RAN = "gpu_ran"
+# the data mixture the last `mixture` event moved to (engine.run.mixture.MixtureWatch): a resumed
+# run measures the mixture's moves from it
+STATE_MIXTURE = "mixture"
 
 
 def fp8_gemms_of(state: Any) -> list[str]:

@@ -80,7 +80,7 @@ class RunCheckpoints:
             # the state before a batch drawn ahead for the next step (a resume draws it again)
             "sampler": self._sampler_state if self._drawn else self.sampler.state_dict(),
             "bandit": self.bandit.state_dict(),
-            "mixture": self.mixture.state_dict(),
+            rec.STATE_MIXTURE: self.mixture.state_dict(),
             "schedule": {"step": tr.step_count, "lr": tr.lr_at(max(tr.step_count, 1)),
                          "warmup_steps": self.cfg.optim.warmup_steps,
                          "max_steps": self.cfg.train.max_steps},

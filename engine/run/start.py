@@ -182,7 +182,7 @@ class RunStartup:
             self.trainer.load_state(resume.params, resume.m, resume.v, st["trainer"])
             self.sampler.load_state_dict(st["sampler"])
             self.bandit.load_state_dict(st["bandit"])
-            self.mixture.load_state_dict(st.get("mixture"))
+            self.mixture.load_state_dict(st.get(rec.STATE_MIXTURE))
         # Host buffers for checkpoint copies, allocated once: the loop stalls only to fill
         # them. On a resume the checkpoint's arrays, read already and copied into the
         # trainer now, are those buffers (no second 12 bytes a parameter).
