@@ -435,15 +435,11 @@ def test_a_refresh_keeps_the_table_where_it_is_scrolled(runs_root: Path) -> None
 def test_escape_leaves_a_dashboard_opened_from_the_browser_and_the_engine_trains_on(
         tmp_path: Path) -> None:
     from andrea_tui.app import AndreaApp
-    from andrea_tui.launcher import launch
+    from tests.test_tui_app import start_fake_engine
 
     live = tmp_path / "live"
-    proc = launch([sys.executable, "-m", "tests.fakerun", str(live), "--rate", "20"], live)
+    proc = start_fake_engine(live)
     try:
-        deadline = time.monotonic() + 20
-        while not engine_alive(live)[0]:
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
 
         async def go(from_browser: bool) -> AndreaApp:
             app = AndreaApp(live, control_interval=3600, from_browser=from_browser)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -31,17 +30,13 @@ def keep(name: str, text: str) -> None:
 
 def test_escape_goes_back_from_a_dashboard_to_the_runs_browser(session: str,  # noqa: F811
                                                                 tmp_path: Path) -> None:
-    from andrea_tui.launcher import launch
+    from tests.test_tui_app import start_fake_engine
 
     root = tmp_path / "runs"
     write_run(root / "older", 300, t0=1_700_000_000.0)
     live = root / "live"
-    engine = launch([sys.executable, "-m", "tests.fakerun", str(live), "--rate", "10"], live)
+    engine = start_fake_engine(live, rate=10)
     try:
-        deadline = time.monotonic() + 20
-        while not engine_alive(live)[0]:
-            assert engine.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
         start_tmux(session, f"{sys.executable} -m andrea_tui.cli runs {root}")
         tmux("resize-window", "-t", session, "-x", "80", "-y", "24")
         wait_for(lambda: "2 runs under" in screen(session) and "live" in screen(session),
