@@ -161,7 +161,10 @@ class AndreaApp(App[str]):
         yield Footer()
 
     def on_resize(self, event: events.Resize) -> None:
-        self.view.fit(*event.size)  # the event's size: self.size may still be the old one
+        # The event's size: self.size may still be the old one. A header or a panel laid out
+        # for the other width is drawn again in the same refresh as the new layout.
+        if self.view.fit(*event.size):
+            self.pacer.draw_now()
         self.call_after_refresh(self.view.redraw_charts)  # columns for the new width
 
     def on_mount(self) -> None:

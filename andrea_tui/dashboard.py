@@ -88,12 +88,12 @@ class DashboardView:
         for wid, title in TITLES:
             self.widget(wid, Widget).border_title = title
 
-    def fit(self, width: int, height: int) -> None:
+    def fit(self, width: int, height: int) -> bool:
         """On a small terminal the bottom rows would squeeze the charts to ~2 rows and push
         the side panels out: the events, engine.log, sample and system panels collapse into
         a one-line summary each, naming the key that opens them (andrea.tcss `.compact`);
         under NARROW_BELOW columns the header keeps what matters most and the footer its
-        keys (`.narrow`)."""
+        keys (`.narrow`). True when either changed: the text panels are then due at once."""
         compact = width < COMPACT_BELOW[0] or height < COMPACT_BELOW[1]
         narrow = width < NARROW_BELOW
         self.screen.set_class(compact, "compact")
@@ -105,6 +105,8 @@ class DashboardView:
             for f in footer:
                 f.compact = narrow
                 f.show_command_palette = not narrow
+            return True
+        return False
 
     # ------------------------------------------------------------ text panels
 

@@ -368,3 +368,26 @@ def test_losses_beyond_a_floats_span_give_axes_not_a_crash() -> None:
     assert ticks.linear_ticks(-1e308, 1e308) == []
     vals, labels = chartparts.y_ticks(ticks.YRange(300.0, 320.0), log=True, height=20)
     assert len(vals) == len(labels)
+
+
+def test_a_resize_lays_the_header_and_panels_out_for_the_new_width_at_once(
+        tmp_path: Path) -> None:
+    """The header and the data-mixture panel follow a resize in the same frame as the layout,
+    not at the next control tick (here an hour away)."""
+    paths = with_warning(tmp_path)
+
+    async def go() -> None:
+        async with finished_run_app(paths.root, (80, 24)) as (app, pilot):
+            await pilot.pause(0.3)
+            assert "numpy/cpu" not in screen_text(app).splitlines()[0]  # the narrow header
+            await pilot.resize_terminal(120, 40)
+            await pilot.pause(0.3)
+            text = screen_text(app)
+            head = " ".join(text.splitlines()[:2])
+            assert "numpy/cpu" in head and "tokens 384k" in head and "elapsed" in head, head
+            assert "python-reference" in text  # the bandit panel's wide names
+            await pilot.resize_terminal(80, 24)
+            await pilot.pause(0.3)
+            assert "numpy/cpu" not in screen_text(app).splitlines()[0]
+
+    run(go())

@@ -63,20 +63,22 @@ def normalise(text: str, run_dir: Path) -> str:
     return "\n".join(line.rstrip() for line in text.splitlines()).rstrip("\n") + "\n"
 
 
-def settled(session: str, size: tuple[int, int], timeout: float = 30.0) -> str:
-    """The pane's text once the app has laid itself out at `size` and two captures 0.5 s
-    apart are the same."""
+def settled(session: str, size: tuple[int, int], timeout: float = 30.0,
+            still_for: float = 1.5) -> str:
+    """The pane's text once the app has laid itself out at `size` and captures 0.25 s apart
+    have stayed the same for `still_for` seconds (longer than the app's 1 s control tick)."""
     deadline = time.monotonic() + timeout
-    last = ""
+    last, since = "", time.monotonic()
     while time.monotonic() < deadline:
         text = tmux("capture-pane", "-p", "-t", session)
         lines = text.splitlines()
         ready = ("step 1,500/2,000" in text and "grad norm" in text and lines
                  and max(map(len, lines)) >= size[0] - 1 and len(lines) <= size[1])
-        if ready and text == last:
+        if not ready or text != last:
+            last, since = (text if ready else ""), time.monotonic()
+        elif time.monotonic() - since >= still_for:
             return text
-        last = text if ready else ""
-        time.sleep(0.5)
+        time.sleep(0.25)
     raise AssertionError(f"the screen did not settle at {size}:\n{last or text}")
 
 
