@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from engine.config import ConfigError, load_config, parse_config
+from engine.model.layout import n_params
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "experiments" / "ANDREA-tiny-TRAIN.json"
@@ -35,7 +37,7 @@ def bad(tmp_path: Path, obj: dict | str) -> str:
     return msg
 
 
-@pytest.mark.parametrize("name", ["tiny", "12M", "120M"])
+@pytest.mark.parametrize("name", ["tiny", "12M", "120M", "312M", "1.2B"])
 def test_shipped_configs_load(name: str) -> None:
     cfg = load_config(ROOT / "experiments" / f"ANDREA-{name}-TRAIN.json")
     assert cfg.model.vocab_size == 8449
@@ -46,15 +48,19 @@ def test_shipped_configs_load(name: str) -> None:
     assert parse_config(cfg.to_json(), "again", ROOT) == cfg
 
 
-def test_seed_sources_template() -> None:
+@pytest.mark.parametrize("name", ["120M", "312M", "1.2B"])
+def test_seed_sources_template(name: str) -> None:
     """A template for a user who has the seed's data: valid but for its paths, which do not exist
     here (data/ is not in the repository), and a missing path is one clear line."""
-    path = ROOT / "experiments" / "ANDREA-120M-SEED-SOURCES.json"
+    path = ROOT / "experiments" / f"ANDREA-{name}-SEED-SOURCES.json"
     raw = json.loads(path.read_text())
     cfg = parse_config(raw, str(path), path.parent, check_paths=False)
     assert [(s.name, s.format) for s in cfg.data.sources] == [
         ("repo-docs", "docs"), ("gutenberg", "gutenberg"), ("hermes3-general", "jsonl")]
-    assert cfg.model == load_config(ROOT / "experiments" / "ANDREA-120M-TRAIN.json").model
+    train = load_config(ROOT / "experiments" / f"ANDREA-{name}-TRAIN.json")
+    assert (cfg.model, cfg.train.batch_size, cfg.train.grad_accum, cfg.optim, cfg.checkpoint) \
+        == (train.model, train.train.batch_size, train.train.grad_accum, train.optim,
+            train.checkpoint)
     assert cfg.train.max_steps * cfg.tokens_per_step > 1.6e9  # the seed's 1.6 B tokens
     missing = [s.paths[0] for s in cfg.data.sources if not (path.parent / s.paths[0]).exists()]
     if not missing:
@@ -64,6 +70,31 @@ def test_seed_sources_template() -> None:
         load_config(path)
     assert str(e.value).startswith(f"{path}: data.sources[")
     assert "matches no file (looked for " in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name, shape, lr", [
+    ("312M", (24, 1024, 16, 4096), 3e-4), ("1.2B", (24, 2048, 32, 8192), 2e-4)])
+def test_larger_configs_say_what_they_are_and_what_they_need(name: str, shape, lr) -> None:
+    """The larger configs: GPT-2-medium shapes and a d-2048 one, named by their parameter
+    count, whose descriptions state the parameters, the tokens a step and a checkpoint's size
+    truly; the bf16 plan fits an 80 GB GPU with room for cuDNN and cuBLAS."""
+    from engine.backends.cuda.buffers import plan_memory
+
+    cfg = load_config(ROOT / "experiments" / f"ANDREA-{name}-TRAIN.json")
+    m, n = cfg.model, n_params(cfg.model)
+    assert (m.n_layer, m.d_model, m.n_head, m.d_ff) == shape and cfg.optim.lr == lr
+    unit, scale = (1e9, "B") if n >= 1e9 else (1e6, "M")
+    assert cfg.name == f"ANDREA-{n / unit:.{1 if scale == 'B' else 0}f}{scale}"
+    desc = cfg.description
+    assert f"{n:,} parameters" in desc
+    assert f"{cfg.tokens_per_step:,} tokens a step" in desc
+    assert f"about {n * 12 / 1e9:.1f} GB" in desc  # fp32 weights, m and v
+    assert f"keep {cfg.checkpoint.keep} periodic" in desc
+    plan, _, _ = plan_memory(m, cfg.train.batch_size, "bf16", attention="cudnn", fused=True,
+                             qkv_rows=True, logits_lp=True, grads_lp=True)
+    said = re.search(r"memory plan about (\d+) GiB", desc)
+    assert said and abs(int(said[1]) - plan.totals()["total"] / 2**30) < 1, plan.totals()
+    assert plan.totals()["total"] < 60 * 2**30  # room on an 80 GB GPU for cuDNN and cuBLAS
 
 
 def test_120m_recipe() -> None:
