@@ -408,3 +408,22 @@ def test_full_disk_reports_error_and_keeps_earlier(tmp_path: Path) -> None:
     assert os.listdir(tmp_path) == ["step_00000001"]  # no temp dir, no half checkpoint
     [entry] = list_checkpoints(tmp_path)
     assert entry.valid and entry.step == 1
+
+
+def test_checkpoint_room_counts_keep_and_the_one_being_written(tmp_path: Path) -> None:
+    """checkpoint.keep periodic checkpoints and the one being written, less those already
+    there, against the file system's free space (a 1.2B model's checkpoint is ~14.7 GB)."""
+    from engine.run.checkpoint_write import checkpoint_room, free_bytes, model_file_bytes
+
+    n = 1_227_560_960
+    assert model_file_bytes(n) == 8 + 12 * n
+    room = checkpoint_room(tmp_path / "checkpoints", n, keep=2, existing=0)
+    assert room.peak == 3 * room.each and room.more == room.peak
+    assert room.each >= model_file_bytes(n)
+    assert room.free == free_bytes(tmp_path) and room.free is not None
+    assert room.short == (room.more > room.free)
+    there = checkpoint_room(tmp_path / "checkpoints", n, keep=2, existing=2)
+    assert there.more == there.each and there.peak == room.peak
+    assert checkpoint_room(tmp_path, 10, keep=1, existing=5).more == 0
+    assert not checkpoint_room(tmp_path, 10, keep=1, existing=0).short
+    assert checkpoint_room(tmp_path / "no" / "such" / "dir", 10, keep=1, existing=0).free is None

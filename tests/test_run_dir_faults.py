@@ -309,6 +309,10 @@ def test_a_full_disk_stops_the_run_at_the_failed_checkpoint(tmp_path: Path,
     for name in ("events.jsonl", "loss.jsonl", "state.json", "engine.log"):
         (run / name).write_text((run / name).read_text().replace(str(disk / "run"), str(run)))
     r.stderr = r.stderr.replace(str(disk / "run"), str(run))
+    # said at start: keep's checkpoints and the one being written do not fit in 12 MiB
+    log = (run / "engine.log").read_text()
+    assert "warning: checkpoints need" in log and "the run stops at the first checkpoint" \
+        in log, log[:2000]
     assert_stopped_at_the_failed_checkpoint(r, run, "No space left on device")
     resume_continues_from_step_10(cfg, run)
 

@@ -214,22 +214,62 @@ def check_room(ckpt_root: Path, step: int, reason: str, n_params: int) -> None:
     (`ulimit -f`), or larger than the free space of the file system. Anything else that fails
     (or a disk filled meanwhile) is reported by the write itself."""
     root = Path(ckpt_root)
-    size = HEADER.size + 12 * n_params
+    size = model_file_bytes(n_params)
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
     if limit != resource.RLIM_INFINITY and size > limit:
         why = (f"{os.strerror(errno.EFBIG)} [EFBIG]: {MODEL_FILE} is {size:,} bytes, above the "
                f"file-size limit (ulimit -f) of {limit:,}")
     else:
-        try:
-            st = os.statvfs(root if root.is_dir() else root.parent)
-        except OSError:
+        free = free_bytes(root)
+        if free is None or size + ROOM_MARGIN_BYTES <= free:
             return
-        free = (st.f_bfree if os.geteuid() == 0 else st.f_bavail) * st.f_frsize
-        if st.f_blocks == 0 or size + ROOM_MARGIN_BYTES <= free:
-            return  # (a file system that reports no blocks says nothing of its room)
         why = (f"{os.strerror(errno.ENOSPC)} [ENOSPC]: {MODEL_FILE} needs {size:,} bytes, the "
                f"file system has {free:,} free")
     raise CheckpointWriteError(f"{root}: checkpoint step {step} ({reason}) not written: {why}")
+
+
+def model_file_bytes(n_params: int) -> int:
+    """The size of a checkpoint's model.ckpt: its header, then fp32 weights, Adam's m and v."""
+    return HEADER.size + 12 * n_params
+
+
+def free_bytes(path: Path) -> int | None:
+    """Bytes this process may still write on the file system of `path` (or of its parent, when
+    it does not exist yet); None when that is unknown (no such file system, or one that reports
+    no blocks)."""
+    try:
+        st = os.statvfs(path if path.is_dir() else path.parent)
+    except OSError:
+        return None
+    if st.f_blocks == 0:
+        return None
+    return (st.f_bfree if os.geteuid() == 0 else st.f_bavail) * st.f_frsize
+
+
+@dataclass(frozen=True)
+class Room:
+    """The disk the periodic checkpoints of `checkpoint.keep` need, against the free space: one
+    model.ckpt is `each` bytes; `peak` is keep of them and the one being written (the oldest
+    goes once the new one is complete); `more` is what that adds to the `existing` periodic
+    checkpoints already there; `free` None when the file system does not say."""
+
+    each: int
+    keep: int
+    existing: int
+    peak: int
+    more: int
+    free: int | None
+
+    @property
+    def short(self) -> bool:
+        return self.free is not None and self.more > self.free
+
+
+def checkpoint_room(ckpt_root: Path, n_params: int, keep: int, existing: int) -> Room:
+    each = model_file_bytes(n_params) + ROOM_MARGIN_BYTES
+    root = Path(ckpt_root)
+    return Room(each, keep, existing, (keep + 1) * each, max(0, keep + 1 - existing) * each,
+                free_bytes(root))
 
 
 def cleanup_tmp(ckpt_root: Path) -> list[Path]:

@@ -199,6 +199,8 @@ class RunStartup:
         plan["host_checkpoint_copy"] = 3 * 4 * n
         self.out.log(f"model {cfg.name}: {n:,} parameters; backend {be.name} on {be.device}")
         self.out.log("memory plan: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in plan.items()))
+        if self.world.main:
+            self._log_checkpoint_room()
         self.out.set_status(status=Status.RUNNING, step=self.trainer.step_count,
                             device=be.device, health=rec.Health.HEALTHY, health_reason="")
         self.out.event(rec.ReadyEvent(memory_plan=plan, n_params=n, backend=be.name,
@@ -208,6 +210,29 @@ class RunStartup:
                                       world_size=self.world.size, attention=attention,
                                       topology=topology, precision=cfg.train.precision,
                                       fp8_gemms=list(be.fp8_gemms)))
+
+    def _log_checkpoint_room(self) -> None:
+        """The disk the periodic checkpoints need, in the log at start (a 1.2B model's
+        model.ckpt is about 15 GB), with a warning when the file system has less free: a
+        checkpoint that cannot be written stops the run at its step."""
+        from engine.run.checkpoint_store import list_checkpoints
+        from engine.run.checkpoint_write import checkpoint_room
+
+        existing = sum(e.reason == "periodic" for e in list_checkpoints(self.ckpt_root,
+                                                                        check_hash=False))
+        room = checkpoint_room(self.ckpt_root, self.trainer.n_params, self.cfg.checkpoint.keep,
+                               existing)
+        free = "unknown free space" if room.free is None else f"{format_bytes(room.free)} free"
+        self.out.log(f"checkpoints: {format_bytes(room.each)} each; checkpoint.keep {room.keep}:"
+                     f" up to {format_bytes(room.peak)} of periodic ones while the next is "
+                     f"written (snapshots and stop checkpoints besides); {free} at "
+                     f"{self.ckpt_root}")
+        if room.short:
+            self.out.log(f"warning: checkpoints need {format_bytes(room.more)} more than the "
+                         f"{existing} periodic one(s) there, and the file system has "
+                         f"{format_bytes(room.free or 0)} free: the run stops at the first "
+                         f"checkpoint that does not fit. Free space, lower checkpoint.keep, or "
+                         f"give --run-dir on a larger disk.")
 
     def _build_trainer(self, choice: BackendChoice, resume: Any) -> Any:
         """The trainer on the chosen backend. A data-parallel job on GPUs computes with one set
