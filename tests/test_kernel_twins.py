@@ -1,9 +1,9 @@
 """Every CUDA kernel names its numpy twin and quotes it truly (kernels/common.cuh states the rule).
 
 The comment right above each `k_` kernel opens with `// numpy twin: ops.NAME` (or `model.NAME`,
-engine/backends/numpy/) followed by the numpy lines it implements, each marked `// >`, and each
-quote must be found in that function's source; or it opens with `// numpy twin: none — ` and
-says what the kernel is for. No GPU and no nvcc needed."""
+engine/backends/numpy/; or `fp8.NAME`, the FP8 recipe in engine/model/fp8.py) followed by the
+numpy lines it implements, each marked `// >`, and each quote must be found in that function's
+source; or it opens with `// numpy twin: none — ` and says what the kernel is for. No GPU and no nvcc needed."""
 
 from __future__ import annotations
 
@@ -16,11 +16,12 @@ import pytest
 from engine.backends.cuda import KERNEL_DIR
 from engine.backends.numpy import model as np_model
 from engine.backends.numpy import ops as np_ops
+from engine.model import fp8 as fp8_recipe
 
 KERNEL = re.compile(r'^extern "C" __global__ void (?:[A-Z_]+ )?(k_\w+)\(')
-TWIN = re.compile(r"^// numpy twin: (?:none — (?P<why>\S.*)|(?P<ref>(?:ops|model)\.[\w.]+)\b.*)$")
+TWIN = re.compile(r"^// numpy twin: (?:none — (?P<why>\S.*)|(?P<ref>(?:ops|model|fp8)\.[\w.]+)\b.*)$")
 QUOTE = re.compile(r"^// >\s+(?P<code>\S.*)$")
-MODULES = {"ops": np_ops, "model": np_model}
+MODULES = {"ops": np_ops, "model": np_model, "fp8": fp8_recipe}
 
 
 @dataclass

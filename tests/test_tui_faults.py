@@ -375,8 +375,14 @@ def test_a_run_resumed_with_more_steps_reads_whole(tmp_path: Path, write_config)
 # ---------------------------------------------------------------- a refused start
 
 
-def tui(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OPENBLAS_NUM_THREADS": "1"}
+# a host the model does not fit: the engine refuses it after it said who it was (engine.json),
+# with its figures on one line (engine.run.memcheck), exit 2
+TOO_SMALL = {"ANDREA_TEST_MEM_AVAILABLE": "1000000"}
+
+
+def tui(*args: str, cwd: Path | None = None, timeout: float = 120,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OPENBLAS_NUM_THREADS": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "andrea_tui.cli", *args], capture_output=True,
                           text=True, timeout=timeout, env=env, cwd=cwd,
                           stdin=subprocess.DEVNULL)
@@ -388,14 +394,15 @@ def tree(root: Path) -> dict[str, bytes]:
 
 
 def test_a_refused_start_leaves_no_run_directory(tmp_path: Path, write_config) -> None:
-    """`andrea-tui CFG --run-dir NEW --precision fp8` on a CPU: refused by the engine after it
-    said who it was (the dashboard had opened), and before that (`--backend cuda` with no
-    GPU here, refused while the dashboard waits): NEW, and the parent the TUI made for it,
-    are gone, as andrea-train leaves them."""
+    """`andrea-tui CFG --run-dir NEW` on a host the model does not fit: refused by the engine
+    after it said who it was (the dashboard had opened), and before that (`--backend cuda`
+    with no GPU here, refused while the dashboard waits): NEW, and the parent the TUI made for
+    it, are gone, as andrea-train leaves them."""
     cfg = write_config(micro_config_dict())
     new = tmp_path / "parent" / "new"
-    r = tui(str(cfg), "--run-dir", str(new), "--precision", "fp8", "--backend", "numpy")
-    assert r.returncode == 2 and "fp8" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = tui(str(cfg), "--run-dir", str(new), "--backend", "numpy", env=TOO_SMALL)
+    assert r.returncode == 2 and "host memory" in r.stderr and "Traceback" not in r.stderr, \
+        r.stderr
     assert not new.exists() and not new.parent.exists(), sorted(os.listdir(new))
     r = tui(str(cfg), "--run-dir", str(new), "--backend", "cuda")
     if r.returncode == 2:  # no GPU (or no pycuda) here: the engine refuses the backend
@@ -410,8 +417,8 @@ def test_a_refused_start_keeps_every_byte_of_a_run_directory_that_was_there(
     (old / "engine.log").write_bytes(b"12:00:00 an earlier engine's last words\n")
     (old / "notes.txt").write_text("mine")
     before = tree(old)
-    r = tui(str(cfg), "--run-dir", str(old), "--precision", "fp8", "--backend", "numpy")
-    assert r.returncode == 2 and "fp8" in r.stderr, r.stderr
+    r = tui(str(cfg), "--run-dir", str(old), "--backend", "numpy", env=TOO_SMALL)
+    assert r.returncode == 2 and "host memory" in r.stderr, r.stderr
     after = tree(old)
     after.pop("engine.lock", None)  # the engine's lock file, left as andrea-train leaves it
     assert after == before
@@ -452,16 +459,18 @@ def test_start_engine_hands_a_piped_config_to_the_engine(tmp_path: Path, write_c
 def test_the_real_command_reads_a_config_from_process_substitution(
         tmp_path: Path, write_config) -> None:
     """bash's `<(cat cfg.json)`, the real command: the engine reads the config (here to refuse
-    fp8 on a CPU, its own answer, not `no such file`), and leaves no run directory."""
+    a model the host cannot hold, its own answer naming the model, not `no such file`), and
+    leaves no run directory."""
     cfg = write_config(micro_config_dict())
     new = tmp_path / "new"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OPENBLAS_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OPENBLAS_NUM_THREADS": "1", **TOO_SMALL}
     r = subprocess.run(["bash", "-c", f'"{sys.executable}" -m andrea_tui.cli <(cat "{cfg}") '
-                        f'--run-dir "{new}" --precision fp8 --backend numpy'],
+                        f'--run-dir "{new}" --backend numpy'],
                        capture_output=True, text=True, timeout=120, env=env,
                        stdin=subprocess.DEVNULL)
     assert r.returncode == 2 and "no such file" not in r.stderr, r.stderr
-    assert "fp8" in r.stderr and not new.exists(), r.stderr
+    assert "ANDREA-micro" in r.stderr and "host memory" in r.stderr and not new.exists(), \
+        r.stderr
 
 
 # ---------------------------------------------------------------- news of this session only

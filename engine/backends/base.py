@@ -20,6 +20,7 @@ from typing import Any, ClassVar, NamedTuple, Protocol, runtime_checkable
 import numpy as np
 
 from engine.config import GpuConfig
+from engine.model.fp8 import AmaxHistory
 from engine.model.layout import ModelShapes
 
 
@@ -120,6 +121,15 @@ class Backend(Protocol):
     def copy_state_into(self, params: np.ndarray, m: np.ndarray, v: np.ndarray) -> None:
         """Copy weights, Adam m and v into caller-owned flat float32 host arrays: the one copy a
         checkpoint costs the training loop (no temporary host arrays)."""
+
+    def fp8_history(self) -> AmaxHistory | None:
+        """The amax history of the delayed FP8 scales as it stands after the last training pass
+        (engine.model.fp8), for a checkpoint; None where no FP8 GEMM runs."""
+
+    def load_fp8_history(self, history: AmaxHistory | None) -> None:
+        """Go on from a checkpoint's amax history; None starts it afresh (each tensor scaled by
+        its own amax until it has one). ValueError when it does not fit this model. Nothing
+        where no FP8 GEMM runs."""
 
     def zero_grads(self) -> None:
         """grads = 0."""

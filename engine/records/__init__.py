@@ -70,6 +70,7 @@ from engine.records.sequence import (
 from engine.records.status import (
     LIVE_STATUSES,
     STATE_FP8_GEMMS,
+    STATE_FP8_HISTORY,
     STATE_GPU_RAN,
     STATE_MIXTURE,
     CheckpointRef,
@@ -87,6 +88,7 @@ __all__ = [
     "MIXTURE_SHIFT",
     "SEQUENCE_CONFIRM",
     "STATE_FP8_GEMMS",
+    "STATE_FP8_HISTORY",
     "STATE_GPU_RAN",
     "STATE_MIXTURE",
     "STEP_GAP_MAX",

@@ -106,6 +106,9 @@ STATE_GPU_RAN = "gpu_ran"
 # the data mixture the last `mixture` event moved to (engine.run.mixture.MixtureWatch): a resumed
 # run measures the mixture's moves from it
 STATE_MIXTURE = "mixture"
+# train/precision "fp8": the amax history of the delayed FP8 scales (engine.model.fp8.AmaxHistory
+# .to_json), so that a resumed run scales as the run would have gone on
+STATE_FP8_HISTORY = "fp8_amax_history"
 
 
 def fp8_gemms_of(state: Any) -> list[str]:

@@ -92,6 +92,9 @@ class RunCheckpoints:
             # train/precision "fp8": the GEMMs that ran in FP8 (only then: the key says so)
             **({rec.STATE_FP8_GEMMS: list(tr.backend.fp8_gemms)} if tr.backend.fp8_gemms
                else {}),
+            # train/precision "fp8": the delayed scales' amax history (a resume goes on from it)
+            **({rec.STATE_FP8_HISTORY: h.to_json()}
+               if (h := tr.backend.fp8_history()) is not None else {}),
             # what the GPU ran of the gpu section (a resume compares: gpu_differences)
             **({rec.STATE_GPU_RAN: dict(tr.backend.resolved)} if tr.backend.resolved else {}),
         }

@@ -183,6 +183,7 @@ class RunStartup:
             self.sampler.load_state_dict(st["sampler"])
             self.bandit.load_state_dict(st["bandit"])
             self.mixture.load_state_dict(st.get(rec.STATE_MIXTURE))
+        self._load_fp8_history(resume)
         # Host buffers for checkpoint copies, allocated once: the loop stalls only to fill
         # them. On a resume the checkpoint's arrays, read already and copied into the
         # trainer now, are those buffers (no second 12 bytes a parameter).
@@ -191,6 +192,29 @@ class RunStartup:
             and a.flags.writeable for a in (resume.params, resume.m, resume.v))
         self.snap = ({"params": resume.params, "m": resume.m, "v": resume.v} if own else
                      {k: np.empty(n, dtype=np.float32) for k in ("params", "m", "v")})
+
+    def _load_fp8_history(self, resume: Checkpoint | None) -> None:
+        """train/precision fp8 on a resume: the delayed FP8 scales go on from the checkpoint's
+        amax history. A checkpoint without one (written in another precision, or by an engine
+        without delayed scaling), or with one that does not fit, starts the history afresh, and
+        the log says so: the first steps then scale differently than the run would have."""
+        from engine.model.fp8 import AmaxHistory
+
+        be = self.trainer.backend
+        if resume is None or be.fp8_history() is None:
+            return
+        raw = resume.state.get(rec.STATE_FP8_HISTORY)
+        why = "the checkpoint has none (written in another precision or by an older engine)"
+        if raw is not None:
+            try:
+                be.load_fp8_history(AmaxHistory.from_json(raw, self.cfg.model.n_layer))
+                return
+            except ValueError as e:
+                why = f"the checkpoint's does not fit: {e}"
+        be.load_fp8_history(None)
+        self.out.log(f"resume: FP8 amax history starts afresh: {why}; until each tensor has "
+                     f"one, it is scaled by its own amax, so these steps' bits differ from "
+                     f"the run's had it gone on")
 
     def _announce_ready(self, topology: dict[str, Any], attention: str) -> None:
         """The model and its memory plan in the log, the status running, the ready event."""

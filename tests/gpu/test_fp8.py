@@ -13,6 +13,7 @@ import pytest
 from cudabk import cuda_backend
 from devarrays import DevArrays, rounded
 
+from engine.model.fp8 import DELAYED, E4M3, E5M2, HISTORY, AmaxHistory, round_fp8, scale_for
 from engine.model.layout import ModelShapes, init_params
 from tests.conftest import loss_records, micro_config_dict, run_engine, start_engine, wait_for_step
 
@@ -56,18 +57,28 @@ def decode_fp8(q: np.ndarray, e5m2: int) -> np.ndarray:
     return sign * np.where(exp == 0, sub, normal)
 
 
+def amax_pass(o, dev, word: int, x_dev: int, n: int) -> None:
+    """k_fp8_amax_delayed over a tensor with no history: its amax into `word`."""
+    o._go("k_fp8_amax_delayed", 64, word, x_dev, n, dev.put(np.zeros(HISTORY), "f32"), HISTORY)
+
+
 def fp8_copy(o, dev, x_dev: int, rows: int, cols: int, fmt: int,
-             kernel: str = "k_fp8_cast_t") -> tuple[int, int, int]:
-    """(q [rows, cols], qt [cols, rows], inv) of a bf16 device matrix, by the engine's kernels
-    (k_fp8_cast_t: 32 x 32 tiles of bytes; k_fp8_cast_t64: 64 x 64 tiles, 16-byte accesses)."""
+             kernel: str = "k_fp8_cast_t", hist: np.ndarray | None = None
+             ) -> tuple[int, int, int, int]:
+    """(q [rows, cols], qt [cols, rows], inv, amax word) of a bf16 device matrix, by the
+    engine's kernels (k_fp8_cast_t: 32 x 32 tiles of bytes; k_fp8_cast_t64: 64 x 64 tiles,
+    16-byte accesses): scaled by its own amax (the amax pass first), or, given `hist`, by that
+    history's largest (the cast then takes the amax as it goes)."""
     amax = dev.put(np.zeros(1), "i32")
     inv = dev.empty((1,), "f32")
     q, qt = (dev.empty((rows * cols // 4 + 4,), "f32") for _ in range(2))  # bytes
-    o._go("k_fp8_amax", 64, amax, x_dev, rows * cols)
+    if hist is None:
+        amax_pass(o, dev, amax, x_dev, rows * cols)
     tile = 64 if kernel.endswith("64") else 32
     grid = (-(-cols // tile), -(-rows // tile))
-    o._go(kernel, grid, q, qt, inv, x_dev, amax, rows, cols, fmt)
-    return q, qt, inv
+    h = dev.put(hist.astype(np.float32), "f32") if hist is not None else 0
+    o._go(kernel, grid, q, qt, inv, x_dev, amax, h, HISTORY, rows, cols, fmt)
+    return q, qt, inv, amax
 
 
 def host_bytes(gpu, ptr: int, n: int) -> np.ndarray:
@@ -93,7 +104,7 @@ def test_fp8_copies_and_gemms_against_fp32(lt, rng) -> None:
     want = a.astype(np.float64) @ b.astype(np.float64).T
     a_dev, b_dev = dev.put(a), dev.put(b)
     for fmt, tol in ((0, 2.0**-4), (1, 2.0**-3)):
-        q, qt, inv = fp8_copy(o, dev, a_dev, M, K, fmt)
+        q, qt, inv, _ = fp8_copy(o, dev, a_dev, M, K, fmt)
         gpu.stream.synchronize()
         qb = np.empty(M * K, np.uint8)
         qtb = np.empty(M * K, np.uint8)
@@ -106,7 +117,7 @@ def test_fp8_copies_and_gemms_against_fp32(lt, rng) -> None:
         big = np.abs(a) * s >= 2.0 ** (-6 if fmt == 0 else -14)  # normal FP8 numbers
         assert np.all(np.abs(back - a)[big] <= tol * np.abs(a)[big])
         # the 64 x 64 vector kernel: the same bytes
-        q64, qt64, _ = fp8_copy(o, dev, a_dev, M, K, fmt, "k_fp8_cast_t64")
+        q64, qt64, _, _ = fp8_copy(o, dev, a_dev, M, K, fmt, "k_fp8_cast_t64")
         assert np.array_equal(host_bytes(gpu, q64, M * K), qb)
         assert np.array_equal(host_bytes(gpu, qt64, M * K), qtb)
         # the weights' kernels (float32 masters): 64 x 64 tiles and 32 x 32 tiles agree
@@ -116,8 +127,8 @@ def test_fp8_copies_and_gemms_against_fp32(lt, rng) -> None:
         got = []
         for name, tile in (("k_fp8_cast_t_f32", 32), ("k_fp8_cast_t64_f32", 64)):
             wq, wqt = (dev.empty((M * K // 4 + 4,), "f32") for _ in range(2))
-            o._go(name, (K // tile, M // tile), wq, wqt, dev.empty((1,), "f32"), w, wamax, M,
-                  K, fmt)
+            o._go(name, (K // tile, M // tile), wq, wqt, dev.empty((1,), "f32"), w, wamax, 0,
+                  HISTORY, M, K, fmt)
             got.append((host_bytes(gpu, wq, M * K), host_bytes(gpu, wqt, M * K)))
         assert all(np.array_equal(x, y) for x, y in zip(*got, strict=True))
         assert np.array_equal(got[0][0], qb)  # bf16-exact values: the same bytes as from bf16
@@ -125,8 +136,8 @@ def test_fp8_copies_and_gemms_against_fp32(lt, rng) -> None:
                ((R_8F_E5M2, R_8F_E4M3), 1, 0, "bf16", False, 1e-1),
                ((R_8F_E4M3, R_8F_E5M2), 0, 1, "fp32", False, 1e-1)]
     for (ta, tb), fa, fb, out_kind, fast, bound in layouts:
-        qa, _, ia = fp8_copy(o, dev, a_dev, M, K, fa)
-        qb_, _, ib = fp8_copy(o, dev, b_dev, N, K, fb)
+        qa, _, ia, _ = fp8_copy(o, dev, a_dev, M, K, fa)
+        qb_, _, ib, _ = fp8_copy(o, dev, b_dev, N, K, fb)
         out = dev.empty((M, N), "f32" if out_kind == "fp32" else "act")
         o._mm(out, qa, qb_, M, N, K, tb=True, scales=(ia, ib), fast_accum=fast,
               types=(ta, tb, R_32F if out_kind == "fp32" else o.act))
@@ -200,7 +211,10 @@ def test_sigterm_resume_in_fp8_is_bit_exact(tmp_path: Path, prepared_data: Path)
     state = json.loads((run / "state.json").read_text())
     assert state["status"] == "stopped"
     ck = Path(state["last_checkpoint"]["path"])
-    assert json.loads((ck / "state.json").read_text())["fp8_gemms"], "no FP8 GEMM recorded"
+    ck_state = json.loads((ck / "state.json").read_text())
+    assert ck_state["fp8_gemms"], "no FP8 GEMM recorded"
+    hist = AmaxHistory.from_json(ck_state["fp8_amax_history"], SHAPES.n_layer)
+    assert hist.next == ck_state["trainer"]["step"] % HISTORY and (hist.amax > 0).any()
     plan = (run / "gemm_plan.json").read_text()
     r = run_engine(cfg, run, "--resume", "--backend", "cuda")
     assert r.returncode == 0, r.stdout + r.stderr
@@ -245,7 +259,7 @@ def test_a_checkpoint_moves_between_fp8_and_bf16(first: str, then: str, tmp_path
 
 
 def test_the_gelu_kernels_amax_is_the_amax_pass(lt, rng) -> None:
-    """k_mlp_gelu_fwd / _bwd given an amax word: the same word as k_fp8_amax over what they
+    """k_mlp_gelu_fwd / _bwd given an amax word: the same word as the amax pass over what they
     wrote (exact: a max), and the same outputs as without it."""
     o, dev, _ = lt
     n = 8 * 3072 + 5  # a scalar tail too
@@ -258,7 +272,7 @@ def test_the_gelu_kernels_amax_is_the_amax_pass(lt, rng) -> None:
             word = dev.put(np.zeros(1), "i32")
             (o.gelu_bwd if bwd else o.gelu_fwd)(out, pre, n, amax=word if fused else 0)
             if not fused:
-                o._go("k_fp8_amax", 1000, word, out, n)
+                amax_pass(o, dev, word, out, n)
             outs.append(dev.get(out))
             words.append(int(dev.get(word)[0]))
         assert np.array_equal(outs[0], outs[1])
@@ -285,3 +299,78 @@ def test_a_shorter_pass_keeps_fp8_at_full_length(rng) -> None:
     g16, g8 = out["bf16"], out["fp8"]
     assert np.all(np.isfinite(g8))
     assert float(g8 @ g16 / (np.linalg.norm(g8) * np.linalg.norm(g16))) >= 0.99
+
+
+@pytest.mark.parametrize("kernel", ["k_fp8_cast_t", "k_fp8_cast_t64"])
+@pytest.mark.parametrize("fmt", [0, 1], ids=["E4M3", "E5M2"])
+def test_the_cast_gives_the_numpy_twins_fp8_values(lt, rng, fmt: int, kernel: str) -> None:
+    """engine.model.fp8's recipe, bit for bit: scaled by the history's largest amax where there
+    is one (the cast taking the tensor's amax as it goes), else by the tensor's own; the FP8
+    value of each x·s as round_fp8 gives it, and 1/s as cuBLASLt's inverse scale."""
+    o, dev, gpu = lt
+    M, K = 128, 192
+    x = rng.normal(0, 3.0, (M, K))
+    x[0, :3] = [1e-9, -7e-7, 0.0]  # subnormal and zero FP8 values
+    x = rounded(x, "bf16").astype(np.float32)  # the device's values exactly
+    x_dev = dev.put(x)
+    form = E5M2 if fmt else E4M3
+    amax_now = np.float32(np.abs(x).max())
+    hist = np.zeros(HISTORY, np.float32)
+    hist[[3, 11]] = [amax_now * np.float32(0.5), amax_now * np.float32(0.75)]  # some saturate
+    for h in (None, hist):
+        q, _, inv, word = fp8_copy(o, dev, x_dev, M, K, fmt, kernel, hist=h)
+        s = scale_for(amax_now if h is None else np.float32(h.max()), form)
+        got = decode_fp8(host_bytes(gpu, q, M * K).reshape(M, K), fmt)
+        assert np.array_equal(got, round_fp8(x * s, form).astype(np.float64))
+        assert dev.get(inv)[0] == np.float32(1.0) / s
+        taken = np.array([int(dev.get(word)[0])], np.uint32).view(np.float32)[0]
+        assert taken == amax_now  # by the amax pass, or by the cast as it goes
+
+
+def test_the_record_kernel_is_the_historys_record(lt) -> None:
+    """k_fp8_record: each delayed tensor's amax word (in the engine's six-a-layer layout) into
+    the history's next slot, 0 where not finite, and the slot moves on, wrapping at HISTORY."""
+    o, dev, _ = lt
+    L = 3
+    words = np.arange(1, L * 6 + 1, dtype=np.float32) * np.float32(0.25)
+    words[6 + 2] = np.inf  # layer 1's dy
+    host = AmaxHistory.empty(L)
+    host.next = HISTORY - 1
+    hist_dev = dev.put(host.amax.ravel(), "f32")
+    next_dev = dev.put(np.array([host.next]), "i32")
+    word_dev = dev.put(words.view(np.uint32).astype(np.int64), "i32")
+    for _ in range(2):
+        o._go("k_fp8_record", 1, hist_dev, next_dev, word_dev, L * len(DELAYED), len(DELAYED), 6,
+              HISTORY)
+        now = np.array([words[layer * 6 + t] for layer in range(L)
+                        for t in range(len(DELAYED))], np.float32)
+        host.record(now)
+    assert np.array_equal(dev.get(hist_dev).reshape(host.amax.shape), host.amax)
+    assert int(dev.get(next_dev)[0]) == host.next == 1
+
+
+def test_the_history_fills_each_pass_and_a_resume_needs_it(rng) -> None:
+    """Three fp8 steps: the history's next slot is 3 and its first three slots hold amaxes;
+    weights, moments and history read back into a fresh backend give the next two steps' bits
+    exactly; the same without the history scale otherwise (other losses)."""
+    tok = rng.integers(0, 8449, (5, 4, 65)).astype(np.int32)
+    a = backend("fp8")
+    for i in range(3):
+        a.train_step(tok[i, :, :-1], tok[i, :, 1:], t=i + 1, **HP)
+    hist = a.fp8_history()
+    assert hist is not None and hist.next == 3
+    assert (hist.amax[:, :3] > 0).all() and not hist.amax[:, 3:].any()
+    saved = (a.read_params(), *a.read_optimizer(), hist)
+    straight = [a.train_step(tok[i, :, :-1], tok[i, :, 1:], t=i + 1, **HP) for i in (3, 4)]
+    a.close()
+    runs = []
+    for with_history in (True, False):
+        b = backend("fp8")
+        b.load_params(saved[0])
+        b.load_optimizer(saved[1], saved[2])
+        b.load_fp8_history(saved[3] if with_history else None)
+        runs.append([b.train_step(tok[i, :, :-1], tok[i, :, 1:], t=i + 1, **HP) for i in (3, 4)])
+        b.close()
+    for (ra, na, ca), (rb, nb, cb) in zip(straight, runs[0], strict=True):
+        assert np.array_equal(ra, rb) and (na, ca) == (nb, cb)
+    assert not np.array_equal(straight[0][0], runs[1][0][0])

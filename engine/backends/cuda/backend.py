@@ -36,6 +36,7 @@ from engine.backends.cuda.state_io import StateIO
 from engine.backends.cuda.step_graph import GraphCache, StepGraph
 from engine.backends.cuda.warmup import warm_up
 from engine.config import ATTENTIONS, GpuConfig
+from engine.model.fp8 import AmaxHistory
 from engine.model.layout import ModelShapes
 
 DEFAULT_GPU = GpuConfig()
@@ -82,6 +83,8 @@ class CudaBackend:
         self.state.zero_state()
         warm_up(b, self.net, staging, self.state, gpu.gemm_tune and b.fusions)
         self.state.zero_state()
+        if b.fp8_mlp is not None:  # the start-up pass's amaxes are not the run's
+            b.fp8_mlp.load_history(None)
         b.stream.synchronize()
 
     # --- what runs -----------------------------------------------------------------------------
@@ -287,6 +290,16 @@ class CudaBackend:
 
     def copy_state_into(self, params: np.ndarray, m: np.ndarray, v: np.ndarray) -> None:
         self.state.copy_state_into(params, m, v)
+
+    def fp8_history(self) -> AmaxHistory | None:
+        if self.build.fp8_mlp is None:
+            return None
+        self.optim.settle_update()
+        return self.build.fp8_mlp.read_history()
+
+    def load_fp8_history(self, history: AmaxHistory | None) -> None:
+        if self.build.fp8_mlp is not None:
+            self.build.fp8_mlp.load_history(history)
 
     def synchronize(self) -> None:
         """Wait for all queued GPU work (for timing; the interface calls sync where needed)."""

@@ -51,6 +51,7 @@ from engine.backends.cuda.ops import Ops
 from engine.backends.cuda.runtime import ACT_BYTES, Gpu
 from engine.config import ATTENTIONS, GpuConfig
 from engine.errors import RunError, UserError
+from engine.model.fp8 import HISTORY
 from engine.model.layout import ModelShapes, tensor_table
 
 ADAMW_MAX_SEGS = 1024  # the same cap as kernels/optim.cu
@@ -228,8 +229,8 @@ class CudaBuild:
                            attn_chunk=gpu.attention_chunk)
         self.flat.ops = self.ops
         self._set_stream_priorities()
-        self.fp8_mlp = (Fp8Mlp(self.ops, plan, shapes.n_layer, shapes.d_model, shapes.d_ff,
-                               self.ops.act, self.train.R) if self.fp8 else None)
+        self.fp8_mlp = (Fp8Mlp(self.ops, self.drv, plan, shapes.n_layer, shapes.d_model,
+                               shapes.d_ff, self.ops.act, self.train.R) if self.fp8 else None)
         self.gemm_source = ("from the recorded plan" if gemm_plan and not plan_refused else
                             "timed at start" if gpu.gemm_tune else "cuBLASLt's first choices")
 
@@ -283,7 +284,8 @@ class CudaBuild:
         fp8 = ""
         if self.fp8_mlp is not None:
             on = self.fp8_gemms
-            fp8 = (f"; FP8 (E4M3 forward, E5M2 gradients, current scaling): "
+            fp8 = (f"; FP8 (E4M3 forward, E5M2 gradients; weights scaled by their amax, "
+                   f"activations and gradients by their last {HISTORY} passes'): "
                    f"{', '.join(on) if on else 'none'}"
                    + (f" (bf16: {', '.join(g for g in FP8_GEMMS if g not in on)})"
                       if len(on) < len(FP8_GEMMS) else ""))

@@ -1,10 +1,14 @@
 """The MLP's six GEMMs in FP8 (train/precision "fp8"): fp32 masters, bf16 activations, FP8
 tensor-core GEMMs with fp32 accumulation through cuBLASLt.
 
-Per-tensor current scaling (kernels/fp8.cu): each FP8 copy is scaled by its own tensor's amax
-in this step, so there is no amax history and the checkpoint format stays as it is. E4M3 for
-weights and activations in the forward, E5M2 for the gradients in the backward; fast
-accumulation in the forward only (Transformer Engine's current-scaling recipe).
+Scaled as engine/model/fp8.py says (its numpy twin: engine/backends/numpy/fp8.py): the weights
+by their own amax each pass (current scaling), the activations and gradients by the largest
+amax of their last HISTORY passes (delayed scaling: the cast kernels take the amax as they go,
+and a tensor's separate amax pass runs only while it has no history). The history lives on the
+device (`fp8.hist`, `fp8.next`), is written at the end of every training pass (k_fp8_record,
+after the last layer's backward) and travels in every checkpoint (`read_history`,
+`load_history`). E4M3 for weights and activations in the forward, E5M2 for the gradients in
+the backward; fast accumulation in the forward only.
 
 Hopper runs FP8 GEMMs only with both operands K-contiguous (cuBLASLt's "TN"): with X = ln2's
 output [R,d], W1 [d,F], H = GELU(X·W1) [R,F], W2 [F,d], dY the gradient of the MLP's output
@@ -22,7 +26,8 @@ The weights' copies (W and Wᵀ) are made from the fp32 masters at the start of 
 pass (so after each AdamW step, and after a resume); the activations' copies as the pass makes
 them: X8 with Xᵀ8 and H8 with Hᵀ8 in one kernel each in the forward (the transposed ones kept
 per layer for the backward's weight gradients, which then need not read X and H again), and
-the amax of H and dH by the GELU kernels that write them. A GEMM for which cuBLASLt proposes
+the amax of H and dH by the GELU kernels that write them (used for the scale while the tensor
+has no history, and recorded either way). A GEMM for which cuBLASLt proposes
 no FP8 algorithm at some length runs in bf16 at that length (`use`, `notes`). Validation and
 text sampling run the bf16 forward: FP8 is how a step computes, not the model.
 """
@@ -31,13 +36,18 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from engine.backends.cuda.cublas import R_32F
 from engine.backends.cuda.gemm import R_8F_E4M3, R_8F_E5M2
 from engine.backends.cuda.launch import blocks
 from engine.errors import RunError
+from engine.model.fp8 import DELAYED, FP8_GEMMS, HISTORY, AmaxHistory
 
-GEMMS = ("fc1 fwd", "fc2 fwd", "fc2 dgrad", "fc1 dgrad", "fc2 wgrad", "fc1 wgrad")
-TENSORS = ("x", "h", "dy", "dh", "w1", "w2")  # per layer: an amax word and an inverse scale each
+GEMMS = FP8_GEMMS
+# per layer: an amax word and an inverse scale each; the first four (engine.model.fp8.DELAYED)
+# with an amax history of HISTORY passes
+TENSORS = ("x", "h", "dy", "dh", "w1", "w2")
 E4M3, E5M2 = 0, 1  # the kernels' e5m2 flag
 TILE = 32  # kernels/fp8.cu's transpose tile
 # bytes between two inverse scales: cuBLASLt refused (CUBLAS_STATUS_NOT_SUPPORTED) FP8 GEMMs
@@ -59,6 +69,8 @@ def plan_fp8(plan: Any, n_layer: int, d: int, F: int, R: int) -> None:
         plan.add("fp8", f"fp8.{name}", n)
     plan.add("fp8", "fp8.amax", n_layer * len(TENSORS) * 4)
     plan.add("fp8", "fp8.inv", n_layer * len(TENSORS) * SCALE_STRIDE)
+    plan.add("fp8", "fp8.hist", n_layer * len(DELAYED) * HISTORY * 4)
+    plan.add("fp8", "fp8.next", 4)
 
 
 def _slot(nbytes: int) -> int:
@@ -69,17 +81,18 @@ class Fp8Mlp:
     """The MLP forward and backward of one layer with FP8 GEMMs, on an Ops (its stream, side
     stream and LtGemm)."""
 
-    def __init__(self, ops: Any, plan: Any, n_layer: int, d: int, F: int, act: int,
+    def __init__(self, ops: Any, drv: Any, plan: Any, n_layer: int, d: int, F: int, act: int,
                  R_max: int) -> None:
-        self.o, self.L, self.d, self.F, self.act = ops, n_layer, d, F, act
+        self.o, self.drv, self.L, self.d, self.F, self.act = ops, drv, n_layer, d, F, act
         self.R_max = R_max  # the longest pass's rows (the plan's slots); R below: this pass's
         self.buf = {name: plan[f"fp8.{name}"] for name in
                     ("w1", "w1t", "w2", "w2t", "x", "xt", "h", "ht", "dy", "dyt", "dh", "dht",
-                     "amax", "inv")}
+                     "amax", "inv", "hist", "next")}
         # False: at full length cuBLASLt had no FP8 algorithm for this GEMM (it runs in bf16)
         self.use = dict.fromkeys(GEMMS, True)
         self._bf16_at: set[tuple[str, int]] = set()  # (GEMM, rows) that fell back to bf16
         self.notes: list[str] = []
+        self.load_history(None)  # the plan's memory holds anything until then
 
     @property
     def fp8_gemms(self) -> list[str]:
@@ -89,6 +102,12 @@ class Fp8Mlp:
         """(amax word, inverse scale) of one tensor of one layer."""
         i = layer * len(TENSORS) + TENSORS.index(tensor)
         return self.buf["amax"] + 4 * i, self.buf["inv"] + SCALE_STRIDE * i
+
+    def _hist(self, layer: int, tensor: str) -> int:
+        """The device address of a delayed tensor's HISTORY floats (0 for the weights)."""
+        if tensor not in DELAYED:
+            return 0
+        return self.buf["hist"] + 4 * HISTORY * (layer * len(DELAYED) + DELAYED.index(tensor))
 
     def _w(self, name: str, layer: int) -> int:
         return self.buf[name] + layer * _slot(self.d * self.F)
@@ -100,23 +119,60 @@ class Fp8Mlp:
         return self.buf[name + "t"] + layer * _slot(self.R_max * cols)
 
     # --- kernels -------------------------------------------------------------------------------
-    def _amax(self, amax: int, x: int, n: int, f32: bool = False) -> None:
-        # a block reads 8 elements a thread per turn and ends with one atomic
-        self.o._go("k_fp8_amax_f32" if f32 else "k_fp8_amax", blocks(-(-n // 8), cap=1024),
-                   amax, x, n)
+    def _amax(self, amax: int, x: int, n: int, hist: int = 0) -> None:
+        """amax of an activation tensor while it has no history (hist: its history), else
+        nothing; hist 0: of a float32 master weight, always. A block reads 8 elements a thread
+        per turn and ends with one atomic."""
+        grid = blocks(-(-n // 8), cap=1024)
+        if hist:
+            self.o._go("k_fp8_amax_delayed", grid, amax, x, n, hist, HISTORY)
+        else:
+            self.o._go("k_fp8_amax_f32", grid, amax, x, n)
 
-    def _cast_t(self, q: int, qt: int, inv: int, x: int, amax: int, rows: int, cols: int,
-                fmt: int, f32: bool = False) -> None:
-        """qt = FP8 of xᵀ [cols, rows] (q = FP8 of x too, unless 0): whole 64 x 64 tiles with
-        16-byte accesses where the shapes and addresses allow, else 32 x 32 tiles of bytes."""
+    def _cast_t(self, q: int, qt: int, inv: int, x: int, amax: int, hist: int, rows: int,
+                cols: int, fmt: int, f32: bool = False) -> None:
+        """qt = FP8 of xᵀ [cols, rows] (q = FP8 of x too, unless 0), scaled from the history
+        `hist` (0: x's amax now): whole 64 x 64 tiles with 16-byte accesses where the shapes
+        and addresses allow, else 32 x 32 tiles of bytes."""
         self.o._writes(*(p for p in (q, qt) if p))
         if rows % 64 == 0 and cols % 64 == 0 and all(p % 16 == 0 for p in (x, q, qt)):
             self.o._go("k_fp8_cast_t64_f32" if f32 else "k_fp8_cast_t64",
-                       (cols // 64, rows // 64), q, qt, inv, x, amax, rows, cols, fmt)
+                       (cols // 64, rows // 64), q, qt, inv, x, amax, hist, HISTORY, rows, cols,
+                       fmt)
             return
         grid = (-(-cols // TILE), -(-rows // TILE))
         self.o._go("k_fp8_cast_t_f32" if f32 else "k_fp8_cast_t", grid, q, qt, inv, x, amax,
-                   rows, cols, fmt)
+                   hist, HISTORY, rows, cols, fmt)
+
+    def _record(self) -> None:
+        """The pass's amax of every delayed tensor into the history's next slot (k_fp8_record),
+        after the last layer's backward."""
+        n = self.L * len(DELAYED)
+        self.o._go("k_fp8_record", 1, self.buf["hist"], self.buf["next"], self.buf["amax"], n,
+                   len(DELAYED), len(TENSORS), HISTORY)
+
+    # --- the history ---------------------------------------------------------------------------
+    def read_history(self) -> AmaxHistory:
+        """The device's amax history (after the work queued so far)."""
+        rows = self.L * len(DELAYED)
+        amax = np.empty((rows, HISTORY), np.float32)
+        nxt = np.empty(1, np.int32)
+        self.o.stream.synchronize()
+        self.drv.memcpy_dtoh(amax, self.buf["hist"])
+        self.drv.memcpy_dtoh(nxt, self.buf["next"])
+        return AmaxHistory(amax, int(nxt[0]))
+
+    def load_history(self, history: AmaxHistory | None) -> None:
+        """The device's amax history from `history` (None: empty, each tensor then scaled by its
+        own amax until it has one). ValueError when it does not fit this model."""
+        rows = self.L * len(DELAYED)
+        history = history or AmaxHistory.empty(self.L)
+        if history.amax.shape != (rows, HISTORY):
+            raise ValueError(f"expected {rows} tensors x {HISTORY} passes, got "
+                             f"{history.amax.shape[0]} x {history.amax.shape[1]}")
+        self.o.stream.synchronize()
+        self.drv.memcpy_htod(self.buf["hist"], np.ascontiguousarray(history.amax, np.float32))
+        self.drv.memcpy_htod(self.buf["next"], np.array([history.next], np.int32))
 
     def _gemm(self, name: str, R: int, fp8: Any, bf16: Any) -> None:
         """The FP8 GEMM, or (cuBLASLt proposing no FP8 algorithm for this shape: decided on its
@@ -145,8 +201,8 @@ class Fp8Mlp:
             for name, rows, cols in (("w1", d, F), ("w2", F, d)):
                 amax, inv = self._scale(layer, name)
                 w = weight(layer, "mlp.W_1" if name == "w1" else "mlp.W_2")
-                self._amax(amax, w, rows * cols, f32=True)
-                self._cast_t(self._w(name, layer), self._w(name + "t", layer), inv, w, amax,
+                self._amax(amax, w, rows * cols)
+                self._cast_t(self._w(name, layer), self._w(name + "t", layer), inv, w, amax, 0,
                              rows, cols, E4M3, f32=True)
 
     def forward(self, layer: int, x: int, w1: int, w2: int, pre: int, act: int, out: int,
@@ -167,6 +223,8 @@ class Fp8Mlp:
         self.o.gelu_bwd(dpre, pre, R * self.F, amax=self._scale(layer, "dh")[0])
         self._linear_bwd("fc1", layer, dpre, "dh", x, "x", w1, "w1", dx, dw1, self.d, self.F,
                          R, amax_done=True)
+        if layer == 0:  # the pass's last MLP backward: every amax of the pass is known
+            self._record()
 
     def _linear_fwd(self, fc: str, layer: int, a: int, aname: str, w: int, wname: str,
                     out: int, n_in: int, n_out: int, R: int, amax_done: bool = False) -> None:
@@ -177,9 +235,10 @@ class Fp8Mlp:
         o, b = self.o, self.buf
         aa, ai = self._scale(layer, aname)
         _, wi = self._scale(layer, wname)
+        ah = self._hist(layer, aname)
         if not amax_done:
-            self._amax(aa, a, R * n_in)
-        self._cast_t(b[aname], self._at(aname, layer), ai, a, aa, R, n_in, E4M3)
+            self._amax(aa, a, R * n_in, ah)
+        self._cast_t(b[aname], self._at(aname, layer), ai, a, aa, ah, R, n_in, E4M3)
         self._gemm(f"{fc} fwd", R,
                    lambda: o._mm(out, b[aname], self._w(wname + "t", layer), R, n_out, n_in,
                                  types=(R_8F_E4M3, R_8F_E4M3, self.act), scales=(ai, wi),
@@ -198,9 +257,10 @@ class Fp8Mlp:
         _, ai = self._scale(layer, aname)
         _, wi = self._scale(layer, wname)
         gq, gqt, aqt = b[gname], b[gname + "t"], self._at(aname, layer)
+        gh = self._hist(layer, gname)
         if not amax_done:
-            self._amax(ga, g, R * n_out)
-        self._cast_t(gq, gqt, gi, g, ga, R, n_out, E5M2)
+            self._amax(ga, g, R * n_out, gh)
+        self._cast_t(gq, gqt, gi, g, ga, gh, R, n_out, E5M2)
         self._gemm(f"{fc} wgrad", R,
                    lambda: o._wgrad(dw, aqt, gqt, n_in, n_out, R, (aqt, gqt), tb=True,
                                     types=(R_8F_E4M3, R_8F_E5M2, R_32F), scales=(ai, gi)),

@@ -55,12 +55,13 @@ SIGNATURES: dict[str, str] = {
     "k_adamw_step": "PPPPPPPPPPiiqqP",
     "k_step_clip": "PPPPP",
     "k_step_hp": "PP",
-    "k_fp8_amax": "PPq",
+    "k_fp8_amax_delayed": "PPqPi",
     "k_fp8_amax_f32": "PPq",
-    "k_fp8_cast_t": "PPPPPiii",
-    "k_fp8_cast_t64": "PPPPPiii",
-    "k_fp8_cast_t64_f32": "PPPPPiii",
-    "k_fp8_cast_t_f32": "PPPPPiii",
+    "k_fp8_cast_t": "PPPPPPiiii",
+    "k_fp8_cast_t64": "PPPPPPiiii",
+    "k_fp8_cast_t64_f32": "PPPPPPiiii",
+    "k_fp8_cast_t_f32": "PPPPPPiiii",
+    "k_fp8_record": "PPPiiii",
     "k_params_to_lp": "PPqPPii",
 }
 

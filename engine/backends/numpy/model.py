@@ -20,12 +20,14 @@ import numpy as np
 
 from engine.backends import hostmem
 from engine.backends.activations import BY_NAME, LAYER, MODEL, STREAM, Dims, saved
-from engine.backends.numpy import ops
+from engine.backends.numpy import fp8, ops
 from engine.config import GpuConfig
 from engine.errors import UserError
+from engine.model.fp8 import FP8_GEMMS, AmaxHistory
 from engine.model.layout import ModelShapes, decay_mask, n_params, tensor_table, views
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+# every precision computes in fp32 here; fp8 has the MLP's GEMMs on FP8 values (numpy/fp8.py)
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 
 
 def blas_threads() -> int:
@@ -160,10 +162,6 @@ class NumpyBackend:
         gemm_plan: Mapping[str, Any] | None = None,
         separate_micro: bool = False,
     ) -> None:
-        if precision == "fp8":
-            raise UserError("train/precision fp8: FP8 GEMMs need the cuda backend on a GPU with "
-                            "FP8 tensor cores (compute capability 8.9 or newer); the numpy "
-                            "backend computes in fp32: use bf16 or fp32 here")
         if precision not in PRECISIONS:
             raise UserError(f"train/precision: expected one of {PRECISIONS}, got {precision!r}")
         if micro_batch < 1:
@@ -178,7 +176,8 @@ class NumpyBackend:
         self.notes: list[str] = []
         self.resolved: dict[str, bool | int | str] = {}
         self.attention_info = ""
-        self.fp8_gemms: list[str] = []
+        # fp8: the MLP's GEMMs on FP8 values (numpy/fp8.py), the rest as fp32
+        self.fp8_gemms: list[str] = list(FP8_GEMMS) if precision == "fp8" else []
         self.gemm_plan: dict[str, Any] | None = None
 
         s, B = shapes, micro_batch
@@ -187,7 +186,13 @@ class NumpyBackend:
         acts = _saved_sizes(s, B, sampling=False)
         scratch = _scratch_sizes(s, B)
         sample = _saved_sizes(s, 1, sampling=True)
-        hostmem.require(host_plan(s, B, dtype, separate_micro), "the numpy backend")
+        plan = host_plan(s, B, dtype, separate_micro)
+        if self.fp8_gemms:
+            plan["fp8"] = sum(fp8.buffer_sizes(d, s.d_ff, B * s.seq_len).values()) \
+                * self.dtype.itemsize
+        hostmem.require(plan, "the numpy backend")
+        self.fp8 = (fp8.Fp8Mlp(L, d, s.d_ff, B * s.seq_len, self.dtype) if self.fp8_gemms
+                    else None)
         self._params = np.zeros(n, dtype=self.dtype)
         self._grads = np.zeros(n, dtype=self.dtype)
         self._gsave = np.zeros(n, dtype=self.dtype) if separate_micro else None
@@ -212,7 +217,8 @@ class NumpyBackend:
 
     def describe(self) -> str:
         """One line: what computes (the reference ops in numpy, in one precision)."""
-        return f"the numpy reference ops in {self.precision}"
+        fp8_mlp = ", the MLP's GEMMs on FP8 values (delayed scaling)" if self.fp8 else ""
+        return f"the numpy reference ops in {self.precision}{fp8_mlp}"
 
     def device_step(self) -> None:
         """None: the trainer drives the step call by call."""
@@ -281,9 +287,11 @@ class NumpyBackend:
         if lo < 0 or hi >= s.vocab_size:
             raise UserError(f"{what}: token ids must be in [0, {s.vocab_size}), got {lo}..{hi}")
 
-    def _trunk(self, ar: _Arena, tokens: np.ndarray, train: bool) -> np.ndarray:
+    def _trunk(self, ar: _Arena, tokens: np.ndarray, train: bool,
+               fp8_mlp: bool = False) -> np.ndarray:
         """Embedding, the blocks and the final LayerNorm; returns lnf [N,d].
-        Training saves every layer's activations; sampling reuses one slot."""
+        Training saves every layer's activations; sampling reuses one slot. fp8_mlp: the MLPs
+        on FP8 values (a training pass of precision fp8)."""
         s, p = self.shapes, self.p
         B, T = tokens.shape
         N, d, F, H = B * T, s.d_model, s.d_ff, s.n_head
@@ -309,15 +317,20 @@ class NumpyBackend:
             ops.residual_add(x(i), proj, xmid)
             ops.layernorm_fwd(xmid, p[h + "ln2.gamma"], p[h + "ln2.beta"], ln2,
                               *ar.stats("ln2_stats", N, j))
-            ops.mlp_fwd(ln2, p[h + "mlp.W_1"], p[h + "mlp.W_2"], ar.view("pre", nf, j),
-                        ar.view("act", nf, j), proj)
+            w1, w2 = p[h + "mlp.W_1"], p[h + "mlp.W_2"]
+            pre, act = ar.view("pre", nf, j), ar.view("act", nf, j)
+            if fp8_mlp and self.fp8 is not None:
+                self.fp8.forward(i, ln2, w1, w2, pre, act, proj)
+            else:
+                ops.mlp_fwd(ln2, w1, w2, pre, act, proj)
             ops.residual_add(xmid, proj, x(i + 1))
         lnf = ar.view("lnf", nd)
         ops.layernorm_fwd(x(s.n_layer), p["lnf.gamma"], p["lnf.beta"], lnf,
                           *ar.stats("lnf_stats", N))
         return lnf
 
-    def _forward(self, inputs: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    def _forward(self, inputs: np.ndarray, targets: np.ndarray,
+                 fp8_mlp: bool = False) -> np.ndarray:
         self._check_tokens("inputs", inputs, self.micro_batch)
         self._check_tokens("targets", targets, self.micro_batch)
         if targets.shape != inputs.shape:
@@ -325,7 +338,7 @@ class NumpyBackend:
         B, T = inputs.shape
         N, V = B * T, self.shapes.vocab_size
         ar = self._acts
-        lnf = self._trunk(ar, inputs, train=True)
+        lnf = self._trunk(ar, inputs, train=True, fp8_mlp=fp8_mlp)
         losses = ar.view("losses", (N,))
         ops.loss_fwd(lnf, self.p["wte"], targets.reshape(N), ar.view("logits", (N, V)),
                      ar.view("row_sum", (N,)), losses)
@@ -357,7 +370,9 @@ class NumpyBackend:
     def _forward_backward(
         self, inputs: np.ndarray, targets: np.ndarray, loss_scale: float
     ) -> np.ndarray:
-        row_losses = self._forward(inputs, targets)
+        if self.fp8 is not None:
+            self.fp8.begin_pass()
+        row_losses = self._forward(inputs, targets, fp8_mlp=self.fp8 is not None)
         s, p, g, ar, sc = self.shapes, self.p, self.g, self._acts, self._scratch
         B, T = inputs.shape
         N, d, F, H, V = B * T, s.d_model, s.d_ff, s.n_head, s.vocab_size
@@ -375,9 +390,13 @@ class NumpyBackend:
         # ga holds dL/d(block output); gb dL/d(xmid); they swap roles through each block
         for i in reversed(range(s.n_layer)):
             h = f"h.{i}."
-            ops.mlp_bwd(ga, ar.view("ln2", nd, i), p[h + "mlp.W_1"], p[h + "mlp.W_2"],
+            mlp_args = (ga, ar.view("ln2", nd, i), p[h + "mlp.W_1"], p[h + "mlp.W_2"],
                         ar.view("pre", nf, i), ar.view("act", nf, i), dln, g[h + "mlp.W_1"],
                         g[h + "mlp.W_2"], dpre, ftmp, gtmp, wtmp)
+            if self.fp8 is not None:
+                self.fp8.backward(i, *mlp_args)
+            else:
+                ops.mlp_bwd(*mlp_args)
             ops.layernorm_bwd(dln, ar.view("xmid", nd, i), p[h + "ln2.gamma"],
                               *ar.stats("ln2_stats", N, i), gb, g[h + "ln2.gamma"],
                               g[h + "ln2.beta"], xtmp)
@@ -393,6 +412,8 @@ class NumpyBackend:
                               g[h + "ln1.beta"], xtmp)
             ops.residual_add_bwd(gb, ga)
         ops.embed_bwd(ga.reshape(B, T, d), inputs, g["wte"], g["wpe"])
+        if self.fp8 is not None:
+            self.fp8.end_pass()
         return row_losses
 
     # --- optimizer -----------------------------------------------------------------------------
@@ -432,6 +453,25 @@ class NumpyBackend:
         np.matmul(self.p["wte"], lnf[-1], out=logits)
         return logits.astype(np.float32)
 
+    def fp8_history(self) -> AmaxHistory | None:
+        """A copy of the FP8 amax history (None unless train/precision is fp8)."""
+        return None if self.fp8 is None else AmaxHistory(self.fp8.history.amax.copy(),
+                                                         self.fp8.history.next)
+
+    def load_fp8_history(self, history: AmaxHistory | None) -> None:
+        """Go on from this history (a checkpoint's); None: start afresh. ValueError when it
+        does not fit this model."""
+        if self.fp8 is None:
+            return
+        own = self.fp8.history
+        if history is None:
+            history = AmaxHistory.empty(self.shapes.n_layer)
+        if history.amax.shape != own.amax.shape:
+            raise ValueError(f"expected {own.amax.shape[0]} tensors x {own.amax.shape[1]} "
+                             f"passes, got {history.amax.shape[0]} x {history.amax.shape[1]}")
+        np.copyto(own.amax, history.amax)
+        own.next = history.next
+
     def memory_plan(self) -> dict[str, int]:
         plan = {
             "weights": self._params.nbytes,
@@ -441,5 +481,7 @@ class NumpyBackend:
             "activations": self._acts.nbytes,
             "scratch": self._scratch.nbytes + self._sample.nbytes + self._decay.nbytes,
         }
+        if self.fp8 is not None:
+            plan["fp8"] = sum(b.nbytes for b in self.fp8.buf.values())
         plan["total"] = sum(plan.values())
         return plan

@@ -223,7 +223,12 @@ def mlp_fwd(
     """u = x @ W_1;  a = GELU(u) = ½u(1 + tanh(k(u + 0.044715u³))), k = sqrt(2/π);  out = a @ W_2.
     x [N,d], w1 [d,F], w2 [F,d]; saves pre = u [N,F] and act = a [N,F]; out [N,d]."""
     np.matmul(x, w1, out=pre)
-    # act = tanh(u·(k + k·c·u²)), then ½u(1 + that)
+    gelu_fwd(pre, act)
+    np.matmul(act, w2, out=out)
+
+
+def gelu_fwd(pre: np.ndarray, act: np.ndarray) -> None:
+    """act = GELU(pre) = ½u(1 + tanh(k(u + c·u³))): tanh(u·(k + k·c·u²)), then ½u(1 + that)."""
     np.multiply(pre, pre, out=act)
     act *= GELU_K * GELU_C
     act += GELU_K
@@ -232,7 +237,6 @@ def mlp_fwd(
     act += 1.0
     act *= pre
     act *= 0.5
-    np.matmul(act, w2, out=out)
 
 
 def mlp_bwd(
@@ -256,6 +260,15 @@ def mlp_bwd(
     dpre, ftmp, gtmp [N,F] and the flat wtmp (>= d·F) are scratch."""
     _matmul_acc(act.T, dout, dw2, wtmp)
     np.matmul(dout, w2.T, out=dpre)  # da
+    gelu_bwd(pre, dpre, ftmp, gtmp)
+    _matmul_acc(x.T, dpre, dw1, wtmp)
+    np.matmul(dpre, w1.T, out=dx)
+
+
+def gelu_bwd(pre: np.ndarray, dpre: np.ndarray, ftmp: np.ndarray, gtmp: np.ndarray) -> None:
+    """dpre *= GELU'(pre), in place (da becomes du); ftmp and gtmp [N,F] are scratch. With
+    t = tanh(k(u + c·u³)):
+    GELU'(u) = ½(1+t) + ½u(1-t²)·k(1 + 3c·u²) = ½(1+t)·(1 + (1-t)·u·k(1 + 3c·u²))."""
     # recompute t from u (t = 2a/u - 1 would divide by u ≈ 0)
     np.multiply(pre, pre, out=ftmp)
     np.multiply(ftmp, 3.0 * GELU_K * GELU_C, out=gtmp)
@@ -272,8 +285,6 @@ def mlp_bwd(
     ftmp *= gtmp
     ftmp *= 0.5  # GELU'(u)
     dpre *= ftmp  # du
-    _matmul_acc(x.T, dpre, dw1, wtmp)
-    np.matmul(dpre, w1.T, out=dx)
 
 
 # --- residual ------------------------------------------------------------------------------------

@@ -6,8 +6,8 @@
 // activations, activation gradients and the low-precision weight copy used by the GEMMs, and of
 // the layers' weight gradients where the fused bf16 step keeps them so (optim.cu g_lp).
 //
-// Twins: every k_ kernel opens with `// numpy twin: ops.NAME` (engine/backends/numpy/ops.py) and
-// quotes, on lines marked `// >`, the numpy lines it implements; a kernel with no numpy
+// Twins: every k_ kernel opens with `// numpy twin: ops.NAME` (engine/backends/numpy/ops.py; or
+// model.NAME, numpy/model.py; or fp8.NAME, the FP8 recipe in engine/model/fp8.py) and quotes, on lines marked `// >`, the numpy lines it implements; a kernel with no numpy
 // counterpart says `// numpy twin: none — ` and what it is for. tests/test_kernel_twins.py
 // checks that every named twin exists and every quoted line is in it.
 // As in numpy (DESIGN §3): backward kernels ACCUMULATE (+=) into the float32 parameter

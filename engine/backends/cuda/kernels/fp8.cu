@@ -1,15 +1,22 @@
-// FP8 copies for the MLP's GEMMs (train/precision "fp8"): per-tensor current scaling.
+// FP8 copies for the MLP's GEMMs (train/precision "fp8"), scaled as engine/model/fp8.py says.
 //
-// A tensor x goes to FP8 as q = sat(x·s) with s = FMAX / amax(|x|) of this very tensor (E4M3,
-// FMAX 448, for weights and activations; E5M2, FMAX 57344, for gradients); cuBLASLt multiplies
-// the product back by the inverse scales (its A/B scale pointers), which `inv` receives. amax == 0
-// gives s = 1. A non-finite amax gives s = 0 or NaN: the copy, the GEMM and the step's gradient
-// norm are then not finite, and the step is skipped like any other non-finite step.
+// A tensor x goes to FP8 as q = sat(x·s) with s = FMAX / a (E4M3, FMAX 448, for weights and
+// activations; E5M2, FMAX 57344, for gradients); cuBLASLt multiplies the product back by the
+// inverse scales (its A/B scale pointers), which `inv` receives. a == 0 gives s = 1. For the
+// weights a is their own amax (current scaling: k_fp8_amax_f32 reads the master first); for the
+// activations and gradients it is the largest amax of their history of the last HISTORY
+// training passes (delayed scaling), so the cast need not wait for a pass over the tensor: it
+// takes the tensor's amax as it goes, for the history. A tensor with no history yet (all 0) is
+// scaled by its own amax in that pass, which k_fp8_amax_delayed (a no-op once there is a history)
+// or the kernel that wrote it (the GELU kernels, kernels/mlp.cu) has then taken. At the end of
+// the pass k_fp8_record writes every amax into the history's next slot (0 where not finite).
+// An infinite amax gives s = 0: the copy, the GEMM and the step's gradient norm are then not
+// finite, and the step is skipped like any other non-finite step.
 //
 // amax is reduced with atomicMax on the float's bits as an unsigned int (common.cuh block_amax:
 // |x| >= 0 orders like its bits, and a max is exact in any order, so the result is the same bits
-// on every run; no float atomics), here or in the kernel that writes the tensor (the GELU
-// kernels, kernels/mlp.cu). The caller zeroes the amax words before the step.
+// on every run; no float atomics), here or in the kernel that writes the tensor. The caller
+// zeroes the amax words before the pass.
 //
 // Hopper's FP8 GEMMs take both operands K-contiguous ("TN"), so some GEMMs need a transposed copy
 // (fp8.py's table): k_fp8_cast_t writes it, with the plain copy when asked.
@@ -24,8 +31,16 @@
 #define E5M2_MAX 57344.0f
 #define TILE 32  // k_fp8_cast_t's square tile; blocks of 256 threads: 8 rows of TILE
 
-__device__ __forceinline__ float fp8_scale(const unsigned* amax, int e5m2) {
-    const float a = __uint_as_float(amax[0]);
+// The amax a tensor's scale divides FMAX by: the largest of its history (hist: H floats), or,
+// with none yet or none kept (hist null: the weights), its amax in this pass.
+__device__ __forceinline__ float scaling_amax(const unsigned* amax, const float* hist, int H) {
+    float a = 0.0f;
+    if (hist)
+        for (int k = 0; k < H; k++) a = fmaxf(a, hist[k]);
+    return a > 0.0f ? a : __uint_as_float(amax[0]);
+}
+
+__device__ __forceinline__ float fp8_scale(float a, int e5m2) {
     const float fmax = e5m2 ? E5M2_MAX : E4M3_MAX;
     if (a == 0.0f) return 1.0f;
     const float s = fmax / a;
@@ -58,15 +73,38 @@ __device__ __forceinline__ void amax_body(unsigned* amax, const T* x, long n) {
     block_amax(amax, m);
 }
 
-// numpy twin: none — FP8 exists only on the GPU. amax[0] = max(amax[0], max |x|) over n
-// activations (float bits as unsigned; see the top of this file).
-extern "C" __global__ void k_fp8_amax(unsigned* amax, const act_t* x, long n) {
+// numpy twin: fp8.amax_of — amax[0] = max(amax[0], max |x|) over n activations (float bits as
+// unsigned; see the top of this file), for a tensor with no amax history yet (hist: its H
+// floats, all 0); once it has one, nothing: the cast kernel takes the amax as it goes.
+// >   return np.float32(np.fmax.reduce(np.abs(np.asarray(x, np.float32)).ravel(), initial=0.0))
+extern "C" __global__ void k_fp8_amax_delayed(unsigned* amax, const act_t* x, long n,
+                                              const float* hist, int H) {
+    float past = 0.0f;  // the same in every thread: the early return is uniform
+    for (int k = 0; k < H; k++) past = fmaxf(past, hist[k]);
+    if (past > 0.0f) return;
     amax_body(amax, x, n);
 }
 
-// numpy twin: none — k_fp8_amax over float32 (the master weights).
+// numpy twin: fp8.amax_of — over a float32 master weight (current scaling, every pass).
+// >   return np.float32(np.fmax.reduce(np.abs(np.asarray(x, np.float32)).ravel(), initial=0.0))
 extern "C" __global__ void k_fp8_amax_f32(unsigned* amax, const float* x, long n) {
     amax_body(amax, x, n);
+}
+
+// numpy twin: fp8.AmaxHistory.record — the pass's amax of each of n delayed tensors (tensor i:
+// layer i / per_layer, amax word (i / per_layer)·stride + i % per_layer) into slot next[0] of its
+// history hist [n, H], 0 where not finite; then next[0] moves on. One block.
+// >   self.amax[:, self.next] = np.where(np.isfinite(now), now, np.float32(0.0))
+// >   self.next = (self.next + 1) % self.amax.shape[1]
+extern "C" __global__ void k_fp8_record(float* hist, int* next, const unsigned* amax, int n,
+                                        int per_layer, int stride, int H) {
+    const int slot = next[0];
+    __syncthreads();  // every thread has read the slot before it moves on
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const float v = __uint_as_float(amax[(i / per_layer) * stride + i % per_layer]);
+        hist[(long)i * H + slot] = isfinite(v) ? v : 0.0f;
+    }
+    if (threadIdx.x == 0) next[0] = (slot + 1) % H;
 }
 
 // Eight FP8 bytes, stored as one 8-byte word.
@@ -77,23 +115,29 @@ struct alignas(8) Fp8x8 {
 // x [rows, cols] row-major into qt = FP8 of xᵀ [cols, rows] and, when q is not null, q = FP8 of x
 // [rows, cols], both scaled by s from amax (fp8_scale); inv[0] = 1/s. A TILE x TILE tile per
 // block goes through shared memory, so reads and writes are both along rows.
+// hist (H floats, or null: current scaling) as scaling_amax says; with a history, the tensor's
+// amax is taken into amax[0] as it goes (for k_fp8_record).
 template <typename T>
 __device__ __forceinline__ void cast_t_body(unsigned char* q, unsigned char* qt, float* inv,
-                                            const T* x, const unsigned* amax, int rows, int cols,
-                                            int e5m2) {
+                                            const T* x, unsigned* amax, const float* hist, int H,
+                                            int rows, int cols, int e5m2) {
     __shared__ unsigned char tile[TILE][TILE + 4];
     const int tx = threadIdx.x % TILE, ty = threadIdx.x / TILE, ny = blockDim.x / TILE;
-    const float s = fp8_scale(amax, e5m2);
+    const float s = fp8_scale(scaling_amax(amax, hist, H), e5m2);
     if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) inv[0] = 1.0f / s;
     const int c0 = blockIdx.x * TILE, r0 = blockIdx.y * TILE;
+    float m = 0.0f;
     for (int k = ty; k < TILE; k += ny) {
         const int r = r0 + k, c = c0 + tx;
         if (r < rows && c < cols) {
-            const unsigned char v = to_fp8(to_f(x[(long)r * cols + c]) * s, e5m2);
+            const float f = to_f(x[(long)r * cols + c]);
+            const unsigned char v = to_fp8(f * s, e5m2);
+            m = fmaxf(m, fabsf(f));
             tile[k][tx] = v;
             if (q) q[(long)r * cols + c] = v;
         }
     }
+    if (hist) block_amax(amax, m);  // its __syncthreads also orders the tile's writes
     __syncthreads();
     for (int k = ty; k < TILE; k += ny) {
         const int c = c0 + k, r = r0 + tx;
@@ -120,13 +164,14 @@ __device__ __forceinline__ void load8(const float* p, float (&f)[8]) {
 // shared memory. The same bytes as k_fp8_cast_t.
 template <typename T>
 __device__ __forceinline__ void cast_t64_body(unsigned char* q, unsigned char* qt, float* inv,
-                                              const T* x, const unsigned* amax, int rows,
-                                              int cols, int e5m2) {
+                                              const T* x, unsigned* amax, const float* hist,
+                                              int H, int rows, int cols, int e5m2) {
     __shared__ unsigned char tile[64][64 + 16];
-    const float s = fp8_scale(amax, e5m2);
+    const float s = fp8_scale(scaling_amax(amax, hist, H), e5m2);
     if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) inv[0] = 1.0f / s;
     const int c0 = blockIdx.x * 64, r0 = blockIdx.y * 64;
     const int cv = (threadIdx.x & 7) * 8;  // this thread's 8 columns of the tile
+    float m = 0.0f;
 #pragma unroll
     for (int pass = 0; pass < 2; pass++) {
         const int r = pass * 32 + (threadIdx.x >> 3);
@@ -136,10 +181,12 @@ __device__ __forceinline__ void cast_t64_body(unsigned char* q, unsigned char* q
 #pragma unroll
         for (int k = 0; k < 8; k++) {
             o.v[k] = to_fp8(f[k] * s, e5m2);
+            m = fmaxf(m, fabsf(f[k]));
             tile[r][cv + k] = o.v[k];
         }
         if (q) *reinterpret_cast<Fp8x8*>(q + (long)(r0 + r) * cols + c0 + cv) = o;
     }
+    if (hist) block_amax(amax, m);
     __syncthreads();
     const int c = threadIdx.x >> 2, rv = (threadIdx.x & 3) * 16;  // column c, rows rv..rv+15
     alignas(16) unsigned char out[16];
@@ -149,31 +196,37 @@ __device__ __forceinline__ void cast_t64_body(unsigned char* q, unsigned char* q
         *reinterpret_cast<const int4*>(out);
 }
 
-// numpy twin: none — k_fp8_cast_t on whole 64 x 64 tiles, 16-byte accesses (above).
+// numpy twin: fp8.round_fp8 — k_fp8_cast_t on whole 64 x 64 tiles, 16-byte accesses (above).
+// >   q = np.minimum(np.rint(a / quantum) * quantum, np.float32(fmt.max))
 extern "C" __global__ void k_fp8_cast_t64(unsigned char* q, unsigned char* qt, float* inv,
-                                          const act_t* x, const unsigned* amax, int rows,
-                                          int cols, int e5m2) {
-    cast_t64_body(q, qt, inv, x, amax, rows, cols, e5m2);
+                                          const act_t* x, unsigned* amax, const float* hist,
+                                          int H, int rows, int cols, int e5m2) {
+    cast_t64_body(q, qt, inv, x, amax, hist, H, rows, cols, e5m2);
 }
 
-// numpy twin: none — k_fp8_cast_t_f32 on whole 64 x 64 tiles (the weights' copies).
+// numpy twin: fp8.round_fp8 — k_fp8_cast_t_f32 on whole 64 x 64 tiles (the weights' copies).
+// >   q = np.minimum(np.rint(a / quantum) * quantum, np.float32(fmt.max))
 extern "C" __global__ void k_fp8_cast_t64_f32(unsigned char* q, unsigned char* qt, float* inv,
-                                              const float* x, const unsigned* amax, int rows,
-                                              int cols, int e5m2) {
-    cast_t64_body(q, qt, inv, x, amax, rows, cols, e5m2);
+                                              const float* x, unsigned* amax, const float* hist,
+                                              int H, int rows, int cols, int e5m2) {
+    cast_t64_body(q, qt, inv, x, amax, hist, H, rows, cols, e5m2);
 }
 
-// numpy twin: none — FP8 copies of activations or gradients for a TN GEMM (above).
+// numpy twin: fp8.round_fp8 — FP8 copies of activations or gradients for a TN GEMM (above): the
+// nearest FP8 value of x·s, ties to even, saturated (__NV_SATFINITE).
+// >   q = np.minimum(np.rint(a / quantum) * quantum, np.float32(fmt.max))
 extern "C" __global__ void k_fp8_cast_t(unsigned char* q, unsigned char* qt, float* inv,
-                                        const act_t* x, const unsigned* amax, int rows, int cols,
-                                        int e5m2) {
-    cast_t_body(q, qt, inv, x, amax, rows, cols, e5m2);
+                                        const act_t* x, unsigned* amax, const float* hist, int H,
+                                        int rows, int cols, int e5m2) {
+    cast_t_body(q, qt, inv, x, amax, hist, H, rows, cols, e5m2);
 }
 
-// numpy twin: none — the FP8 copies of a float32 master weight W [rows, cols]: W as stored (q,
-// for dgrad) and Wᵀ (qt, for the forward), made at the start of each step from the masters.
+// numpy twin: fp8.round_fp8 — the FP8 copies of a float32 master weight W [rows, cols]: W as
+// stored (q, for dgrad) and Wᵀ (qt, for the forward), made at the start of each pass from the
+// masters (hist null: the weights' own amax).
+// >   q = np.minimum(np.rint(a / quantum) * quantum, np.float32(fmt.max))
 extern "C" __global__ void k_fp8_cast_t_f32(unsigned char* q, unsigned char* qt, float* inv,
-                                            const float* x, const unsigned* amax, int rows,
-                                            int cols, int e5m2) {
-    cast_t_body(q, qt, inv, x, amax, rows, cols, e5m2);
+                                            const float* x, unsigned* amax, const float* hist,
+                                            int H, int rows, int cols, int e5m2) {
+    cast_t_body(q, qt, inv, x, amax, hist, H, rows, cols, e5m2);
 }

@@ -25,7 +25,7 @@ __device__ __forceinline__ float gelu_grad(float x) {
     return 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * du;
 }
 
-// numpy twin: ops.mlp_fwd (the GELU between its two matmuls; pre = u is h here, act is g)
+// numpy twin: ops.gelu_fwd (between ops.mlp_fwd's two matmuls; pre = u is h here, act is g)
 // >   np.multiply(pre, pre, out=act)
 // >   act *= GELU_K * GELU_C
 // >   act += GELU_K
@@ -58,7 +58,7 @@ extern "C" __global__ void k_mlp_gelu_fwd(act_t* g, const act_t* h, long n, unsi
     if (amax) block_amax(amax, m);
 }
 
-// numpy twin: ops.mlp_bwd (du from da, between its matmuls; dpre is dh here and da is dg)
+// numpy twin: ops.gelu_bwd (du from da, between ops.mlp_bwd's matmuls; dpre is dh here, da dg)
 // >   GELU'(u) = ½(1+t) + ½u(1-t²)·k(1 + 3c·u²) = ½(1+t)·(1 + (1-t)·u·k(1 + 3c·u²)).
 // >   np.tanh(ftmp, out=ftmp)  # t
 // >   dpre *= ftmp  # du

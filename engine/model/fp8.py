@@ -1,0 +1,129 @@
+"""FP8 scaling: the recipe every backend follows for train/precision "fp8" (the numpy reference
+computes it on the CPU; kernels/fp8.cu on FP8 tensor cores, and reads like this).
+
+Each MLP GEMM operand goes to FP8 as q = fp8(x·s), and the GEMM's product is multiplied back by
+the operands' inverse scales. E4M3 (max 448) holds weights and activations, E5M2 (max 57344)
+gradients. The scale s = FMAX / a of one tensor comes from
+
+- the weights (W1, W2): their own amax now (current scaling). Their copies are made once a
+  training pass from the fp32 masters, so their amax costs one read of the masters;
+- the activations and gradients (per layer: x = fc1's input, h = fc2's input, dy = the MLP
+  output's gradient, dh = the pre-activation's gradient): the largest amax in their history of
+  the last HISTORY training passes (delayed scaling), so a kernel can cast as it goes instead of
+  reading the tensor once for its amax first. A tensor with no history yet (a fresh run; a run
+  resumed from a checkpoint without one) is scaled by its own amax in that pass.
+
+Every training pass then records each such tensor's amax (0 where it was not finite: one bad
+batch must not zero the scales of the next HISTORY passes) in the slot `next` of its history.
+The history travels in every checkpoint (state.json, records.STATE_FP8_HISTORY), so a resumed
+run scales exactly as the run would have gone on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+# the MLP's GEMMs, each of which runs in FP8 (where the GPU's library has an FP8 algorithm for it)
+FP8_GEMMS = ("fc1 fwd", "fc2 fwd", "fc2 dgrad", "fc1 dgrad", "fc2 wgrad", "fc1 wgrad")
+HISTORY = 16  # training passes of amax history a delayed scale looks back over
+DELAYED = ("x", "h", "dy", "dh")  # per layer, in this order: the tensors with a history
+F32_MAX = np.float32(np.finfo(np.float32).max)
+
+
+@dataclass(frozen=True)
+class Fp8Format:
+    name: str
+    mbits: int  # mantissa bits
+    emin: int  # exponent of the smallest normal number (subnormals share its quantum)
+    max: float  # the largest finite value: a conversion saturates there
+
+
+E4M3 = Fp8Format("E4M3", 3, -6, 448.0)
+E5M2 = Fp8Format("E5M2", 2, -14, 57344.0)
+
+
+def round_fp8(x: np.ndarray, fmt: Fp8Format) -> np.ndarray:
+    """The FP8 value nearest to each float32 of x (ties to even), saturated at ±fmt.max, as
+    float32: what __nv_cvt_float_to_fp8(v, __NV_SATFINITE, ...) stores, decoded. NaN stays NaN."""
+    x = np.asarray(x, dtype=np.float32)
+    a = np.abs(x)
+    _, e = np.frexp(a)  # a = m·2**e with m in [0.5, 1): a's exponent is e - 1
+    quantum = np.ldexp(np.float32(1.0), np.maximum(e - 1, fmt.emin) - fmt.mbits)
+    q = np.minimum(np.rint(a / quantum) * quantum, np.float32(fmt.max))
+    return np.copysign(q, x).astype(np.float32)
+
+
+def amax_of(x: np.ndarray) -> np.float32:
+    """max |x| as the kernels take it: NaN is passed over (fmaxf), an empty or all-NaN tensor
+    gives 0."""
+    return np.float32(np.fmax.reduce(np.abs(np.asarray(x, np.float32)).ravel(), initial=0.0))
+
+
+def scale_for(a: np.float32, fmt: Fp8Format) -> np.float32:
+    """s = FMAX / a in float32 (kernels/fp8.cu fp8_scale): 1 for a == 0; the largest finite
+    float where FMAX / a overflows (a below ~1e-36); 0 for an infinite a."""
+    a = np.float32(a)
+    if a == 0:
+        return np.float32(1.0)
+    with np.errstate(over="ignore"):
+        s = np.float32(np.float32(fmt.max) / a)
+    return F32_MAX if np.isinf(s) else s
+
+
+@dataclass
+class AmaxHistory:
+    """Each delayed tensor's amax over the last HISTORY training passes: `amax` [n_layer·4,
+    HISTORY] float32, rows in (layer, DELAYED) order; `next` the slot the coming pass writes."""
+
+    amax: np.ndarray
+    next: int = 0
+
+    @classmethod
+    def empty(cls, n_layer: int, length: int = HISTORY) -> AmaxHistory:
+        return cls(np.zeros((n_layer * len(DELAYED), length), np.float32))
+
+    def row(self, layer: int, tensor: str) -> int:
+        return layer * len(DELAYED) + DELAYED.index(tensor)
+
+    def delayed_amax(self, layer: int, tensor: str) -> np.float32:
+        """The largest recorded amax of one tensor (0: no history yet)."""
+        return np.float32(self.amax[self.row(layer, tensor)].max())
+
+    def record(self, now: np.ndarray) -> None:
+        """One training pass's amax of every delayed tensor ([n_layer·4]) into slot `next`; a
+        non-finite amax is recorded as 0."""
+        now = np.asarray(now, np.float32)
+        self.amax[:, self.next] = np.where(np.isfinite(now), now, np.float32(0.0))
+        self.next = (self.next + 1) % self.amax.shape[1]
+
+    def to_json(self) -> dict[str, Any]:
+        """For state.json: the float32 bits as integers (exact through JSON)."""
+        return {"tensors": list(DELAYED), "length": int(self.amax.shape[1]),
+                "next": int(self.next),
+                "amax_bits": [int(b) for b in self.amax.view(np.uint32).ravel()]}
+
+    @classmethod
+    def from_json(cls, d: Any, n_layer: int) -> AmaxHistory:
+        """The history a checkpoint holds for a model of n_layer layers; ValueError saying what
+        does not fit."""
+        if not isinstance(d, dict):
+            raise ValueError(f"expected an object, got {type(d).__name__}")
+        if d.get("tensors") != list(DELAYED):
+            raise ValueError(f"tensors: expected {list(DELAYED)}, got {d.get('tensors')!r}")
+        length, nxt, bits = d.get("length"), d.get("next"), d.get("amax_bits")
+        if not isinstance(length, int) or not 1 <= length <= 4096:
+            raise ValueError(f"length: expected an integer in 1..4096, got {length!r}")
+        if not isinstance(nxt, int) or not 0 <= nxt < length:
+            raise ValueError(f"next: expected an integer in 0..{length - 1}, got {nxt!r}")
+        rows = n_layer * len(DELAYED)
+        if (not isinstance(bits, list) or len(bits) != rows * length
+                or not all(isinstance(b, int) and 0 <= b < 2**32 for b in bits)):
+            raise ValueError(f"amax_bits: expected {rows * length} float32 bit patterns "
+                             f"({n_layer} layers x {len(DELAYED)} tensors x {length})")
+        amax = np.array(bits, np.uint32).view(np.float32).reshape(rows, length)
+        if not (np.isfinite(amax) & (amax >= 0)).all():
+            raise ValueError("amax_bits: every amax must be finite and >= 0")
+        return cls(amax.copy(), nxt)
