@@ -1,8 +1,8 @@
 """dev/'s benchmarks and probes keep up with the code they measure, and CI compiles their CUDA.
 
 The scripts need GPUs, PyTorch or minutes to run, so on the CPU: every name a script imports from
-the project (at its top or inside a function, and in the inline Python of scripts/gpu-check and
-its kin, which run dev/'s benchmarks) still exists, the ones with a command line answer --help,
+the project or from dev/'s own modules (at its top or inside a function, and in the inline Python
+of scripts/gpu-check and its kin, which run dev/'s benchmarks) still exists, the ones with a command line answer --help,
 dev/README.md names every file there, and scripts/nvcc-check hands every .cu file of the
 repository to nvcc (through a stand-in nvcc that records its arguments).
 """
@@ -23,6 +23,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DEV = ROOT / "dev"
 PROJECT = ("engine", "andrea_tui", "tests")
+# dev/ is no package: its scripts import each other by name (bench_gpu.py its modules)
+DEV_MODULES = frozenset(p.stem for p in DEV.glob("*.py"))
 
 
 def python_scripts() -> list[Path]:
@@ -30,15 +32,20 @@ def python_scripts() -> list[Path]:
         p.suffix == ".py" or p.read_bytes().startswith(b"#!/usr/bin/env python")))
 
 
+def ours(module: str) -> bool:
+    return module.split(".")[0] in PROJECT or module in DEV_MODULES
+
+
 def project_imports(path: Path) -> list[tuple[str, str | None]]:
-    """(module, name) of every import from the project in the script; name None for `import m`."""
+    """(module, name) of every import from the project or from dev/'s own modules in the script;
+    name None for `import m`."""
     found: list[tuple[str, str | None]] = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
-                and node.module.split(".")[0] in PROJECT:
+                and ours(node.module):
             found += [(node.module, alias.name) for alias in node.names]
         elif isinstance(node, ast.Import):
-            found += [(a.name, None) for a in node.names if a.name.split(".")[0] in PROJECT]
+            found += [(a.name, None) for a in node.names if ours(a.name)]
     return found
 
 
@@ -47,8 +54,17 @@ def test_the_scripts_are_found() -> None:
     assert {"bench_gpu.py", "gpu_diag.py", "flex-variants"} <= names, names
 
 
+def test_the_gpu_benchmarks_modules_are_checked_as_well() -> None:
+    """bench_gpu.py's imports of its modules are among those checked, and so are theirs."""
+    imported = {module for module, _ in project_imports(DEV / "bench_gpu.py")}
+    assert {"bench_groups", "bench_models", "gpu_profile", "gpu_timing", "torch_peer"} <= imported
+    assert {"bench_groups.py", "bench_models.py", "gpu_profile.py"} <= \
+        {p.name for p in python_scripts()}
+
+
 @pytest.mark.parametrize("script", python_scripts(), ids=lambda p: p.name)
-def test_every_project_name_a_script_imports_exists(script: Path) -> None:
+def test_every_project_name_a_script_imports_exists(script: Path, monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(DEV))
     missing = []
     for module, name in project_imports(script):
         try:
