@@ -151,9 +151,9 @@ def print_profile(key: str, name: str, prof: dict[str, Any], top: int = 24) -> N
     for us, count, kname in prof["rows"][:top]:
         print(f"  {us / 1e3:7.3f} ms {100 * us / total:5.1f}%  x{count:<5.0f} "
               f"{KIND_LABEL[kernel_kind(kname)]:<4} {kname[:80]}")
-    for what, c in prof.get("choices", {}).items():
-        print(f"  GELU {what}: {c['use']} (epilogue GEMM {c['epilogue_ms']} ms, "
-              f"GEMM + kernel {c['kernel_ms']} ms)")
+    for what, c in prof.get("choices", {}).items():  # gemm_plan.GemmChoice.to_json() fields
+        times = ", ".join(f"{k[:-3]} {v} ms" for k, v in c.items() if k.endswith("_ms"))
+        print(f"  {what}: {c['use']} ({times})")
 
 
 def profile_entry(prof: dict[str, Any]) -> dict[str, Any]:

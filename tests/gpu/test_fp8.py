@@ -13,7 +13,16 @@ import pytest
 from cudabk import cuda_backend
 from devarrays import DevArrays, rounded
 
-from engine.model.fp8 import DELAYED, E4M3, E5M2, HISTORY, AmaxHistory, round_fp8, scale_for
+from engine.model.fp8 import (
+    DELAYED,
+    E4M3,
+    E5M2,
+    FP8_GEMMS,
+    HISTORY,
+    AmaxHistory,
+    round_fp8,
+    scale_for,
+)
 from engine.model.layout import ModelShapes, init_params
 from tests.conftest import loss_records, micro_config_dict, run_engine, start_engine, wait_for_step
 
@@ -230,7 +239,13 @@ def test_sigterm_resume_in_fp8_is_bit_exact(tmp_path: Path, prepared_data: Path)
     assert (run / name).read_bytes() == (straight / name).read_bytes()
     ready = [json.loads(x) for x in (straight / "events.jsonl").read_text().splitlines()
              if '"ready"' in x][-1]
-    assert ready["precision"] == "fp8" and len(ready["fp8_gemms"]) == 6
+    # the GEMMs in FP8: those the start-up timing chose (the plan's), in both runs
+    chosen = json.loads(plan)["choices"]
+    assert ready["precision"] == "fp8"
+    assert ready["fp8_gemms"] == [g for g in FP8_GEMMS if chosen[f"fp8 {g}"]["use"] == "fp8"]
+    resumed = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()
+               if '"ready"' in x][-1]
+    assert resumed["fp8_gemms"] == ready["fp8_gemms"]
 
 
 @pytest.mark.slow
@@ -374,3 +389,24 @@ def test_the_history_fills_each_pass_and_a_resume_needs_it(rng) -> None:
     for (ra, na, ca), (rb, nb, cb) in zip(straight, runs[0], strict=True):
         assert np.array_equal(ra, rb) and (na, ca) == (nb, cb)
     assert not np.array_equal(straight[0][0], runs[1][0][0])
+
+
+def test_with_gemm_tune_each_gemm_is_timed_and_the_start_says_whether_fp8_pays() -> None:
+    """gpu.gemm_tune: every MLP GEMM timed in FP8 and in bf16, the faster kept in the GEMM plan
+    (and in fp8_gemms); the notes say a layer's MLP in both and, where FP8 is the slower, that
+    it does not pay. A backend given that plan runs the same choices without timing them."""
+    import re
+
+    bk = backend("fp8", gemm_tune=True)
+    plan = bk.gemm.export_plan()
+    chosen = {g: plan["choices"][f"fp8 {g}"] for g in FP8_GEMMS}
+    assert all(c["use"] in ("fp8", "bf16") and c["bf16_ms"] > 0 for c in chosen.values()), chosen
+    assert bk.fp8_gemms == [g for g in FP8_GEMMS if chosen[g]["use"] == "fp8"]
+    [note] = [n for n in bk.notes if n.startswith("FP8 at d 128")]
+    t8, t16 = map(float, re.findall(r"([\d.]+) ms", note)[:2])
+    assert ("does not pay" in note) == (t8 >= t16), note
+    bk.close()
+    again = backend("fp8", gemm_tune=True, gemm_plan=plan)
+    assert again.fp8_gemms == [g for g in FP8_GEMMS if chosen[g]["use"] == "fp8"]
+    assert not any(k.startswith("fp8 ") for k in again.gemm.choice_ms)  # taken, not timed
+    again.close()

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from engine.backends.cuda.cublas import R_32F
-from engine.backends.cuda.gemm import R_8F_E4M3, R_8F_E5M2
+from engine.backends.cuda.gemm import R_8F_E4M3, R_8F_E5M2, time_interleaved
 from engine.backends.cuda.launch import blocks
 from engine.errors import RunError
 from engine.model.fp8 import DELAYED, FP8_GEMMS, HISTORY, AmaxHistory
@@ -88,7 +88,8 @@ class Fp8Mlp:
         self.buf = {name: plan[f"fp8.{name}"] for name in
                     ("w1", "w1t", "w2", "w2t", "x", "xt", "h", "ht", "dy", "dyt", "dh", "dht",
                      "amax", "inv", "hist", "next")}
-        # False: at full length cuBLASLt had no FP8 algorithm for this GEMM (it runs in bf16)
+        # False: at full length cuBLASLt had no FP8 algorithm for this GEMM, or the start-up
+        # timing found it faster in bf16 (it runs in bf16)
         self.use = dict.fromkeys(GEMMS, True)
         self._bf16_at: set[tuple[str, int]] = set()  # (GEMM, rows) that fell back to bf16
         self.notes: list[str] = []
@@ -175,10 +176,19 @@ class Fp8Mlp:
         self.drv.memcpy_htod(self.buf["next"], np.array([history.next], np.int32))
 
     def _gemm(self, name: str, R: int, fp8: Any, bf16: Any) -> None:
-        """The FP8 GEMM, or (cuBLASLt proposing no FP8 algorithm for this shape: decided on its
-        first, eager pass, before a graph is captured) the same product in bf16. A refusal at
-        one length (e.g. rows not a multiple of 16 bytes for a K = rows weight gradient) leaves
+        """The FP8 GEMM, or the same product in bf16 where (decided on the first, eager pass,
+        before a graph is captured) cuBLASLt proposes no FP8 algorithm for this shape, or the
+        start-up timing found bf16 the faster for this GEMM at full length (`_choose`; the
+        choice is kept in the GEMM plan, so a resume computes as the run did). A refusal at one
+        length (e.g. rows not a multiple of 16 bytes for a K = rows weight gradient) leaves
         the other lengths in FP8; one at full length is what `use` and the notes report."""
+        g = self.o.gemm
+        key = f"fp8 {name}"
+        if R == self.R_max and key not in g.choices and g.tuning and g.timer is not None:
+            self._choose(name, key, fp8, bf16)
+        if g.choices.get(key) == "bf16":
+            self.use[name] = False
+            self._bf16_at.add((name, R))
         if (name, R) not in self._bf16_at:
             try:
                 fp8()
@@ -189,6 +199,24 @@ class Fp8Mlp:
                     self.use[name] = False
                 self.notes.append(f"FP8 {name} ({R} rows): {e}; this GEMM runs in bf16 there")
         bf16()
+
+    def _choose(self, name: str, key: str, fp8: Any, bf16: Any) -> None:
+        """Time the GEMM in FP8 and in bf16 (each run once first: its algorithm picked) and keep
+        the faster in the GEMM plan's choices; FP8 that cuBLASLt refuses is no candidate."""
+        g = self.o.gemm
+        try:
+            fp8()
+        except RunError:
+            return  # _gemm's fallback says why
+        bf16()
+        t8, t16 = time_interleaved(g.timer, [fp8, bf16])
+        g.choices[key] = "fp8" if t8 < t16 else "bf16"
+        g.choice_ms[key] = (t8, t16)
+
+    def gemm_times(self) -> dict[str, tuple[float, float]]:
+        """GEMM -> (ms in FP8, ms in bf16) as timed at start (GEMMs not timed are left out)."""
+        ms = self.o.gemm.choice_ms if self.o.gemm is not None else {}
+        return {g: ms[f"fp8 {g}"] for g in GEMMS if f"fp8 {g}" in ms}
 
     # --- the pass ------------------------------------------------------------------------------
     def begin_pass(self, weight: Any) -> None:

@@ -45,6 +45,7 @@ from engine.backends.cuda.cublaslt import (
     lt_check,
     lt_set,
 )
+from engine.backends.cuda.gemm_plan import CHOICE_USES, choice_pair
 from engine.config import GpuConfig
 from engine.errors import RunError
 
@@ -128,7 +129,9 @@ class LtGemm:
         self._problems: dict[str, _Problem] = {}
         self._imported: dict[str, bytes] = {}
         self._imported_plan: dict[str, Any] = {}  # exported again as it came
-        self.choices: dict[str, str] = {}  # MLP GEMM shape -> "epilogue" | "kernel" (ops.py)
+        # MLP GEMM -> "epilogue" | "kernel" (ops.py: GELU in the epilogue or not), "fp8" | "bf16"
+        # (fp8.py: an FP8 MLP GEMM in FP8 or not)
+        self.choices: dict[str, str] = {}
         self.choice_ms: dict[str, tuple[float, float]] = {}  # the timings behind a choice
         self.tuning = False
         self.timer: Callable[[Callable[[], None]], float] | None = None
@@ -311,7 +314,7 @@ class LtGemm:
         self._imported_plan = plan
         for k, v in (plan.get("choices") or {}).items():
             use = v.get("use") if isinstance(v, dict) else v
-            if use in ("epilogue", "kernel"):
+            if use in CHOICE_USES:
                 self.choices[str(k)] = use
         for key, entry in (plan.get("gemms") or {}).items():
             try:
@@ -336,9 +339,11 @@ class LtGemm:
             return x if x is not None and math.isfinite(x) else None
 
         choices = dict(self._imported_plan.get("choices") or {})
-        choices.update({k: {"use": v, "epilogue_ms": finite(self.choice_ms[k][0]),
-                            "kernel_ms": finite(self.choice_ms[k][1])}
-                        for k, v in sorted(self.choices.items()) if k in self.choice_ms})
+        for k, v in sorted(self.choices.items()):
+            if k in self.choice_ms:  # timed here: its pair's times, in the pair's order
+                first, second = choice_pair(v)
+                choices[k] = {"use": v, f"{first}_ms": finite(self.choice_ms[k][0]),
+                              f"{second}_ms": finite(self.choice_ms[k][1])}
         return {"version": PLAN_VERSION, "library": self.library, "device": self.device,
                 "gemms": gemms, "choices": choices}
 

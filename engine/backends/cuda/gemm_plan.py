@@ -43,14 +43,27 @@ class GemmAlgo:
                    as_finite(obj.get("top1_ms")), as_int(obj.get("candidates"), 0))
 
 
+# a choice's variants, each pair timed against each other: GELU in an MLP GEMM's epilogue or the
+# plain GEMM and the GELU kernel; an FP8 MLP GEMM (train/precision fp8) in FP8 or in bf16
+CHOICE_PAIRS = (("epilogue", "kernel"), ("fp8", "bf16"))
+CHOICE_USES = tuple(u for pair in CHOICE_PAIRS for u in pair)
+
+
+def choice_pair(use: str) -> tuple[str, str]:
+    """The two variants a choice of `use` was made between."""
+    return next(pair for pair in CHOICE_PAIRS if use in pair)
+
+
 @dataclass(frozen=True)
 class GemmChoice:
-    """For one MLP GEMM shape: GELU in the GEMM's epilogue ("epilogue") or the plain GEMM and
-    the GELU kernel ("kernel"), and the two timings behind the choice."""
+    """For one MLP GEMM: the variant it runs (`use`, one of CHOICE_USES) and the timings behind
+    the choice (ms of each variant of its pair; None: not timed, or it would not run)."""
 
     use: str
     epilogue_ms: float | None = None
     kernel_ms: float | None = None
+    fp8_ms: float | None = None
+    bf16_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -69,7 +82,8 @@ class GemmPlan:
         return {"version": self.version, "library": self.library, "device": self.device,
                 "gemms": {k: {f.name: getattr(a, f.name) for f in fields(a)}
                           for k, a in self.gemms.items()},
-                "choices": {k: {f.name: getattr(c, f.name) for f in fields(c)}
+                "choices": {k: {f.name: getattr(c, f.name) for f in fields(c)
+                                if f.name == "use" or f.name[:-3] in choice_pair(c.use)}
                             for k, c in self.choices.items()}}
 
     @classmethod
@@ -89,9 +103,9 @@ class GemmPlan:
         choices: dict[str, GemmChoice] = {}
         raw = obj.get("choices")
         for k, v in (raw.items() if isinstance(raw, Mapping) else ()):
-            if isinstance(v, Mapping) and v.get("use") in ("epilogue", "kernel"):
-                choices[str(k)] = GemmChoice(v["use"], as_finite(v.get("epilogue_ms")),
-                                             as_finite(v.get("kernel_ms")))
+            if isinstance(v, Mapping) and v.get("use") in CHOICE_USES:
+                choices[str(k)] = GemmChoice(v["use"], **{
+                    f"{u}_ms": as_finite(v.get(f"{u}_ms")) for u in choice_pair(v["use"])})
         return cls(version, as_str(obj.get("library")), as_str(obj.get("device")), gemms,
                    choices)
 

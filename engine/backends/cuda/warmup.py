@@ -1,7 +1,8 @@
 """The start-up pass of a CudaBackend, before any graph is captured: one eager forward +
 backward at full length and a sampling forward. cuDNN's first execution of each graph does host
 set-up that must not happen under graph capture, and with `tune` every GEMM's algorithm is
-chosen by timing (on random weights: timing on zeros is not representative)."""
+chosen by timing (on random weights: timing on zeros is not representative), and in fp8 each
+MLP GEMM's FP8 against bf16 and whether FP8 pays at this size (fp8_pays.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from engine.backends.cuda import fp8_pays
 from engine.backends.cuda.build import CudaBuild
 from engine.backends.cuda.network import Network
 from engine.backends.cuda.staging import Staging
@@ -55,6 +57,8 @@ def warm_up(build: CudaBuild, net: Network, staging: Staging, state: StateIO,
             ops.wgrad_lp = False
             net.backward(b, T)
         ops.overwrite_grads = ops.wgrad_lp = False
+        if build.fp8_mlp is not None and tune:  # whether FP8 pays here: said at start
+            build.notes.append(fp8_pays.measure(build.fp8_mlp, net, b, T, time_ms))
         ops.join()
         s = build.sample
         Ts = staging.stage(s, tok[:1, :-1], None, 1.0)

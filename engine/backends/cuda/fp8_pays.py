@@ -1,0 +1,50 @@
+"""Whether FP8 pays at this model's size (train/precision "fp8"), measured at start.
+
+With the GEMMs timed at start (gpu.gemm_tune), after the start-up pass: one layer's MLP forward
+and backward on the FP8 path (Fp8MlpPath: the casts, the transposes and the GEMMs as each was
+chosen, fp8.Fp8Mlp._choose) against the same on the bf16 path (GemmMlp), timed in turn on the
+pass's own buffers, plus the FP8 weight copies of a pass shared out over the layers. The
+backend's notes (engine.log at start) then say both times, each GEMM's time in FP8 and in bf16,
+and, where FP8 is not the faster, that it does not pay here and runs as asked. Nothing of this
+changes what runs: the per-GEMM choices do that, and they are in the GEMM plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from engine.backends.cuda.gemm import time_interleaved
+
+
+def mlp_pass(mlp: Any, net: Any, b: Any, T: int) -> Callable[[], None]:
+    """Layer 0's MLP forward and backward on `mlp` (GemmMlp or Fp8MlpPath), on the training
+    buffers `b` as the start-up pass left them, its weight gradients added to the gradients
+    (zeroed after the start-up)."""
+    w, a, R = net.flat, b.layer(0), b.B * T
+    w1, w2 = w.w("h.0.mlp.W_1"), w.w("h.0.mlp.W_2")
+    args = (b.at("dres"), a["ln2"], w1, w2, a["pre"], a["act"], b.at("dln"),
+            w.gw("h.0.mlp.W_1"), w.gw("h.0.mlp.W_2"), b.at("dpre"))
+
+    def run() -> None:
+        mlp.fwd(0, a, w1, w2, b.at("proj"), R)
+        mlp.bwd(0, args, R)
+
+    return run
+
+
+def measure(fp8: Any, net: Any, b: Any, T: int, timer: Callable[[Callable[[], None]], float]
+            ) -> str:
+    """The note on FP8 at this size (fp8: the backend's Fp8Mlp)."""
+    t8, t16 = time_interleaved(timer, [mlp_pass(net.train_mlp, net, b, T),
+                                       mlp_pass(net.mlp, net, b, T)])
+    (copies,) = time_interleaved(timer, [net.train_mlp.begin_pass])
+    t8 += copies / net.shapes.n_layer
+    per_gemm = ", ".join(f"{g} {a:.3f}/{c:.3f}" for g, (a, c) in fp8.gemm_times().items())
+    note = (f"FP8 at d {net.shapes.d_model}: a layer's MLP forward and backward {t8:.3f} ms "
+            f"(the weights' FP8 copies included) against {t16:.3f} ms in bf16, "
+            f"{t16 / t8:.2f}x; each GEMM in FP8/bf16 ms: {per_gemm or 'not timed'}")
+    if t8 >= t16:
+        note += ("; FP8 does not pay at this size: its casts and transposes cost more than its "
+                 "GEMMs save. It runs as asked (train.precision bf16 is the faster here)")
+    return note
