@@ -67,7 +67,8 @@ def test_the_first_pass_scales_by_the_amax_now_and_later_ones_by_the_history() -
             assert f.scales[layer, col] == scale_for(first[f.history.row(layer, tensor)], fmt)
     step(bk, 1)
     second = f.history.amax[:, 1].copy()
-    assert not np.array_equal(first, second)
+    # some tensor's amax grew: its pass-2 scale is still pass 1's (not the larger one's now)
+    assert (second > first).any() and (second < first).any()
     for layer in range(SHAPES.n_layer):
         for col, tensor in enumerate(DELAYED):
             fmt = E5M2 if tensor.startswith("d") else E4M3
@@ -185,3 +186,13 @@ def test_a_checkpoint_without_a_history_resumes_in_fp8_and_the_log_says_so(
     assert loss_records(run)[-1].step == 14
     last = json.loads((run / "checkpoints" / "step_00000014" / "state.json").read_text())
     assert AmaxHistory.from_json(last["fp8_amax_history"], 2).next == 4
+
+
+def test_an_mlp_narrower_than_the_model_runs_in_fp8() -> None:
+    """d_ff below d_model: the FP8 copies' buffers hold x and dy [N, d] too."""
+    shapes = ModelShapes(n_layer=1, d_model=64, n_head=2, d_ff=32, vocab_size=300, seq_len=32)
+    bk = NumpyBackend(shapes, 4, "fp8")
+    bk.load_params(init_params(shapes, seed=2))
+    bk.zero_grads()
+    x, y = tokens(0)
+    assert np.isfinite(bk.forward_backward(x, y)).all() and np.isfinite(bk.read_grads()).all()

@@ -1,5 +1,5 @@
-"""train/precision and --precision as a user meets them on any machine: fp8 refused with one
-line where there is no FP8 (the numpy backend), the override on a fresh run and on --resume
+"""train/precision and --precision as a user meets them on any machine: fp8 on the numpy
+backend (the FP8 values emulated), the override on a fresh run and on --resume
 (the checkpoint holds fp32 masters, so a run may go on in another precision), and where the
 precision shows: the ready event, the dashboard's header, the launcher's command line."""
 

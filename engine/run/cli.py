@@ -33,8 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=PRECISIONS,
                    help="override train.precision (on --resume too: the checkpoint holds fp32 "
                         "masters, so a run may go on in another precision); fp8: the MLP's GEMMs "
-                        "on FP8 values with delayed scaling (CUDA: compute capability 8.9+, "
-                        "bf16 otherwise; numpy: emulated, fp32 otherwise)")
+                        "on FP8 values with delayed scaling, one GPU or CPU process (CUDA: "
+                        "compute capability 8.9+, the rest in bf16; numpy: emulated, the rest "
+                        "in fp32)")
     p.add_argument("--attention", choices=ATTENTIONS,
                    help="override gpu.attention (on --resume too): cuDNN's fused attention "
                         "(auto: when installed and it accepts the model) or the engine's own "

@@ -113,6 +113,18 @@ class TrainingRun(RunResume, RunStartup, StepOutput, RunCheckpoints):
 
     # -- the run's life ------------------------------------------------------------------
 
+    def _refuse_fp8_across_ranks(self) -> None:
+        """train.precision fp8 trains on one GPU (or CPU process) only: its delayed scales
+        follow the amax history of the rank's own passes (engine.model.fp8), so ranks would
+        scale their copies differently, and neither a resume nor the equality of N ranks with N
+        accumulated micro-batches could hold."""
+        if self.world.distributed and self.cfg.train.precision == "fp8":
+            raise UserError(
+                f"train.precision fp8 with data parallelism ({self.world.size} ranks): each "
+                f"rank's delayed FP8 scales would follow its own batches, so the ranks would not "
+                f"compute alike; train fp8 on one GPU (train.grad_accum gives the same tokens "
+                f"a step) or use bf16 across GPUs")
+
     def run(self) -> int:
         """Start, train and end the run; its exit status: 0 finished or stopped, 1 failed (bad
         input raises UserError, with the run's files as they were before)."""
@@ -124,6 +136,7 @@ class TrainingRun(RunResume, RunStartup, StepOutput, RunCheckpoints):
             try:
                 cleanup_tmp(self.ckpt_root)  # half-written dirs of writers that died
                 resume = self._pick_resume()
+                self._refuse_fp8_across_ranks()
                 backend = resolve_backend(self.args.backend)
                 ranks = self._ranks = self._join(backend)
                 # Only now, with the quick refusals behind it, does the engine say who it is: a

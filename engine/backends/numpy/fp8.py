@@ -32,8 +32,9 @@ SCALES = (*DELAYED, "w1", "w2")
 
 def buffer_sizes(d: int, F: int, N: int) -> dict[str, int]:
     """The elements of the FP8 copies' buffers for passes of up to N rows: one activation copy
-    [N, F] (x's [N, d] fits), one gradient copy [N, F], one weight copy [d, F]."""
-    return {"a": N * F, "g": N * F, "w": d * F}
+    (x [N, d] or h [N, F]), one gradient copy (dy [N, d] or dh [N, F]), one weight copy
+    [d, F]."""
+    return {"a": N * max(d, F), "g": N * max(d, F), "w": d * F}
 
 
 class Fp8Mlp:

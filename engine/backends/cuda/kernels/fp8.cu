@@ -10,8 +10,11 @@
 // scaled by its own amax in that pass, which k_fp8_amax_delayed (a no-op once there is a history)
 // or the kernel that wrote it (the GELU kernels, kernels/mlp.cu) has then taken. At the end of
 // the pass k_fp8_record writes every amax into the history's next slot (0 where not finite).
-// An infinite amax gives s = 0: the copy, the GEMM and the step's gradient norm are then not
-// finite, and the step is skipped like any other non-finite step.
+// An infinite amax that a scale divides by (a weight's, or a tensor's own while it has no
+// history) gives s = 0: the copy, the GEMM and the step's gradient norm are then not finite, and
+// the step is skipped like any other non-finite step. Scaled from a history, an infinite value
+// saturates at ±FMAX (__NV_SATFINITE, as round_fp8 does); the non-finite value that made it
+// reaches the gradient norm by the residual stream.
 //
 // amax is reduced with atomicMax on the float's bits as an unsigned int (common.cuh block_amax:
 // |x| >= 0 orders like its bits, and a max is exact in any order, so the result is the same bits
