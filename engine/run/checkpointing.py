@@ -89,9 +89,10 @@ class RunCheckpoints:
             "backend": tr.backend.name,
             "world_size": self.world.size,
             "versions": {"python": platform.python_version(), "numpy": np.__version__},
-            # train/precision "fp8": the GEMMs that ran in FP8 (only then: the key says so)
-            **({rec.STATE_FP8_GEMMS: list(tr.backend.fp8_gemms)} if tr.backend.fp8_gemms
-               else {}),
+            # train/precision "fp8": the GEMMs that ran in FP8, none where every one was faster
+            # in bf16 (only then: the key says so)
+            **({rec.STATE_FP8_GEMMS: list(tr.backend.fp8_gemms)}
+               if self.cfg.train.precision == "fp8" else {}),
             # train/precision "fp8": the delayed scales' amax history (a resume goes on from it)
             **({rec.STATE_FP8_HISTORY: h.to_json()}
                if (h := tr.backend.fp8_history()) is not None else {}),

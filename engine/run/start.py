@@ -317,7 +317,7 @@ class RunStartup:
             if isinstance(got, GemmPlan):
                 plan = got.to_json()
                 self.out.log(f"GEMM algorithms from {path.name} ({len(got.gemms)} problems, "
-                             f"{len(got.choices)} epilogue choices)")
+                             f"{len(got.choices)} choices: GELU in the epilogue or not, FP8 or bf16)")
             else:
                 self.out.log(f"{path.name} is not usable ({got}); timing the GEMMs again"
                              + (" (the bits may differ from the run before the checkpoint)"

@@ -53,6 +53,9 @@ TILE = 32  # kernels/fp8.cu's transpose tile
 # bytes between two inverse scales: cuBLASLt refused (CUBLAS_STATUS_NOT_SUPPORTED) FP8 GEMMs
 # whose scale pointers were only 4-byte aligned
 SCALE_STRIDE = 16
+# a GEMM whose bf16 time at start is below this stays in FP8 without a choice: at a few µs the
+# timing (one eager launch each) measures the host's launch more than the GEMM
+MIN_CHOICE_MS = 0.05
 
 
 def plan_fp8(plan: Any, n_layer: int, d: int, F: int, R: int) -> None:
@@ -183,8 +186,11 @@ class Fp8Mlp:
         length (e.g. rows not a multiple of 16 bytes for a K = rows weight gradient) leaves
         the other lengths in FP8; one at full length is what `use` and the notes report."""
         g = self.o.gemm
-        key = f"fp8 {name}"
-        if R == self.R_max and key not in g.choices and g.tuning and g.timer is not None:
+        key = self.choice_key(name)
+        if key not in g.choices and g.plan_imported:
+            g.choices[key] = "fp8"  # a plan from before these choices: what its run computed
+        if (R == self.R_max and key not in g.choices and (name, R) not in self._bf16_at
+                and g.tuning and g.timer is not None):
             self._choose(name, key, fp8, bf16)
         if g.choices.get(key) == "bf16":
             self.use[name] = False
@@ -200,23 +206,29 @@ class Fp8Mlp:
                 self.notes.append(f"FP8 {name} ({R} rows): {e}; this GEMM runs in bf16 there")
         bf16()
 
+    def choice_key(self, name: str) -> str:
+        """The GEMM plan's key for the FP8-or-bf16 choice of one GEMM at this model's shape."""
+        return f"fp8 {name} R={self.R_max} d={self.d} F={self.F}"
+
     def _choose(self, name: str, key: str, fp8: Any, bf16: Any) -> None:
         """Time the GEMM in FP8 and in bf16 (each run once first: its algorithm picked) and keep
-        the faster in the GEMM plan's choices; FP8 that cuBLASLt refuses is no candidate."""
+        the faster in the GEMM plan's choices, where the bf16 GEMM takes MIN_CHOICE_MS or more;
+        a shorter one stays in FP8, as asked (its timing would measure the launch more than the
+        GEMM). FP8 that cuBLASLt refuses is no candidate (_gemm's fallback says why)."""
         g = self.o.gemm
         try:
             fp8()
         except RunError:
-            return  # _gemm's fallback says why
+            return
         bf16()
         t8, t16 = time_interleaved(g.timer, [fp8, bf16])
-        g.choices[key] = "fp8" if t8 < t16 else "bf16"
+        g.choices[key] = "fp8" if t8 < t16 or t16 < MIN_CHOICE_MS else "bf16"
         g.choice_ms[key] = (t8, t16)
 
     def gemm_times(self) -> dict[str, tuple[float, float]]:
         """GEMM -> (ms in FP8, ms in bf16) as timed at start (GEMMs not timed are left out)."""
         ms = self.o.gemm.choice_ms if self.o.gemm is not None else {}
-        return {g: ms[f"fp8 {g}"] for g in GEMMS if f"fp8 {g}" in ms}
+        return {g: ms[self.choice_key(g)] for g in GEMMS if self.choice_key(g) in ms}
 
     # --- the pass ------------------------------------------------------------------------------
     def begin_pass(self, weight: Any) -> None:

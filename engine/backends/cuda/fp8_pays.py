@@ -1,7 +1,7 @@
 """Whether FP8 pays at this model's size (train/precision "fp8"), measured at start.
 
-With the GEMMs timed at start (gpu.gemm_tune), after the start-up pass: one layer's MLP forward
-and backward on the FP8 path (Fp8MlpPath: the casts, the transposes and the GEMMs as each was
+With the GEMMs timed at start (gpu.gemm_tune), after the start-up pass, where the MLP's GEMMs
+are long enough to time (fp8.MIN_CHOICE_MS): one layer's MLP forward and backward on the FP8 path (Fp8MlpPath: the casts, the transposes and the GEMMs as each was
 chosen, fp8.Fp8Mlp._choose) against the same on the bf16 path (GemmMlp), timed in turn on the
 pass's own buffers, plus the FP8 weight copies of a pass shared out over the layers. The
 backend's notes (engine.log at start) then say both times, each GEMM's time in FP8 and in bf16,
@@ -14,7 +14,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from engine.backends.cuda.fp8 import MIN_CHOICE_MS
 from engine.backends.cuda.gemm import time_interleaved
+
+PASS_MIN_MS = 6 * MIN_CHOICE_MS  # a layer's MLP is six GEMMs and their kernels
 
 
 def mlp_pass(mlp: Any, net: Any, b: Any, T: int) -> Callable[[], None]:
@@ -35,9 +38,19 @@ def mlp_pass(mlp: Any, net: Any, b: Any, T: int) -> Callable[[], None]:
 
 def measure(fp8: Any, net: Any, b: Any, T: int, timer: Callable[[Callable[[], None]], float]
             ) -> str:
-    """The note on FP8 at this size (fp8: the backend's Fp8Mlp)."""
-    t8, t16 = time_interleaved(timer, [mlp_pass(net.train_mlp, net, b, T),
-                                       mlp_pass(net.mlp, net, b, T)])
+    """The note on FP8 at this size (fp8: the backend's Fp8Mlp), after its GEMMs' choices."""
+    times = fp8.gemm_times()
+    if times and max(t16 for _, t16 in times.values()) < MIN_CHOICE_MS:
+        return (f"FP8 at d {net.shapes.d_model}: the MLP's GEMMs take under {MIN_CHOICE_MS} ms "
+                f"each in bf16, too short for a start-up timing to tell FP8 from bf16 (the "
+                f"launches dominate it); they run in FP8, as asked")
+    passes = [mlp_pass(net.train_mlp, net, b, T), mlp_pass(net.mlp, net, b, T)]
+    for run in passes:
+        run()  # untimed: any problem met only here has its algorithm picked now
+    t8, t16 = time_interleaved(timer, passes)
+    if t16 < PASS_MIN_MS:
+        return (f"FP8 at d {net.shapes.d_model}: a layer's MLP takes {t16:.3f} ms in bf16, too "
+                f"short for a start-up timing to tell FP8 from bf16 (the launches dominate it)")
     (copies,) = time_interleaved(timer, [net.train_mlp.begin_pass])
     t8 += copies / net.shapes.n_layer
     per_gemm = ", ".join(f"{g} {a:.3f}/{c:.3f}" for g, (a, c) in fp8.gemm_times().items())

@@ -325,6 +325,12 @@ class LtGemm:
                 self._imported[str(key)] = raw
         return ""
 
+    @property
+    def plan_imported(self) -> bool:
+        """Whether a recorded plan was accepted (import_plan): choices it lacks were then not
+        made by the run that wrote it."""
+        return bool(self._imported_plan)
+
     def export_plan(self) -> dict[str, Any]:
         """The chosen algorithms as GemmPlan.to_json() fields: an imported plan's entries as they
         came, and the problems timed here (a heuristic first choice is a function of the

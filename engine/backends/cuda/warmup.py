@@ -58,7 +58,9 @@ def warm_up(build: CudaBuild, net: Network, staging: Staging, state: StateIO,
             net.backward(b, T)
         ops.overwrite_grads = ops.wgrad_lp = False
         if build.fp8_mlp is not None and tune:  # whether FP8 pays here: said at start
+            ops.overwrite_grads = build.fused_step  # the weight gradients' GEMMs as the step's
             build.notes.append(fp8_pays.measure(build.fp8_mlp, net, b, T, time_ms))
+            ops.overwrite_grads = False
         ops.join()
         s = build.sample
         Ts = staging.stage(s, tok[:1, :-1], None, 1.0)
