@@ -292,7 +292,11 @@ class ModelBench:
     def long_runs(self, group: Sequence[str], n: int) -> None:
         """--sustained: the fused path and the group's PyTorch modes within 1.3x of the fastest
         PyTorch rounds timed so far (eager and compile are far behind reduce-overhead: their
-        long runs would only spend device time), n steps back to back in turn."""
+        long runs would only spend device time), n steps back to back in turn; once a model
+        (where groups run, in the first group that can: the fastest PyTorch mode expected
+        runs first, and at 1.2B each further long run would cost minutes)."""
+        if self.sustained_runs:
+            return
         torch_ms = {m: statistics.median(v) for m, v in self.medians.items()
                     if m.startswith("torch") and v}
         near = [m for m in group if m in self.held and m in torch_ms
@@ -345,6 +349,10 @@ def bench_model(key: str, torch_variants: list[str], steps: int, rounds: int,
     if mb.sustained_runs:
         mb.note["sustained"] = merge_sustained(mb.sustained_runs)
         mb.note["sustained_runs"] = mb.sustained_runs
+    elif sustained:
+        mb.note["sustained_skipped"] = why = (
+            "no group held the fused path beside a PyTorch mode (or every PyTorch mode failed)")
+        print(f"  ANDREA-{key}: --sustained {sustained}: no long runs: {why}", flush=True)
     for group in plan:
         if "andrea" not in group and len(plan) > 1:
             for name in group:

@@ -160,19 +160,19 @@ def release_torch(reset_compiled: bool = True) -> None:
     compiled is still held), and the caching allocator's free blocks (empty_cache)."""
     import gc
 
-    gc.collect()
     try:
         import torch
     except ImportError:
+        gc.collect()
         return
-    if not torch.cuda.is_initialized():
-        return
-    if reset_compiled:
+    if reset_compiled and torch.cuda.is_initialized():
         try:
-            torch._dynamo.reset()
+            torch._dynamo.reset()  # first: the graphs it drops sit in reference cycles
         except Exception:  # a PyTorch without Dynamo: nothing compiled to reset
             pass
-    torch.cuda.empty_cache()
+    gc.collect()
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def reset_torch_peak() -> None:

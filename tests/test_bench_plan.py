@@ -376,3 +376,26 @@ def test_fp8_is_an_alias_that_adds_the_path():
     assert b.engine_paths(b.parse_args(["--fp8", "--paths", "fused,fp8"])) == ["fused", "fp8"]
     a = b.parse_args(["--models", "312M,1.2B", "--profile-torch"])
     assert b.refusal(a, b.csv(a.torch), ()) == "" and a.profile_torch == "reduce-overhead"
+
+
+def test_long_runs_happen_once_a_model_in_the_first_group_that_can(fake_bench, monkeypatch):
+    """--sustained in groups: the fused path's long run beside the first PyTorch mode that can
+    (the fastest expected runs first), not again in each later group (minutes each at 1.2B);
+    a model with no such group says the long runs were skipped."""
+    b, _log = fake_bench
+    m = _models()
+    runs: list[list[str]] = []
+    monkeypatch.setattr(b, "bench_sustained", lambda key, impls, *a: runs.append(list(impls))
+                        or {n: {"ms": 1.0} for n in impls})
+    monkeypatch.setattr(b.EnergyMeter, "open", staticmethod(lambda: None))
+    monkeypatch.setattr(b, "engine_bytes", lambda s, opts, switched=None: {
+        id(m.FUSED): 30 * GIB, id(m.CLASSIC): 60 * GIB}[id(opts)])
+    monkeypatch.setattr(b, "torch_bytes", lambda s: 30 * GIB)
+    notes: dict[str, Any] = {}
+    b.bench_model("1.2B", ["eager", "compile", "reduce-overhead"], steps=2, rounds=1,
+                  notes=notes, sustained=10)
+    assert runs == [["andrea", "torch reduce-overhead"]]
+    monkeypatch.setattr(b, "torch_bytes", lambda s: 60 * GIB)  # nothing beside the fused path
+    runs.clear()
+    b.bench_model("1.2B", ["eager"], steps=2, rounds=1, notes=notes, sustained=10)
+    assert runs == [] and "no group held the fused path" in notes["1.2B"]["sustained_skipped"]
