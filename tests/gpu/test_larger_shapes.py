@@ -106,13 +106,24 @@ def test_two_runs_give_the_same_bits_at_d_2048(precision: str) -> None:
         assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
-def test_the_312m_memory_plan_adds_up() -> None:
+def test_the_312m_memory_plan_adds_up_and_is_what_the_device_gives() -> None:
     """The full-depth 312M model at its config's micro-batch: weights, gradients and Adam's
-    moments as the parameter count says, and the total the sum of the groups."""
+    moments as the parameter count says, the total the sum of the groups, and the device
+    memory the backend takes (the driver's free memory before and after) the plan's total and
+    at most 2 GiB more (the libraries' handles and workspaces, the graphs)."""
+    import pycuda.driver as drv
+
     s = shipped("312M")
     cfg = load_config(ROOT / "experiments" / "ANDREA-312M-TRAIN.json")
+    # the context, the kernels' modules and the libraries first (a small backend, closed)
+    cuda_backend(two_layers("312M"), 1, "bf16").close()
+    drv.Context.synchronize()
+    free_before = drv.mem_get_info()[0]
     gpu = cuda_backend(s, cfg.train.batch_size, "bf16")
+    drv.Context.synchronize()
+    taken = free_before - drv.mem_get_info()[0]
     plan, n = gpu.memory_plan(), n_params(s)
+    assert plan["total"] <= taken <= plan["total"] + 2 * 2**30, (taken, plan)
     assert plan["adam_m"] == plan["adam_v"] >= 4 * n
     assert plan["weights"] >= 6 * n
     assert plan["total"] == sum(v for k, v in plan.items() if k != "total")
