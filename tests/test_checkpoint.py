@@ -410,20 +410,62 @@ def test_full_disk_reports_error_and_keeps_earlier(tmp_path: Path) -> None:
     assert entry.valid and entry.step == 1
 
 
-def test_checkpoint_room_counts_keep_and_the_one_being_written(tmp_path: Path) -> None:
-    """checkpoint.keep periodic checkpoints and the one being written, less those already
-    there, against the file system's free space (a 1.2B model's checkpoint is ~14.7 GB)."""
-    from engine.run.checkpoint_write import checkpoint_room, free_bytes, model_file_bytes
+def test_checkpoint_room_counts_keep_and_the_one_being_written(tmp_path: Path,
+                                                               monkeypatch) -> None:
+    """checkpoint.keep periodic checkpoints and the one being written (the oldest goes only once
+    it is complete), less the valid ones already there, at most as many as the run still writes,
+    against the file system's free space (a 1.2B model's checkpoint is ~13.7 GiB)."""
+    from engine.run import checkpoint_write as cw
 
     n = 1_227_560_960
-    assert model_file_bytes(n) == 8 + 12 * n
-    room = checkpoint_room(tmp_path / "checkpoints", n, keep=2, existing=0)
-    assert room.peak == 3 * room.each and room.more == room.peak
-    assert room.each >= model_file_bytes(n)
-    assert room.free == free_bytes(tmp_path) and room.free is not None
-    assert room.short == (room.more > room.free)
-    there = checkpoint_room(tmp_path / "checkpoints", n, keep=2, existing=2)
-    assert there.more == there.each and there.peak == room.peak
-    assert checkpoint_room(tmp_path, 10, keep=1, existing=5).more == 0
-    assert not checkpoint_room(tmp_path, 10, keep=1, existing=0).short
-    assert checkpoint_room(tmp_path / "no" / "such" / "dir", 10, keep=1, existing=0).free is None
+    assert cw.model_file_bytes(n) == 8 + 12 * n
+    monkeypatch.setattr(cw, "free_bytes", lambda path: 40 * 2**30)
+    room = cw.checkpoint_room(tmp_path / "checkpoints", n, keep=2, existing=0, writes=25)
+    each = room.each
+    assert each >= cw.model_file_bytes(n) and room.peak == 3 * each and room.more == 3 * each
+    assert room.free == 40 * 2**30 and room.short  # 3 x 13.7 GiB do not fit in 40 GiB
+    # two valid ones there: the next write still needs a whole checkpoint's room
+    assert cw.checkpoint_room(tmp_path, n, keep=2, existing=2, writes=25).more == each
+    # more left behind than keep (a run killed before it pruned): still one
+    assert cw.checkpoint_room(tmp_path, n, keep=2, existing=5, writes=25).more == each
+    # a run with one checkpoint left to write needs room for that one only
+    assert cw.checkpoint_room(tmp_path, n, keep=2, existing=0, writes=1).more == each
+    monkeypatch.setattr(cw, "free_bytes", lambda path: 3 * each)
+    assert not cw.checkpoint_room(tmp_path, n, keep=2, existing=0, writes=25).short
+    monkeypatch.setattr(cw, "free_bytes", lambda path: 3 * each - 1)
+    assert cw.checkpoint_room(tmp_path, n, keep=2, existing=0, writes=25).short
+    monkeypatch.setattr(cw, "free_bytes", lambda path: None)
+    assert not cw.checkpoint_room(tmp_path, n, keep=2, existing=0, writes=25).short
+
+
+def test_free_bytes_is_the_file_systems_and_none_where_it_cannot_say(tmp_path: Path) -> None:
+    from engine.run.checkpoint_write import free_bytes
+
+    st = os.statvfs(tmp_path)
+    blocks = st.f_bfree if os.geteuid() == 0 else st.f_bavail  # root may use the reserve
+    got = free_bytes(tmp_path / "not yet")  # the parent's file system
+    assert got is not None and abs(got - blocks * st.f_frsize) < 2**30
+    assert free_bytes(tmp_path / "no" / "such" / "dir") is None
+
+
+def test_an_unreadable_checkpoint_directory_is_listed_as_invalid(tmp_path: Path,
+                                                                 monkeypatch) -> None:
+    """A step directory this process may not look into (stat's EACCES, which Path.is_file
+    raises): listed, invalid, no exception (the start's disk forecast and the pruning list the
+    checkpoints). The refusal is made by a stand-in: root may look into a directory of mode
+    000, and the tests may run as root."""
+    from engine.run.checkpoint_store import list_checkpoints
+
+    d = tmp_path / "checkpoints" / "step_00000010"
+    d.mkdir(parents=True)
+    (d / "state.json").write_text('{"reason": "periodic"}')
+    real = Path.is_file
+
+    def is_file(self: Path) -> bool:
+        if self.parent == d:
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real(self)
+
+    monkeypatch.setattr(Path, "is_file", is_file)
+    [entry] = list_checkpoints(tmp_path)
+    assert not entry.valid and "Permission denied" in entry.invalid_reason

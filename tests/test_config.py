@@ -88,7 +88,9 @@ def test_larger_configs_say_what_they_are_and_what_they_need(name: str, shape, l
     desc = cfg.description
     assert f"{n:,} parameters" in desc
     assert f"{cfg.tokens_per_step:,} tokens a step" in desc
-    assert f"about {n * 12 / 1e9:.1f} GB" in desc  # fp32 weights, m and v
+    assert f"about {n * 12 / 2**30:.1f} GiB" in desc  # fp32 weights, m and v, as engine.log
+    keep = cfg.checkpoint.keep
+    assert f"up to {n * 12 / 2**30 * (keep + 1):.0f} GiB of disk" in desc
     assert f"keep {cfg.checkpoint.keep} periodic" in desc
     plan, _, _ = plan_memory(m, cfg.train.batch_size, "bf16", attention="cudnn", fused=True,
                              qkv_rows=True, logits_lp=True, grads_lp=True)

@@ -73,6 +73,8 @@ def checkpoint_entry(path: Path, *, check_hash: bool = True) -> CheckpointEntry:
         valid, why = True, None
     except CheckpointInvalid as e:
         valid, why = False, str(e)
+    except OSError as e:  # is_file() itself: a directory this process may not look into
+        valid, why = False, f"{path}: {e.strerror or e}"
     doc = doc if isinstance(doc, dict) else {}
     reason = doc.get("reason") if isinstance(doc.get("reason"), str) else None
     wall = doc.get("wall_time") if isinstance(doc.get("wall_time"), (int, float)) else None

@@ -249,9 +249,10 @@ def free_bytes(path: Path) -> int | None:
 @dataclass(frozen=True)
 class Room:
     """The disk the periodic checkpoints of `checkpoint.keep` need, against the free space: one
-    model.ckpt is `each` bytes; `peak` is keep of them and the one being written (the oldest
-    goes once the new one is complete); `more` is what that adds to the `existing` periodic
-    checkpoints already there; `free` None when the file system does not say."""
+    checkpoint is `each` bytes; `peak` is keep of them and the one being written (the oldest
+    goes only once the new one is complete); `more` is what the run still adds to the valid
+    periodic checkpoints already there (`existing`, of which keep count), at most as many as
+    it will still write (`writes`); `free` None when the file system does not say."""
 
     each: int
     keep: int
@@ -265,11 +266,11 @@ class Room:
         return self.free is not None and self.more > self.free
 
 
-def checkpoint_room(ckpt_root: Path, n_params: int, keep: int, existing: int) -> Room:
+def checkpoint_room(ckpt_root: Path, n_params: int, keep: int, existing: int,
+                    writes: int) -> Room:
     each = model_file_bytes(n_params) + ROOM_MARGIN_BYTES
-    root = Path(ckpt_root)
-    return Room(each, keep, existing, (keep + 1) * each, max(0, keep + 1 - existing) * each,
-                free_bytes(root))
+    more = max(0, min(keep + 1 - min(existing, keep), writes)) * each
+    return Room(each, keep, existing, (keep + 1) * each, more, free_bytes(Path(ckpt_root)))
 
 
 def cleanup_tmp(ckpt_root: Path) -> list[Path]:

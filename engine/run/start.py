@@ -237,15 +237,20 @@ class RunStartup:
 
     def _log_checkpoint_room(self) -> None:
         """The disk the periodic checkpoints need, in the log at start (a 1.2B model's
-        model.ckpt is about 15 GB), with a warning when the file system has less free: a
-        checkpoint that cannot be written stops the run at its step."""
+        checkpoint is about 13.7 GiB), with a warning when the file system has less free than
+        the run will need: a checkpoint that cannot be written stops the run at its step."""
         from engine.run.checkpoint_store import list_checkpoints
         from engine.run.checkpoint_write import checkpoint_room
 
-        existing = sum(e.reason == "periodic" for e in list_checkpoints(self.ckpt_root,
-                                                                        check_hash=False))
-        room = checkpoint_room(self.ckpt_root, self.trainer.n_params, self.cfg.checkpoint.keep,
-                               existing)
+        try:
+            existing = sum(e.reason == "periodic" and e.valid
+                           for e in list_checkpoints(self.ckpt_root, check_hash=False))
+        except OSError:
+            existing = 0
+        ck, step = self.cfg.checkpoint, self.trainer.step_count
+        # the periodic checkpoints still to come, and the final one
+        writes = (self.cfg.train.max_steps // ck.every - step // ck.every) + 1
+        room = checkpoint_room(self.ckpt_root, self.trainer.n_params, ck.keep, existing, writes)
         free = "unknown free space" if room.free is None else f"{format_bytes(room.free)} free"
         self.out.log(f"checkpoints: {format_bytes(room.each)} each; checkpoint.keep {room.keep}:"
                      f" up to {format_bytes(room.peak)} of periodic ones while the next is "
