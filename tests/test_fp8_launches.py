@@ -1,0 +1,159 @@
+"""The FP8 MLP's launches without a GPU: engine/backends/cuda/fp8.py's Fp8Mlp on the real Ops,
+whose kernels and GEMMs are stand-ins that check every launch against the kernel's declared
+argument formats (runtime.SIGNATURES, themselves checked against the .cu sources by
+test_cuda_sources.py) and record the calls. A wrong argument count or kind would otherwise be
+found only on a GPU, at start."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from engine.backends.cuda.fp8 import HISTORY, TENSORS, Fp8Mlp, plan_fp8
+from engine.backends.cuda.memory import Plan
+from engine.backends.cuda.ops import Ops
+from engine.backends.cuda.runtime import SIGNATURES
+from engine.model.fp8 import DELAYED
+
+L, d, F, R = 2, 128, 512, 256
+ARG_RANGE = {"P": (0, 2**64), "q": (-(2**63), 2**63), "i": (-(2**31), 2**31)}
+
+
+class Kernel:
+    def __init__(self, name: str, calls: list[tuple[str, tuple[int, ...]]]) -> None:
+        self.name, self.calls = name, calls
+
+    def prepared_async_call(self, grid: tuple[int, int], block: tuple[int, int, int],
+                            stream: Any, *args: Any, shared_size: int = 0) -> None:
+        fmt = SIGNATURES[self.name]
+        assert len(args) == len(fmt), f"{self.name}: {len(args)} arguments, declared {fmt}"
+        for code, a in zip(fmt, args, strict=True):
+            lo, hi = ARG_RANGE[code]
+            assert isinstance(a, (int, np.integer)) and lo <= int(a) < hi, (self.name, fmt, args)
+        assert all(g >= 1 for g in grid), (self.name, grid)
+        self.calls.append((self.name, tuple(int(a) for a in args)))
+
+
+class Gemm:
+    """LtGemm's surface that Ops and Fp8Mlp use; every matmul recorded."""
+
+    def __init__(self) -> None:
+        self.tuning, self.timer = False, None
+        self.choices: dict[str, str] = {}
+        self.choice_ms: dict[str, tuple[float, float]] = {}
+        self.plan_imported = False
+        self.matmuls: list[dict[str, Any]] = []
+
+    def matmul(self, out: int, a: int, b: int, M: int, N: int, K: int, **kw: Any) -> None:
+        self.matmuls.append({"out": out, "a": a, "b": b, "M": M, "N": N, "K": K, **kw})
+
+
+class Stream:
+    handle = 0
+
+    def synchronize(self) -> None:
+        pass
+
+
+class Drv:
+    """mem_alloc's far-apart bases; the history's copies recorded."""
+
+    class Mem(int):
+        def free(self) -> None:
+            pass
+
+    def __init__(self) -> None:
+        self.next, self.copies = 0x7F00_0000_0000, []
+
+    def mem_alloc(self, nbytes: int) -> Mem:
+        mem = self.Mem(self.next)
+        self.next += (nbytes // 2**30 + 2) * 2**30
+        return mem
+
+    def memcpy_htod(self, ptr: int, host: np.ndarray) -> None:
+        self.copies.append(("htod", int(ptr), host.nbytes))
+
+    def memcpy_dtoh(self, host: np.ndarray, ptr: int) -> None:
+        host[...] = 0
+        self.copies.append(("dtoh", int(ptr), host.nbytes))
+
+
+@pytest.fixture
+def mlp() -> tuple[Fp8Mlp, Ops, list, Gemm, Drv]:
+    calls: list[tuple[str, tuple[int, ...]]] = []
+    gemm, drv = Gemm(), Drv()
+    ops = Ops({name: Kernel(name, calls) for name in SIGNATURES}, None, Stream(), "bf16",
+              gemm=gemm, ws=1 << 20)
+    ops.zero32 = lambda ptr, count: calls.append(("memset", (int(ptr), count)))  # the driver's
+    plan = Plan()
+    plan_fp8(plan, L, d, F, R)
+    plan.allocate(drv)
+    return Fp8Mlp(ops, drv, plan, L, d, F, ops.act, R), ops, calls, gemm, drv
+
+
+def one_pass(fp8: Fp8Mlp) -> None:
+    base = 0x1000_0000
+    fp8.begin_pass(lambda layer, name: base + 0x100_0000 * layer + (0 if name.endswith("1")
+                                                                     else 0x80_0000))
+    for layer in range(L):
+        fp8.forward(layer, base, base, base, base, base, base, R)
+    for layer in reversed(range(L)):
+        fp8.backward(layer, base, base, base, base, base, base, base, base, base, base, R)
+
+
+def test_every_launch_of_a_pass_matches_its_kernels_declaration(mlp) -> None:
+    fp8, _, calls, gemm, drv = mlp
+    assert [c[0] for c in drv.copies] == ["htod", "htod"]  # the history zeroed at construction
+    one_pass(fp8)
+    names = [n for n, _ in calls]
+    # per pass: the weights' amax and copies; per layer the delayed amax pass over x and dy
+    # (a no-op once they have a history), four activation and gradient casts; one record
+    assert names.count("k_fp8_amax_f32") == 2 * L
+    assert names.count("k_fp8_amax_delayed") == 2 * L
+    assert names.count("k_fp8_record") == 1 and names[-1] == "k_fp8_record"
+    assert names[0] == "memset"  # the amax words zeroed when the pass begins
+    casts = [a for n, a in calls if n.startswith("k_fp8_cast_t")]
+    assert len(casts) == 2 * L + 4 * L
+    # the weights' casts read no history (current scaling), the others their own row's
+    hist = fp8.buf["hist"]
+    rows = [(a[5] - hist) // (4 * HISTORY) for a in casts if a[5]]
+    assert sorted(rows) == sorted(layer * len(DELAYED) + t for layer in range(L)
+                                  for t in range(len(DELAYED)))
+    assert sum(1 for a in casts if a[5] == 0) == 2 * L
+    # the record reads the amax words in the six-a-layer layout into HISTORY slots
+    [rec] = [a for n, a in calls if n == "k_fp8_record"]
+    assert rec[3:] == (L * len(DELAYED), len(DELAYED), len(TENSORS), HISTORY)
+    # the six GEMMs of each layer, FP8 operand types on each
+    assert len(gemm.matmuls) == 6 * L and all("scales" in m for m in gemm.matmuls)
+
+
+def test_a_gemm_chosen_bf16_runs_without_scales_and_the_pass_still_records(mlp) -> None:
+    fp8, _, calls, gemm, _ = mlp
+    gemm.choices[fp8.choice_key("fc2 dgrad")] = "bf16"
+    one_pass(fp8)
+    assert fp8.fp8_gemms == [g for g in fp8.use if g != "fc2 dgrad"]
+    assert sum("scales" not in m for m in gemm.matmuls) == L  # fc2 dgrad, one a layer
+    assert [n for n, _ in calls].count("k_fp8_record") == 1
+
+
+def test_a_plan_without_fp8_choices_is_taken_as_all_fp8(mlp) -> None:
+    fp8, _, _, gemm, _ = mlp
+    gemm.plan_imported = True
+    gemm.tuning, gemm.timer = True, lambda fn: 1.0  # would time, were a choice missing
+    one_pass(fp8)
+    assert all(gemm.choices[fp8.choice_key(g)] == "fp8" for g in fp8.use)
+    assert not gemm.choice_ms and len(fp8.fp8_gemms) == 6
+
+
+def test_the_history_travels_through_the_device_copies(mlp) -> None:
+    fp8, _, _, _, drv = mlp
+    h = fp8.read_history()
+    assert h.amax.shape == (L * len(DELAYED), HISTORY) and h.next == 0
+    assert drv.copies[-2:] == [("dtoh", fp8.buf["hist"], L * len(DELAYED) * HISTORY * 4),
+                               ("dtoh", fp8.buf["next"], 4)]
+    with pytest.raises(ValueError, match=f"expected {L * len(DELAYED)} tensors"):
+        from engine.model.fp8 import AmaxHistory
+
+        fp8.load_history(AmaxHistory.empty(L + 1))
