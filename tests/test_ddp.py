@@ -487,3 +487,18 @@ def test_precision_reaches_every_rank(tmp_path: Path, write_config) -> None:
     assert p.returncode == 2 and "Traceback" not in out, out
     assert "train.precision fp8 with data parallelism (2 ranks)" in out, out
     assert not (tmp_path / "run8" / "loss.jsonl").exists()
+
+
+def test_numpy_ranks_share_the_hosts_cores_among_their_blas_threads(monkeypatch) -> None:
+    """`--gpus N` on the numpy backend: each rank's OpenBLAS gets cores // N threads (at least
+    one), unless the user set OPENBLAS_NUM_THREADS; GPU ranks are left as they are."""
+    from engine.run.launch import rank_env
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    for n in (1, 2, 64):
+        assert rank_env(0, n, 1, "t", "j", cuda=False)["OPENBLAS_NUM_THREADS"] == \
+            str(max(1, cores // n))
+    assert "OPENBLAS_NUM_THREADS" not in rank_env(0, 2, 1, "t", "j", cuda=True)
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "3")
+    assert rank_env(1, 2, 1, "t", "j", cuda=False)["OPENBLAS_NUM_THREADS"] == "3"

@@ -58,6 +58,11 @@ def rank_env(rank: int, n: int, port: int, token: str, job: str, cuda: bool) -> 
                 "TORCHELASTIC_RUN_ID": job})
     if cuda:
         env[variables.CUDA_DEVICE.name] = str(rank)
+    elif "OPENBLAS_NUM_THREADS" not in env:
+        # n numpy ranks on this host share its cores: OpenBLAS's threads would otherwise be
+        # the cores' count in each rank, spinning against each other (measured 37x slower with
+        # two processes on two cores)
+        env["OPENBLAS_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // n))
     return pin_reduction_order(env, n)
 
 
