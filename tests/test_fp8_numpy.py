@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from engine import records as rec
 from engine.backends.numpy import NumpyBackend
 from engine.model.fp8 import (
     DELAYED,
@@ -160,7 +161,7 @@ def test_stop_and_resume_in_fp8_goes_on_from_the_history_bit_for_bit(
     assert proc.wait(timeout=120) == 0
     stop = json.loads((run / "state.json").read_text())["last_checkpoint"]
     ckpt = json.loads((run / "checkpoints" / Path(stop["path"]).name / "state.json").read_text())
-    hist = AmaxHistory.from_json(ckpt["fp8_amax_history"], 2)
+    hist = AmaxHistory.from_json(ckpt[rec.STATE_FP8_HISTORY], 2)
     assert hist.next == (2 * stop["step"]) % HISTORY and (hist.amax > 0).any()
     r = run_engine(cfg, run, "--resume", "--backend", "numpy")
     assert r.returncode == 0, r.stdout + r.stderr
@@ -185,7 +186,7 @@ def test_a_checkpoint_without_a_history_resumes_in_fp8_and_the_log_says_so(
     assert "resume: FP8 amax history starts afresh: the checkpoint has none" in log, log[-3000:]
     assert loss_records(run)[-1].step == 14
     last = json.loads((run / "checkpoints" / "step_00000014" / "state.json").read_text())
-    assert AmaxHistory.from_json(last["fp8_amax_history"], 2).next == 4
+    assert AmaxHistory.from_json(last[rec.STATE_FP8_HISTORY], 2).next == 4
 
 
 def test_an_mlp_narrower_than_the_model_runs_in_fp8() -> None:

@@ -85,6 +85,18 @@ class AmaxHistory:
     def empty(cls, n_layer: int, length: int = HISTORY) -> AmaxHistory:
         return cls(np.zeros((n_layer * len(DELAYED), length), np.float32))
 
+    @classmethod
+    def for_model(cls, history: AmaxHistory | None, n_layer: int) -> AmaxHistory:
+        """`history` (a checkpoint's) where it has this model's rows and HISTORY slots, an empty
+        one for None; ValueError for any other shape (a backend then starts afresh)."""
+        if history is None:
+            return cls.empty(n_layer)
+        want = (n_layer * len(DELAYED), HISTORY)
+        if history.amax.shape != want:
+            raise ValueError(f"expected {want[0]} tensors x {want[1]} passes, got "
+                             f"{history.amax.shape[0]} x {history.amax.shape[1]}")
+        return history
+
     def row(self, layer: int, tensor: str) -> int:
         return layer * len(DELAYED) + DELAYED.index(tensor)
 

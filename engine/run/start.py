@@ -201,7 +201,7 @@ class RunStartup:
         from engine.model.fp8 import AmaxHistory
 
         be = self.trainer.backend
-        if resume is None or be.fp8_history() is None:
+        if resume is None or self.cfg.train.precision != "fp8":
             return
         raw = resume.state.get(rec.STATE_FP8_HISTORY)
         why = "the checkpoint has none (written in another precision or by an older engine)"

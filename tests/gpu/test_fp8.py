@@ -13,6 +13,7 @@ import pytest
 from cudabk import cuda_backend
 from devarrays import DevArrays, rounded
 
+from engine import records as rec
 from engine.model.fp8 import (
     DELAYED,
     E4M3,
@@ -221,8 +222,8 @@ def test_sigterm_resume_in_fp8_is_bit_exact(tmp_path: Path, prepared_data: Path)
     assert state["status"] == "stopped"
     ck = Path(state["last_checkpoint"]["path"])
     ck_state = json.loads((ck / "state.json").read_text())
-    assert ck_state["fp8_gemms"], "no FP8 GEMM recorded"
-    hist = AmaxHistory.from_json(ck_state["fp8_amax_history"], SHAPES.n_layer)
+    assert ck_state[rec.STATE_FP8_GEMMS], "no FP8 GEMM recorded"
+    hist = AmaxHistory.from_json(ck_state[rec.STATE_FP8_HISTORY], SHAPES.n_layer)
     assert hist.next == ck_state["trainer"]["step"] % HISTORY and (hist.amax > 0).any()
     plan = (run / "gemm_plan.json").read_text()
     r = run_engine(cfg, run, "--resume", "--backend", "cuda")

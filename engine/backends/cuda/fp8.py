@@ -169,11 +169,7 @@ class Fp8Mlp:
     def load_history(self, history: AmaxHistory | None) -> None:
         """The device's amax history from `history` (None: empty, each tensor then scaled by its
         own amax until it has one). ValueError when it does not fit this model."""
-        rows = self.L * len(DELAYED)
-        history = history or AmaxHistory.empty(self.L)
-        if history.amax.shape != (rows, HISTORY):
-            raise ValueError(f"expected {rows} tensors x {HISTORY} passes, got "
-                             f"{history.amax.shape[0]} x {history.amax.shape[1]}")
+        history = AmaxHistory.for_model(history, self.L)
         self.o.stream.synchronize()
         self.drv.memcpy_htod(self.buf["hist"], np.ascontiguousarray(history.amax, np.float32))
         self.drv.memcpy_htod(self.buf["next"], np.array([history.next], np.int32))

@@ -463,14 +463,9 @@ class NumpyBackend:
         does not fit this model."""
         if self.fp8 is None:
             return
-        own = self.fp8.history
-        if history is None:
-            history = AmaxHistory.empty(self.shapes.n_layer)
-        if history.amax.shape != own.amax.shape:
-            raise ValueError(f"expected {own.amax.shape[0]} tensors x {own.amax.shape[1]} "
-                             f"passes, got {history.amax.shape[0]} x {history.amax.shape[1]}")
-        np.copyto(own.amax, history.amax)
-        own.next = history.next
+        history = AmaxHistory.for_model(history, self.shapes.n_layer)
+        np.copyto(self.fp8.history.amax, history.amax)
+        self.fp8.history.next = history.next
 
     def memory_plan(self) -> dict[str, int]:
         plan = {
