@@ -95,9 +95,9 @@ def mlp() -> tuple[Fp8Mlp, Ops, list, Gemm, Drv]:
 
 def one_pass(fp8: Fp8Mlp) -> None:
     base = 0x1000_0000
-    fp8.begin_pass(lambda layer, name: base + 0x100_0000 * layer + (0 if name.endswith("1")
-                                                                     else 0x80_0000))
+    fp8.begin_pass()
     for layer in range(L):
+        fp8.cast_weights(layer, base + 0x100_0000 * layer, base + 0x100_0000 * layer + 0x80_0000)
         fp8.forward(layer, base, base, base, base, base, base, R)
     for layer in reversed(range(L)):
         fp8.backward(layer, base, base, base, base, base, base, base, base, base, base, R)

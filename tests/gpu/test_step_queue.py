@@ -50,22 +50,23 @@ def test_a_queued_step_gives_the_bits_of_steps_run_in_turn(first: str) -> None:
     assert np.array_equal(pa, pb) and np.array_equal(ma, mb) and np.array_equal(va, vb)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
 @pytest.mark.parametrize("first", ["applied", "skipped"])
 def test_the_update_beside_the_next_forward_gives_the_bits_of_the_update_in_its_step(
-        monkeypatch: pytest.MonkeyPatch, first: str) -> None:
+        monkeypatch: pytest.MonkeyPatch, first: str, precision: str) -> None:
     """Each step's AdamW left to the next step's graph (on the weight-gradient stream, layer by
     layer beside the forward): the same bits as the update in its own step (`defer_update`
     turned off on a second backend before its first step), through two-deep queues, a validation forward
     between steps (which applies the pending update first), a shorter sequence (its pending
     update applied before its gradients are zeroed), a skipped step and the state read at the
-    end."""
+    end. In fp8 each layer's FP8 weight copies are made from masters its range has updated."""
 
     tok = np.random.default_rng(5).integers(0, 8449, (7, 4, 65)).astype(np.int32)
     x = [(t[:, :-1], t[:, 1:]) for t in tok]
     gm0 = float("nan") if first == "skipped" else 1.0
     out = []
     for defer in (False, True):
-        bk = cuda_backend(SHAPES, 4, "bf16")
+        bk = cuda_backend(SHAPES, 4, precision)
         assert bk.defer_update
         bk.defer_update = defer
         bk.load_params(init_params(SHAPES, seed=9))

@@ -22,9 +22,9 @@ output [R,d], W1 [d,F], H = GELU(X·W1) [R,F], W2 [F,d], dY the gradient of the 
     fc2 wgrad   Hᵀ·dY  [F,d]     Hᵀ        dYᵀ          Hᵀ8, dYᵀ8
     fc1 wgrad   Xᵀ·dH  [d,F]     Xᵀ        dHᵀ          Xᵀ8, dHᵀ8
 
-The weights' copies (W and Wᵀ) are made from the fp32 masters at the start of every training
-pass (so after each AdamW step, and after a resume); the activations' copies as the pass makes
-them: X8 with Xᵀ8 and H8 with Hᵀ8 in one kernel each in the forward (the transposed ones kept
+The weights' copies (W and Wᵀ) are made from the fp32 masters in every training pass, each
+layer's at the start of its MLP forward (so after each AdamW step, also one still being applied
+beside the forward, and after a resume); the activations' copies as the pass makes them: X8 with Xᵀ8 and H8 with Hᵀ8 in one kernel each in the forward (the transposed ones kept
 per layer for the backward's weight gradients, which then need not read X and H again), and
 the amax of H and dH by the GELU kernels that write them (used for the scale while the tensor
 has no history, and recorded either way). A GEMM for which cuBLASLt proposes
@@ -227,19 +227,21 @@ class Fp8Mlp:
         return {g: ms[self.choice_key(g)] for g in GEMMS if self.choice_key(g) in ms}
 
     # --- the pass ------------------------------------------------------------------------------
-    def begin_pass(self, weight: Any) -> None:
-        """At the start of a training pass: every amax word to zero, then each layer's FP8
-        copies of W1 and W2 (as stored, and transposed) from the fp32 masters.
-        weight(layer, "mlp.W_1") -> the master's device address."""
-        o, d, F = self.o, self.d, self.F
-        o.zero32(self.buf["amax"], self.L * len(TENSORS))
-        for layer in range(self.L):
-            for name, rows, cols in (("w1", d, F), ("w2", F, d)):
-                amax, inv = self._scale(layer, name)
-                w = weight(layer, "mlp.W_1" if name == "w1" else "mlp.W_2")
-                self._amax(amax, w, rows * cols)
-                self._cast_t(self._w(name, layer), self._w(name + "t", layer), inv, w, amax, 0,
-                             rows, cols, E4M3, f32=True)
+    def begin_pass(self) -> None:
+        """At the start of a training pass: every amax word to zero (the weights' FP8 copies are
+        made layer by layer, `cast_weights`)."""
+        self.o.zero32(self.buf["amax"], self.L * len(TENSORS))
+
+    def cast_weights(self, layer: int, w1: int, w2: int) -> None:
+        """Layer `layer`'s FP8 copies of W1 and W2 (as stored, and transposed) from the fp32
+        masters w1, w2, scaled by their amax now: in the layer's forward, so that an AdamW
+        update still being applied beside the forward (layer by layer) has reached them."""
+        d, F = self.d, self.F
+        for name, w, rows, cols in (("w1", w1, d, F), ("w2", w2, F, d)):
+            amax, inv = self._scale(layer, name)
+            self._amax(amax, w, rows * cols)
+            self._cast_t(self._w(name, layer), self._w(name + "t", layer), inv, w, amax, 0, rows,
+                         cols, E4M3, f32=True)
 
     def forward(self, layer: int, x: int, w1: int, w2: int, pre: int, act: int, out: int,
                 R: int) -> None:

@@ -1,12 +1,13 @@
 """Whether FP8 pays at this model's size (train/precision "fp8"), measured at start.
 
 With the GEMMs timed at start (gpu.gemm_tune), after the start-up pass, where the MLP's GEMMs
-are long enough to time (fp8.MIN_CHOICE_MS): one layer's MLP forward and backward on the FP8 path (Fp8MlpPath: the casts, the transposes and the GEMMs as each was
-chosen, fp8.Fp8Mlp._choose) against the same on the bf16 path (GemmMlp), timed in turn on the
-pass's own buffers, plus the FP8 weight copies of a pass shared out over the layers. The
-backend's notes (engine.log at start) then say both times, each GEMM's time in FP8 and in bf16,
-and, where FP8 is not the faster, that it does not pay here and runs as asked. Nothing of this
-changes what runs: the per-GEMM choices do that, and they are in the GEMM plan.
+are long enough to time (fp8.MIN_CHOICE_MS): one layer's MLP forward and backward on the FP8
+path (Fp8MlpPath: the layer's weight copies, the casts, the transposes and the GEMMs as each
+was chosen, fp8.Fp8Mlp._choose) against the same on the bf16 path (GemmMlp), timed in turn on
+the pass's own buffers. The backend's notes (engine.log at start) then say both times, each
+GEMM's time in FP8 and in bf16, and, where FP8 is not the faster, that it does not pay here and
+runs as asked. Nothing of this changes what runs: the per-GEMM choices do that, and they are in
+the GEMM plan.
 """
 
 from __future__ import annotations
@@ -51,8 +52,6 @@ def measure(fp8: Any, net: Any, b: Any, T: int, timer: Callable[[Callable[[], No
     if t16 < PASS_MIN_MS:
         return (f"FP8 at d {net.shapes.d_model}: a layer's MLP takes {t16:.3f} ms in bf16, too "
                 f"short for a start-up timing to tell FP8 from bf16 (the launches dominate it)")
-    (copies,) = time_interleaved(timer, [net.train_mlp.begin_pass])
-    t8 += copies / net.shapes.n_layer
     per_gemm = ", ".join(f"{g} {a:.3f}/{c:.3f}" for g, (a, c) in fp8.gemm_times().items())
     note = (f"FP8 at d {net.shapes.d_model}: a layer's MLP forward and backward {t8:.3f} ms "
             f"(the weights' FP8 copies included) against {t16:.3f} ms in bf16, "

@@ -117,17 +117,19 @@ class GemmMlp:
 
 
 class Fp8MlpPath:
-    """A training pass's MLP with its six GEMMs in FP8 (fp8.Fp8Mlp): the weights' FP8 copies
-    made from the masters when the pass begins."""
+    """A training pass's MLP with its six GEMMs in FP8 (fp8.Fp8Mlp): each layer's FP8 weight
+    copies made from its masters as its forward begins."""
 
     def __init__(self, fp8: Any, flat: FlatBuffers) -> None:
         self.fp8, self.flat = fp8, flat
 
     def begin_pass(self) -> None:
-        """This pass's FP8 weight copies, from the masters."""
-        self.fp8.begin_pass(lambda layer, name: self.flat.p32(f"h.{layer}.{name}"))
+        """The pass's amax words zeroed."""
+        self.fp8.begin_pass()
 
     def fwd(self, l: int, a: Acts, w1: int, w2: int, out: int, R: int) -> None:
+        """The layer's FP8 weight copies from its masters, then its MLP forward."""
+        self.fp8.cast_weights(l, self.flat.p32(f"h.{l}.mlp.W_1"), self.flat.p32(f"h.{l}.mlp.W_2"))
         self.fp8.forward(l, a["ln2"], w1, w2, a["pre"], a["act"], out, R)
 
     def bwd(self, l: int, args: tuple[int, ...], R: int) -> None:

@@ -78,9 +78,9 @@ class StepGraph:
         self.staging = staging
         self.ops, self.flat, self.train = build.ops, build.flat, build.train
         self.drv, self.stream = build.drv, build.stream
-        # A fused step may leave its AdamW update pending (DeviceOptimizer): not with FP8 (its
-        # weight copies are made at the start of the pass) nor data-parallel steps.
-        self.defer_update = build.fused_step and not build.fp8
+        # A fused step may leave its AdamW update pending (DeviceOptimizer), applied beside the
+        # next step's forward layer by layer (not in data-parallel steps)
+        self.defer_update = build.fused_step
         self.comm: Any = None  # the data-parallel step's all-reduce stream
         # the fused step's slots (prepare_step): page-locked io block and results [R + 2] (row
         # losses, norm, clip) and an event after the copies; the steps queued (slot, T), oldest

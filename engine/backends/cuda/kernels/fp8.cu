@@ -225,8 +225,8 @@ extern "C" __global__ void k_fp8_cast_t(unsigned char* q, unsigned char* qt, flo
 }
 
 // numpy twin: fp8.round_fp8 — the FP8 copies of a float32 master weight W [rows, cols]: W as
-// stored (q, for dgrad) and Wᵀ (qt, for the forward), made at the start of each pass from the
-// masters (hist null: the weights' own amax).
+// stored (q, for dgrad) and Wᵀ (qt, for the forward), made in each pass from the masters, a
+// layer's in its MLP forward (hist null: the weights' own amax).
 // >   q = np.minimum(np.rint(a / quantum) * quantum, np.float32(fmt.max))
 extern "C" __global__ void k_fp8_cast_t_f32(unsigned char* q, unsigned char* qt, float* inv,
                                             const float* x, unsigned* amax, const float* hist,
