@@ -140,9 +140,11 @@ def test_embed_vector_paths_same_bits(env, rng):
 
 
 @pytest.mark.parametrize("accumulate", [False, True])
-@pytest.mark.parametrize("D", [64, 36])
+@pytest.mark.parametrize("D", [64, 36, 2048, 4096])
 def test_layernorm(env, rng, accumulate, D):
-    """D = 64: the 16-byte-vector path; D = 36 (not a multiple of 8): bf16's general path."""
+    """D = 64: the 16-byte-vector path; D = 36 (not a multiple of 8): bf16's general path;
+    D = 2048: the _wide kernels' vector path (fp32: their general path); D = 4096: the general
+    path of a row too long for registers."""
     precision, o, dev = env
     x = rounded(rng.normal(0.3, 2.0, (R, D)), precision)
     gamma, beta = rng.normal(1, 0.2, D), rng.normal(0, 0.2, D)

@@ -43,6 +43,9 @@ from engine.errors import RunError
 # (28 warps, against 24 in blocks of 256) and retire sooner beside the weight-gradient stream's
 # GEMMs (faster alone on the H200; in the whole step within the spread between runs)
 LN_BWD_THREADS = 128
+# kernels/layernorm.cu: the 16-byte vectors of a row each lane of a row's warp holds in
+# registers, in the row kernels (LN_MAXV) and in their _wide twins (LN_MAXV_WIDE)
+LN_ROW_VECS, LN_ROW_VECS_WIDE = 4, 8
 LN_ROWS_PER_CHUNK = 64  # rows per column-sum chunk of the LayerNorm backward's parameter sums
 LN_PARAMS_ROWS = 64  # the most k_layernorm_bwd_params takes per chunk (8 per warp, 8 warps)
 # classic attention's queries per causal chunk (the config's gpu.attention_chunk: the chunks are
@@ -92,15 +95,23 @@ class Ops(OptimizerOps):
                  int(self.overwrite_grads))
 
     # --- layer normalisation ---------------------------------------------------------------------
+    def ln_kernel(self, name: str, d: int) -> str:
+        """The LayerNorm row kernel `name` for rows of d elements: its _wide twin where a row is
+        too long for the kernel's registers but fits the twin's (kernels/layernorm.cu)."""
+        row = d * self.esize
+        return (f"{name}_wide" if 32 * VEC_BYTES * LN_ROW_VECS < row <= 32 * VEC_BYTES
+                * LN_ROW_VECS_WIDE else name)
+
     def layernorm_fwd(self, x: int, gamma: int, beta: int, out: int, mean: int, rstd: int,
                       R: int, d: int) -> None:
-        self._go("k_layernorm_fwd", -(-R // ROWS_PER_BLOCK), out, mean, rstd, x, gamma, beta, R, d)
+        self._go(self.ln_kernel("k_layernorm_fwd", d), -(-R // ROWS_PER_BLOCK), out, mean, rstd,
+                 x, gamma, beta, R, d)
 
     def residual_layernorm_fwd(self, a: int, b: int, xsum: int, gamma: int, beta: int, out: int,
                                mean: int, rstd: int, R: int, d: int) -> None:
         """xsum = a + b (residual_add), out = layernorm(xsum): one kernel, the same bits."""
-        self._go("k_residual_layernorm_fwd", -(-R // ROWS_PER_BLOCK), xsum, out, mean, rstd, a, b,
-                 gamma, beta, R, d)
+        self._go(self.ln_kernel("k_residual_layernorm_fwd", d), -(-R // ROWS_PER_BLOCK), xsum,
+                 out, mean, rstd, a, b, gamma, beta, R, d)
 
     def layernorm_bwd(self, dout: int, x: int, gamma: int, mean: int, rstd: int, dx: int,
                       dgamma_beta: int, partial: int, R: int, d: int, accumulate: bool,
@@ -113,8 +124,8 @@ class Ops(OptimizerOps):
         src = resid or dx
         ow = int(self.overwrite_grads)
         rows = self.ln_rows
-        self._go("k_layernorm_bwd", -(-R // (LN_BWD_THREADS // 32)), dx, src, dout, x, mean,
-                 rstd, gamma, R, d, int(accumulate), threads=LN_BWD_THREADS)
+        self._go(self.ln_kernel("k_layernorm_bwd", d), -(-R // (LN_BWD_THREADS // 32)), dx, src,
+                 dout, x, mean, rstd, gamma, R, d, int(accumulate), threads=LN_BWD_THREADS)
         nchunk = -(-R // rows)
         assert rows <= LN_PARAMS_ROWS, rows
         tile = 32 * VEC_BYTES // self.esize  # columns per block: a warp's 16-byte vectors

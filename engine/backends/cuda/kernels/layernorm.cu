@@ -1,23 +1,32 @@
 // Layer normalisation (DESIGN §3 `layernorm_fwd` / `layernorm_bwd`), eps 1e-5, one warp per row.
 //
-// Rows whose length is a whole number of 16-byte vectors (d % VEC == 0, d <= 32·VEC·LN_MAXV)
-// take the vector path: the row is read once, as vectors held in registers. The forward's row
-// functions are shared by k_layernorm_fwd and k_residual_layernorm_fwd, so the fused kernel gives
-// the very bits of the unfused sequence it replaces (tests/gpu/test_fusions.py checks that).
+// Rows whose length is a whole number of 16-byte vectors (d % VEC == 0, d <= 32·VEC·MAXV)
+// take the vector path: the row is read once, as vectors held in registers, MAXV of them a lane.
+// Each row kernel comes twice: MAXV = LN_MAXV (rows up to 1024 bf16 elements) and, as
+// `<name>_wide`, MAXV = LN_MAXV_WIDE (up to 2048), which holds twice the registers and is
+// launched only for rows too long for the first (ops.py: ln_kernel); longer or unaligned rows
+// take the scalar path, which reads the row from global memory. The forward's row functions
+// are shared by k_layernorm_fwd and k_residual_layernorm_fwd, so the fused kernel gives the very
+// bits of the unfused sequence it replaces (tests/gpu/test_fusions.py checks that).
 #include "common.cuh"
 
 #define LN_MAXV 4  // 16-byte vectors cached per lane: rows up to 32*VEC*LN_MAXV elements
+#define LN_MAXV_WIDE 8  // the _wide kernels': rows up to 32*VEC*LN_MAXV_WIDE elements
 
-__device__ __forceinline__ bool ln_vector_row(int d) { return d % VEC == 0 && d <= 32 * VEC * LN_MAXV; }
+template <int MAXV>
+__device__ __forceinline__ bool ln_vector_row(int d) {
+    return d % VEC == 0 && d <= 32 * VEC * MAXV;
+}
 
 // LayerNorm of one row held in registers (xv[k] = elements (k*32 + lane)*VEC ...), written to o;
 // lane 0 stores mean and rstd. Sums run per lane over its vectors, then across the warp.
-__device__ __forceinline__ void ln_fwd_row(const Vec (&xv)[LN_MAXV], act_t* o, float* mean,
+template <int MAXV>
+__device__ __forceinline__ void ln_fwd_row(const Vec (&xv)[MAXV], act_t* o, float* mean,
                                            float* rstd, const float* gamma, const float* beta,
                                            int r, int d, int lane) {
     float s = 0.0f;
 #pragma unroll
-    for (int k = 0; k < LN_MAXV; k++) {
+    for (int k = 0; k < MAXV; k++) {
         if ((k * 32 + lane) * VEC < d) {
 #pragma unroll
             for (int i = 0; i < VEC; i++) s += to_f(xv[k][i]);
@@ -26,7 +35,7 @@ __device__ __forceinline__ void ln_fwd_row(const Vec (&xv)[LN_MAXV], act_t* o, f
     const float mu = warp_sum(s) / d;
     float ss = 0.0f;
 #pragma unroll
-    for (int k = 0; k < LN_MAXV; k++) {
+    for (int k = 0; k < MAXV; k++) {
         if ((k * 32 + lane) * VEC < d) {
 #pragma unroll
             for (int i = 0; i < VEC; i++) {
@@ -38,9 +47,9 @@ __device__ __forceinline__ void ln_fwd_row(const Vec (&xv)[LN_MAXV], act_t* o, f
     const float rs = rsqrtf(warp_sum(ss) / d + 1e-5f);
     // every value first, then the stores: a load after a store to a pointer that may alias it
     // waits for that store, so stores in between would serialise the row's memory accesses
-    Vec y[LN_MAXV];
+    Vec y[MAXV];
 #pragma unroll
-    for (int k = 0; k < LN_MAXV; k++) {
+    for (int k = 0; k < MAXV; k++) {
         const int c = (k * 32 + lane) * VEC;
         if (c < d) {
             float gk[VEC], bk[VEC];
@@ -52,7 +61,7 @@ __device__ __forceinline__ void ln_fwd_row(const Vec (&xv)[LN_MAXV], act_t* o, f
         }
     }
 #pragma unroll
-    for (int k = 0; k < LN_MAXV; k++) {
+    for (int k = 0; k < MAXV; k++) {
         const int c = (k * 32 + lane) * VEC;
         if (c < d) store_vec(o + c, y[k]);
     }
@@ -82,6 +91,29 @@ __device__ __forceinline__ void ln_fwd_row_scalar(const act_t* xr, act_t* o, flo
     }
 }
 
+// The body of k_layernorm_fwd and k_layernorm_fwd_wide, with MAXV vectors a lane.
+template <int MAXV>
+__device__ __forceinline__ void layernorm_fwd(act_t* out, float* mean, float* rstd,
+                                              const act_t* x, const float* gamma,
+                                              const float* beta, int R, int d) {
+    const int lane = threadIdx.x & 31;
+    const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (r >= R) return;
+    const act_t* xr = x + (long)r * d;
+    act_t* o = out + (long)r * d;
+    if (ln_vector_row<MAXV>(d) && aligned16(x) && aligned16(out)) {
+        Vec xv[MAXV];
+#pragma unroll
+        for (int k = 0; k < MAXV; k++) {
+            const int c = (k * 32 + lane) * VEC;
+            if (c < d) xv[k] = load_vec(xr + c);
+        }
+        ln_fwd_row<MAXV>(xv, o, mean, rstd, gamma, beta, r, d, lane);
+        return;
+    }
+    ln_fwd_row_scalar(xr, o, mean, rstd, gamma, beta, r, d, lane);
+}
+
 // numpy twin: ops.layernorm_fwd
 // >   np.mean(x, axis=1, out=mean)
 // >   np.subtract(x, mean[:, None], out=out)
@@ -96,22 +128,53 @@ __device__ __forceinline__ void ln_fwd_row_scalar(const act_t* xr, act_t* o, flo
 // Here rstd = rsqrtf(var/d + 1e-5) in one step; mean and rstd are saved as float.
 extern "C" __global__ void k_layernorm_fwd(act_t* out, float* mean, float* rstd, const act_t* x,
                                            const float* gamma, const float* beta, int R, int d) {
+    layernorm_fwd<LN_MAXV>(out, mean, rstd, x, gamma, beta, R, d);
+}
+
+// numpy twin: ops.layernorm_fwd — k_layernorm_fwd for rows up to 32·VEC·LN_MAXV_WIDE elements
+// >   out += beta
+extern "C" __global__ void k_layernorm_fwd_wide(act_t* out, float* mean, float* rstd,
+                                                const act_t* x, const float* gamma,
+                                                const float* beta, int R, int d) {
+    layernorm_fwd<LN_MAXV_WIDE>(out, mean, rstd, x, gamma, beta, R, d);
+}
+
+// The body of k_residual_layernorm_fwd and k_residual_layernorm_fwd_wide, MAXV vectors a lane.
+template <int MAXV>
+__device__ __forceinline__ void residual_layernorm_fwd(act_t* xsum, act_t* out, float* mean,
+                                                       float* rstd, const act_t* a,
+                                                       const act_t* b, const float* gamma,
+                                                       const float* beta, int R, int d) {
     const int lane = threadIdx.x & 31;
     const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (r >= R) return;
-    const act_t* xr = x + (long)r * d;
-    act_t* o = out + (long)r * d;
-    if (ln_vector_row(d) && aligned16(x) && aligned16(out)) {
-        Vec xv[LN_MAXV];
+    const long base = (long)r * d;
+    if (ln_vector_row<MAXV>(d) && aligned16(xsum) && aligned16(out) && aligned16(a) &&
+        aligned16(b)) {
+        Vec xv[MAXV], bv[MAXV];
 #pragma unroll
-        for (int k = 0; k < LN_MAXV; k++) {
+        for (int k = 0; k < MAXV; k++) {  // the whole row's loads first (see ln_fwd_row)
             const int c = (k * 32 + lane) * VEC;
-            if (c < d) xv[k] = load_vec(xr + c);
+            if (c < d) {
+                xv[k] = load_vec(a + base + c);
+                bv[k] = load_vec(b + base + c);
+            }
         }
-        ln_fwd_row(xv, o, mean, rstd, gamma, beta, r, d, lane);
+#pragma unroll
+        for (int k = 0; k < MAXV; k++) {
+            const int c = (k * 32 + lane) * VEC;
+            if (c < d) {
+#pragma unroll
+                for (int i = 0; i < VEC; i++) xv[k][i] = to_act(to_f(xv[k][i]) + to_f(bv[k][i]));
+                store_vec(xsum + base + c, xv[k]);
+            }
+        }
+        ln_fwd_row<MAXV>(xv, out + base, mean, rstd, gamma, beta, r, d, lane);
         return;
     }
-    ln_fwd_row_scalar(xr, o, mean, rstd, gamma, beta, r, d, lane);
+    for (int c = lane; c < d; c += 32) xsum[base + c] = to_act(to_f(a[base + c]) + to_f(b[base + c]));
+    __syncwarp();  // the row's sums are read back by other lanes of this warp
+    ln_fwd_row_scalar(xsum + base, out + base, mean, rstd, gamma, beta, r, d, lane);
 }
 
 // numpy twin: model.NumpyBackend._trunk (a residual_add and the LayerNorm after it, fused)
@@ -126,48 +189,33 @@ extern "C" __global__ void k_residual_layernorm_fwd(act_t* xsum, act_t* out, flo
                                                     float* rstd, const act_t* a, const act_t* b,
                                                     const float* gamma, const float* beta, int R,
                                                     int d) {
-    const int lane = threadIdx.x & 31;
-    const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (r >= R) return;
-    const long base = (long)r * d;
-    if (ln_vector_row(d) && aligned16(xsum) && aligned16(out) && aligned16(a) && aligned16(b)) {
-        Vec xv[LN_MAXV], bv[LN_MAXV];
-#pragma unroll
-        for (int k = 0; k < LN_MAXV; k++) {  // the whole row's loads first (see ln_fwd_row)
-            const int c = (k * 32 + lane) * VEC;
-            if (c < d) {
-                xv[k] = load_vec(a + base + c);
-                bv[k] = load_vec(b + base + c);
-            }
-        }
-#pragma unroll
-        for (int k = 0; k < LN_MAXV; k++) {
-            const int c = (k * 32 + lane) * VEC;
-            if (c < d) {
-#pragma unroll
-                for (int i = 0; i < VEC; i++) xv[k][i] = to_act(to_f(xv[k][i]) + to_f(bv[k][i]));
-                store_vec(xsum + base + c, xv[k]);
-            }
-        }
-        ln_fwd_row(xv, out + base, mean, rstd, gamma, beta, r, d, lane);
-        return;
-    }
-    for (int c = lane; c < d; c += 32) xsum[base + c] = to_act(to_f(a[base + c]) + to_f(b[base + c]));
-    __syncwarp();  // the row's sums are read back by other lanes of this warp
-    ln_fwd_row_scalar(xsum + base, out + base, mean, rstd, gamma, beta, r, d, lane);
+    residual_layernorm_fwd<LN_MAXV>(xsum, out, mean, rstd, a, b, gamma, beta, R, d);
+}
+
+// numpy twin: model.NumpyBackend._trunk — k_residual_layernorm_fwd for rows up to
+// 32·VEC·LN_MAXV_WIDE elements
+// >   ops.residual_add(xmid, proj, x(i + 1))
+extern "C" __global__ void k_residual_layernorm_fwd_wide(act_t* xsum, act_t* out, float* mean,
+                                                         float* rstd, const act_t* a,
+                                                         const act_t* b, const float* gamma,
+                                                         const float* beta, int R, int d) {
+    residual_layernorm_fwd<LN_MAXV_WIDE>(xsum, out, mean, rstd, a, b, gamma, beta, R, d);
 }
 
 // One row's inputs of the backward, held in registers: dout (g), x and, when accumulating,
 // the residual gradient (o, whose registers then receive dx).
+template <int MAXV>
 struct LnBwdRow {
-    Vec g[LN_MAXV], x[LN_MAXV], o[LN_MAXV];
+    Vec g[MAXV], x[MAXV], o[MAXV];
 };
 
 // The whole row's loads, issued together (see ln_fwd_row).
-__device__ __forceinline__ void ln_bwd_load(LnBwdRow& in, const act_t* res, const act_t* g,
-                                            const act_t* xr, int d, int lane, int accumulate) {
+template <int MAXV>
+__device__ __forceinline__ void ln_bwd_load(LnBwdRow<MAXV>& in, const act_t* res,
+                                            const act_t* g, const act_t* xr, int d, int lane,
+                                            int accumulate) {
 #pragma unroll
-    for (int k = 0; k < LN_MAXV; k++) {
+    for (int k = 0; k < MAXV; k++) {
         const int c = (k * 32 + lane) * VEC;
         if (c < d) {
             in.g[k] = load_vec(g + c);
@@ -180,12 +228,13 @@ __device__ __forceinline__ void ln_bwd_load(LnBwdRow& in, const act_t* res, cons
 // dx of one row loaded by ln_bwd_load: dx = rstd·(g - mean(g) - x̂·mean(g·x̂)), g = dout·γ; with
 // accumulate, dx = resid + that (resid may be dx itself), stored to o. Every operation is
 // explicitly rounded (no fused multiply-add), so no build contracts it differently.
-__device__ __forceinline__ void ln_bwd_finish(LnBwdRow& in, act_t* o, float mu, float rs,
+template <int MAXV>
+__device__ __forceinline__ void ln_bwd_finish(LnBwdRow<MAXV>& in, act_t* o, float mu, float rs,
                                               const float* gamma, int d, int lane,
                                               int accumulate) {
     float s1 = 0.0f, s2 = 0.0f;
 #pragma unroll
-    for (int k = 0; k < LN_MAXV; k++) {
+    for (int k = 0; k < MAXV; k++) {
         const int c = (k * 32 + lane) * VEC;
         if (c < d) {
             float gk[VEC];
@@ -202,7 +251,7 @@ __device__ __forceinline__ void ln_bwd_finish(LnBwdRow& in, act_t* o, float mu, 
     }
     const float m1 = warp_sum(s1) / d, m2 = warp_sum(s2) / d;
 #pragma unroll
-    for (int k = 0; k < LN_MAXV; k++) {
+    for (int k = 0; k < MAXV; k++) {
         const int c = (k * 32 + lane) * VEC;
         if (c < d) {
             float gk[VEC];
@@ -217,9 +266,45 @@ __device__ __forceinline__ void ln_bwd_finish(LnBwdRow& in, act_t* o, float mu, 
         }
     }
 #pragma unroll
-    for (int k = 0; k < LN_MAXV; k++) {
+    for (int k = 0; k < MAXV; k++) {
         const int c = (k * 32 + lane) * VEC;
         if (c < d) store_vec(o + c, in.o[k]);
+    }
+}
+
+// The body of k_layernorm_bwd and k_layernorm_bwd_wide, with MAXV vectors a lane.
+template <int MAXV>
+__device__ __forceinline__ void layernorm_bwd(act_t* dx, const act_t* resid, const act_t* dout,
+                                              const act_t* x, const float* mean,
+                                              const float* rstd, const float* gamma, int R, int d,
+                                              int accumulate) {
+    const int lane = threadIdx.x & 31;
+    const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (r >= R) return;
+    const act_t* xr = x + (long)r * d;
+    const act_t* g = dout + (long)r * d;
+    act_t* o = dx + (long)r * d;
+    const act_t* res = resid ? resid + (long)r * d : o;
+    const float mu = mean[r], rs = rstd[r];
+    if (ln_vector_row<MAXV>(d) && aligned16(dx) && aligned16(res) && aligned16(dout) &&
+        aligned16(x)) {
+        LnBwdRow<MAXV> in;
+        ln_bwd_load(in, res, g, xr, d, lane, accumulate);
+        ln_bwd_finish(in, o, mu, rs, gamma, d, lane, accumulate);
+        return;
+    }
+    float s1 = 0.0f, s2 = 0.0f;  // general rows: two passes over global memory
+    for (int c = lane; c < d; c += 32) {
+        const float dn = to_f(g[c]) * gamma[c];
+        s1 += dn;
+        s2 += dn * (to_f(xr[c]) - mu) * rs;
+    }
+    const float m1 = warp_sum(s1) / d, m2 = warp_sum(s2) / d;
+    for (int c = lane; c < d; c += 32) {
+        const float dn = to_f(g[c]) * gamma[c];
+        const float xh = (to_f(xr[c]) - mu) * rs;
+        const float v = rs * (dn - m1 - xh * m2);
+        o[c] = to_act(accumulate ? to_f(res[c]) + v : v);
     }
 }
 
@@ -242,33 +327,16 @@ __device__ __forceinline__ void ln_bwd_finish(LnBwdRow& in, act_t* o, float mu, 
 extern "C" __global__ void k_layernorm_bwd(act_t* dx, const act_t* resid, const act_t* dout,
                                            const act_t* x, const float* mean, const float* rstd,
                                            const float* gamma, int R, int d, int accumulate) {
-    const int lane = threadIdx.x & 31;
-    const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (r >= R) return;
-    const act_t* xr = x + (long)r * d;
-    const act_t* g = dout + (long)r * d;
-    act_t* o = dx + (long)r * d;
-    const act_t* res = resid ? resid + (long)r * d : o;
-    const float mu = mean[r], rs = rstd[r];
-    if (ln_vector_row(d) && aligned16(dx) && aligned16(res) && aligned16(dout) && aligned16(x)) {
-        LnBwdRow in;
-        ln_bwd_load(in, res, g, xr, d, lane, accumulate);
-        ln_bwd_finish(in, o, mu, rs, gamma, d, lane, accumulate);
-        return;
-    }
-    float s1 = 0.0f, s2 = 0.0f;  // general rows: two passes over global memory
-    for (int c = lane; c < d; c += 32) {
-        const float dn = to_f(g[c]) * gamma[c];
-        s1 += dn;
-        s2 += dn * (to_f(xr[c]) - mu) * rs;
-    }
-    const float m1 = warp_sum(s1) / d, m2 = warp_sum(s2) / d;
-    for (int c = lane; c < d; c += 32) {
-        const float dn = to_f(g[c]) * gamma[c];
-        const float xh = (to_f(xr[c]) - mu) * rs;
-        const float v = rs * (dn - m1 - xh * m2);
-        o[c] = to_act(accumulate ? to_f(res[c]) + v : v);
-    }
+    layernorm_bwd<LN_MAXV>(dx, resid, dout, x, mean, rstd, gamma, R, d, accumulate);
+}
+
+// numpy twin: ops.layernorm_bwd — k_layernorm_bwd for rows up to 32·VEC·LN_MAXV_WIDE elements
+// >   dx *= rstd[:, None]
+extern "C" __global__ void k_layernorm_bwd_wide(act_t* dx, const act_t* resid, const act_t* dout,
+                                                const act_t* x, const float* mean,
+                                                const float* rstd, const float* gamma, int R,
+                                                int d, int accumulate) {
+    layernorm_bwd<LN_MAXV_WIDE>(dx, resid, dout, x, mean, rstd, gamma, R, d, accumulate);
 }
 
 #define LN_PARAMS_GROUPS 8  // row groups of k_layernorm_bwd_params' block (blockDim.x / 32)
