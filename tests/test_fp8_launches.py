@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 
 from engine.backends.cuda.fp8 import HISTORY, TENSORS, Fp8Mlp, plan_fp8
+from engine.backends.cuda.gemm import R_8F_E4M3, R_8F_E5M2
 from engine.backends.cuda.memory import Plan
 from engine.backends.cuda.ops import Ops
 from engine.backends.cuda.runtime import SIGNATURES
+from engine.errors import RunError
 from engine.model.fp8 import DELAYED
 
 L, d, F, R = 2, 128, 512, 256
@@ -45,8 +47,12 @@ class Gemm:
         self.choice_ms: dict[str, tuple[float, float]] = {}
         self.plan_imported = False
         self.matmuls: list[dict[str, Any]] = []
+        # (M, N, K, first operand's type) of an FP8 GEMM that cuBLASLt refuses
+        self.refuse: tuple[int, int, int, int] | None = None
 
     def matmul(self, out: int, a: int, b: int, M: int, N: int, K: int, **kw: Any) -> None:
+        if "scales" in kw and (M, N, K, kw["types"][0]) == self.refuse:
+            raise RunError(f"no FP8 algorithm for {M}x{N}x{K}")
         self.matmuls.append({"out": out, "a": a, "b": b, "M": M, "N": N, "K": K, **kw})
 
 
@@ -103,30 +109,68 @@ def one_pass(fp8: Fp8Mlp) -> None:
         fp8.backward(layer, base, base, base, base, base, base, base, base, base, base, R)
 
 
+# each cast kernel's (qt, hist) argument positions: the weights', x's and dy's casts, and the
+# GELU's and its gradient's, computed by the kernels that cast them
+CAST_ARGS = {"k_fp8_cast_t": (1, 5), "k_fp8_cast_t64": (1, 5), "k_fp8_cast_t_f32": (1, 5),
+             "k_fp8_cast_t64_f32": (1, 5), "k_fp8_gelu_cast_t64": (1, 6),
+             "k_fp8_dgelu_cast_t64": (1, 7)}
+
+
+def casts(calls: list[tuple[str, tuple[int, ...]]]) -> list[tuple[str, int, int]]:
+    """(kernel, qt, hist) of every cast, in order."""
+    return [(n, a[CAST_ARGS[n][0]], a[CAST_ARGS[n][1]]) for n, a in calls if n in CAST_ARGS]
+
+
 def test_every_launch_of_a_pass_matches_its_kernels_declaration(mlp) -> None:
     fp8, _, calls, gemm, drv = mlp
     assert [c[0] for c in drv.copies] == ["htod", "htod"]  # the history zeroed at construction
     one_pass(fp8)
     names = [n for n, _ in calls]
-    # per pass: the weights' amax and copies; per layer the delayed amax pass over x and dy
-    # (a no-op once they have a history), four activation and gradient casts; one record
+    # per pass: the weights' amax and copies; per layer the delayed amax passes over x, dy, and
+    # GELU(pre) and its gradient (no-ops once they have a history), four activation and
+    # gradient casts (the GELU's two by the kernels that compute them); one record
     assert names.count("k_fp8_amax_f32") == 2 * L
     assert names.count("k_fp8_amax_delayed") == 2 * L
+    assert names.count("k_fp8_gelu_amax_delayed") == names.count("k_fp8_dgelu_amax_delayed") == L
+    assert names.count("k_fp8_gelu_cast_t64") == names.count("k_fp8_dgelu_cast_t64") == L
+    assert "k_mlp_gelu_fwd" not in names and "k_mlp_gelu_bwd" not in names
     assert names.count("k_fp8_record") == 1 and names[-1] == "k_fp8_record"
     assert names[0] == "memset"  # the amax words zeroed when the pass begins
-    casts = [a for n, a in calls if n.startswith("k_fp8_cast_t")]
-    assert len(casts) == 2 * L + 4 * L
+    cs = casts(calls)
+    assert len(cs) == 2 * L + 4 * L
     # the weights' casts read no history (current scaling), the others their own row's
     hist = fp8.buf["hist"]
-    rows = [(a[5] - hist) // (4 * HISTORY) for a in casts if a[5]]
+    rows = [(h - hist) // (4 * HISTORY) for _, _, h in cs if h]
     assert sorted(rows) == sorted(layer * len(DELAYED) + t for layer in range(L)
                                   for t in range(len(DELAYED)))
-    assert sum(1 for a in casts if a[5] == 0) == 2 * L
+    assert sum(1 for _, _, h in cs if h == 0) == 2 * L
     # the record reads the amax words in the six-a-layer layout into HISTORY slots
     [rec] = [a for n, a in calls if n == "k_fp8_record"]
     assert rec[3:] == (L * len(DELAYED), len(DELAYED), len(TENSORS), HISTORY)
     # the six GEMMs of each layer, FP8 operand types on each
     assert len(gemm.matmuls) == 6 * L and all("scales" in m for m in gemm.matmuls)
+
+
+def test_the_bf16_gelu_is_written_only_while_a_gemm_may_read_it(mlp) -> None:
+    """The GELU's output (act) and its input's gradient (dpre) in bf16 are for a GEMM that runs
+    in bf16: written in a pass at a length where their GEMMs have not run in FP8 yet, and in
+    later passes only where one of them runs in bf16 (here fc1's weight gradient, chosen so)."""
+    fp8, _, calls, gemm, _ = mlp
+    base = 0x1000_0000  # one_pass's act and dpre
+
+    def keeps() -> dict[str, set[int]]:
+        out: dict[str, set[int]] = {"k_fp8_gelu_cast_t64": set(), "k_fp8_dgelu_cast_t64": set()}
+        for n, a in calls:
+            if n in out:
+                out[n].add(a[3])
+        calls.clear()
+        return out
+
+    gemm.choices[fp8.choice_key("fc1 wgrad")] = "bf16"
+    one_pass(fp8)
+    assert keeps() == {"k_fp8_gelu_cast_t64": {base}, "k_fp8_dgelu_cast_t64": {base}}
+    one_pass(fp8)
+    assert keeps() == {"k_fp8_gelu_cast_t64": {0}, "k_fp8_dgelu_cast_t64": {base}}
 
 
 def test_a_gemm_chosen_bf16_runs_without_scales_and_the_pass_still_records(mlp) -> None:
@@ -157,3 +201,31 @@ def test_the_history_travels_through_the_device_copies(mlp) -> None:
         from engine.model.fp8 import AmaxHistory
 
         fp8.load_history(AmaxHistory.empty(L + 1))
+
+
+@pytest.mark.parametrize(("refuse", "kernel", "cast", "computed"), [
+    # fc2 wgrad reads act: both layers' forwards ran before the refusal, neither wrote it
+    ((F, d, R, R_8F_E4M3), "k_mlp_gelu_fwd", "k_fp8_gelu_cast_t64", L),
+    # fc1 dgrad reads dpre: layer 1's backward meets the refusal; layer 0's then writes it
+    ((R, d, F, R_8F_E5M2), "k_mlp_gelu_bwd", "k_fp8_dgelu_cast_t64", 1),
+])
+def test_a_gemm_refused_after_its_operand_was_left_unwritten_has_it_computed_first(
+        mlp, refuse: tuple[int, int, int, int], kernel: str, cast: str, computed: int) -> None:
+    """A pass whose GELU casts wrote no bf16 copy (every GEMM ran in FP8 before at this
+    length), then one GEMM refused in FP8 (as a new problem could be): the bf16 operand it reads
+    is computed first where the pass left it unwritten, then the bf16 GEMM runs; the next pass
+    writes the copy again."""
+    fp8, _, calls, gemm, _ = mlp
+    one_pass(fp8)
+    one_pass(fp8)  # every GEMM has run in FP8 at R: no bf16 copies
+    calls.clear()
+    gemm.refuse = refuse
+    n_before = len(gemm.matmuls)
+    one_pass(fp8)
+    names = [n for n, _ in calls]
+    assert names.count(kernel) == computed
+    assert sum("scales" not in m for m in gemm.matmuls[n_before:]) == L  # one bf16 GEMM a layer
+    calls.clear()
+    one_pass(fp8)
+    assert all(a[3] != 0 for n, a in calls if n == cast)  # the copy is written again
+    assert kernel not in [n for n, _ in calls]

@@ -296,6 +296,62 @@ def test_the_gelu_kernels_amax_is_the_amax_pass(lt, rng) -> None:
         assert words[0] == words[1] != 0
 
 
+@pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.parametrize("with_history", [False, True])
+@pytest.mark.parametrize("bwd", [False, True])
+def test_the_gelu_casts_give_the_bytes_of_the_gelu_kernel_then_the_cast(
+        lt, rng, bwd: bool, with_history: bool, keep: bool) -> None:
+    """k_fp8_gelu_cast_t64 (k_fp8_dgelu_cast_t64): GELU(pre) (dg·GELU'(pre)) computed by the
+    kernel that casts it, against k_mlp_gelu_fwd (_bwd) and then k_fp8_cast_t64: the same FP8
+    bytes, transposed bytes, inverse scale and amax word, and the same bf16 values where it
+    keeps them (keep: the bf16 buffer given; else it is left as it was); scaled by a history,
+    or, without one, by the amax its delayed pass computes."""
+    o, dev, gpu = lt
+    H = HISTORY
+    rows, cols = 128, 192
+    n = rows * cols
+    pre_h = rounded(rng.normal(0, 2.0, (rows, cols)), "bf16")
+    dg_h = rounded(rng.normal(0, 1e-3, (rows, cols)), "bf16")
+    hist = np.zeros(H, np.float32)
+    if with_history:
+        hist[[2, 7]] = (1.5e-3, 2.5e-3) if bwd else (3.0, 4.5)
+    fmt = 1 if bwd else 0
+    pre = dev.put(pre_h)
+    hist_dev = dev.put(hist, "f32")
+    out = {}
+    for fused in (False, True):
+        word = dev.put(np.zeros(1), "i32")
+        inv = dev.empty((1,), "f32")
+        q, qt = (dev.empty((n // 4 + 4,), "f32") for _ in range(2))  # bytes
+        val = dev.put(dg_h) if bwd else dev.empty((rows, cols))
+        if fused:
+            grid = (cols // 64, rows // 64)
+            kept = val if keep else 0
+            if bwd:
+                o._go("k_fp8_dgelu_amax_delayed", 64, word, val, pre, n, hist_dev, H)
+                o._go("k_fp8_dgelu_cast_t64", grid, q, qt, inv, kept, val, pre, word, hist_dev,
+                      H, rows, cols)
+            else:
+                o._go("k_fp8_gelu_amax_delayed", 64, word, pre, n, hist_dev, H)
+                o._go("k_fp8_gelu_cast_t64", grid, q, qt, inv, kept, pre, word, hist_dev, H,
+                      rows, cols)
+        else:
+            (o.gelu_bwd if bwd else o.gelu_fwd)(val, pre, n, amax=word)
+            o._go("k_fp8_cast_t64", (cols // 64, rows // 64), q, qt, inv, val, word, hist_dev,
+                  H, rows, cols, fmt)
+        out[fused] = (host_bytes(gpu, q, n), host_bytes(gpu, qt, n), dev.get(inv)[0],
+                      int(dev.get(word)[0]), dev.get(val))
+    for k, what in enumerate(("q", "qt", "inverse scale", "amax word", "kept bf16 values")):
+        a, b = out[False][k], out[True][k]
+        if k == 4 and not keep:  # the buffer as it was: dg (bwd), or never written
+            if bwd:
+                assert np.array_equal(b, dg_h.astype(b.dtype)), "dg was overwritten"
+            continue
+        same = np.array_equal(a, b)
+        assert same, f"{what}: {np.sum(np.asarray(a) != np.asarray(b))} differ"
+    assert out[True][3] != 0
+
+
 def test_a_shorter_pass_keeps_fp8_at_full_length(rng) -> None:
     """A pass of 37 positions (148 rows: the weight gradients' K = rows is not a multiple of 16
     bytes, which cuBLASLt's FP8 may refuse) runs, close to bf16, and the full-length pass after

@@ -45,10 +45,10 @@ def same(a: np.ndarray, b: np.ndarray, what: str) -> None:
                                  f"{np.max(np.abs(a - b)):.3g})"
 
 
-@pytest.mark.parametrize("D", [64, 384, 36, 2048])
+@pytest.mark.parametrize("D", [64, 384, 36, 1024, 2048])
 def test_residual_layernorm_is_residual_add_then_layernorm(env, rng, D):
     """D = 64, 384: the vector path; 36 (bf16: not whole 16-byte vectors): the scalar path;
-    2048: the _wide kernels'."""
+    1024 (fp32) and 2048 (bf16, fp16): the _wide kernels'."""
     precision, o, dev = env
     a, b = (dev.put(rounded(rng.normal(0.2, 1.5, (R, D)), precision)) for _ in range(2))
     gamma, beta = dev.put(rng.normal(1, 0.2, D), "f32"), dev.put(rng.normal(0, 0.2, D), "f32")

@@ -140,11 +140,13 @@ def test_embed_vector_paths_same_bits(env, rng):
 
 
 @pytest.mark.parametrize("accumulate", [False, True])
-@pytest.mark.parametrize("D", [64, 36, 2048, 4096])
+@pytest.mark.parametrize("D", [64, 36, 1024, 1036, 2048, 4096])
 def test_layernorm(env, rng, accumulate, D):
     """D = 64: the 16-byte-vector path; D = 36 (not a multiple of 8): bf16's general path;
-    D = 2048: the _wide kernels' vector path (fp32: their general path); D = 4096: the general
-    path of a row too long for registers."""
+    D = 1024: fp32's _wide kernels (rows of 1024 floats), bf16's narrow ones at their longest
+    row; D = 1036: bf16's _wide kernels on their general path (not whole vectors); D = 2048:
+    bf16's _wide kernels at their longest row; D = 4096 (and fp32's 2048): the general path of
+    a row too long for registers."""
     precision, o, dev = env
     x = rounded(rng.normal(0.3, 2.0, (R, D)), precision)
     gamma, beta = rng.normal(1, 0.2, D), rng.normal(0, 0.2, D)

@@ -24,10 +24,12 @@ output [R,d], W1 [d,F], H = GELU(X·W1) [R,F], W2 [F,d], dY the gradient of the 
 
 The weights' copies (W and Wᵀ) are made from the fp32 masters in every training pass, each
 layer's at the start of its MLP forward (so after each AdamW step, also one still being applied
-beside the forward, and after a resume); the activations' copies as the pass makes them: X8 with Xᵀ8 and H8 with Hᵀ8 in one kernel each in the forward (the transposed ones kept
-per layer for the backward's weight gradients, which then need not read X and H again), and
-the amax of H and dH by the GELU kernels that write them (used for the scale while the tensor
-has no history, and recorded either way). A GEMM for which cuBLASLt proposes
+beside the forward, and after a resume); the activations' copies as the pass makes them: X8 with
+Xᵀ8 in one kernel in the forward, H8 with Hᵀ8 by the kernel that computes H = GELU(pre) from
+the GEMM's output (k_fp8_gelu_cast_t64), dH8 with dHᵀ8 by the one that computes dH from
+fc2 dgrad's output times GELU'(pre) (k_fp8_dgelu_cast_t64): the bf16 H and dH are then written
+only for a GEMM that may run in bf16. The transposed activations are kept per layer for the backward's weight
+gradients, which then need not read X and H again. A GEMM for which cuBLASLt proposes
 no FP8 algorithm at some length runs in bf16 at that length (`use`, `notes`). Validation and
 text sampling run the bf16 forward: FP8 is how a step computes, not the model.
 """
@@ -80,6 +82,19 @@ def _slot(nbytes: int) -> int:
     return -(-nbytes // 256) * 256
 
 
+def _in_turn(*fns: Any) -> Any:
+    """One callable running the given ones (None among them skipped) in turn; None if none."""
+    todo = [f for f in fns if f is not None]
+    if not todo:
+        return None
+
+    def run() -> None:
+        for f in todo:
+            f()
+
+    return run
+
+
 class Fp8Mlp:
     """The MLP forward and backward of one layer with FP8 GEMMs, on an Ops (its stream, side
     stream and LtGemm)."""
@@ -95,6 +110,10 @@ class Fp8Mlp:
         # timing found it faster in bf16 (it runs in bf16)
         self.use = dict.fromkeys(GEMMS, True)
         self._bf16_at: set[tuple[str, int]] = set()  # (GEMM, rows) that fell back to bf16
+        self._fp8_ran: set[tuple[str, int]] = set()  # (GEMM, rows) queued in FP8
+        # per layer: whether this pass's forward wrote the bf16 GELU output (act), which only a
+        # GEMM that runs in bf16 reads (else such a GEMM has it computed first: `_restore`)
+        self._act_kept = dict.fromkeys(range(n_layer), True)
         self.notes: list[str] = []
         self.load_history(None)  # the plan's memory holds anything until then
 
@@ -174,13 +193,15 @@ class Fp8Mlp:
         self.drv.memcpy_htod(self.buf["hist"], np.ascontiguousarray(history.amax, np.float32))
         self.drv.memcpy_htod(self.buf["next"], np.array([history.next], np.int32))
 
-    def _gemm(self, name: str, R: int, fp8: Any, bf16: Any) -> None:
+    def _gemm(self, name: str, R: int, fp8: Any, bf16: Any, restore: Any = None) -> None:
         """The FP8 GEMM, or the same product in bf16 where (decided on the first, eager pass,
         before a graph is captured) cuBLASLt proposes no FP8 algorithm for this shape, or the
         start-up timing found bf16 the faster for this GEMM at full length (`_choose`; the
         choice is kept in the GEMM plan, so a resume computes as the run did). A refusal at one
         length (e.g. rows not a multiple of 16 bytes for a K = rows weight gradient) leaves
-        the other lengths in FP8; one at full length is what `use` and the notes report."""
+        the other lengths in FP8; one at full length is what `use` and the notes report.
+        restore: writes the bf16 operands that the pass left unwritten (None: all written),
+        called before the bf16 GEMM."""
         g = self.o.gemm
         key = self.choice_key(name)
         if key not in g.choices and g.plan_imported:
@@ -194,12 +215,15 @@ class Fp8Mlp:
         if (name, R) not in self._bf16_at:
             try:
                 fp8()
+                self._fp8_ran.add((name, R))
                 return
             except RunError as e:
                 self._bf16_at.add((name, R))
                 if R == self.R_max:
                     self.use[name] = False
                 self.notes.append(f"FP8 {name} ({R} rows): {e}; this GEMM runs in bf16 there")
+        if restore is not None:
+            restore()
         bf16()
 
     def choice_key(self, name: str) -> str:
@@ -246,50 +270,125 @@ class Fp8Mlp:
     def forward(self, layer: int, x: int, w1: int, w2: int, pre: int, act: int, out: int,
                 R: int) -> None:
         """pre = x·W1, act = GELU(pre), out = act·W2 (x: ln2's output; w1, w2: the bf16
-        weights, for a GEMM that falls back)."""
+        weights, for a GEMM that falls back). Where the tiles allow, the GELU is computed by
+        the kernel that casts it (act then written only for a GEMM that may run in bf16)."""
         self._linear_fwd("fc1", layer, x, "x", w1, "w1", pre, self.d, self.F, R)
-        self.o.gelu_fwd(act, pre, R * self.F, amax=self._scale(layer, "h")[0])
+        n = R * self.F
+        ha, hi = self._scale(layer, "h")
+        if self._tiles64(R, self.F, pre, act, self.buf["h"], self._at("h", layer)):
+            hh = self._hist(layer, "h")
+            keep = act if self._bf16_may_read(("fc2 fwd", "fc2 wgrad"), R) else 0
+            self._act_kept[layer] = bool(keep)
+            self.o._go("k_fp8_gelu_amax_delayed", blocks(n // 8, cap=1024), ha, pre, n, hh,
+                       HISTORY)
+            self.o._writes(self.buf["h"], self._at("h", layer), *([keep] if keep else []))
+            self.o._go("k_fp8_gelu_cast_t64", (self.F // 64, R // 64), self.buf["h"],
+                       self._at("h", layer), hi, keep, pre, ha, hh, HISTORY, R, self.F)
+            cast = False
+        else:
+            self.o.gelu_fwd(act, pre, n, amax=ha)
+            self._act_kept[layer] = True
+            cast = True
         self._linear_fwd("fc2", layer, act, "h", w2, "w2", out, self.F, self.d, R,
-                         amax_done=True)
+                         amax_done=True, cast=cast, restore_a=self._restore_act(layer, act, pre, n))
 
     def backward(self, layer: int, dout: int, x: int, w1: int, w2: int, pre: int, act: int,
                  dx: int, dw1: int, dw2: int, dpre: int, R: int) -> None:
         """Ops.mlp_bwd's outputs with FP8 GEMMs: dpre, dx, and dW1, dW2 (+= or written, as the
-        pass says) from dout = the gradient of the MLP's output."""
+        pass says) from dout = the gradient of the MLP's output. Where the tiles allow, dpre =
+        dpre·GELU'(pre) is computed by the kernel that casts it (and written back only for a
+        GEMM that may run in bf16)."""
+        n = R * self.F
         self._linear_bwd("fc2", layer, dout, "dy", act, "h", w2, "w2", dpre, dw2, self.F,
-                         self.d, R)
-        self.o.gelu_bwd(dpre, pre, R * self.F, amax=self._scale(layer, "dh")[0])
+                         self.d, R, restore_a=self._restore_act(layer, act, pre, n))
+        da, di = self._scale(layer, "dh")
+        gqt = self.buf["dht"]
+        if self._tiles64(R, self.F, pre, dpre, self.buf["dh"], gqt):
+            dh = self._hist(layer, "dh")
+            keep = dpre if self._bf16_may_read(("fc1 dgrad", "fc1 wgrad"), R) else 0
+            restore = None if keep else self._restore_dh(dpre, pre, n)
+            self.o._go("k_fp8_dgelu_amax_delayed", blocks(n // 8, cap=1024), da, dpre, pre, n,
+                       dh, HISTORY)
+            self.o._writes(self.buf["dh"], gqt, *([keep] if keep else []))
+            self.o._go("k_fp8_dgelu_cast_t64", (self.F // 64, R // 64), self.buf["dh"], gqt, di,
+                       keep, dpre, pre, da, dh, HISTORY, R, self.F)
+            cast = False
+        else:
+            self.o.gelu_bwd(dpre, pre, n, amax=da)
+            restore, cast = None, True
         self._linear_bwd("fc1", layer, dpre, "dh", x, "x", w1, "w1", dx, dw1, self.d, self.F,
-                         R, amax_done=True)
+                         R, amax_done=True, cast=cast, restore_g=restore)
         if layer == 0:  # the pass's last MLP backward: every amax of the pass is known
             self._record()
 
+    @staticmethod
+    def _tiles64(rows: int, cols: int, *ptrs: int) -> bool:
+        """Whether a [rows, cols] tensor and its copies at ptrs take the 64 x 64 tile kernels."""
+        return rows % 64 == 0 and cols % 64 == 0 and all(p % 16 == 0 for p in ptrs)
+
+    def _bf16_may_read(self, gemms: tuple[str, ...], R: int) -> bool:
+        """Whether one of `gemms` may run in bf16 at R rows, reading the bf16 tensor: until each
+        has been queued in FP8 at R, and wherever one has run in bf16 there. (One refused later
+        still finds its operand: `_restore_act`, `_restore_dh`.)"""
+        return (not all((g, R) in self._fp8_ran for g in gemms)
+                or any((g, R) in self._bf16_at for g in gemms))
+
+    def _restore_act(self, layer: int, act: int, pre: int, n: int) -> Any:
+        """For a GEMM that falls back to bf16 and reads act where this pass's forward did not
+        write it: act = GELU(pre) first (the same values); None where act was written."""
+        if self._act_kept[layer]:
+            return None
+
+        def restore() -> None:
+            self.o._writes(act)
+            self.o.gelu_fwd(act, pre, n)
+
+        return restore
+
+    def _restore_dh(self, dpre: int, pre: int, n: int) -> Any:
+        """For fc1's GEMMs that fall back to bf16 where the pass left dpre as fc2 dgrad wrote it
+        (its FP8 copies made from it directly): dpre *= GELU'(pre), once."""
+        done: list[bool] = []
+
+        def restore() -> None:
+            if not done:
+                self.o._writes(dpre)
+                self.o.gelu_bwd(dpre, pre, n)
+                done.append(True)
+
+        return restore
+
     def _linear_fwd(self, fc: str, layer: int, a: int, aname: str, w: int, wname: str,
-                    out: int, n_in: int, n_out: int, R: int, amax_done: bool = False) -> None:
+                    out: int, n_in: int, n_out: int, R: int, amax_done: bool = False,
+                    cast: bool = True, restore_a: Any = None) -> None:
         """out [R, n_out] = a [R, n_in] · W, with a's E4M3 copy (its amax and scale now; the
         transposed copy made alongside, for the backward) and W's transposed copy (wname + "t");
         w: the bf16 weight, for a GEMM that falls back. amax_done: a's amax word already holds
-        its max (the kernel that wrote a)."""
+        its max (the kernel that wrote a); cast False: a's copies are made already; restore_a:
+        writes a for the bf16 GEMM where the pass did not (_gemm)."""
         o, b = self.o, self.buf
         aa, ai = self._scale(layer, aname)
         _, wi = self._scale(layer, wname)
         ah = self._hist(layer, aname)
         if not amax_done:
             self._amax(aa, a, R * n_in, ah)
-        self._cast_t(b[aname], self._at(aname, layer), ai, a, aa, ah, R, n_in, E4M3)
+        if cast:
+            self._cast_t(b[aname], self._at(aname, layer), ai, a, aa, ah, R, n_in, E4M3)
         self._gemm(f"{fc} fwd", R,
                    lambda: o._mm(out, b[aname], self._w(wname + "t", layer), R, n_out, n_in,
                                  types=(R_8F_E4M3, R_8F_E4M3, self.act), scales=(ai, wi),
                                  tb=True, fast_accum=True),
-                   lambda: o._mm(out, a, w, R, n_out, n_in))
+                   lambda: o._mm(out, a, w, R, n_out, n_in), restore=restore_a)
 
     def _linear_bwd(self, fc: str, layer: int, g: int, gname: str, a: int, aname: str, w: int,
                     wname: str, din: int, dw: int, n_in: int, n_out: int, R: int,
-                    amax_done: bool = False) -> None:
+                    amax_done: bool = False, cast: bool = True, restore_a: Any = None,
+                    restore_g: Any = None) -> None:
         """For out = a·W with g = d out [R, n_out]: dW += aᵀ·g (or written, as the pass says)
         and din = g·Wᵀ [R, n_in], from g's E5M2 copies (as it is and transposed; its amax and
-        scale now, amax_done as in _linear_fwd) and a's transposed E4M3 copy (made by the
-        forward, with its scale); w: the bf16 weight."""
+        scale now, amax_done and cast as in _linear_fwd) and a's transposed E4M3 copy (made by
+        the forward, with its scale); w: the bf16 weight; restore_a, restore_g: as _linear_fwd's
+        restore_a, for a and g."""
         o, b = self.o, self.buf
         ga, gi = self._scale(layer, gname)
         _, ai = self._scale(layer, aname)
@@ -298,13 +397,15 @@ class Fp8Mlp:
         gh = self._hist(layer, gname)
         if not amax_done:
             self._amax(ga, g, R * n_out, gh)
-        self._cast_t(gq, gqt, gi, g, ga, gh, R, n_out, E5M2)
+        if cast:
+            self._cast_t(gq, gqt, gi, g, ga, gh, R, n_out, E5M2)
         self._gemm(f"{fc} wgrad", R,
                    lambda: o._wgrad(dw, aqt, gqt, n_in, n_out, R, (aqt, gqt), tb=True,
                                     types=(R_8F_E4M3, R_8F_E5M2, R_32F), scales=(ai, gi)),
-                   lambda: o._wgrad(dw, a, g, n_in, n_out, R, (g,), ta=True))
+                   lambda: o._wgrad(dw, a, g, n_in, n_out, R, (g,), ta=True),
+                   restore=_in_turn(restore_a, restore_g))
         o._writes(din)
         self._gemm(f"{fc} dgrad", R,
                    lambda: o._mm(din, gq, self._w(wname, layer), R, n_in, n_out, tb=True,
                                  types=(R_8F_E5M2, R_8F_E4M3, self.act), scales=(gi, wi)),
-                   lambda: o._mm(din, g, w, R, n_in, n_out, tb=True))
+                   lambda: o._mm(din, g, w, R, n_in, n_out, tb=True), restore=restore_g)

@@ -65,6 +65,10 @@ SIGNATURES: dict[str, str] = {
     "k_fp8_cast_t64_f32": "PPPPPPiiii",
     "k_fp8_cast_t_f32": "PPPPPPiiii",
     "k_fp8_record": "PPPiiii",
+    "k_fp8_gelu_amax_delayed": "PPqPi",
+    "k_fp8_dgelu_amax_delayed": "PPPqPi",
+    "k_fp8_gelu_cast_t64": "PPPPPPPiii",
+    "k_fp8_dgelu_cast_t64": "PPPPPPPPiii",
     "k_params_to_lp": "PPqPPii",
 }
 
@@ -86,7 +90,7 @@ def compile_kernels(precision: str, arch: str) -> list[Path]:
     nvcc = nvcc_path()
     if nvcc is None:
         raise RunError("nvcc not found: the CUDA backend compiles its kernels at start")
-    header = (KERNEL_DIR / "common.cuh").read_bytes()
+    header = b"".join(h.read_bytes() for h in sorted(KERNEL_DIR.glob("*.cuh")))  # included
     flags = [f"-arch={arch}", "-std=c++17", "-O3", f"-DANDREA_ACT={ACT_CODE[precision]}"]
     jobs, outs = [], []
     for src in sorted(KERNEL_DIR.glob("*.cu")):

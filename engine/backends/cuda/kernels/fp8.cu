@@ -29,6 +29,7 @@
 #include <cuda_fp8.h>
 
 #include "common.cuh"
+#include "gelu.cuh"
 
 #define E4M3_MAX 448.0f
 #define E5M2_MAX 57344.0f
@@ -161,13 +162,68 @@ __device__ __forceinline__ void load8(const float* p, float (&f)[8]) {
     f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
 }
 
+// Eight act_t at p (16-byte aligned): one 16-byte store of bf16/fp16, two of float.
+__device__ __forceinline__ void store8(act_t* p, const act_t (&v)[8]) {
+#pragma unroll
+    for (int j = 0; j < 8; j += VEC) {
+        Vec w;
+#pragma unroll
+        for (int i = 0; i < VEC; i++) w[i] = v[j + i];
+        store_vec(p + j, w);
+    }
+}
+
+// What cast_t64_body casts, eight elements at a time (at: the first one's row-major index, a
+// multiple of 8): a tensor as it is (Plain), or the GELU's output (GeluOf) or its input's
+// gradient (DgeluOf) computed from the tensors that produce it, each value rounded to act_t as
+// k_mlp_gelu_fwd / k_mlp_gelu_bwd round it, and stored to `keep` where that is not null (for a
+// GEMM that runs in bf16 and reads it).
+template <typename T>
+struct Plain {
+    const T* x;
+    __device__ __forceinline__ void operator()(long at, float (&f)[8]) const { load8(x + at, f); }
+};
+
+struct GeluOf {
+    const act_t* pre;
+    act_t* keep;
+    __device__ __forceinline__ void operator()(long at, float (&f)[8]) const {
+        load8(pre + at, f);
+        act_t g[8];
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            g[k] = to_act(gelu(f[k]));
+            f[k] = to_f(g[k]);
+        }
+        if (keep) store8(keep + at, g);
+    }
+};
+
+struct DgeluOf {
+    const act_t* dg;  // the gradient of the GELU's output
+    const act_t* pre;
+    act_t* keep;
+    __device__ __forceinline__ void operator()(long at, float (&f)[8]) const {
+        float u[8];
+        load8(dg + at, f);
+        load8(pre + at, u);
+        act_t g[8];
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            g[k] = to_act(f[k] * gelu_grad(u[k]));
+            f[k] = to_f(g[k]);
+        }
+        if (keep) store8(keep + at, g);
+    }
+};
+
 // k_fp8_cast_t for rows % 64 == 0 and cols % 64 == 0 (and 16-byte aligned x, q, qt): a 64 x 64
 // tile per block of 256 threads, x read as 16-byte vectors (8 elements a thread per pass), q
 // written as 8-byte words from registers, qt as 16-byte words (16 rows of one column) from
-// shared memory. The same bytes as k_fp8_cast_t.
-template <typename T>
+// shared memory. The same bytes as k_fp8_cast_t. x comes from `src` (Plain, GeluOf, DgeluOf).
+template <typename Src>
 __device__ __forceinline__ void cast_t64_body(unsigned char* q, unsigned char* qt, float* inv,
-                                              const T* x, unsigned* amax, const float* hist,
+                                              Src src, unsigned* amax, const float* hist,
                                               int H, int rows, int cols, int e5m2) {
     __shared__ unsigned char tile[64][64 + 16];
     const float s = fp8_scale(scaling_amax(amax, hist, H), e5m2);
@@ -179,7 +235,7 @@ __device__ __forceinline__ void cast_t64_body(unsigned char* q, unsigned char* q
     for (int pass = 0; pass < 2; pass++) {
         const int r = pass * 32 + (threadIdx.x >> 3);
         float f[8];
-        load8(x + (long)(r0 + r) * cols + c0 + cv, f);
+        src((long)(r0 + r) * cols + c0 + cv, f);
         Fp8x8 o;
 #pragma unroll
         for (int k = 0; k < 8; k++) {
@@ -204,7 +260,7 @@ __device__ __forceinline__ void cast_t64_body(unsigned char* q, unsigned char* q
 extern "C" __global__ void k_fp8_cast_t64(unsigned char* q, unsigned char* qt, float* inv,
                                           const act_t* x, unsigned* amax, const float* hist,
                                           int H, int rows, int cols, int e5m2) {
-    cast_t64_body(q, qt, inv, x, amax, hist, H, rows, cols, e5m2);
+    cast_t64_body(q, qt, inv, Plain<act_t>{x}, amax, hist, H, rows, cols, e5m2);
 }
 
 // numpy twin: fp8.round_fp8 — k_fp8_cast_t_f32 on whole 64 x 64 tiles (the weights' copies).
@@ -212,7 +268,7 @@ extern "C" __global__ void k_fp8_cast_t64(unsigned char* q, unsigned char* qt, f
 extern "C" __global__ void k_fp8_cast_t64_f32(unsigned char* q, unsigned char* qt, float* inv,
                                               const float* x, unsigned* amax, const float* hist,
                                               int H, int rows, int cols, int e5m2) {
-    cast_t64_body(q, qt, inv, x, amax, hist, H, rows, cols, e5m2);
+    cast_t64_body(q, qt, inv, Plain<float>{x}, amax, hist, H, rows, cols, e5m2);
 }
 
 // numpy twin: fp8.round_fp8 — FP8 copies of activations or gradients for a TN GEMM (above): the
@@ -232,4 +288,65 @@ extern "C" __global__ void k_fp8_cast_t_f32(unsigned char* q, unsigned char* qt,
                                             const float* x, unsigned* amax, const float* hist,
                                             int H, int rows, int cols, int e5m2) {
     cast_t_body(q, qt, inv, x, amax, hist, H, rows, cols, e5m2);
+}
+
+// The max |x| over n elements (n a multiple of 8, 16-byte aligned) that `src` gives, eight at a
+// time, then one atomicMax per block (as amax_body).
+template <typename Src>
+__device__ __forceinline__ void amax_of_src(unsigned* amax, Src src, long n) {
+    const long stride = (long)gridDim.x * blockDim.x;
+    float m = 0.0f;
+    for (long v = blockIdx.x * (long)blockDim.x + threadIdx.x; v < n / 8; v += stride) {
+        float f[8];
+        src(v * 8, f);
+#pragma unroll
+        for (int k = 0; k < 8; k++) m = fmaxf(m, fabsf(f[k]));
+    }
+    block_amax(amax, m);
+}
+
+// Whether a delayed tensor has an amax history (hist: its H floats), the same in every thread.
+__device__ __forceinline__ bool has_history(const float* hist, int H) {
+    float past = 0.0f;
+    for (int k = 0; k < H; k++) past = fmaxf(past, hist[k]);
+    return past > 0.0f;
+}
+
+// numpy twin: fp8.amax_of — k_fp8_amax_delayed of GELU(pre) (the values k_mlp_gelu_fwd
+// writes), computed here: the FP8 MLP's forward writes the GELU only as its FP8 copies
+// (k_fp8_gelu_cast_t64), whose scale needs this amax while the tensor has no history.
+// >   return np.float32(np.fmax.reduce(np.abs(np.asarray(x, np.float32)).ravel(), initial=0.0))
+extern "C" __global__ void k_fp8_gelu_amax_delayed(unsigned* amax, const act_t* pre, long n,
+                                                   const float* hist, int H) {
+    if (has_history(hist, H)) return;
+    amax_of_src(amax, GeluOf{pre, nullptr}, n);
+}
+
+// numpy twin: fp8.amax_of — k_fp8_amax_delayed of dg·GELU'(pre) (the values k_mlp_gelu_bwd
+// writes), for k_fp8_dgelu_cast_t64 as k_fp8_gelu_amax_delayed is for k_fp8_gelu_cast_t64.
+// >   return np.float32(np.fmax.reduce(np.abs(np.asarray(x, np.float32)).ravel(), initial=0.0))
+extern "C" __global__ void k_fp8_dgelu_amax_delayed(unsigned* amax, const act_t* dg,
+                                                    const act_t* pre, long n, const float* hist,
+                                                    int H) {
+    if (has_history(hist, H)) return;
+    amax_of_src(amax, DgeluOf{dg, pre, nullptr}, n);
+}
+
+// numpy twin: fp8.round_fp8 — k_fp8_cast_t64 of GELU(pre): k_mlp_gelu_fwd and the cast of its
+// output in one pass (the same bytes; the GELU [rows, cols] written to keep too where not null).
+// >   q = np.minimum(np.rint(a / quantum) * quantum, np.float32(fmt.max))
+extern "C" __global__ void k_fp8_gelu_cast_t64(unsigned char* q, unsigned char* qt, float* inv,
+                                               act_t* keep, const act_t* pre, unsigned* amax,
+                                               const float* hist, int H, int rows, int cols) {
+    cast_t64_body(q, qt, inv, GeluOf{pre, keep}, amax, hist, H, rows, cols, 0);
+}
+
+// numpy twin: fp8.round_fp8 — k_fp8_cast_t64 of dg·GELU'(pre) in E5M2: k_mlp_gelu_bwd and the
+// cast of its output in one pass (the same bytes; that gradient written to keep where not null).
+// >   q = np.minimum(np.rint(a / quantum) * quantum, np.float32(fmt.max))
+extern "C" __global__ void k_fp8_dgelu_cast_t64(unsigned char* q, unsigned char* qt, float* inv,
+                                                act_t* keep, const act_t* dg, const act_t* pre,
+                                                unsigned* amax, const float* hist, int H,
+                                                int rows, int cols) {
+    cast_t64_body(q, qt, inv, DgeluOf{dg, pre, keep}, amax, hist, H, rows, cols, 1);
 }
