@@ -47,13 +47,16 @@ class Gemm:
         self.choice_ms: dict[str, tuple[float, float]] = {}
         self.plan_imported = False
         self.matmuls: list[dict[str, Any]] = []
-        # (M, N, K, first operand's type) of an FP8 GEMM that cuBLASLt refuses
-        self.refuse: tuple[int, int, int, int] | None = None
+        # (M, N, K, first operand's type) of the FP8 GEMMs that cuBLASLt refuses
+        self.refuse: set[tuple[int, int, int, int]] = set()
+        self.log: list[tuple[str, tuple[int, ...]]] | None = None  # the kernels' calls too
 
     def matmul(self, out: int, a: int, b: int, M: int, N: int, K: int, **kw: Any) -> None:
-        if "scales" in kw and (M, N, K, kw["types"][0]) == self.refuse:
+        if "scales" in kw and (M, N, K, kw["types"][0]) in self.refuse:
             raise RunError(f"no FP8 algorithm for {M}x{N}x{K}")
         self.matmuls.append({"out": out, "a": a, "b": b, "M": M, "N": N, "K": K, **kw})
+        if self.log is not None:
+            self.log.append(("gemm fp8" if "scales" in kw else "gemm bf16", (a, b)))
 
 
 class Stream:
@@ -203,29 +206,58 @@ def test_the_history_travels_through_the_device_copies(mlp) -> None:
         fp8.load_history(AmaxHistory.empty(L + 1))
 
 
-@pytest.mark.parametrize(("refuse", "kernel", "cast", "computed"), [
-    # fc2 wgrad reads act: both layers' forwards ran before the refusal, neither wrote it
-    ((F, d, R, R_8F_E4M3), "k_mlp_gelu_fwd", "k_fp8_gelu_cast_t64", L),
-    # fc1 dgrad reads dpre: layer 1's backward meets the refusal; layer 0's then writes it
-    ((R, d, F, R_8F_E5M2), "k_mlp_gelu_bwd", "k_fp8_dgelu_cast_t64", 1),
+# GEMMs by (M, N, K, first operand's type), as the fake cuBLASLt refuses them
+FC2_FWD, FC2_WGRAD = (R, d, F, R_8F_E4M3), (F, d, R, R_8F_E4M3)
+FC1_WGRAD, FC1_DGRAD = (d, F, R, R_8F_E4M3), (R, d, F, R_8F_E5M2)
+# one_pass_apart's buffers, each at its own address
+ACT, PRE, DPRE = 0x2000_0000, 0x2100_0000, 0x2200_0000
+
+
+def one_pass_apart(fp8: Fp8Mlp) -> None:
+    """one_pass with every buffer apart, so that which one a launch reads shows."""
+    other = iter(range(0x3000_0000, 0x4000_0000, 0x10_0000))
+    fp8.begin_pass()
+    for layer in range(L):
+        fp8.cast_weights(layer, next(other), next(other))
+        fp8.forward(layer, next(other), next(other), next(other), PRE, ACT, next(other), R)
+    for layer in reversed(range(L)):
+        fp8.backward(layer, next(other), next(other), next(other), next(other), PRE, ACT,
+                     next(other), next(other), next(other), DPRE, R)
+
+
+@pytest.mark.parametrize(("refuse", "kernel", "args", "computed"), [
+    # fc2's weight gradient reads act: both layers' forwards ran before the refusal, neither
+    # wrote it
+    ({FC2_WGRAD}, "k_mlp_gelu_fwd", (ACT, PRE, R * F, 0), L),
+    # fc2 fwd reads act: layer 0's forward meets the refusal; layer 1's then writes act
+    ({FC2_FWD}, "k_mlp_gelu_fwd", (ACT, PRE, R * F, 0), 1),
+    # fc1's GEMMs read dpre: layer 1's backward meets the refusal (both of its GEMMs, GELU'
+    # applied once); layer 0's then writes it
+    ({FC1_DGRAD}, "k_mlp_gelu_bwd", (DPRE, DPRE, PRE, R * F, 0), 1),
+    ({FC1_WGRAD}, "k_mlp_gelu_bwd", (DPRE, DPRE, PRE, R * F, 0), 1),
+    ({FC1_WGRAD, FC1_DGRAD}, "k_mlp_gelu_bwd", (DPRE, DPRE, PRE, R * F, 0), 1),
 ])
 def test_a_gemm_refused_after_its_operand_was_left_unwritten_has_it_computed_first(
-        mlp, refuse: tuple[int, int, int, int], kernel: str, cast: str, computed: int) -> None:
+        mlp, refuse: set, kernel: str, args: tuple[int, ...], computed: int) -> None:
     """A pass whose GELU casts wrote no bf16 copy (every GEMM ran in FP8 before at this
-    length), then one GEMM refused in FP8 (as a new problem could be): the bf16 operand it reads
-    is computed first where the pass left it unwritten, then the bf16 GEMM runs; the next pass
-    writes the copy again."""
+    length), then GEMMs refused in FP8 (as a new problem could be): the bf16 operand they read
+    is computed first where the pass left it unwritten, from the right buffers, right before
+    the bf16 GEMM; the next pass writes the copy itself again."""
     fp8, _, calls, gemm, _ = mlp
-    one_pass(fp8)
-    one_pass(fp8)  # every GEMM has run in FP8 at R: no bf16 copies
+    gemm.log = calls
+    one_pass_apart(fp8)
+    one_pass_apart(fp8)  # every GEMM has run in FP8 at R: no bf16 copies
     calls.clear()
     gemm.refuse = refuse
-    n_before = len(gemm.matmuls)
-    one_pass(fp8)
-    names = [n for n, _ in calls]
-    assert names.count(kernel) == computed
-    assert sum("scales" not in m for m in gemm.matmuls[n_before:]) == L  # one bf16 GEMM a layer
+    one_pass_apart(fp8)
+    at = [i for i, (n, _) in enumerate(calls) if n == kernel]
+    assert len(at) == computed
+    for i in at:
+        assert calls[i][1] == args
+        assert next(n for n, _ in calls[i:] if n.startswith("gemm")) == "gemm bf16"
+    assert sum(n == "gemm bf16" for n, _ in calls) == len(refuse) * L
+    cast = "k_fp8_gelu_cast_t64" if kernel.endswith("fwd") else "k_fp8_dgelu_cast_t64"
     calls.clear()
-    one_pass(fp8)
+    one_pass_apart(fp8)
     assert all(a[3] != 0 for n, a in calls if n == cast)  # the copy is written again
     assert kernel not in [n for n, _ in calls]

@@ -28,10 +28,10 @@ beside the forward, and after a resume); the activations' copies as the pass mak
 Xᵀ8 in one kernel in the forward, H8 with Hᵀ8 by the kernel that computes H = GELU(pre) from
 the GEMM's output (k_fp8_gelu_cast_t64), dH8 with dHᵀ8 by the one that computes dH from
 fc2 dgrad's output times GELU'(pre) (k_fp8_dgelu_cast_t64): the bf16 H and dH are then written
-only for a GEMM that may run in bf16. The transposed activations are kept per layer for the backward's weight
-gradients, which then need not read X and H again. A GEMM for which cuBLASLt proposes
-no FP8 algorithm at some length runs in bf16 at that length (`use`, `notes`). Validation and
-text sampling run the bf16 forward: FP8 is how a step computes, not the model.
+only for a GEMM that may run in bf16. The transposed activations are kept per layer for the
+backward's weight gradients, which then need not read X and H again. A GEMM for which cuBLASLt
+proposes no FP8 algorithm at some length runs in bf16 at that length (`use`, `notes`).
+Validation and text sampling run the bf16 forward: FP8 is how a step computes, not the model.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ class Fp8Mlp:
         self._bf16_at: set[tuple[str, int]] = set()  # (GEMM, rows) that fell back to bf16
         self._fp8_ran: set[tuple[str, int]] = set()  # (GEMM, rows) queued in FP8
         # per layer: whether this pass's forward wrote the bf16 GELU output (act), which only a
-        # GEMM that runs in bf16 reads (else such a GEMM has it computed first: `_restore`)
+        # GEMM that runs in bf16 reads (else such a GEMM has it computed first: `_restore_act`)
         self._act_kept = dict.fromkeys(range(n_layer), True)
         self.notes: list[str] = []
         self.load_history(None)  # the plan's memory holds anything until then
