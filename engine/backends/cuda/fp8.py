@@ -84,12 +84,12 @@ def _slot(nbytes: int) -> int:
 
 def _in_turn(*fns: Any) -> Any:
     """One callable running the given ones (None among them skipped) in turn; None if none."""
-    todo = [f for f in fns if f is not None]
-    if not todo:
+    given = [f for f in fns if f is not None]
+    if not given:
         return None
 
     def run() -> None:
-        for f in todo:
+        for f in given:
             f()
 
     return run
@@ -270,56 +270,64 @@ class Fp8Mlp:
     def forward(self, layer: int, x: int, w1: int, w2: int, pre: int, act: int, out: int,
                 R: int) -> None:
         """pre = x·W1, act = GELU(pre), out = act·W2 (x: ln2's output; w1, w2: the bf16
-        weights, for a GEMM that falls back). Where the tiles allow, the GELU is computed by
-        the kernel that casts it (act then written only for a GEMM that may run in bf16)."""
+        weights, for a GEMM that falls back)."""
         self._linear_fwd("fc1", layer, x, "x", w1, "w1", pre, self.d, self.F, R)
-        n = R * self.F
-        ha, hi = self._scale(layer, "h")
-        if self._tiles64(R, self.F, pre, act, self.buf["h"], self._at("h", layer)):
-            hh = self._hist(layer, "h")
-            keep = act if self._bf16_may_read(("fc2 fwd", "fc2 wgrad"), R) else 0
-            self._act_kept[layer] = bool(keep)
-            self.o._go("k_fp8_gelu_amax_delayed", blocks(n // 8, cap=1024), ha, pre, n, hh,
-                       HISTORY)
-            self.o._writes(self.buf["h"], self._at("h", layer), *([keep] if keep else []))
-            self.o._go("k_fp8_gelu_cast_t64", (self.F // 64, R // 64), self.buf["h"],
-                       self._at("h", layer), hi, keep, pre, ha, hh, HISTORY, R, self.F)
-            cast = False
-        else:
-            self.o.gelu_fwd(act, pre, n, amax=ha)
-            self._act_kept[layer] = True
-            cast = True
+        cast = self._gelu(layer, pre, act, R)
         self._linear_fwd("fc2", layer, act, "h", w2, "w2", out, self.F, self.d, R,
-                         amax_done=True, cast=cast, restore_a=self._restore_act(layer, act, pre, n))
+                         amax_done=True, cast=cast,
+                         restore_a=self._restore_act(layer, act, pre, R * self.F))
 
     def backward(self, layer: int, dout: int, x: int, w1: int, w2: int, pre: int, act: int,
                  dx: int, dw1: int, dw2: int, dpre: int, R: int) -> None:
         """Ops.mlp_bwd's outputs with FP8 GEMMs: dpre, dx, and dW1, dW2 (+= or written, as the
-        pass says) from dout = the gradient of the MLP's output. Where the tiles allow, dpre =
-        dpre·GELU'(pre) is computed by the kernel that casts it (and written back only for a
-        GEMM that may run in bf16)."""
-        n = R * self.F
+        pass says) from dout = the gradient of the MLP's output."""
         self._linear_bwd("fc2", layer, dout, "dy", act, "h", w2, "w2", dpre, dw2, self.F,
-                         self.d, R, restore_a=self._restore_act(layer, act, pre, n))
-        da, di = self._scale(layer, "dh")
-        gqt = self.buf["dht"]
-        if self._tiles64(R, self.F, pre, dpre, self.buf["dh"], gqt):
-            dh = self._hist(layer, "dh")
-            keep = dpre if self._bf16_may_read(("fc1 dgrad", "fc1 wgrad"), R) else 0
-            restore = None if keep else self._restore_dh(dpre, pre, n)
-            self.o._go("k_fp8_dgelu_amax_delayed", blocks(n // 8, cap=1024), da, dpre, pre, n,
-                       dh, HISTORY)
-            self.o._writes(self.buf["dh"], gqt, *([keep] if keep else []))
-            self.o._go("k_fp8_dgelu_cast_t64", (self.F // 64, R // 64), self.buf["dh"], gqt, di,
-                       keep, dpre, pre, da, dh, HISTORY, R, self.F)
-            cast = False
-        else:
-            self.o.gelu_bwd(dpre, pre, n, amax=da)
-            restore, cast = None, True
+                         self.d, R, restore_a=self._restore_act(layer, act, pre, R * self.F))
+        cast, restore = self._dgelu(layer, dpre, pre, R)
         self._linear_bwd("fc1", layer, dpre, "dh", x, "x", w1, "w1", dx, dw1, self.d, self.F,
                          R, amax_done=True, cast=cast, restore_g=restore)
         if layer == 0:  # the pass's last MLP backward: every amax of the pass is known
             self._record()
+
+    def _gelu(self, layer: int, pre: int, act: int, R: int) -> bool:
+        """H = GELU(pre) with its amax; where the tiles allow, made as its FP8 copies H8, Hᵀ8
+        by the kernel that computes it (act written too only for a GEMM that may read it in
+        bf16). Returns whether H's copies are still to be made (the plain GELU kernel ran)."""
+        n = R * self.F
+        ha, hi = self._scale(layer, "h")
+        h8, ht8 = self.buf["h"], self._at("h", layer)
+        if not self._tiles64(R, self.F, pre, act, h8, ht8):
+            self.o.gelu_fwd(act, pre, n, amax=ha)
+            self._act_kept[layer] = True
+            return True
+        hh = self._hist(layer, "h")
+        keep = act if self._bf16_may_read(("fc2 fwd", "fc2 wgrad"), R) else 0
+        self._act_kept[layer] = bool(keep)
+        self.o._go("k_fp8_gelu_amax_delayed", blocks(n // 8, cap=1024), ha, pre, n, hh, HISTORY)
+        self.o._writes(h8, ht8, *([keep] if keep else []))
+        self.o._go("k_fp8_gelu_cast_t64", (self.F // 64, R // 64), h8, ht8, hi, keep, pre, ha,
+                   hh, HISTORY, R, self.F)
+        return False
+
+    def _dgelu(self, layer: int, dpre: int, pre: int, R: int) -> tuple[bool, Any]:
+        """dH = dpre·GELU'(pre) (dpre: fc2 dgrad's output) with its amax; where the tiles
+        allow, made as its FP8 copies dH8, dHᵀ8 by the kernel that computes it (written back
+        to dpre only for a GEMM that may read it in bf16). Returns (whether dH's copies are
+        still to be made, what fc1's bf16 GEMMs run first where dpre was left as it was)."""
+        n = R * self.F
+        da, di = self._scale(layer, "dh")
+        dh8, dht8 = self.buf["dh"], self.buf["dht"]
+        if not self._tiles64(R, self.F, pre, dpre, dh8, dht8):
+            self.o.gelu_bwd(dpre, pre, n, amax=da)
+            return True, None
+        dh = self._hist(layer, "dh")
+        keep = dpre if self._bf16_may_read(("fc1 dgrad", "fc1 wgrad"), R) else 0
+        self.o._go("k_fp8_dgelu_amax_delayed", blocks(n // 8, cap=1024), da, dpre, pre, n, dh,
+                   HISTORY)
+        self.o._writes(dh8, dht8, *([keep] if keep else []))
+        self.o._go("k_fp8_dgelu_cast_t64", (self.F // 64, R // 64), dh8, dht8, di, keep, dpre,
+                   pre, da, dh, HISTORY, R, self.F)
+        return False, None if keep else self._restore_dh(dpre, pre, n)
 
     @staticmethod
     def _tiles64(rows: int, cols: int, *ptrs: int) -> bool:
