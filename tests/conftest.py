@@ -24,6 +24,15 @@ TINY = ROOT / "experiments" / "ANDREA-tiny-TRAIN.json"
 DATA_DIR = ROOT / "data" / "builtin"
 
 
+def dev_module(name: str) -> Any:
+    """dev/NAME.py as a module (dev/ is no package: its scripts import each other by name)."""
+    import importlib
+
+    if str(ROOT / "dev") not in sys.path:
+        sys.path.insert(0, str(ROOT / "dev"))
+    return importlib.import_module(name)
+
+
 def tiny_config_dict() -> dict[str, Any]:
     c = json.loads(TINY.read_text())
     c["data"]["dir"] = str(DATA_DIR)

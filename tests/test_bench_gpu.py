@@ -5,26 +5,17 @@ line's errors."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _dev(name: str):
-    """dev/NAME.py as a module (dev/ is no package: its scripts import each other by name)."""
-    if str(ROOT / "dev") not in sys.path:
-        sys.path.insert(0, str(ROOT / "dev"))
-    return importlib.import_module(name)
+from tests.conftest import ROOT, dev_module
 
 
 def _timing():
-    return _dev("gpu_timing")
+    return dev_module("gpu_timing")
 
 
 class FakeStream:
@@ -283,7 +274,7 @@ def test_a_long_run_that_fails_is_reported_and_the_others_go_on():
     ("max-autotune-sepqkv", ("max-autotune", False, False, False)),
 ])
 def test_torch_variant_names(name, want):
-    v = _dev("torch_peer").torch_variant(name)
+    v = dev_module("torch_peer").torch_variant(name)
     assert (v.mode, v.fused_qkv, v.cudnn_sdpa, v.sync) == want
 
 
@@ -291,7 +282,7 @@ def test_torch_variant_names(name, want):
                                   "compile-cudnn-sepqkv", ""])
 def test_a_misspelt_torch_variant_is_refused(name):
     with pytest.raises(ValueError, match="expected one of eager"):
-        _dev("torch_peer").torch_variant(name)
+        dev_module("torch_peer").torch_variant(name)
 
 
 @pytest.mark.parametrize(("args", "says"), [

@@ -7,43 +7,34 @@ never a test's."""
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import ROOT, dev_module
+
 GIB = 2**30
-
-
-def _dev(name: str):
-    """dev/NAME.py as a module (dev/ is no package: its scripts import each other by name)."""
-    if str(ROOT / "dev") not in sys.path:
-        sys.path.insert(0, str(ROOT / "dev"))
-    return importlib.import_module(name)
 
 
 def _bench():
     """The benchmark's run, command line and report."""
-    return _dev("bench_gpu")
+    return dev_module("bench_gpu")
 
 
 def _models():
     """The models, their FLOPs and the engine's paths."""
-    return _dev("bench_models")
+    return dev_module("bench_models")
 
 
 def _groups():
     """The memory estimates and the groups."""
-    return _dev("bench_groups")
+    return dev_module("bench_groups")
 
 
 def _profile():
     """The per-kernel profile and its split."""
-    return _dev("gpu_profile")
+    return dev_module("gpu_profile")
 
 
 # --- the models and their sizes ---------------------------------------------------------------
