@@ -1,8 +1,9 @@
 """GPU kernel benchmark: the memory-bound kernels of a step at its shapes, as the CUDA backend
 runs them, timed with CUDA events on one stream. Prints a table per op and shape.
 
-    python3 dev/bench_kernels.py [--ops layernorm,loss] [--shapes 8192x768,8192x384]
-                                 [--vocab 8449] [--reps 200] [--rounds 5]
+    python3 dev/bench_kernels.py [--ops layernorm,loss,fp8] [--shapes 8192x768,8192x384]
+                                 [--fp8-shapes 8192x8192,8192x2048] [--vocab 8449]
+                                 [--reps 200] [--rounds 5]
 
 `layernorm`: the LayerNorm backward of one layer (dx, dγ, dβ), each variant the same op
 (Ops.layernorm_bwd with accumulate, bf16):
@@ -21,6 +22,12 @@ peer, a device-to-device copy of the same bytes: where a row fits the kernel's r
 copy is the speed the memory allows (a longer row is read three times, into a buffer of its
 own). Calls after the first run on the dlogits the one before left: the kernel's work depends
 on the targets, not on the values.
+
+`fp8`: the FP8 MLP's cast kernels on whole 64 x 64 tiles (train/precision "fp8", with an amax
+history, as a step after its first runs them) for each --fp8-shapes ROWSxCOLS: k_fp8_cast_t64
+(a bf16 tensor into its E4M3 copy and transposed copy: x, dy), k_fp8_gelu_cast_t64 (GELU(pre)
+computed and cast: h) and k_fp8_dgelu_cast_t64 (dg·GELU'(pre) in E5M2: dh), each against its
+peer, a device-to-device copy moving as many bytes (read and written) as the kernel must.
 
 Rounds are interleaved; the tables show the median of the rounds' times (µs per call).
 """
@@ -143,7 +150,61 @@ def bench_loss(gpu, R: int, V: int, rounds: int, reps: int) -> None:
         a.free()
 
 
-OPS = ("layernorm", "loss")
+def bench_fp8_casts(gpu, R: int, C: int, rounds: int, reps: int) -> None:
+    from engine.backends.cuda.ops import Ops
+    from engine.model.fp8 import HISTORY
+
+    if R % 64 or C % 64:
+        print(f"\nFP8 casts {R}x{C}: skipped (the 64 x 64 tile kernels need multiples of 64)")
+        return
+    drv, stream = gpu.drv, gpu.stream
+    rng = np.random.default_rng(2)
+    o = Ops(gpu.kernels("bf16"), None, stream, "bf16")
+    n = R * C
+    x, pre = (drv.to_device(bf16_bits(rng.normal(0, 1, (R, C)))) for _ in range(2))
+    q, qt = drv.mem_alloc(n), drv.mem_alloc(n)
+    src, dst = drv.mem_alloc(3 * n), drv.mem_alloc(3 * n)  # the copies' bytes
+    inv = drv.mem_alloc(16)
+    amax = drv.to_device(np.zeros(1, np.uint32))
+    hist = drv.to_device(np.full(HISTORY, 4.0, np.float32))  # a history: no amax pass first
+    x_, pre_, q_, qt_, inv_, amax_, hist_ = (int(a) for a in (x, pre, q, qt, inv, amax, hist))
+    grid = (C // 64, R // 64)
+
+    def copy(nbytes: int) -> Callable[[], None]:
+        return lambda: drv.memcpy_dtod_async(int(dst), int(src), nbytes, stream)
+
+    # bytes read + written: 2n in and 2n out (q, qt) for a cast, 4n in for the GELU's gradient
+    for title, kernel, args, moved in (
+            ("k_fp8_cast_t64 (x, dy)", "k_fp8_cast_t64",
+             (q_, qt_, inv_, x_, amax_, hist_, HISTORY, R, C, 0), 4 * n),
+            ("k_fp8_gelu_cast_t64 (h)", "k_fp8_gelu_cast_t64",
+             (q_, qt_, inv_, 0, pre_, amax_, hist_, HISTORY, R, C), 4 * n),
+            ("k_fp8_dgelu_cast_t64 (dh)", "k_fp8_dgelu_cast_t64",
+             (q_, qt_, inv_, 0, x_, pre_, amax_, hist_, HISTORY, R, C), 6 * n)):
+        variants: dict[str, Callable[[], None]] = {
+            "kernel": lambda kernel=kernel, args=args: o._go(kernel, grid, *args),
+            "copy of the same bytes": copy(moved // 2),
+        }
+        times = time_rounds(variants, rounds, reps, drv, stream)
+        mb = moved / 1e6
+        print(f"\n{title} {R}x{C}: {mb:.1f} MB read and written a call")
+        print_table(times, "copy of the same bytes", "vs copy", "GB/s", mb)
+    for a in (x, pre, q, qt, src, dst, inv, amax, hist):
+        a.free()
+
+
+OPS = ("layernorm", "loss", "fp8")
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]] | None:
+    """"R1xC1,R2xC2" as [(R1, C1), (R2, C2)]; None where it is not that (or a value < 1)."""
+    try:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in text.split(",")]
+    except ValueError:
+        return None
+    if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
+        return None
+    return [(s[0], s[1]) for s in shapes]
 
 
 def main() -> int:
@@ -151,19 +212,20 @@ def main() -> int:
     ap.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, of {', '.join(OPS)}")
     ap.add_argument("--shapes", default="8192x768,8192x384",
                     help="LayerNorm rows x d, comma-separated")
+    ap.add_argument("--fp8-shapes", default="8192x8192,8192x2048",
+                    help="the FP8 casts' rows x columns, comma-separated")
     ap.add_argument("--vocab", type=int, default=8449, help="the loss's V (8192 rows)")
     ap.add_argument("--reps", type=int, default=200, help="calls per timing")
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     ops = [x for x in args.ops.split(",") if x]
-    try:
-        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-        if any(len(s) != 2 or min(s) < 1 for s in shapes):
-            raise ValueError
-    except ValueError:
-        print(f"bench_kernels: --shapes wants ROWSxD[,ROWSxD...], got {args.shapes!r}",
-              file=sys.stderr)
-        return 2
+    shapes, fp8_shapes = parse_shapes(args.shapes), parse_shapes(args.fp8_shapes)
+    for flag, value, parsed in (("--shapes", args.shapes, shapes),
+                                ("--fp8-shapes", args.fp8_shapes, fp8_shapes)):
+        if parsed is None:
+            print(f"bench_kernels: {flag} wants ROWSxCOLS[,ROWSxCOLS...], got {value!r}",
+                  file=sys.stderr)
+            return 2
     if not ops or any(x not in OPS for x in ops):
         print(f"bench_kernels: --ops wants some of {', '.join(OPS)}, comma-separated, got "
               f"{args.ops!r}", file=sys.stderr)
@@ -189,6 +251,9 @@ def main() -> int:
             bench_layernorm(gpu, R, d, args.rounds, args.reps)
     if "loss" in ops:
         bench_loss(gpu, 8192, args.vocab, args.rounds, args.reps)
+    if "fp8" in ops:
+        for R, C in fp8_shapes:
+            bench_fp8_casts(gpu, R, C, args.rounds, args.reps)
     return 0
 
 
