@@ -129,10 +129,10 @@ def test_every_launch_of_a_pass_matches_its_kernels_declaration(mlp) -> None:
     assert [c[0] for c in drv.copies] == ["htod", "htod"]  # the history zeroed at construction
     one_pass(fp8)
     names = [n for n, _ in calls]
-    # per pass: the weights' amax and copies; per layer the delayed amax passes over x, dy, and
-    # GELU(pre) and its gradient (no-ops once they have a history), four activation and
-    # gradient casts (the GELU's two by the kernels that compute them); one record
-    assert names.count("k_fp8_amax_f32") == 2 * L
+    # per layer the delayed amax passes (no-ops once a tensor has a history) over the weights'
+    # masters, x, dy, and GELU(pre) and its gradient; the weights' copies and four activation
+    # and gradient casts (the GELU's two by the kernels that compute them); one record
+    assert names.count("k_fp8_amax_f32_delayed") == 2 * L
     assert names.count("k_fp8_amax_delayed") == 2 * L
     assert names.count("k_fp8_gelu_amax_delayed") == names.count("k_fp8_dgelu_amax_delayed") == L
     assert names.count("k_fp8_gelu_cast_t64") == names.count("k_fp8_dgelu_cast_t64") == L
@@ -141,17 +141,48 @@ def test_every_launch_of_a_pass_matches_its_kernels_declaration(mlp) -> None:
     assert names[0] == "memset"  # the amax words zeroed when the pass begins
     cs = casts(calls)
     assert len(cs) == 2 * L + 4 * L
-    # the weights' casts read no history (current scaling), the others their own row's
+    # every cast reads its own history row: each of the six tensors of each layer, once
+    assert TENSORS == DELAYED
     hist = fp8.buf["hist"]
-    rows = [(h - hist) // (4 * HISTORY) for _, _, h in cs if h]
-    assert sorted(rows) == sorted(layer * len(DELAYED) + t for layer in range(L)
-                                  for t in range(len(DELAYED)))
-    assert sum(1 for _, _, h in cs if h == 0) == 2 * L
-    # the record reads the amax words in the six-a-layer layout into HISTORY slots
+    rows = [(h - hist) // (4 * HISTORY) for _, _, h in cs]
+    assert all(h for _, _, h in cs)
+    assert sorted(rows) == list(range(L * len(DELAYED)))
+    # the record reads the amax words (six a layer, in the history's row order) into HISTORY
+    # slots
     [rec] = [a for n, a in calls if n == "k_fp8_record"]
-    assert rec[3:] == (L * len(DELAYED), len(DELAYED), len(TENSORS), HISTORY)
+    assert rec[3:] == (L * len(DELAYED), len(DELAYED), len(TENSORS), HISTORY) == \
+        (L * 6, 6, 6, HISTORY)
     # the six GEMMs of each layer, FP8 operand types on each
     assert len(gemm.matmuls) == 6 * L and all("scales" in m for m in gemm.matmuls)
+
+
+def test_the_weights_are_scaled_from_their_history(mlp) -> None:
+    """Each weight's amax pass over its fp32 master is the delayed one (a no-op once it has a
+    history), and its cast reads that history (taking the amax as it goes): both with the
+    weight's own history row and amax word, on its own master."""
+    fp8, _, calls, _, _ = mlp
+    masters = {(layer, name): 0x5000_0000 + 0x100_0000 * (2 * layer + k)
+               for layer in range(L) for k, name in enumerate(("w1", "w2"))}
+    fp8.begin_pass()
+    for layer in range(L):
+        fp8.cast_weights(layer, masters[layer, "w1"], masters[layer, "w2"])
+    names = [n for n, _ in calls]
+    assert "k_fp8_amax_f32" not in SIGNATURES and "k_fp8_amax_delayed" not in names
+    amaxes = [a for n, a in calls if n == "k_fp8_amax_f32_delayed"]
+    cast = [(n, a) for n, a in calls if n in ("k_fp8_cast_t_f32", "k_fp8_cast_t64_f32")]
+    assert len(amaxes) == len(cast) == 2 * L
+    hist = fp8.buf["hist"]
+    for (layer, name), a, (_, c) in zip(masters, amaxes, cast, strict=True):
+        word, _ = fp8._scale(layer, name)
+        h = hist + 4 * HISTORY * (layer * len(DELAYED) + DELAYED.index(name))
+        # k_fp8_amax_f32_delayed(amax, x, n, hist, H)
+        assert a == (word, masters[layer, name], d * F, h, HISTORY)
+        # k_fp8_cast_t*_f32(q, qt, inv, x, amax, hist, H, rows, cols, e5m2)
+        assert c[3:7] == (masters[layer, name], word, h, HISTORY) and h != 0
+        assert c[9] == 0  # E4M3
+    # the amax words are each weight's own, after x, h, dy, dh of its layer
+    words = [a[0] for a in amaxes]
+    assert words == [fp8.buf["amax"] + 4 * (layer * 6 + t) for layer in range(L) for t in (4, 5)]
 
 
 def test_the_bf16_gelu_is_written_only_while_a_gemm_may_read_it(mlp) -> None:

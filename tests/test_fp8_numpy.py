@@ -14,6 +14,7 @@ import pytest
 
 from engine import records as rec
 from engine.backends.numpy import NumpyBackend
+from engine.backends.numpy.fp8 import SCALES
 from engine.model.fp8 import (
     DELAYED,
     E4M3,
@@ -61,7 +62,8 @@ def test_the_first_pass_scales_by_the_amax_now_and_later_ones_by_the_history() -
     step(bk, 0)
     first = f.history.amax[:, 0].copy()
     assert f.history.next == 1 and (first > 0).all()
-    # pass 1 had no history: x's scale is its own amax's; h's is E4M3's, dy's and dh's E5M2's
+    # pass 1 had no history: each scale is its own amax's (E5M2's for dy and dh, else E4M3's)
+    assert SCALES == DELAYED
     for layer in range(SHAPES.n_layer):
         for col, tensor in enumerate(DELAYED):
             fmt = E5M2 if tensor.startswith("d") else E4M3
@@ -75,9 +77,34 @@ def test_the_first_pass_scales_by_the_amax_now_and_later_ones_by_the_history() -
             fmt = E5M2 if tensor.startswith("d") else E4M3
             # pass 2: the largest amax in the history (pass 1's), not its own
             assert f.scales[layer, col] == scale_for(first[f.history.row(layer, tensor)], fmt)
-    # the weights: their own amax every pass (current scaling)
-    w1 = bk.p["h.0.mlp.W_1"]
-    assert f.scales[0, 4] == scale_for(amax_of(w1), E4M3)
+
+
+def test_a_weights_scale_comes_from_the_amax_its_last_passes_recorded() -> None:
+    """The weights are delayed tensors too: pass 1 (no history) scales W1 and W2 by their amax
+    then; W1 grown and W2 shrunk before pass 2, pass 2 still scales them by pass 1's amax and
+    records their amax now, which pass 3 scales W1 by (the larger)."""
+    bk = backend("fp8")
+    f, p = bk.fp8, bk.p
+    w = {"w1": p["h.1.mlp.W_1"], "w2": p["h.1.mlp.W_2"]}
+    col = {k: SCALES.index(k) for k in w}
+    step(bk, 0)
+    first = {k: amax_of(v) for k, v in w.items()}
+    for k in w:
+        assert f.scales[1, col[k]] == scale_for(first[k], E4M3)
+        assert f.history.amax[f.history.row(1, k), 0] == first[k]
+    w["w1"] *= np.float32(3.0)
+    w["w2"] *= np.float32(0.25)
+    now = {k: amax_of(v) for k, v in w.items()}
+    step(bk, 0)
+    for k in w:
+        assert now[k] != first[k]
+        assert f.scales[1, col[k]] == scale_for(first[k], E4M3) != scale_for(now[k], E4M3)
+        assert f.history.amax[f.history.row(1, k), 1] == now[k]
+        assert f.history.delayed_amax(1, k) == max(first[k], now[k])
+    # pass 3 scales W1 by the larger amax (pass 2's) and W2 by pass 1's, still the larger
+    step(bk, 0)
+    assert f.scales[1, col["w1"]] == scale_for(now["w1"], E4M3)
+    assert f.scales[1, col["w2"]] == scale_for(first["w2"], E4M3)
 
 
 def test_the_fp8_gemm_is_the_product_of_the_fp8_values_times_the_inverse_scales() -> None:
@@ -88,7 +115,7 @@ def test_the_fp8_gemm_is_the_product_of_the_fp8_values_times_the_inverse_scales(
     out = np.zeros((128, 64), np.float32)
     bk.fp8.begin_pass()
     bk.fp8.forward(0, x, p["h.0.mlp.W_1"], p["h.0.mlp.W_2"], pre, act, out)
-    sx, sw = bk.fp8.scales[0, 0], bk.fp8.scales[0, 4]
+    sx, sw = bk.fp8.scales[0, SCALES.index("x")], bk.fp8.scales[0, SCALES.index("w1")]
     xq = round_fp8(x * sx, E4M3).astype(np.float64)
     wq = round_fp8(p["h.0.mlp.W_1"] * sw, E4M3).astype(np.float64)
     want = xq @ wq / (np.float64(sx) * np.float64(sw))
@@ -113,7 +140,8 @@ def test_a_loaded_history_changes_the_next_pass_and_a_foreign_one_is_refused() -
         step(a, seed)
     saved = a.fp8_history()
     assert saved is not None and saved.next == 3
-    b.load_fp8_history(AmaxHistory.from_json(json.loads(json.dumps(saved.to_json())), 2))
+    raw = json.loads(json.dumps(saved.to_json()))
+    b.load_fp8_history(AmaxHistory.from_json(raw, 2).history)
     same = step(b, 7)
     a.load_fp8_history(None)  # afresh: pass 4 then scales by its own amax
     afresh = step(a, 7)
@@ -121,7 +149,7 @@ def test_a_loaded_history_changes_the_next_pass_and_a_foreign_one_is_refused() -
     b2.load_fp8_history(saved)
     assert np.array_equal(step(b2, 7)[0], same[0])
     assert not np.array_equal(afresh[0], same[0])
-    with pytest.raises(ValueError, match="expected 8 tensors x 16 passes"):
+    with pytest.raises(ValueError, match="expected 12 tensors x 16 passes"):
         a.load_fp8_history(AmaxHistory.empty(n_layer=3))
     assert backend("fp32").fp8_history() is None
 
@@ -161,7 +189,8 @@ def test_stop_and_resume_in_fp8_goes_on_from_the_history_bit_for_bit(
     assert proc.wait(timeout=120) == 0
     stop = json.loads((run / "state.json").read_text())["last_checkpoint"]
     ckpt = json.loads((run / "checkpoints" / Path(stop["path"]).name / "state.json").read_text())
-    hist = AmaxHistory.from_json(ckpt[rec.STATE_FP8_HISTORY], 2)
+    hist, without = AmaxHistory.from_json(ckpt[rec.STATE_FP8_HISTORY], 2)
+    assert without == ()
     assert hist.next == (2 * stop["step"]) % HISTORY and (hist.amax > 0).any()
     r = run_engine(cfg, run, "--resume", "--backend", "numpy")
     assert r.returncode == 0, r.stdout + r.stderr
@@ -186,7 +215,52 @@ def test_a_checkpoint_without_a_history_resumes_in_fp8_and_the_log_says_so(
     assert "resume: FP8 amax history starts afresh: the checkpoint has none" in log, log[-3000:]
     assert loss_records(run)[-1].step == 14
     last = json.loads((run / "checkpoints" / "step_00000014" / "state.json").read_text())
-    assert AmaxHistory.from_json(last[rec.STATE_FP8_HISTORY], 2).next == 4
+    assert AmaxHistory.from_json(last[rec.STATE_FP8_HISTORY], 2).history.next == 4
+
+
+@pytest.mark.slow
+def test_a_checkpoint_whose_history_lacks_the_weights_resumes_and_the_log_says_so(
+        tmp_path: Path, prepared_data: Path) -> None:
+    """A checkpoint written while the weights were scaled by their own amax each pass: its
+    state.json's history holds x, h, dy and dh only. The resume goes on from those rows, the
+    weights' rows starting empty (filled from the resumed passes on), and engine.log says so."""
+    from engine.run.checkpoint import state_digest
+
+    cfg = fp8_config(tmp_path)
+    run = tmp_path / "run"
+    r = run_engine(cfg, run, "--backend", "numpy", "--max-steps", "10")
+    assert r.returncode == 0, r.stdout + r.stderr
+    state_path = run / "checkpoints" / "step_00000010" / "state.json"
+    doc = json.loads(state_path.read_text())
+    full = AmaxHistory.from_json(doc[rec.STATE_FP8_HISTORY], 2).history
+    assert full.next == 20 % HISTORY and (full.amax > 0).all()  # 20 passes: every slot written
+    old = full.amax.reshape(2, len(DELAYED), HISTORY)[:, :4]  # x, h, dy, dh of each layer
+    doc[rec.STATE_FP8_HISTORY] = {"tensors": ["x", "h", "dy", "dh"], "length": HISTORY,
+                                  "next": full.next,
+                                  "amax_bits": [int(b) for b in old.view(np.uint32).ravel()]}
+    doc["state_sha256"] = state_digest(doc)
+    state_path.write_text(json.dumps(doc, indent=1))
+    r = run_engine(cfg, run, "--resume", "--backend", "numpy", "--max-steps", "14")
+    assert r.returncode == 0, r.stdout + r.stderr
+    log = (run / "engine.log").read_text()
+    assert ("resume: the checkpoint's FP8 amax history has no rows for the weights (w1, w2; "
+            "written by an engine that scaled them by their own amax each pass)") in log, \
+        log[-3000:]
+    assert "FP8 amax history starts afresh" not in log
+    assert loss_records(run)[-1].step == 14
+    last = json.loads((run / "checkpoints" / "step_00000014" / "state.json").read_text())
+    got, without = AmaxHistory.from_json(last[rec.STATE_FP8_HISTORY], 2)
+    assert without == () and got.next == 28 % HISTORY
+    resumed = [(full.next + k) % HISTORY for k in range(8)]  # the 8 passes of steps 11..14
+    kept = [k for k in range(HISTORY) if k not in resumed]
+    for layer in range(2):
+        for t, tensor in enumerate(DELAYED):
+            row = got.amax[got.row(layer, tensor)]
+            assert (row[resumed] > 0).all()
+            if t < 4:  # the checkpoint's rows, in place where no resumed pass wrote
+                assert np.array_equal(row[kept], old[layer, t, kept])
+            else:  # no history but the resumed passes'
+                assert not row[kept].any()
 
 
 def test_an_mlp_narrower_than_the_model_runs_in_fp8() -> None:

@@ -3,33 +3,42 @@ computes it on the CPU; kernels/fp8.cu on FP8 tensor cores, and reads like this)
 
 Each MLP GEMM operand goes to FP8 as q = fp8(x·s), and the GEMM's product is multiplied back by
 the operands' inverse scales. E4M3 (max 448) holds weights and activations, E5M2 (max 57344)
-gradients. The scale s = FMAX / a of one tensor comes from
+gradients. The scale s = FMAX / a of every such tensor (per layer: W1, W2, x = fc1's input,
+h = fc2's input, dy = the MLP output's gradient, dh = the pre-activation's gradient) comes from
+the largest amax in its history of the last HISTORY training passes (delayed scaling), so a
+kernel can cast as it goes instead of reading the tensor once for its amax first:
 
-- the weights (W1, W2): their own amax now (current scaling). Their copies are made once a
-  training pass from the fp32 masters, so their amax costs one read of the masters;
-- the activations and gradients (per layer: x = fc1's input, h = fc2's input, dy = the MLP
-  output's gradient, dh = the pre-activation's gradient): the largest amax in their history of
-  the last HISTORY training passes (delayed scaling), so a kernel can cast as it goes instead of
-  reading the tensor once for its amax first. A tensor with no history yet (a fresh run; a run
-  resumed from a checkpoint without one) is scaled by its own amax in that pass.
+- the weights' copies are made in every training pass from the fp32 masters, the cast taking
+  the master's amax as it goes (a weight changes little from one pass to the next: its recent
+  amax scales it about as well as its amax now would, which would cost a read of the master);
+- the activations and gradients are cast as the pass makes them, each taking its amax as it
+  goes.
 
-Every training pass then records each such tensor's amax (0 where it was not finite: one bad
-batch must not zero the scales of the next HISTORY passes) in the slot `next` of its history.
-The history travels in every checkpoint (state.json, records.STATE_FP8_HISTORY), so a resumed
-run scales exactly as the run would have gone on.
+A tensor with no history yet (a fresh run; a run resumed from a checkpoint without its rows) is
+scaled by its own amax in that pass.
+
+Every training pass then records each tensor's amax (0 where it was not finite: one bad batch
+must not zero the scales of the next HISTORY passes) in the slot `next` of its history. The
+history travels in every checkpoint (state.json, records.STATE_FP8_HISTORY), so a resumed run
+scales exactly as the run would have gone on. A checkpoint written while the weights were scaled
+by their own amax each pass (its history holds x, h, dy and dh only: EARLIER_DELAYED) still
+loads, the weights' rows empty.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 # the MLP's GEMMs, each of which runs in FP8 (where the GPU's library has an FP8 algorithm for it)
 FP8_GEMMS = ("fc1 fwd", "fc2 fwd", "fc2 dgrad", "fc1 dgrad", "fc2 wgrad", "fc1 wgrad")
 HISTORY = 16  # training passes of amax history a delayed scale looks back over
-DELAYED = ("x", "h", "dy", "dh")  # per layer, in this order: the tensors with a history
+# per layer, in this order: the tensors with an amax history (every FP8 operand of the MLP)
+DELAYED = ("x", "h", "dy", "dh", "w1", "w2")
+# the tensors of a history written while the weights were scaled by their own amax each pass
+EARLIER_DELAYED = ("x", "h", "dy", "dh")
 F32_MAX = np.float32(np.finfo(np.float32).max)
 
 
@@ -75,8 +84,9 @@ def scale_for(a: np.float32, fmt: Fp8Format) -> np.float32:
 
 @dataclass
 class AmaxHistory:
-    """Each delayed tensor's amax over the last HISTORY training passes: `amax` [n_layer·4,
-    HISTORY] float32, rows in (layer, DELAYED) order; `next` the slot the coming pass writes."""
+    """Each delayed tensor's amax over the last HISTORY training passes: `amax`
+    [n_layer·len(DELAYED), HISTORY] float32, rows in (layer, DELAYED) order; `next` the slot the
+    coming pass writes."""
 
     amax: np.ndarray
     next: int = 0
@@ -105,8 +115,8 @@ class AmaxHistory:
         return np.float32(self.amax[self.row(layer, tensor)].max())
 
     def record(self, now: np.ndarray) -> None:
-        """One training pass's amax of every delayed tensor ([n_layer·4]) into slot `next`; a
-        non-finite amax is recorded as 0."""
+        """One training pass's amax of every delayed tensor ([n_layer·len(DELAYED)], in row
+        order) into slot `next`; a non-finite amax is recorded as 0."""
         now = np.asarray(now, np.float32)
         self.amax[:, self.next] = np.where(np.isfinite(now), now, np.float32(0.0))
         self.next = (self.next + 1) % self.amax.shape[1]
@@ -118,24 +128,41 @@ class AmaxHistory:
                 "amax_bits": [int(b) for b in self.amax.view(np.uint32).ravel()]}
 
     @classmethod
-    def from_json(cls, d: Any, n_layer: int) -> AmaxHistory:
-        """The history a checkpoint holds for a model of n_layer layers; ValueError saying what
-        does not fit."""
+    def from_json(cls, d: Any, n_layer: int) -> CheckpointHistory:
+        """The history a checkpoint holds for a model of n_layer layers, in this recipe's layout
+        (a history of EARLIER_DELAYED's tensors: its rows in place, the weights' rows zero, no
+        history yet, and the result's `without` names them). ValueError saying what does not
+        fit."""
         if not isinstance(d, dict):
             raise ValueError(f"expected an object, got {type(d).__name__}")
-        if d.get("tensors") != list(DELAYED):
-            raise ValueError(f"tensors: expected {list(DELAYED)}, got {d.get('tensors')!r}")
+        stored = d.get("tensors")
+        if stored not in (list(DELAYED), list(EARLIER_DELAYED)):
+            raise ValueError(f"tensors: expected {list(DELAYED)} (or, from a checkpoint that "
+                             f"scaled the weights by their own amax, {list(EARLIER_DELAYED)}), "
+                             f"got {stored!r}")
         length, nxt, bits = d.get("length"), d.get("next"), d.get("amax_bits")
         if not isinstance(length, int) or not 1 <= length <= 4096:
             raise ValueError(f"length: expected an integer in 1..4096, got {length!r}")
         if not isinstance(nxt, int) or not 0 <= nxt < length:
             raise ValueError(f"next: expected an integer in 0..{length - 1}, got {nxt!r}")
-        rows = n_layer * len(DELAYED)
+        rows = n_layer * len(stored)
         if (not isinstance(bits, list) or len(bits) != rows * length
                 or not all(isinstance(b, int) and 0 <= b < 2**32 for b in bits)):
             raise ValueError(f"amax_bits: expected {rows * length} float32 bit patterns "
-                             f"({n_layer} layers x {len(DELAYED)} tensors x {length})")
-        amax = np.array(bits, np.uint32).view(np.float32).reshape(rows, length)
-        if not (np.isfinite(amax) & (amax >= 0)).all():
+                             f"({n_layer} layers x {len(stored)} tensors x {length})")
+        got = np.array(bits, np.uint32).view(np.float32).reshape(n_layer, len(stored), length)
+        if not (np.isfinite(got) & (got >= 0)).all():
             raise ValueError("amax_bits: every amax must be finite and >= 0")
-        return cls(amax.copy(), nxt)
+        amax = np.zeros((n_layer, len(DELAYED), length), np.float32)
+        amax[:, [DELAYED.index(t) for t in stored]] = got
+        without = tuple(t for t in DELAYED if t not in stored)
+        return CheckpointHistory(cls(amax.reshape(n_layer * len(DELAYED), length), nxt), without)
+
+
+class CheckpointHistory(NamedTuple):
+    """AmaxHistory.from_json's result: the history, and the delayed tensors the checkpoint held
+    no rows for (its recipe scaled them by their own amax each pass; empty for this recipe's):
+    their rows are zero, so each is scaled by its own amax until it has a history."""
+
+    history: AmaxHistory
+    without: tuple[str, ...] = ()

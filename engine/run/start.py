@@ -196,8 +196,10 @@ class RunStartup:
     def _load_fp8_history(self, resume: Checkpoint | None) -> None:
         """train/precision fp8 on a resume: the delayed FP8 scales go on from the checkpoint's
         amax history. A checkpoint without one (written in another precision, or by an engine
-        without delayed scaling), or with one that does not fit, starts the history afresh, and
-        the log says so: the first steps then scale differently than the run would have."""
+        without delayed scaling), or with one that does not fit, starts the history afresh; one
+        without the weights' rows (written while they were scaled by their own amax) goes on
+        with the rows it has. The log says either: the first steps then scale differently than
+        the run would have."""
         from engine.model.fp8 import AmaxHistory
 
         be = self.trainer.backend
@@ -207,10 +209,19 @@ class RunStartup:
         why = "the checkpoint has none (written in another precision or by an older engine)"
         if raw is not None:
             try:
-                be.load_fp8_history(AmaxHistory.from_json(raw, self.cfg.model.n_layer))
-                return
+                got = AmaxHistory.from_json(raw, self.cfg.model.n_layer)
+                be.load_fp8_history(got.history)
             except ValueError as e:
                 why = f"the checkpoint's does not fit: {e}"
+            else:
+                if got.without:
+                    self.out.log(
+                        f"resume: the checkpoint's FP8 amax history has no rows for the weights "
+                        f"({', '.join(got.without)}; written by an engine that scaled them by "
+                        f"their own amax each pass): they are scaled by their own amax until "
+                        f"they have one, so these steps' bits differ from the run's had it "
+                        f"gone on")
+                return
         be.load_fp8_history(None)
         self.out.log(f"resume: FP8 amax history starts afresh: {why}; until each tensor has "
                      f"one, it is scaled by its own amax, so these steps' bits differ from "

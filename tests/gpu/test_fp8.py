@@ -130,18 +130,33 @@ def test_fp8_copies_and_gemms_against_fp32(lt, rng) -> None:
         q64, qt64, _, _ = fp8_copy(o, dev, a_dev, M, K, fmt, "k_fp8_cast_t64")
         assert np.array_equal(host_bytes(gpu, q64, M * K), qb)
         assert np.array_equal(host_bytes(gpu, qt64, M * K), qtb)
-        # the weights' kernels (float32 masters): 64 x 64 tiles and 32 x 32 tiles agree
+        # the weights' kernels (float32 masters), as cast_weights runs them: the delayed amax
+        # pass, then the cast reading the weight's history. With an empty history (a first
+        # pass) the amax pass takes the amax; with one it does nothing and the cast takes it
+        # as it goes. 64 x 64 tiles and 32 x 32 tiles agree, and give the bytes of the bf16
+        # kernels' copy with the same history (bf16-exact values)
         w = dev.put(a, "f32")
-        wamax = dev.put(np.zeros(1), "i32")
-        o._go("k_fp8_amax_f32", 64, wamax, w, M * K)
-        got = []
-        for name, tile in (("k_fp8_cast_t_f32", 32), ("k_fp8_cast_t64_f32", 64)):
-            wq, wqt = (dev.empty((M * K // 4 + 4,), "f32") for _ in range(2))
-            o._go(name, (K // tile, M // tile), wq, wqt, dev.empty((1,), "f32"), w, wamax, 0,
-                  HISTORY, M, K, fmt)
-            got.append((host_bytes(gpu, wq, M * K), host_bytes(gpu, wqt, M * K)))
-        assert all(np.array_equal(x, y) for x, y in zip(*got, strict=True))
-        assert np.array_equal(got[0][0], qb)  # bf16-exact values: the same bytes as from bf16
+        past = np.zeros(HISTORY, np.float32)
+        past[4] = np.float32(np.abs(a).max()) * np.float32(0.5)  # some values saturate
+        for h in (np.zeros(HISTORY, np.float32), past):
+            h_dev = dev.put(h, "f32")
+            got = []
+            for name, tile in (("k_fp8_cast_t_f32", 32), ("k_fp8_cast_t64_f32", 64)):
+                wamax = dev.put(np.zeros(1), "i32")
+                o._go("k_fp8_amax_f32_delayed", 64, wamax, w, M * K, h_dev, HISTORY)
+                if h.any():
+                    assert int(dev.get(wamax)[0]) == 0, "the amax pass ran with a history"
+                wq, wqt = (dev.empty((M * K // 4 + 4,), "f32") for _ in range(2))
+                o._go(name, (K // tile, M // tile), wq, wqt, dev.empty((1,), "f32"), w, wamax,
+                      h_dev, HISTORY, M, K, fmt)
+                got.append((host_bytes(gpu, wq, M * K), host_bytes(gpu, wqt, M * K),
+                            int(dev.get(wamax)[0])))
+            assert all(np.array_equal(x, y) for x, y in zip(*got, strict=True))
+            taken = np.array([got[0][2]], np.uint32).view(np.float32)[0]
+            assert taken == np.float32(np.abs(a).max())  # for the history, either way
+            want_q = qb if not h.any() else host_bytes(
+                gpu, fp8_copy(o, dev, a_dev, M, K, fmt, hist=h)[0], M * K)
+            assert np.array_equal(got[0][0], want_q)
     layouts = [((R_8F_E4M3, R_8F_E4M3), 0, 0, "bf16", True, 5e-2),
                ((R_8F_E5M2, R_8F_E4M3), 1, 0, "bf16", False, 1e-1),
                ((R_8F_E4M3, R_8F_E5M2), 0, 1, "fp32", False, 1e-1)]
@@ -223,7 +238,8 @@ def test_sigterm_resume_in_fp8_is_bit_exact(tmp_path: Path, prepared_data: Path)
     ck = Path(state["last_checkpoint"]["path"])
     ck_state = json.loads((ck / "state.json").read_text())
     assert ck_state[rec.STATE_FP8_GEMMS], "no FP8 GEMM recorded"
-    hist = AmaxHistory.from_json(ck_state[rec.STATE_FP8_HISTORY], SHAPES.n_layer)
+    hist, without = AmaxHistory.from_json(ck_state[rec.STATE_FP8_HISTORY], SHAPES.n_layer)
+    assert without == ()  # this engine's history: the weights' rows too
     assert hist.next == ck_state["trainer"]["step"] % HISTORY and (hist.amax > 0).any()
     plan = (run / "gemm_plan.json").read_text()
     r = run_engine(cfg, run, "--resume", "--backend", "cuda")
@@ -390,7 +406,8 @@ def test_the_cast_gives_the_numpy_twins_fp8_values(lt, rng, fmt: int, kernel: st
     amax_now = np.float32(np.abs(x).max())
     hist = np.zeros(HISTORY, np.float32)
     hist[[3, 11]] = [amax_now * np.float32(0.5), amax_now * np.float32(0.75)]  # some saturate
-    # no history kept (the weights' path), an empty one (an activation's first pass), a history
+    # no history given (scaled by the amax word as the amax pass left it), an empty one (a
+    # tensor's first pass), a history
     for h in (None, np.zeros(HISTORY, np.float32), hist):
         q, _, inv, word = fp8_copy(o, dev, x_dev, M, K, fmt, kernel, hist=h)
         s = scale_for(amax_now if h is None or not h.any() else np.float32(h.max()), form)
@@ -402,12 +419,14 @@ def test_the_cast_gives_the_numpy_twins_fp8_values(lt, rng, fmt: int, kernel: st
 
 
 def test_the_record_kernel_is_the_historys_record(lt) -> None:
-    """k_fp8_record: each delayed tensor's amax word (in the engine's six-a-layer layout) into
-    the history's next slot, 0 where not finite, and the slot moves on, wrapping at HISTORY."""
+    """k_fp8_record: each delayed tensor's amax word (in the engine's six-a-layer layout, the
+    history's row order: the weights have a history too) into the history's next slot, 0 where
+    not finite, and the slot moves on, wrapping at HISTORY."""
     o, dev, _ = lt
     L = 3
     words = np.arange(1, L * 6 + 1, dtype=np.float32) * np.float32(0.25)
     words[6 + 2] = np.inf  # layer 1's dy
+    words[12 + 5] = np.nan  # layer 2's W2
     host = AmaxHistory.empty(L)
     host.next = HISTORY - 1
     hist_dev = dev.put(host.amax.ravel(), "f32")
@@ -487,8 +506,9 @@ def test_gemms_too_short_to_time_stay_in_fp8_and_the_start_says_so() -> None:
 
 def test_one_pass_records_the_amaxes_the_numpy_twin_records(rng) -> None:
     """The same weights and tokens, one training pass each: the CUDA history's first slot
-    against NumpyBackend's (fp8), row for row (layer, then x, h, dy, dh), within the distance
-    of bf16 activations from float32 ones."""
+    against NumpyBackend's (fp8), row for row (layer, then x, h, dy, dh, w1, w2), within the
+    distance of bf16 activations from float32 ones; the weights' rows exactly (the amax of the
+    same fp32 masters)."""
     from engine.backends.numpy import NumpyBackend
 
     tok = rng.integers(0, 8449, (4, 65)).astype(np.int32)
@@ -503,6 +523,51 @@ def test_one_pass_records_the_amaxes_the_numpy_twin_records(rng) -> None:
     assert got.next == want.next == 1
     a, b = got.amax[:, 0].astype(np.float64), want.amax[:, 0].astype(np.float64)
     assert np.all(np.abs(a - b) <= 0.05 * b), np.c_[a, b]
+    weights = [want.row(layer, t) for layer in range(SHAPES.n_layer) for t in ("w1", "w2")]
+    assert np.array_equal(got.amax[weights, 0], want.amax[weights, 0])
+
+
+def test_a_weights_scale_comes_from_its_history_as_in_the_numpy_twin(rng) -> None:
+    """The weights are delayed tensors: layer 1's W1 grown 3x between two passes, the second
+    pass still scales it by the first pass's amax (the inverse scale cuBLASLt reads: bit for
+    bit the numpy twin's) and records its amax now, exactly as the numpy twin does."""
+    from engine.backends.numpy import NumpyBackend
+    from engine.backends.numpy.fp8 import SCALES
+
+    tok = rng.integers(0, 8449, (4, 65)).astype(np.int32)
+    gpu = backend("fp8")
+    ref = NumpyBackend(SHAPES, 4, "fp8")
+    ref.load_params(init_params(SHAPES, seed=5))
+    fp8 = gpu.build.fp8_mlp
+
+    def pass_() -> None:
+        for bk in (gpu, ref):
+            bk.zero_grads()
+            bk.forward_backward(tok[:, :-1], tok[:, 1:])
+
+    def inverse_scale(layer: int, name: str) -> np.float32:
+        gpu.synchronize()
+        out = np.empty(1, np.float32)
+        fp8.drv.memcpy_dtoh(out, fp8._scale(layer, name)[1])
+        return out[0]
+
+    pass_()
+    first = ref.fp8_history().amax[ref.fp8.history.row(1, "w1"), 0]
+    ref.p["h.1.mlp.W_1"] *= np.float32(3.0)
+    gpu.load_params(np.array(ref.read_params()))
+    pass_()
+    got, want = gpu.fp8_history(), ref.fp8_history()
+    row = want.row(1, "w1")
+    assert got.next == want.next == 2
+    assert want.amax[row, 1] == np.float32(3.0) * first  # recorded: its amax now
+    assert np.array_equal(got.amax[row, :2], want.amax[row, :2])
+    for layer in range(SHAPES.n_layer):
+        for name in ("w1", "w2"):
+            s = ref.fp8.scales[layer, SCALES.index(name)]
+            assert inverse_scale(layer, name) == np.float32(1.0) / s, (layer, name)
+    # pass 2 scaled layer 1's W1 by pass 1's amax, not by its amax now
+    assert ref.fp8.scales[1, SCALES.index("w1")] == scale_for(first, E4M3)
+    gpu.close()
 
 
 def test_each_accumulated_pass_records_its_amaxes(rng) -> None:

@@ -284,8 +284,8 @@ class CudaBuild:
         fp8 = ""
         if self.fp8_mlp is not None:
             on = self.fp8_gemms
-            fp8 = (f"; FP8 (E4M3 forward, E5M2 gradients; weights scaled by their amax, "
-                   f"activations and gradients by their last {HISTORY} passes'): "
+            fp8 = (f"; FP8 (E4M3 forward, E5M2 gradients; weights, activations and "
+                   f"gradients scaled by their last {HISTORY} passes' amax): "
                    f"{', '.join(on) if on else 'none'}"
                    + (f" (bf16: {', '.join(g for g in FP8_GEMMS if g not in on)})"
                       if len(on) < len(FP8_GEMMS) else ""))

@@ -1,10 +1,10 @@
 """The MLP's six GEMMs in FP8 (train/precision "fp8"): fp32 masters, bf16 activations, FP8
 tensor-core GEMMs with fp32 accumulation through cuBLASLt.
 
-Scaled as engine/model/fp8.py says (its numpy twin: engine/backends/numpy/fp8.py): the weights
-by their own amax each pass (current scaling), the activations and gradients by the largest
-amax of their last HISTORY passes (delayed scaling: the cast kernels take the amax as they go,
-and a tensor's separate amax pass runs only while it has no history). The history lives on the
+Scaled as engine/model/fp8.py says (its numpy twin: engine/backends/numpy/fp8.py): the weights,
+the activations and the gradients each by the largest amax of their last HISTORY passes
+(delayed scaling: the cast kernels take the amax as they go, and a tensor's separate amax pass,
+over an fp32 master for a weight, runs only while it has no history). The history lives on the
 device (`fp8.hist`, `fp8.next`), is written at the end of every training pass (k_fp8_record,
 after the last layer's backward) and travels in every checkpoint (`read_history`,
 `load_history`). E4M3 for weights and activations in the forward, E5M2 for the gradients in
@@ -47,9 +47,11 @@ from engine.errors import RunError
 from engine.model.fp8 import DELAYED, FP8_GEMMS, HISTORY, AmaxHistory
 
 GEMMS = FP8_GEMMS
-# per layer: an amax word and an inverse scale each; the first four (engine.model.fp8.DELAYED)
-# with an amax history of HISTORY passes
-TENSORS = ("x", "h", "dy", "dh", "w1", "w2")
+# per layer, in this order: an amax word, an inverse scale and an amax history of HISTORY passes
+# each. One tuple with engine.model.fp8.DELAYED (every FP8 operand is a delayed tensor), so the
+# amax words are in the history's row order, as k_fp8_record reads them (tensor i's word at
+# (i / per_layer)·stride + i % per_layer, here i itself)
+TENSORS = DELAYED
 E4M3, E5M2 = 0, 1  # the kernels' e5m2 flag
 TILE = 32  # kernels/fp8.cu's transpose tile
 # bytes between two inverse scales: cuBLASLt refused (CUBLAS_STATUS_NOT_SUPPORTED) FP8 GEMMs
@@ -127,9 +129,7 @@ class Fp8Mlp:
         return self.buf["amax"] + 4 * i, self.buf["inv"] + SCALE_STRIDE * i
 
     def _hist(self, layer: int, tensor: str) -> int:
-        """The device address of a delayed tensor's HISTORY floats (0 for the weights)."""
-        if tensor not in DELAYED:
-            return 0
+        """The device address of one tensor's HISTORY floats (its history's row)."""
         return self.buf["hist"] + 4 * HISTORY * (layer * len(DELAYED) + DELAYED.index(tensor))
 
     def _w(self, name: str, layer: int) -> int:
@@ -142,21 +142,19 @@ class Fp8Mlp:
         return self.buf[name + "t"] + layer * _slot(self.R_max * cols)
 
     # --- kernels -------------------------------------------------------------------------------
-    def _amax(self, amax: int, x: int, n: int, hist: int = 0) -> None:
-        """amax of an activation tensor while it has no history (hist: its history), else
-        nothing; hist 0: of a float32 master weight, always. A block reads 8 elements a thread
-        per turn and ends with one atomic."""
-        grid = blocks(-(-n // 8), cap=1024)
-        if hist:
-            self.o._go("k_fp8_amax_delayed", grid, amax, x, n, hist, HISTORY)
-        else:
-            self.o._go("k_fp8_amax_f32", grid, amax, x, n)
+    def _amax(self, amax: int, x: int, n: int, hist: int, f32: bool = False) -> None:
+        """x's amax while it has no history (hist: its history), else nothing (the cast takes
+        it as it goes); x an activation tensor, or (f32) a float32 master weight. A block reads
+        8 elements a thread per turn and ends with one atomic."""
+        self.o._go("k_fp8_amax_f32_delayed" if f32 else "k_fp8_amax_delayed",
+                   blocks(-(-n // 8), cap=1024), amax, x, n, hist, HISTORY)
 
     def _cast_t(self, q: int, qt: int, inv: int, x: int, amax: int, hist: int, rows: int,
                 cols: int, fmt: int, f32: bool = False) -> None:
         """qt = FP8 of xᵀ [cols, rows] (q = FP8 of x too, unless 0), scaled from the history
-        `hist` (0: x's amax now): whole 64 x 64 tiles with 16-byte accesses where the shapes
-        and addresses allow, else 32 x 32 tiles of bytes."""
+        `hist` (or, while it is empty, from x's amax now), taking x's amax into `amax` as it
+        goes; f32: x a float32 master weight. Whole 64 x 64 tiles with 16-byte accesses where
+        the shapes and addresses allow, else 32 x 32 tiles of bytes."""
         self.o._writes(*(p for p in (q, qt) if p))
         if rows % 64 == 0 and cols % 64 == 0 and all(p % 16 == 0 for p in (x, q, qt)):
             self.o._go("k_fp8_cast_t64_f32" if f32 else "k_fp8_cast_t64",
@@ -258,14 +256,17 @@ class Fp8Mlp:
 
     def cast_weights(self, layer: int, w1: int, w2: int) -> None:
         """Layer `layer`'s FP8 copies of W1 and W2 (as stored, and transposed) from the fp32
-        masters w1, w2, scaled by their amax now: in the layer's forward, so that an AdamW
-        update still being applied beside the forward (layer by layer) has reached them."""
+        masters w1, w2, scaled from their history (the cast taking their amax as it goes; their
+        amax pass over the master runs only while a weight has no history): in the layer's
+        forward, so that an AdamW update still being applied beside the forward (layer by
+        layer) has reached them."""
         d, F = self.d, self.F
         for name, w, rows, cols in (("w1", w1, d, F), ("w2", w2, F, d)):
             amax, inv = self._scale(layer, name)
-            self._amax(amax, w, rows * cols)
-            self._cast_t(self._w(name, layer), self._w(name + "t", layer), inv, w, amax, 0, rows,
-                         cols, E4M3, f32=True)
+            hist = self._hist(layer, name)
+            self._amax(amax, w, rows * cols, hist, f32=True)
+            self._cast_t(self._w(name, layer), self._w(name + "t", layer), inv, w, amax, hist,
+                         rows, cols, E4M3, f32=True)
 
     def forward(self, layer: int, x: int, w1: int, w2: int, pre: int, act: int, out: int,
                 R: int) -> None:

@@ -59,7 +59,7 @@ SIGNATURES: dict[str, str] = {
     "k_step_clip": "PPPPP",
     "k_step_hp": "PP",
     "k_fp8_amax_delayed": "PPqPi",
-    "k_fp8_amax_f32": "PPq",
+    "k_fp8_amax_f32_delayed": "PPqPi",
     "k_fp8_cast_t": "PPPPPPiiii",
     "k_fp8_cast_t64": "PPPPPPiiii",
     "k_fp8_cast_t64_f32": "PPPPPPiiii",

@@ -26,8 +26,8 @@ from engine.model.fp8 import (
     scale_for,
 )
 
-# the scales of one layer's pass, by column: the four delayed tensors, then the two weights
-SCALES = (*DELAYED, "w1", "w2")
+# the scales of one layer's pass, by column: every FP8 operand is a delayed tensor
+SCALES = DELAYED
 
 
 def buffer_sizes(d: int, F: int, N: int) -> dict[str, int]:
@@ -45,7 +45,8 @@ class Fp8Mlp:
         self.n_layer, self.d, self.F = n_layer, d, F
         self.buf = {k: np.zeros(n, dtype) for k, n in buffer_sizes(d, F, N).items()}
         self.history = AmaxHistory.empty(n_layer)
-        self.now = np.zeros(n_layer * len(DELAYED), np.float32)  # this pass's amax of each
+        # this pass's amax of every delayed tensor, in the history's row order
+        self.now = np.zeros(n_layer * len(DELAYED), np.float32)
         self.scales = np.ones((n_layer, len(SCALES)), np.float32)
 
     def begin_pass(self) -> None:
@@ -55,18 +56,13 @@ class Fp8Mlp:
         self.history.record(self.now)
 
     def _delayed(self, layer: int, tensor: str, x: np.ndarray, fmt: Fp8Format) -> np.float32:
-        """The scale of a delayed tensor in this pass: from its history, or (none yet) from its
-        amax now, which is recorded either way."""
+        """The scale of a delayed tensor (an activation, a gradient or a weight) in this pass:
+        from its history, or (none yet) from its amax now, which is recorded either way."""
         row = self.history.row(layer, tensor)
         self.now[row] = now = amax_of(x)
         past = self.history.delayed_amax(layer, tensor)
         s = scale_for(past if past > 0 else now, fmt)
         self.scales[layer, SCALES.index(tensor)] = s
-        return s
-
-    def _weight(self, layer: int, name: str, w: np.ndarray) -> np.float32:
-        s = scale_for(amax_of(w), E4M3)
-        self.scales[layer, SCALES.index(name)] = s
         return s
 
     @staticmethod
@@ -87,12 +83,12 @@ class Fp8Mlp:
                 act: np.ndarray, out: np.ndarray) -> None:
         """pre = x·W1, act = GELU(pre), out = act·W2, each GEMM on FP8 copies (ops.mlp_fwd)."""
         sc = self.buf
-        sx, sw1 = self._delayed(layer, "x", x, E4M3), self._weight(layer, "w1", w1)
+        sx, sw1 = self._delayed(layer, "x", x, E4M3), self._delayed(layer, "w1", w1, E4M3)
         np.matmul(self._copy(sc["a"], x, sx, E4M3), self._copy(sc["w"], w1, sw1, E4M3),
                   out=pre)
         pre *= self._inv(layer, "x", "w1")
         ops.gelu_fwd(pre, act)
-        sh, sw2 = self._delayed(layer, "h", act, E4M3), self._weight(layer, "w2", w2)
+        sh, sw2 = self._delayed(layer, "h", act, E4M3), self._delayed(layer, "w2", w2, E4M3)
         np.matmul(self._copy(sc["a"], act, sh, E4M3), self._copy(sc["w"], w2, sw2, E4M3),
                   out=out)
         out *= self._inv(layer, "h", "w2")

@@ -3,18 +3,20 @@
 // A tensor x goes to FP8 as q = sat(x·s) with s = FMAX / a (E4M3, FMAX 448, for weights and
 // activations; E5M2, FMAX 57344, for gradients); cuBLASLt multiplies the product back by the
 // inverse scales (its A/B scale pointers), which `inv` receives. a == 0 gives s = 1. For the
-// weights a is their own amax (current scaling: k_fp8_amax_f32 reads the master first); for the
-// activations and gradients it is the largest amax of their history of the last HISTORY
-// training passes (delayed scaling), so the cast need not wait for a pass over the tensor: it
-// takes the tensor's amax as it goes, for the history. A tensor with no history yet (all 0) is
-// scaled by its own amax in that pass, which k_fp8_amax_delayed (a no-op once there is a history)
-// or the kernel that wrote it (the GELU kernels, kernels/mlp.cu) has then taken. At the end of
-// the pass k_fp8_record writes every amax into the history's next slot (0 where not finite).
-// An infinite amax that a scale divides by (a weight's, or a tensor's own while it has no
-// history) gives s = 0: the copy, the GEMM and the step's gradient norm are then not finite, and
-// the step is skipped like any other non-finite step. Scaled from a history, an infinite value
-// saturates at ±FMAX (__NV_SATFINITE, as round_fp8 does); the non-finite value that made it
-// reaches the gradient norm by the residual stream.
+// weights, the activations and the gradients alike a is the largest amax of the tensor's history
+// of the last HISTORY training passes (delayed scaling), so the cast need not wait for a pass
+// over the tensor: it takes the tensor's amax as it goes, for the history (a weight's copies are
+// made from its fp32 master in every pass, k_fp8_cast_t_f32). A tensor with no history yet (all
+// 0) is scaled by its own amax in that pass, taken first by an amax kernel that is a no-op once
+// there is a history (k_fp8_amax_delayed; k_fp8_amax_f32_delayed over a weight's master;
+// k_fp8_gelu_amax_delayed, k_fp8_dgelu_amax_delayed) or by the kernel that wrote the tensor (the
+// GELU kernels, kernels/mlp.cu). At the end of the pass k_fp8_record writes every amax into the
+// history's next slot (0 where not finite).
+// An infinite amax that a scale divides by (a tensor's own while it has no history) gives s = 0:
+// the copy, the GEMM and the step's gradient norm are then not finite, and the step is skipped
+// like any other non-finite step. Scaled from a history, an infinite value saturates at ±FMAX
+// (__NV_SATFINITE, as round_fp8 does); the non-finite value that made it reaches the gradient
+// norm by the residual stream.
 //
 // amax is reduced with atomicMax on the float's bits as an unsigned int (common.cuh block_amax:
 // |x| >= 0 orders like its bits, and a max is exact in any order, so the result is the same bits
@@ -36,7 +38,7 @@
 #define TILE 32  // k_fp8_cast_t's square tile; blocks of 256 threads: 8 rows of TILE
 
 // The amax a tensor's scale divides FMAX by: the largest of its history (hist: H floats), or,
-// with none yet or none kept (hist null: the weights), its amax in this pass.
+// with none yet or none given (hist null: amax[0] as the caller took it), its amax in this pass.
 __device__ __forceinline__ float scaling_amax(const unsigned* amax, const float* hist, int H) {
     float a = 0.0f;
     if (hist)
@@ -77,21 +79,31 @@ __device__ __forceinline__ void amax_body(unsigned* amax, const T* x, long n) {
     block_amax(amax, m);
 }
 
+// Whether a delayed tensor has an amax history (hist: its H floats), the same in every
+// thread (an early return on it is uniform).
+__device__ __forceinline__ bool has_history(const float* hist, int H) {
+    float past = 0.0f;
+    for (int k = 0; k < H; k++) past = fmaxf(past, hist[k]);
+    return past > 0.0f;
+}
+
 // numpy twin: fp8.amax_of — amax[0] = max(amax[0], max |x|) over n activations (float bits as
 // unsigned; see the top of this file), for a tensor with no amax history yet (hist: its H
 // floats, all 0); once it has one, nothing: the cast kernel takes the amax as it goes.
 // >   return np.float32(np.fmax.reduce(np.abs(np.asarray(x, np.float32)).ravel(), initial=0.0))
 extern "C" __global__ void k_fp8_amax_delayed(unsigned* amax, const act_t* x, long n,
                                               const float* hist, int H) {
-    float past = 0.0f;  // the same in every thread: the early return is uniform
-    for (int k = 0; k < H; k++) past = fmaxf(past, hist[k]);
-    if (past > 0.0f) return;
+    if (has_history(hist, H)) return;
     amax_body(amax, x, n);
 }
 
-// numpy twin: fp8.amax_of — over a float32 master weight (current scaling, every pass).
+// numpy twin: fp8.amax_of — k_fp8_amax_delayed over a float32 master weight: its amax while it
+// has no history (then its copies' scale needs it first); once it has one, nothing:
+// k_fp8_cast_t_f32 takes the amax as it goes.
 // >   return np.float32(np.fmax.reduce(np.abs(np.asarray(x, np.float32)).ravel(), initial=0.0))
-extern "C" __global__ void k_fp8_amax_f32(unsigned* amax, const float* x, long n) {
+extern "C" __global__ void k_fp8_amax_f32_delayed(unsigned* amax, const float* x, long n,
+                                                  const float* hist, int H) {
+    if (has_history(hist, H)) return;
     amax_body(amax, x, n);
 }
 
@@ -119,7 +131,7 @@ struct alignas(8) Fp8x8 {
 // x [rows, cols] row-major into qt = FP8 of xᵀ [cols, rows] and, when q is not null, q = FP8 of x
 // [rows, cols], both scaled by s from amax (fp8_scale); inv[0] = 1/s. A TILE x TILE tile per
 // block goes through shared memory, so reads and writes are both along rows.
-// hist (H floats, or null: current scaling) as scaling_amax says; with a history, the tensor's
+// hist (H floats, or null: amax[0] as given) as scaling_amax says; with a history, the tensor's
 // amax is taken into amax[0] as it goes (for k_fp8_record).
 template <typename T>
 __device__ __forceinline__ void cast_t_body(unsigned char* q, unsigned char* qt, float* inv,
@@ -286,7 +298,7 @@ extern "C" __global__ void k_fp8_cast_t(unsigned char* q, unsigned char* qt, flo
 
 // numpy twin: fp8.round_fp8 — the FP8 copies of a float32 master weight W [rows, cols]: W as
 // stored (q, for dgrad) and Wᵀ (qt, for the forward), made in each pass from the masters, a
-// layer's in its MLP forward (hist null: the weights' own amax).
+// layer's in its MLP forward, scaled from the weight's history like any delayed tensor.
 // >   q = np.minimum(np.rint(a / quantum) * quantum, np.float32(fmt.max))
 extern "C" __global__ void k_fp8_cast_t_f32(unsigned char* q, unsigned char* qt, float* inv,
                                             const float* x, unsigned* amax, const float* hist,
@@ -307,13 +319,6 @@ __device__ __forceinline__ void amax_of_src(unsigned* amax, Src src, long n) {
         for (int k = 0; k < 8; k++) m = fmaxf(m, fabsf(f[k]));
     }
     block_amax(amax, m);
-}
-
-// Whether a delayed tensor has an amax history (hist: its H floats), the same in every thread.
-__device__ __forceinline__ bool has_history(const float* hist, int H) {
-    float past = 0.0f;
-    for (int k = 0; k < H; k++) past = fmaxf(past, hist[k]);
-    return past > 0.0f;
 }
 
 // numpy twin: fp8.amax_of — k_fp8_amax_delayed of GELU(pre) (the values k_mlp_gelu_fwd
