@@ -2,7 +2,7 @@
 decides from.
 
 Each implementation holds its own weights, gradients, optimizer state and activations: at 1.2B
-the engine's memory plan is 37.3 GiB a path (engine_bytes), and torch_bytes estimates 40 GiB a
+the engine's memory plan is 37.8 GiB a path (engine_bytes), and torch_bytes estimates 40 GiB a
 PyTorch mode. Where they do not all fit the GPU's free memory at once (fits), --groups auto
 builds them in groups: each group holds the fused path and one PyTorch mode, or the fused path
 and the engine's other paths; what does not fit even beside the fused path is timed alone.

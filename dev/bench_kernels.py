@@ -25,9 +25,10 @@ on the targets, not on the values.
 
 `fp8`: the FP8 MLP's cast kernels on whole 64 x 64 tiles (train/precision "fp8", with an amax
 history, as a step after its first runs them) for each --fp8-shapes ROWSxCOLS: k_fp8_cast_t64
-(a bf16 tensor into its E4M3 copy and transposed copy: x, dy), k_fp8_gelu_cast_t64 (GELU(pre)
-computed and cast: h) and k_fp8_dgelu_cast_t64 (dg·GELU'(pre) in E5M2: dh), each against its
-peer, a device-to-device copy moving as many bytes (read and written) as the kernel must.
+(a bf16 tensor into its E4M3 copy and transposed copy: x; dy's E5M2 cast moves the same
+bytes), k_fp8_gelu_cast_t64 (GELU(pre) computed and cast: h) and k_fp8_dgelu_cast_t64
+(dg·GELU'(pre) in E5M2: dh), each against its peer, a device-to-device copy moving as many
+bytes (read and written) as the kernel must.
 
 Rounds are interleaved; the tables show the median of the rounds' times (µs per call).
 """

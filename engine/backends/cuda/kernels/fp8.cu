@@ -15,8 +15,9 @@
 // An infinite amax that a scale divides by (a tensor's own while it has no history) gives s = 0:
 // the copy, the GEMM and the step's gradient norm are then not finite, and the step is skipped
 // like any other non-finite step. Scaled from a history, an infinite value saturates at ±FMAX
-// (__NV_SATFINITE, as round_fp8 does); the non-finite value that made it reaches the gradient
-// norm by the residual stream.
+// (__NV_SATFINITE, as round_fp8 does); in an activation or a gradient, the non-finite value that
+// made it reaches the gradient norm by the residual stream. The masters stay finite: a step
+// whose gradient norm is not finite is skipped, so no update writes one.
 //
 // amax is reduced with atomicMax on the float's bits as an unsigned int (common.cuh block_amax:
 // |x| >= 0 orders like its bits, and a max is exact in any order, so the result is the same bits
@@ -239,8 +240,8 @@ __device__ __forceinline__ void cast_t64_body(unsigned char* q, unsigned char* q
                                               int H, int rows, int cols, int e5m2) {
     // rows 66 bytes apart: the transposed reads (16 rows of one column a thread, four
     // threads 16 rows apart in a warp) then fall in distinct banks, and the row-wise byte
-    // writes in at most two words a bank: 320 shared-memory wavefronts a block, where the
-    // 16-byte-aligned 80 took 896 (every tile read a 4-way conflict)
+    // writes in at most two words a bank: 320 shared-memory wavefronts a block (a 16-byte
+    // aligned stride, 80, would take 896: every tile read a 4-way conflict)
     __shared__ unsigned char tile[64][64 + 2];
     const float s = fp8_scale(scaling_amax(amax, hist, H), e5m2);
     if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) inv[0] = 1.0f / s;
