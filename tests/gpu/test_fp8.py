@@ -490,6 +490,7 @@ def test_with_gemm_tune_each_gemm_is_timed_and_the_start_says_whether_fp8_pays()
     [note] = [n for n in bk.notes if n.startswith("FP8 at d 1024")]
     t8, t16 = map(float, re.findall(r"([\d.]+) ms", note)[:2])
     assert t8 == t16 or ("does not pay" in note) == (t8 > t16), note
+    assert "each path a CUDA graph, as the step runs it" in note, note
     bk.close()
     again = cuda_backend(s, 8, "fp8", gemm_tune=True, gemm_plan=plan)
     assert again.fp8_gemms == [g for g in FP8_GEMMS if chosen[g]["use"] == "fp8"]

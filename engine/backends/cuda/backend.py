@@ -81,7 +81,8 @@ class CudaBackend:
         staging = Staging(b.drv, b.stream, shapes, micro_batch, b.train, b.sample, b.ldv)
         self.steps = StepGraph(b, self.net, self.optim, self.graphs, staging)
         self.state.zero_state()
-        warm_up(b, self.net, staging, self.state, gpu.gemm_tune and b.fusions)
+        warm_up(b, self.net, staging, self.state, gpu.gemm_tune and b.fusions,
+                self.graphs.use_graphs)
         self.state.zero_state()
         if b.fp8_mlp is not None:  # the start-up pass's amaxes are not the run's
             b.fp8_mlp.load_history(None)

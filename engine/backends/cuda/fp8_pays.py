@@ -4,10 +4,14 @@ With the GEMMs timed at start (gpu.gemm_tune), after the start-up pass, where th
 are long enough to time (fp8.MIN_CHOICE_MS): one layer's MLP forward and backward on the FP8
 path (Fp8MlpPath: the layer's weight copies, the casts, the transposes and the GEMMs as each
 was chosen, fp8.Fp8Mlp._choose) against the same on the bf16 path (GemmMlp), timed in turn on
-the pass's own buffers. The backend's notes (engine.log at start) then say both times, each
-GEMM's time in FP8 and in bf16, and, where FP8 is not the faster, that it does not pay here and
-runs as asked. Nothing of this changes what runs: the per-GEMM choices do that, and they are in
-the GEMM plan.
+the pass's own buffers, each captured as a CUDA graph and replayed, as the step runs it.
+Launched one by one from the host, the FP8 path's extra kernels (its casts, the no-op amax
+passes) would each add the host's launch time to its figure where its kernels are short: at
+d 1024 that timing called FP8 the slower (0.666 against 0.643 ms) while the step in its graph
+was the faster (36.25 against 37.91 ms). The backend's notes (engine.log at start) then say both
+times, each GEMM's time in FP8 and in bf16, and, where FP8 is not the faster, that it does not
+pay here and runs as asked. Nothing of this changes what runs: the per-GEMM choices do that,
+and they are in the GEMM plan.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from engine.backends.cuda import graphs
 from engine.backends.cuda.fp8 import MIN_CHOICE_MS
 from engine.backends.cuda.gemm import time_interleaved
 
@@ -37,9 +42,11 @@ def mlp_pass(mlp: Any, net: Any, b: Any, T: int) -> Callable[[], None]:
     return run
 
 
-def measure(fp8: Any, net: Any, b: Any, T: int, timer: Callable[[Callable[[], None]], float]
-            ) -> str:
-    """The note on FP8 at this size (fp8: the backend's Fp8Mlp), after its GEMMs' choices."""
+def measure(fp8: Any, net: Any, b: Any, T: int, timer: Callable[[Callable[[], None]], float],
+            as_graphs: bool = True) -> str:
+    """The note on FP8 at this size (fp8: the backend's Fp8Mlp), after its GEMMs' choices.
+    as_graphs: whether the step runs as CUDA graphs; where it does not (ANDREA_CUDA_GRAPHS=0,
+    ANDREA_CUDA_SYNC=1), the passes are timed as it runs them, launched one by one."""
     times = fp8.gemm_times()
     if times and max(t16 for _, t16 in times.values()) < MIN_CHOICE_MS:
         return (f"FP8 at d {net.shapes.d_model}: the MLP's GEMMs take under {MIN_CHOICE_MS} ms "
@@ -47,15 +54,24 @@ def measure(fp8: Any, net: Any, b: Any, T: int, timer: Callable[[Callable[[], No
                 f"launches dominate it); they run in FP8, as asked")
     passes = [mlp_pass(net.train_mlp, net, b, T), mlp_pass(net.mlp, net, b, T)]
     for run in passes:
-        run()  # untimed: any problem met only here has its algorithm picked now
-    t8, t16 = time_interleaved(timer, passes)
+        run()  # untimed: any problem met only here has its algorithm picked now (not in a graph)
+    captured: list[graphs.CudaGraph] = []
+    try:
+        for run in passes if as_graphs else ():
+            captured.append(graphs.capture(net.o.stream.handle, run))
+        t8, t16 = time_interleaved(timer, [g.launch for g in captured] or passes)
+    finally:
+        for g in captured:
+            g.close()
     if t16 < PASS_MIN_MS:
         return (f"FP8 at d {net.shapes.d_model}: a layer's MLP takes {t16:.3f} ms in bf16, too "
-                f"short for a start-up timing to tell FP8 from bf16 (the launches dominate it)")
+                f"short for a start-up timing to tell FP8 from bf16")
     per_gemm = ", ".join(f"{g} {a:.3f}/{c:.3f}" for g, (a, c) in fp8.gemm_times().items())
     note = (f"FP8 at d {net.shapes.d_model}: a layer's MLP forward and backward {t8:.3f} ms "
-            f"(the weights' FP8 copies included) against {t16:.3f} ms in bf16, "
-            f"{t16 / t8:.2f}x; each GEMM in FP8/bf16 ms: {per_gemm or 'not timed'}")
+            f"(the weights' FP8 copies included; each path "
+            f"{'a CUDA graph' if as_graphs else 'launched one by one'}, as the step runs it) "
+            f"against {t16:.3f} ms in bf16, {t16 / t8:.2f}x; each GEMM in FP8/bf16 ms: "
+            f"{per_gemm or 'not timed'}")
     if t8 >= t16:
         note += ("; FP8 does not pay at this size: its casts and transposes cost more than its "
                  "GEMMs save. It runs as asked (train.precision bf16 is the faster here)")

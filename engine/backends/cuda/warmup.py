@@ -19,8 +19,9 @@ from engine.model.layout import init_params
 
 
 def warm_up(build: CudaBuild, net: Network, staging: Staging, state: StateIO,
-            tune: bool) -> None:
-    """The pass, then what it decided in build.notes. The caller zeroes the state after."""
+            tune: bool, graphs: bool = True) -> None:
+    """The pass, then what it decided in build.notes. The caller zeroes the state after.
+    graphs: whether the step runs as CUDA graphs (FP8's start-up timing then times graphs)."""
     drv, ops, gemm, stream = build.drv, build.ops, build.gemm, build.stream
 
     def time_ms(fn: Callable[[], None]) -> float:
@@ -59,7 +60,7 @@ def warm_up(build: CudaBuild, net: Network, staging: Staging, state: StateIO,
         ops.overwrite_grads = ops.wgrad_lp = False
         if build.fp8_mlp is not None and tune:  # whether FP8 pays here: said at start
             ops.overwrite_grads = build.fused_step  # the weight gradients' GEMMs as the step's
-            build.notes.append(fp8_pays.measure(build.fp8_mlp, net, b, T, time_ms))
+            build.notes.append(fp8_pays.measure(build.fp8_mlp, net, b, T, time_ms, graphs))
             ops.overwrite_grads = False
         ops.join()
         s = build.sample

@@ -1,0 +1,137 @@
+"""FP8's start-up verdict (engine/backends/cuda/fp8_pays.py) without a GPU: the two paths'
+passes timed as the step runs them (each captured once as a CUDA graph and its replays timed,
+or, where the step runs without graphs, the passes themselves), the graphs freed whatever
+happens, and the note's verdict from the figures. The capture and the timer are stand-ins: a
+"graph" runs its pass when launched, and the timer returns the time a test gives each call."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from engine.backends.cuda import fp8_pays
+
+
+class Graph:
+    def __init__(self, issue: Callable[[], None], log: list[str]) -> None:
+        self.issue, self.log, self.closed = issue, log, False
+
+    def launch(self) -> None:
+        assert not self.closed, "launched after close"
+        self.log.append("launch")
+        self.issue()
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class Mlp:
+    """GemmMlp's and Fp8MlpPath's surface: fwd and bwd, each call logged with the path's name."""
+
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name, self.log = name, log
+
+    def fwd(self, l: int, a: Any, w1: int, w2: int, out: int, R: int) -> None:
+        self.log.append(f"{self.name} fwd")
+
+    def bwd(self, l: int, args: tuple[int, ...], R: int) -> None:
+        self.log.append(f"{self.name} bwd")
+
+
+class Fp8:
+    def __init__(self, times: dict[str, tuple[float, float]]) -> None:
+        self.times = times
+
+    def gemm_times(self) -> dict[str, tuple[float, float]]:
+        return self.times
+
+
+class Net:
+    def __init__(self, log: list[str]) -> None:
+        self.train_mlp, self.mlp = Mlp("fp8", log), Mlp("bf16", log)
+        self.shapes = type("Shapes", (), {"d_model": 2048})()
+        self.flat = type("Flat", (), {"w": staticmethod(lambda name: 0),
+                                      "gw": staticmethod(lambda name: 0)})()
+        self.o = type("Ops", (), {"stream": type("Stream", (), {"handle": 7})()})()
+
+
+class Buffers:
+    B = 8
+
+    def layer(self, l: int) -> dict[str, int]:
+        return {"ln2": 0, "pre": 0, "act": 0}
+
+    def at(self, name: str) -> int:
+        return 0
+
+
+def setup(monkeypatch: pytest.MonkeyPatch, ms: dict[str, float]) -> tuple[list[str], list[Graph],
+                                                                         Callable[..., str]]:
+    """A log of the passes' calls, the graphs made, and measure() over them, where timing a
+    call of the fp8 (bf16) path takes ms["fp8"] (ms["bf16"])."""
+    log: list[str] = []
+    made: list[Graph] = []
+
+    def capture(handle: int, issue: Callable[[], None], fill: Any = None) -> Graph:
+        assert handle == 7
+        log.append("capture")
+        made.append(Graph(issue, log))
+        return made[-1]
+
+    def timer(fn: Callable[[], None]) -> float:
+        start = len(log)
+        fn()
+        ran = [x for x in log[start:] if x.endswith("fwd")]
+        assert len(ran) == 1, log[start:]
+        return ms[ran[0].split()[0]]
+
+    monkeypatch.setattr(fp8_pays.graphs, "capture", capture)
+    fp8 = Fp8({"fc1 fwd": (0.2, 0.36)})
+
+    def measure(as_graphs: bool = True) -> str:
+        return fp8_pays.measure(fp8, Net(log), Buffers(), 1024, timer, as_graphs)
+
+    return log, made, measure
+
+
+def test_each_path_is_captured_once_and_its_graph_replays_are_timed(monkeypatch) -> None:
+    log, made, measure = setup(monkeypatch, {"fp8": 1.5, "bf16": 2.0})
+    note = measure()
+    # one untimed pass each (algorithms picked outside any capture), then one capture each
+    assert log[:6] == ["fp8 fwd", "fp8 bwd", "bf16 fwd", "bf16 bwd", "capture", "capture"]
+    # every timed call is a graph launch, never a pass issued from the host
+    timed = log[6:]
+    assert timed and all(x == "launch" for x in timed[::3]), timed
+    assert len(made) == 2 and all(g.closed for g in made)
+    assert "1.500 ms" in note and "2.000 ms in bf16" in note and "1.33x" in note
+    assert "a CUDA graph, as the step runs it" in note and "does not pay" not in note
+
+
+def test_fp8_slower_in_its_graph_says_it_does_not_pay(monkeypatch) -> None:
+    _, _, measure = setup(monkeypatch, {"fp8": 0.70, "bf16": 0.64})
+    note = measure()
+    assert note.startswith("FP8 at d 2048") and "FP8 does not pay at this size" in note
+
+
+def test_without_graphs_the_passes_are_timed_as_launched(monkeypatch) -> None:
+    log, made, measure = setup(monkeypatch, {"fp8": 1.0, "bf16": 1.2})
+    note = measure(as_graphs=False)
+    assert made == [] and "capture" not in log and "launch" not in log
+    assert "launched one by one, as the step runs it" in note
+
+
+def test_a_failed_capture_frees_the_graph_made_before_it(monkeypatch) -> None:
+    _, made, measure = setup(monkeypatch, {"fp8": 1.0, "bf16": 1.2})
+    real = fp8_pays.graphs.capture
+
+    def second_fails(handle: int, issue: Callable[[], None], fill: Any = None) -> Graph:
+        if made:
+            raise RuntimeError("capture refused")
+        return real(handle, issue, fill)
+
+    monkeypatch.setattr(fp8_pays.graphs, "capture", second_fails)
+    with pytest.raises(RuntimeError, match="capture refused"):
+        measure()
+    assert len(made) == 1 and made[0].closed
