@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from engine.backends.cuda.cublas import R_32F
 from engine.backends.cuda.fp8 import HISTORY, TENSORS, Fp8Mlp, plan_fp8
 from engine.backends.cuda.gemm import R_8F_E4M3, R_8F_E5M2
 from engine.backends.cuda.memory import Plan
@@ -292,3 +293,20 @@ def test_a_gemm_refused_after_its_operand_was_left_unwritten_has_it_computed_fir
     one_pass_apart(fp8)
     assert all(a[3] != 0 for n, a in calls if n == cast)  # the copy is written again
     assert kernel not in [n for n, _ in calls]
+
+
+@pytest.mark.parametrize("lp", [False, True])
+def test_the_fp8_weight_gradients_are_written_as_the_gradient_buffer_holds_them(mlp, lp) -> None:
+    """The FP8 weight-gradient GEMMs output what their buffer holds: float32 gradients, or, in a
+    step that keeps the layers' weight gradients in bf16 (Ops.wgrad_lp, gpu.grads_low_precision),
+    bf16 ones, written (beta 0), as the bf16 step's GEMMs write theirs; their operands stay
+    E4M3 and E5M2. The other GEMMs' outputs are the activations'."""
+    fp8, ops, _, gemm, _ = mlp
+    ops.overwrite_grads = ops.wgrad_lp = lp
+    one_pass(fp8)
+    wgrads = [m for m in gemm.matmuls if m["types"][:2] == (R_8F_E4M3, R_8F_E5M2)]
+    others = [m for m in gemm.matmuls if m["types"][:2] != (R_8F_E4M3, R_8F_E5M2)]
+    assert len(wgrads) == 2 * L and len(others) == 4 * L
+    assert all(m["types"][2] == (ops.act if lp else R_32F) for m in wgrads)
+    assert all(m["beta"] == (0.0 if lp else 1.0) for m in wgrads)
+    assert all(m["types"][2] == ops.act for m in others)

@@ -23,8 +23,8 @@ HP = {"loss_scale": 1.0, "lr": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8,
       "weight_decay": 0.1, "max_norm": 1.0}
 
 
-def _backend(monkeypatch: pytest.MonkeyPatch, on: bool):
-    bk = cuda_backend(SHAPES, 4, "bf16", grads_low_precision=on)
+def _backend(monkeypatch: pytest.MonkeyPatch, on: bool, precision: str = "bf16"):
+    bk = cuda_backend(SHAPES, 4, precision, grads_low_precision=on)
     assert bk.grads_lp == on
     assert ("weight gradients in bf16" in bk.describe()) == on
     bk.load_params(init_params(SHAPES, seed=11))
@@ -36,18 +36,21 @@ def _tokens(steps: int) -> list[tuple[np.ndarray, np.ndarray]]:
     return [(t[:, :-1], t[:, 1:]) for t in tok]
 
 
-def test_the_step_reads_the_bf16_gradients_it_wrote(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_the_step_reads_the_bf16_gradients_it_wrote(monkeypatch: pytest.MonkeyPatch,
+                                                    precision: str) -> None:
     """One step each way on the same weights and tokens. The gradients: the layers' matrices
     bf16 values within bf16's rounding of the float32 ones, everything else the same bits. The
     norm: the step's equals the host's over read_grads (so the norm read grads_lp where the
     matrices are and nothing else), and is within bf16's rounding of the float32 step's. The
     update: Adam's first step is about lr·sign(g), so the weights after it agree closely (AdamW
-    read each gradient at its own place)."""
+    read each gradient at its own place). In fp8 the MLP's FP8 weight-gradient GEMMs write
+    bf16 too."""
     x = _tokens(1)[0]
     mask = kind_of_each_element(SHAPES).astype(bool)
     out = {}
     for on in (True, False):
-        bk = _backend(monkeypatch, on)
+        bk = _backend(monkeypatch, on, precision)
         p0 = bk.read_params()
         rows, norm, clip = bk.train_step(*x, grad_mult=1.0, t=1, **HP)
         g = bk.read_grads()

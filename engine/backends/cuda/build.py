@@ -14,15 +14,15 @@ The choices, beside the attention's (attention_choice.py):
 - the training logits in the compute precision (gpu.logits_low_precision; fusions, bf16/fp16):
   the logits GEMM rounds z as PyTorch's autocast does, the loss kernel reads half the bytes and
   writes dlogits over them (Ops.loss_fwd_bwd). It changes the bits.
-- the layers' weight gradients in bf16 (gpu.grads_low_precision; fusions, bf16, no FP8, d_model
+- the layers' weight gradients in bf16 (gpu.grads_low_precision; fusions, bf16 or fp8, d_model
   a multiple of 4, buffers.GRAD_LP_TENSORS): where a fused step writes its gradients (one
-  micro-batch at full length, one rank), its weight-gradient GEMMs round them to bf16 as
-  PyTorch's autocast does, and the norm and AdamW read half the bytes; every other path keeps
-  float32 (DeviceOptimizer.settle_glp). It changes the bits. Not in fp8 (its precision here is
-  bf16, but its MLP writes its own float32 gradients). The setting also cuts the norm's ranges
-  where the kind would change (`norm_by_kind`) wherever it is on: with gradient accumulation
-  (separate_micro, whose steps add float32 gradients and keep no bf16 ones) as well, so that
-  one GPU of two micro-batches sums the norm in the order two GPUs of one do (DESIGN §11).
+  micro-batch at full length, one rank), its weight-gradient GEMMs (the FP8 MLP's too) round
+  them to bf16 as PyTorch's autocast does, and the norm and AdamW read half the bytes; every
+  other path keeps float32 (DeviceOptimizer.settle_glp). It changes the bits. The setting also
+  cuts the norm's ranges where the kind would change (`norm_by_kind`) wherever it is on: with
+  gradient accumulation (separate_micro, whose steps add float32 gradients and keep no bf16
+  ones) as well, so that one GPU of two micro-batches sums the norm in the order two GPUs of one
+  do (DESIGN §11).
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ class CudaBuild:
                                     self.gpu, self.stream, self.notes)
         self.attn.choose(gpu.attention, gpu.flex_backward)
         self.logits_lp = self.fusions and self.precision != "fp32" and gpu.logits_low_precision
-        self.norm_by_kind = (self.fusions and self.precision == "bf16" and not self.fp8
+        self.norm_by_kind = (self.fusions and self.precision == "bf16"
                              and shapes.d_model % 4 == 0 and gpu.grads_low_precision)
         # one micro-batch's own bf16 gradients: not where steps accumulate (separate_micro)
         self.grads_lp = self.norm_by_kind and not self.separate_micro

@@ -40,7 +40,6 @@ from typing import Any
 
 import numpy as np
 
-from engine.backends.cuda.cublas import R_32F
 from engine.backends.cuda.gemm import R_8F_E4M3, R_8F_E5M2, time_interleaved
 from engine.backends.cuda.launch import blocks
 from engine.errors import RunError
@@ -410,7 +409,7 @@ class Fp8Mlp:
             self._cast_t(gq, gqt, gi, g, ga, gh, R, n_out, E5M2)
         self._gemm(f"{fc} wgrad", R,
                    lambda: o._wgrad(dw, aqt, gqt, n_in, n_out, R, (aqt, gqt), tb=True,
-                                    types=(R_8F_E4M3, R_8F_E5M2, R_32F), scales=(ai, gi)),
+                                    types=(R_8F_E4M3, R_8F_E5M2), scales=(ai, gi)),
                    lambda: o._wgrad(dw, a, g, n_in, n_out, R, (g,), ta=True),
                    restore=_in_turn(restore_a, restore_g))
         o._writes(din)

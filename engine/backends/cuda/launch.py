@@ -125,10 +125,13 @@ class Launcher:
         a side stream: after everything the main stream has queued so far, on the side stream,
         and the buffers in `reads` (gradient buffers the main stream rewrites later) are marked
         so that the main stream waits for this GEMM before it writes them (`_writes`). Same
-        GEMM, same algorithm: same bits."""
+        GEMM, same algorithm: same bits. `types`: the operands' types (a, b) where they are not
+        the precision's (the FP8 GEMMs, fp8.py); the output's is always the gradient buffer's."""
         lp = self.wgrad_lp and layer
         if lp and not self.overwrite_grads:
             raise ValueError("Ops._wgrad: wgrad_lp writes the gradients, it needs overwrite_grads")
+        if "types" in kw:
+            kw["types"] = (*kw["types"][:2], self.act if lp else R_32F)
         beta = 0.0 if self.overwrite_grads else 1.0
         if self.side is None:
             self._mm(out, a, b, M, N, K, out32=not lp, beta=beta, **kw)
