@@ -60,7 +60,7 @@ def engine_bytes(s: ModelShapes, opts: dict[str, Any], switched: dict[str, Any] 
     fp8, fused = opts.get("precision") == "fp8", gpu.fusions
     attention = "classic" if gpu.attention == "classic" else "cudnn"
     workspace = batch * s.n_head * s.seq_len ** 2 * 2 if attention == "cudnn" else 0
-    grads_lp = fused and not fp8 and gpu.grads_low_precision and s.d_model % 4 == 0
+    grads_lp = fused and gpu.grads_low_precision and s.d_model % 4 == 0
     plan, _, _ = plan_memory(s, batch, "bf16", attention, fused, workspace, False,
                              fused and gpu.qkv_rows and attention == "cudnn",
                              fused and gpu.logits_low_precision, grads_lp)

@@ -322,7 +322,7 @@ class GpuConfig:
     128, its library built). `qkv_rows`: Q, K and V side by side in the rows of one [R, 3d]
     matrix, one GEMM each way, where cuDNN takes them so. `logits_low_precision`: the training
     logits in the compute precision (bf16, fp16). `grads_low_precision`: the layers' weight
-    gradients in bf16 where a bf16 step writes them. `attention_chunk`: the classic attention's
+    gradients in bf16 where a bf16 or fp8 step writes them. `attention_chunk`: the classic attention's
     queries per causal chunk (its GEMMs' shapes). `gemm_tune`: time cuBLASLt's best
     `gemm_candidates` proposals for each GEMM at start and keep the fastest (else its first
     choice; the run directory's gemm_plan.json keeps the choices either way). `fusions`: the

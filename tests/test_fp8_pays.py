@@ -1,17 +1,17 @@
 """FP8's start-up verdict (engine/backends/cuda/fp8_pays.py) without a GPU: the two paths'
 passes timed as the step runs them (each captured once as a CUDA graph and its replays timed,
-or, where the step runs without graphs, the passes themselves), the graphs freed whatever
-happens, and the note's verdict from the figures. The capture and the timer are stand-ins: a
-"graph" runs its pass when launched, and the timer returns the time a test gives each call."""
+or, where the step runs without graphs or the capture fails, the passes themselves), nothing
+timed inside a capture, the graphs freed whatever happens, and the note's verdict from the
+figures. The capture and the timer are stand-ins: a "graph" runs its pass when launched, and
+the timer returns the time a test gives each call."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-import pytest
-
 from engine.backends.cuda import fp8_pays
+from engine.errors import RunError
 
 
 class Graph:
@@ -48,13 +48,17 @@ class Fp8:
         return self.times
 
 
+class Gemm:
+    tuning = True  # as the start-up pass leaves it
+
+
 class Net:
-    def __init__(self, log: list[str]) -> None:
+    def __init__(self, log: list[str], gemm: Gemm) -> None:
         self.train_mlp, self.mlp = Mlp("fp8", log), Mlp("bf16", log)
         self.shapes = type("Shapes", (), {"d_model": 2048})()
         self.flat = type("Flat", (), {"w": staticmethod(lambda name: 0),
                                       "gw": staticmethod(lambda name: 0)})()
-        self.o = type("Ops", (), {"stream": type("Stream", (), {"handle": 7})()})()
+        self.o = type("Ops", (), {"gemm": gemm})()
 
 
 class Buffers:
@@ -67,15 +71,19 @@ class Buffers:
         return 0
 
 
-def setup(monkeypatch: pytest.MonkeyPatch, ms: dict[str, float]) -> tuple[list[str], list[Graph],
-                                                                         Callable[..., str]]:
-    """A log of the passes' calls, the graphs made, and measure() over them, where timing a
-    call of the fp8 (bf16) path takes ms["fp8"] (ms["bf16"])."""
+def setup(ms: dict[str, float], fail_at: int = -1) -> tuple[list[str], list[Graph], Gemm,
+                                                           Callable[..., str]]:
+    """A log of the passes' calls, the graphs made, the GEMM library, and measure() over them,
+    where timing a call of the fp8 (bf16) path takes ms["fp8"] (ms["bf16"]); the capture
+    number fail_at (from 0) fails as the driver's refusal does."""
     log: list[str] = []
     made: list[Graph] = []
+    gemm = Gemm()
 
-    def capture(handle: int, issue: Callable[[], None], fill: Any = None) -> Graph:
-        assert handle == 7
+    def capture(issue: Callable[[], None]) -> Graph:
+        assert gemm.tuning is False, "a GEMM could time itself inside the capture"
+        if len(made) == fail_at:
+            raise RunError("cuStreamEndCapture: CUDA error 901")
         log.append("capture")
         made.append(Graph(issue, log))
         return made[-1]
@@ -87,18 +95,19 @@ def setup(monkeypatch: pytest.MonkeyPatch, ms: dict[str, float]) -> tuple[list[s
         assert len(ran) == 1, log[start:]
         return ms[ran[0].split()[0]]
 
-    monkeypatch.setattr(fp8_pays.graphs, "capture", capture)
     fp8 = Fp8({"fc1 fwd": (0.2, 0.36)})
 
-    def measure(as_graphs: bool = True) -> str:
-        return fp8_pays.measure(fp8, Net(log), Buffers(), 1024, timer, as_graphs)
+    def measure(graphs: bool = True) -> str:
+        return fp8_pays.measure(fp8, Net(log, gemm), Buffers(), 1024, timer,
+                                capture if graphs else None)
 
-    return log, made, measure
+    return log, made, gemm, measure
 
 
-def test_each_path_is_captured_once_and_its_graph_replays_are_timed(monkeypatch) -> None:
-    log, made, measure = setup(monkeypatch, {"fp8": 1.5, "bf16": 2.0})
+def test_each_path_is_captured_once_and_its_graph_replays_are_timed() -> None:
+    log, made, gemm, measure = setup({"fp8": 1.5, "bf16": 2.0})
     note = measure()
+    assert gemm.tuning is True  # as it was, once the captures are made
     # one untimed pass each (algorithms picked outside any capture), then one capture each
     assert log[:6] == ["fp8 fwd", "fp8 bwd", "bf16 fwd", "bf16 bwd", "capture", "capture"]
     # every timed call is a graph launch, never a pass issued from the host
@@ -109,29 +118,22 @@ def test_each_path_is_captured_once_and_its_graph_replays_are_timed(monkeypatch)
     assert "a CUDA graph, as the step runs it" in note and "does not pay" not in note
 
 
-def test_fp8_slower_in_its_graph_says_it_does_not_pay(monkeypatch) -> None:
-    _, _, measure = setup(monkeypatch, {"fp8": 0.70, "bf16": 0.64})
+def test_fp8_slower_in_its_graph_says_it_does_not_pay() -> None:
+    _, _, _, measure = setup({"fp8": 0.70, "bf16": 0.64})
     note = measure()
     assert note.startswith("FP8 at d 2048") and "FP8 does not pay at this size" in note
 
 
-def test_without_graphs_the_passes_are_timed_as_launched(monkeypatch) -> None:
-    log, made, measure = setup(monkeypatch, {"fp8": 1.0, "bf16": 1.2})
-    note = measure(as_graphs=False)
+def test_without_graphs_the_passes_are_timed_as_launched() -> None:
+    log, made, _, measure = setup({"fp8": 1.0, "bf16": 1.2})
+    note = measure(graphs=False)
     assert made == [] and "capture" not in log and "launch" not in log
     assert "launched one by one, as the step runs it" in note
 
 
-def test_a_failed_capture_frees_the_graph_made_before_it(monkeypatch) -> None:
-    _, made, measure = setup(monkeypatch, {"fp8": 1.0, "bf16": 1.2})
-    real = fp8_pays.graphs.capture
-
-    def second_fails(handle: int, issue: Callable[[], None], fill: Any = None) -> Graph:
-        if made:
-            raise RuntimeError("capture refused")
-        return real(handle, issue, fill)
-
-    monkeypatch.setattr(fp8_pays.graphs, "capture", second_fails)
-    with pytest.raises(RuntimeError, match="capture refused"):
-        measure()
-    assert len(made) == 1 and made[0].closed
+def test_a_failed_capture_frees_the_graph_made_before_it_and_times_the_passes() -> None:
+    log, made, gemm, measure = setup({"fp8": 1.0, "bf16": 1.2}, fail_at=1)
+    note = measure()
+    assert len(made) == 1 and made[0].closed and gemm.tuning is True
+    assert "launch" not in log
+    assert "launched one by one (its capture failed: cuStreamEndCapture: CUDA error 901)" in note

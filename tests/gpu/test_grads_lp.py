@@ -51,6 +51,8 @@ def test_the_step_reads_the_bf16_gradients_it_wrote(monkeypatch: pytest.MonkeyPa
     out = {}
     for on in (True, False):
         bk = _backend(monkeypatch, on, precision)
+        if precision == "fp8":  # the FP8 weight-gradient GEMMs ran (none fell back to bf16)
+            assert {"fc1 wgrad", "fc2 wgrad"} <= set(bk.fp8_gemms), bk.build.fp8_mlp.notes
         p0 = bk.read_params()
         rows, norm, clip = bk.train_step(*x, grad_mult=1.0, t=1, **HP)
         g = bk.read_grads()

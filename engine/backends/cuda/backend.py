@@ -82,7 +82,7 @@ class CudaBackend:
         self.steps = StepGraph(b, self.net, self.optim, self.graphs, staging)
         self.state.zero_state()
         warm_up(b, self.net, staging, self.state, gpu.gemm_tune and b.fusions,
-                self.graphs.use_graphs)
+                self.graphs.capture if self.graphs.use_graphs else None)
         self.state.zero_state()
         if b.fp8_mlp is not None:  # the start-up pass's amaxes are not the run's
             b.fp8_mlp.load_history(None)

@@ -234,7 +234,7 @@ def lp_positions(seg_start: np.ndarray, seg_qkv: np.ndarray, d: int) -> np.ndarr
     return pos
 
 
-# The tensors whose gradients the fused bf16 step keeps in the compute precision (`grads_lp`,
+# The tensors whose gradients the fused step (bf16, fp8) keeps in bf16 (`grads_lp`,
 # CudaBackend.grads_lp): each layer's weight matrices, which only their weight-gradient GEMMs
 # write. The embeddings (wte's sum of the LM head's GEMM and the embedding's scatter) and the
 # LayerNorms' parameters keep float32 gradients.

@@ -19,17 +19,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from engine.backends.cuda import graphs
 from engine.backends.cuda.fp8 import MIN_CHOICE_MS
 from engine.backends.cuda.gemm import time_interleaved
+from engine.errors import RunError
 
 PASS_MIN_MS = 6 * MIN_CHOICE_MS  # a layer's MLP is six GEMMs and their kernels
 
 
 def mlp_pass(mlp: Any, net: Any, b: Any, T: int) -> Callable[[], None]:
     """Layer 0's MLP forward and backward on `mlp` (GemmMlp or Fp8MlpPath), on the training
-    buffers `b` as the start-up pass left them, its weight gradients added to the gradients
-    (zeroed after the start-up)."""
+    buffers `b` as the start-up pass left them, its weight gradients written where the Ops
+    says (as the step writes them; the gradients are zeroed after the start-up)."""
     w, a, R = net.flat, b.layer(0), b.B * T
     w1, w2 = w.w("h.0.mlp.W_1"), w.w("h.0.mlp.W_2")
     args = (b.at("dres"), a["ln2"], w1, w2, a["pre"], a["act"], b.at("dln"),
@@ -43,10 +43,12 @@ def mlp_pass(mlp: Any, net: Any, b: Any, T: int) -> Callable[[], None]:
 
 
 def measure(fp8: Any, net: Any, b: Any, T: int, timer: Callable[[Callable[[], None]], float],
-            as_graphs: bool = True) -> str:
+            capture: Callable[[Callable[[], None]], Any] | None) -> str:
     """The note on FP8 at this size (fp8: the backend's Fp8Mlp), after its GEMMs' choices.
-    as_graphs: whether the step runs as CUDA graphs; where it does not (ANDREA_CUDA_GRAPHS=0,
-    ANDREA_CUDA_SYNC=1), the passes are timed as it runs them, launched one by one."""
+    capture: captures a pass as the step's graphs are (GraphCache.capture); None where the step
+    runs without graphs (ANDREA_CUDA_GRAPHS=0, ANDREA_CUDA_SYNC=1): the passes are then timed
+    as it runs them, launched one by one. A capture the driver refuses is timed so too, and
+    the note says why."""
     times = fp8.gemm_times()
     if times and max(t16 for _, t16 in times.values()) < MIN_CHOICE_MS:
         return (f"FP8 at d {net.shapes.d_model}: the MLP's GEMMs take under {MIN_CHOICE_MS} ms "
@@ -55,10 +57,25 @@ def measure(fp8: Any, net: Any, b: Any, T: int, timer: Callable[[Callable[[], No
     passes = [mlp_pass(net.train_mlp, net, b, T), mlp_pass(net.mlp, net, b, T)]
     for run in passes:
         run()  # untimed: any problem met only here has its algorithm picked now (not in a graph)
-    captured: list[graphs.CudaGraph] = []
+    captured: list[Any] = []
+    how = "launched one by one"
+    gemm = net.o.gemm
+    tuning = gemm.tuning if gemm is not None else False
     try:
-        for run in passes if as_graphs else ():
-            captured.append(graphs.capture(net.o.stream.handle, run))
+        if capture is not None:
+            if gemm is not None:
+                gemm.tuning = False  # every problem was met above: nothing is timed in a capture
+            try:
+                for run in passes:
+                    captured.append(capture(run))
+                how = "a CUDA graph"
+            except RunError as e:
+                for g in captured:
+                    g.close()
+                captured, how = [], f"launched one by one (its capture failed: {e})"
+            finally:
+                if gemm is not None:
+                    gemm.tuning = tuning
         t8, t16 = time_interleaved(timer, [g.launch for g in captured] or passes)
     finally:
         for g in captured:
@@ -68,8 +85,7 @@ def measure(fp8: Any, net: Any, b: Any, T: int, timer: Callable[[Callable[[], No
                 f"short for a start-up timing to tell FP8 from bf16")
     per_gemm = ", ".join(f"{g} {a:.3f}/{c:.3f}" for g, (a, c) in fp8.gemm_times().items())
     note = (f"FP8 at d {net.shapes.d_model}: a layer's MLP forward and backward {t8:.3f} ms "
-            f"(the weights' FP8 copies included; each path "
-            f"{'a CUDA graph' if as_graphs else 'launched one by one'}, as the step runs it) "
+            f"(the weights' FP8 copies included; each path {how}, as the step runs it) "
             f"against {t16:.3f} ms in bf16, {t16 / t8:.2f}x; each GEMM in FP8/bf16 ms: "
             f"{per_gemm or 'not timed'}")
     if t8 >= t16:

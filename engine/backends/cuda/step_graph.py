@@ -45,17 +45,23 @@ class GraphCache:
             return
         graph = self.graphs.get(key)
         if graph is None:
-            fill = None
-            if self.memset_kernels:
-                try:
-                    fill = graphs.FillKernel.of(str(self.gpu.cubin(self.precision, "fill")))
-                except RunError as e:  # the graphs keep their memset nodes
-                    self.memset_kernels = False
-                    self.notes.append(f"the graphs' memset nodes stay memsets: {e}")
-            graph = self.graphs[key] = graphs.capture(self.stream.handle, issue, fill)
-            if graph.fill_note and graph.fill_note not in self.notes:
-                self.notes.append(graph.fill_note)
+            graph = self.graphs[key] = self.capture(issue)
         graph.launch()
+
+    def capture(self, issue: Callable[[], None]) -> graphs.CudaGraph:
+        """The work issue() queues, captured as the step's graphs are (its memset nodes as
+        k_fill kernel nodes where the fill kernel loads); the caller owns the graph."""
+        fill = None
+        if self.memset_kernels:
+            try:
+                fill = graphs.FillKernel.of(str(self.gpu.cubin(self.precision, "fill")))
+            except RunError as e:  # the graphs keep their memset nodes
+                self.memset_kernels = False
+                self.notes.append(f"the graphs' memset nodes stay memsets: {e}")
+        graph = graphs.capture(self.stream.handle, issue, fill)
+        if graph.fill_note and graph.fill_note not in self.notes:
+            self.notes.append(graph.fill_note)
+        return graph
 
     def latest(self, kind: str) -> graphs.CudaGraph | None:
         """The graph of `kind` at the longest sequence length captured so far."""

@@ -7,6 +7,7 @@ MLP GEMM's FP8 against bf16 and whether FP8 pays at this size (fp8_pays.py)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -18,10 +19,11 @@ from engine.backends.cuda.state_io import StateIO
 from engine.model.layout import init_params
 
 
-def warm_up(build: CudaBuild, net: Network, staging: Staging, state: StateIO,
-            tune: bool, graphs: bool = True) -> None:
+def warm_up(build: CudaBuild, net: Network, staging: Staging, state: StateIO, tune: bool,
+            capture: Callable[[Callable[[], None]], Any] | None) -> None:
     """The pass, then what it decided in build.notes. The caller zeroes the state after.
-    graphs: whether the step runs as CUDA graphs (FP8's start-up timing then times graphs)."""
+    capture: captures work as the step's CUDA graphs are (GraphCache.capture), None where the
+    step runs without graphs; FP8's start-up timing times each path as the step runs it."""
     drv, ops, gemm, stream = build.drv, build.ops, build.gemm, build.stream
 
     def time_ms(fn: Callable[[], None]) -> float:
@@ -59,9 +61,11 @@ def warm_up(build: CudaBuild, net: Network, staging: Staging, state: StateIO,
             net.backward(b, T)
         ops.overwrite_grads = ops.wgrad_lp = False
         if build.fp8_mlp is not None and tune:  # whether FP8 pays here: said at start
-            ops.overwrite_grads = build.fused_step  # the weight gradients' GEMMs as the step's
-            build.notes.append(fp8_pays.measure(build.fp8_mlp, net, b, T, time_ms, graphs))
-            ops.overwrite_grads = False
+            # the weight gradients' GEMMs as the step's (written, in bf16 where it keeps them)
+            ops.overwrite_grads = build.fused_step
+            ops.wgrad_lp = ops.overwrite_grads and build.grads_lp
+            build.notes.append(fp8_pays.measure(build.fp8_mlp, net, b, T, time_ms, capture))
+            ops.overwrite_grads = ops.wgrad_lp = False
         ops.join()
         s = build.sample
         Ts = staging.stage(s, tok[:1, :-1], None, 1.0)
