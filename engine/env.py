@@ -171,3 +171,11 @@ NAMES: tuple[str, ...] = tuple(v.name for v in VARIABLES)
 def cache_home() -> str:
     """$XDG_CACHE_HOME, else ~/.cache: the base of the default cache folders."""
     return os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+
+
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity where the OS has one, else every CPU)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1

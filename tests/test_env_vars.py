@@ -155,3 +155,17 @@ def test_a_value_is_parsed_or_the_default(var: env.Variable, raw: str | None, va
 def test_a_bad_value_is_bad_input_naming_the_variable(var: env.Variable, raw: str) -> None:
     with pytest.raises(UserError, match=rf"^environment {var.name}: expected "):
         var.read({var.name: raw})
+
+
+def test_usable_cores_is_the_affinity_or_every_cpu_where_there_is_none(monkeypatch) -> None:
+    import os
+
+    from engine.env import usable_cores
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 3, 5}, raising=False)
+    assert usable_cores() == 3
+    monkeypatch.delattr(os, "sched_getaffinity")  # macOS and Windows have none
+    monkeypatch.setattr(os, "cpu_count", lambda: 6)
+    assert usable_cores() == 6
+    monkeypatch.setattr(os, "cpu_count", lambda: None)
+    assert usable_cores() == 1

@@ -44,6 +44,7 @@ from engine.data.sample import training_texts
 from engine.data.shards import Shard, open_shard
 from engine.data.sources import source_fingerprint
 from engine.data.tokenizer import Tokenizer, load_tokenizer, train_tokenizer
+from engine.env import usable_cores
 from engine.errors import UserError, cli_entry
 from engine.records import PrepEvent
 from engine.runfiles import pid_alive
@@ -97,10 +98,7 @@ def shard_path(data_dir: Path, name: str) -> Path:
 
 
 def default_jobs() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
+    return usable_cores()
 
 
 def _read_manifest(path: Path) -> dict:

@@ -62,7 +62,7 @@ def rank_env(rank: int, n: int, port: int, token: str, job: str, cuda: bool) -> 
         # n numpy ranks on this host share its cores: OpenBLAS's threads would otherwise be
         # the cores' count in each rank, spinning against each other (measured 37x slower with
         # two processes on two cores)
-        env["OPENBLAS_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // n))
+        env["OPENBLAS_NUM_THREADS"] = str(max(1, variables.usable_cores() // n))
     return pin_reduction_order(env, n)
 
 

@@ -22,6 +22,7 @@ from engine.backends import hostmem
 from engine.backends.activations import BY_NAME, LAYER, MODEL, STREAM, Dims, saved
 from engine.backends.numpy import fp8, ops
 from engine.config import GpuConfig
+from engine.env import usable_cores
 from engine.errors import UserError
 from engine.model.fp8 import FP8_GEMMS, AmaxHistory
 from engine.model.layout import ModelShapes, decay_mask, n_params, tensor_table, views
@@ -42,7 +43,7 @@ def blas_threads() -> int:
             fn = getattr(lib, sym, None)
             if fn is not None:
                 return int(fn())
-    return len(os.sched_getaffinity(0))
+    return usable_cores()
 
 
 class _Arena:
