@@ -492,9 +492,10 @@ def test_precision_reaches_every_rank(tmp_path: Path, write_config) -> None:
 def test_numpy_ranks_share_the_hosts_cores_among_their_blas_threads(monkeypatch) -> None:
     """`--gpus N` on the numpy backend: each rank's OpenBLAS gets cores // N threads (at least
     one), unless the user set OPENBLAS_NUM_THREADS; GPU ranks are left as they are."""
+    from engine.env import usable_cores
     from engine.run.launch import rank_env
 
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
     monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
     for n in (1, 2, 64):
         assert rank_env(0, n, 1, "t", "j", cuda=False)["OPENBLAS_NUM_THREADS"] == \

@@ -7,8 +7,8 @@ was chosen, fp8.Fp8Mlp._choose) against the same on the bf16 path (GemmMlp), tim
 the pass's own buffers, each captured as a CUDA graph and replayed, as the step runs it.
 Launched one by one from the host, the FP8 path's extra kernels (its casts, the no-op amax
 passes) would each add the host's launch time to its figure where its kernels are short: at
-d 1024 that timing called FP8 the slower (0.666 against 0.643 ms) while the step in its graph
-was the faster (36.25 against 37.91 ms). The backend's notes (engine.log at start) then say both
+d 1024 that timing called FP8 the slower while the step in its graph was the faster
+(docs/gpu.md, the larger configs). The backend's notes (engine.log at start) then say both
 times, each GEMM's time in FP8 and in bf16, and, where FP8 is not the faster, that it does not
 pay here and runs as asked. Nothing of this changes what runs: the per-GEMM choices do that,
 and they are in the GEMM plan.
