@@ -65,7 +65,8 @@ def engine_bytes(s: ModelShapes, opts: dict[str, Any], switched: dict[str, Any] 
                              fused and gpu.qkv_rows and attention == "cudnn",
                              fused and gpu.logits_low_precision, grads_lp)
     if fp8:
-        plan_fp8(plan, s.n_layer, s.d_model, s.d_ff, batch * s.seq_len)
+        plan_fp8(plan, s.n_layer, s.d_model, s.d_ff, batch * s.seq_len,
+                 qkv=fused and gpu.qkv_rows and attention == "cudnn")
     return plan.totals()["total"]
 
 

@@ -36,7 +36,7 @@ MODELS = {key: shipped_shapes(key) for key in ("120M", "12M", "312M", "1.2B")}
 B = 8
 FUSED = {"attention": "auto", "fusions": True}
 CLASSIC = {"attention": "classic", "fusions": False}
-FP8 = {**FUSED, "precision": "fp8"}  # train/precision "fp8": the MLP's GEMMs in FP8
+FP8 = {**FUSED, "precision": "fp8"}  # train/precision "fp8": the linear maps' GEMMs in FP8
 # the engine's paths (--paths): their names in the table and their options
 PATHS = {"fused": ("andrea", FUSED), "classic": ("andrea classic", CLASSIC),
          "fp8": ("andrea fp8", FP8)}

@@ -333,28 +333,39 @@ def test_logits_in_the_compute_precision_halve_their_slab_and_hold_dlogits(vocab
         plan_memory(s, 8, "bf16", "cudnn", fused=False, logits_lp=True)
 
 
-def test_the_fp8_plan_names_its_buffers_in_a_group_of_its_own():
-    """train/precision fp8 (fp8.plan_fp8): per layer the four FP8 weight copies and the
-    transposed copies of X and H (made in the forward for the backward), one set of the other
-    activation and gradient copies, the amax words and inverse scales, the delayed tensors'
-    amax history and its next slot; the "fp8" group shows in the plan's totals only when it has
-    buffers."""
+@pytest.mark.parametrize("qkv", [True, False])
+def test_the_fp8_plan_names_its_buffers_in_a_group_of_its_own(qkv: bool):
+    """train/precision fp8 (fp8.plan_fp8): per layer the FP8 weight copies (as stored and
+    transposed: W1, W2, W_O, and W_QKV where the QKV map runs in FP8, Q, K, V in rows) and the
+    transposed copies of the maps' inputs (made in the forward for the backward), one set of
+    the other activation and gradient copies, the amax words and inverse scales, the delayed
+    tensors' amax history and its next slot; the "fp8" group shows in the plan's totals only
+    when it has buffers."""
     from engine.backends.cuda.fp8 import SCALE_STRIDE, TENSORS, plan_fp8
     from engine.model.fp8 import DELAYED, HISTORY
 
     s = SHAPES["120M"]
     plan, train, _ = plan_memory(s, 8, "bf16", "cudnn", fused=True, cudnn_workspace=1)
     assert "fp8" not in plan.totals()
-    plan_fp8(plan, s.n_layer, s.d_model, s.d_ff, train.R)
+    plan_fp8(plan, s.n_layer, s.d_model, s.d_ff, train.R, qkv=qkv)
     d, F, L, R = s.d_model, s.d_ff, s.n_layer, train.R
-    want = (4 * L * d * F + L * R * (d + F) + 3 * R * d + 3 * R * F
+    weights = 2 * (2 * d * F + d * d + (3 * d * d if qkv else 0))
+    inputs = R * (d + F + d + (d if qkv else 0))  # x, h, att, ln1
+    grads = R * (d + F + d + (3 * d if qkv else 0))  # dy, dh, dproj, dqkv
+    want = (L * weights + L * inputs + inputs + 2 * grads
             + (4 + SCALE_STRIDE) * L * len(TENSORS) + 4 * HISTORY * L * len(DELAYED) + 4)
     got = plan.totals()["fp8"]
-    assert want <= got <= want + (18 + 6 * L) * 256  # buffers and slots rounded to 256 bytes
+    assert want <= got <= want + (28 + 12 * L) * 256  # buffers and slots rounded to 256 bytes
     plan.allocate(_FakeDrv())
     assert plan["fp8.next"] - plan["fp8.hist"] >= 4 * HISTORY * L * len(DELAYED)
     assert plan["fp8.w1t"] - plan["fp8.w1"] >= L * d * F
     assert plan["fp8.ht"] - plan["fp8.xt"] >= L * R * d
+    for name in ("fp8.wqkv", "fp8.ln1t", "fp8.dqkvt"):
+        if qkv:
+            assert plan[name]
+        else:
+            with pytest.raises(KeyError):
+                plan[name]
 
 
 def test_the_blas_libraries_load_from_the_wheels_else_a_soname_else_say_what_was_tried(

@@ -27,17 +27,27 @@ class Graph:
         self.closed = True
 
 
-class Mlp:
-    """GemmMlp's and Fp8MlpPath's surface: fwd and bwd, each call logged with the path's name."""
+class Path:
+    """A linear map's path (QkvRows, AttnOut, GemmMlp and their FP8 twins): fwd and bwd, each
+    call logged with the path's precision and map."""
 
     def __init__(self, name: str, log: list[str]) -> None:
         self.name, self.log = name, log
 
-    def fwd(self, l: int, a: Any, w1: int, w2: int, out: int, R: int) -> None:
+    def fwd(self, *args: Any) -> None:
         self.log.append(f"{self.name} fwd")
 
-    def bwd(self, l: int, args: tuple[int, ...], R: int) -> None:
+    def bwd(self, *args: Any) -> None:
         self.log.append(f"{self.name} bwd")
+
+
+MAPS = ("qkv", "proj", "mlp")
+
+
+def one_pass(precision: str) -> list[str]:
+    """The log of one layer_pass on a precision's paths."""
+    return ([f"{precision} {m} fwd" for m in MAPS]
+            + [f"{precision} {m} bwd" for m in reversed(MAPS)])
 
 
 class Fp8:
@@ -54,7 +64,8 @@ class Gemm:
 
 class Net:
     def __init__(self, log: list[str], gemm: Gemm) -> None:
-        self.train_mlp, self.mlp = Mlp("fp8", log), Mlp("bf16", log)
+        self.train_qkv, self.train_proj, self.train_mlp = (Path(f"fp8 {m}", log) for m in MAPS)
+        self.qkv, self.proj, self.mlp = (Path(f"bf16 {m}", log) for m in MAPS)
         self.shapes = type("Shapes", (), {"d_model": 2048})()
         self.flat = type("Flat", (), {"w": staticmethod(lambda name: 0),
                                       "gw": staticmethod(lambda name: 0)})()
@@ -91,9 +102,10 @@ def setup(ms: dict[str, float], fail_at: int = -1) -> tuple[list[str], list[Grap
     def timer(fn: Callable[[], None]) -> float:
         start = len(log)
         fn()
-        ran = [x for x in log[start:] if x.endswith("fwd")]
-        assert len(ran) == 1, log[start:]
-        return ms[ran[0].split()[0]]
+        ran = [x for x in log[start:] if x != "launch"]
+        precision = ran[0].split()[0]
+        assert ran == one_pass(precision), log[start:]
+        return ms[precision]
 
     fp8 = Fp8({"fc1 fwd": (0.2, 0.36)})
 
@@ -109,10 +121,10 @@ def test_each_path_is_captured_once_and_its_graph_replays_are_timed() -> None:
     note = measure()
     assert gemm.tuning is True  # as it was, once the captures are made
     # one untimed pass each (algorithms picked outside any capture), then one capture each
-    assert log[:6] == ["fp8 fwd", "fp8 bwd", "bf16 fwd", "bf16 bwd", "capture", "capture"]
+    assert log[:14] == [*one_pass("fp8"), *one_pass("bf16"), "capture", "capture"]
     # every timed call is a graph launch, never a pass issued from the host
-    timed = log[6:]
-    assert timed and all(x == "launch" for x in timed[::3]), timed
+    timed = log[14:]
+    assert timed and all(x == "launch" for x in timed[::7]), timed
     assert len(made) == 2 and all(g.closed for g in made)
     assert "1.500 ms" in note and "2.000 ms in bf16" in note and "1.33x" in note
     assert "a CUDA graph, as the step runs it" in note and "does not pay" not in note

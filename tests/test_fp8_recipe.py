@@ -82,62 +82,92 @@ def test_amax_passes_over_nan_and_the_scale_guards_its_edges() -> None:
 
 def test_the_history_records_each_pass_in_turn_and_keeps_its_bits_through_json() -> None:
     h = AmaxHistory.empty(n_layer=2)
-    assert DELAYED == ("x", "h", "dy", "dh", "w1", "w2")  # the weights have a history too
-    assert h.amax.shape == (2 * len(DELAYED), HISTORY) and h.delayed_amax(1, "w2") == 0.0
+    # every FP8 operand, the weights too: the MLP's, then the attention's
+    assert DELAYED == ("x", "h", "dy", "dh", "w1", "w2",
+                       "ln1", "att", "dproj", "dqkv", "wqkv", "wo")
+    assert h.amax.shape == (2 * 12, HISTORY) and h.delayed_amax(1, "wo") == 0.0
     for p in range(HISTORY + 3):
-        h.record(np.arange(12, dtype=np.float32) + p)
+        h.record(np.arange(24, dtype=np.float32) + p)
     assert h.next == 3
-    assert h.delayed_amax(0, "x") == HISTORY + 2  # the largest of the last HISTORY passes
+    # the largest of the last HISTORY passes, at row layer·12 + the tensor's place
+    assert h.delayed_amax(0, "x") == HISTORY + 2
     assert h.delayed_amax(0, "w1") == HISTORY + 2 + 4
-    assert h.delayed_amax(1, "dh") == HISTORY + 2 + 9
-    assert h.delayed_amax(1, "w2") == HISTORY + 2 + 11
+    assert h.delayed_amax(0, "dqkv") == HISTORY + 2 + 9
+    assert h.delayed_amax(1, "dh") == HISTORY + 2 + 12 + 3
+    assert h.delayed_amax(1, "w2") == HISTORY + 2 + 12 + 5
+    assert h.delayed_amax(1, "ln1") == HISTORY + 2 + 12 + 6
+    assert h.delayed_amax(1, "wo") == HISTORY + 2 + 12 + 11
     back, without = AmaxHistory.from_json(json.loads(json.dumps(h.to_json())), n_layer=2)
     assert without == ()
     assert back.next == h.next and np.array_equal(back.amax.view(np.uint32),
                                                   h.amax.view(np.uint32))
 
 
-def test_a_history_without_the_weights_rows_loads_with_them_empty_and_says_so() -> None:
-    """A checkpoint written while the weights were scaled by their own amax each pass holds rows
-    for x, h, dy and dh only: each goes to its row of this layout, the weights' rows are zero
-    (no history: scaled by their own amax until they have one), and `without` names them."""
-    L = 3
-    old = np.arange(1, L * 4 * HISTORY + 1, dtype=np.float32).reshape(L, 4, HISTORY) * 0.5
-    d = {"tensors": ["x", "h", "dy", "dh"], "length": HISTORY, "next": 5,
+@pytest.mark.parametrize("stored", [
+    ("x", "h", "dy", "dh", "w1", "w2"),  # the MLP's GEMMs alone in FP8
+    ("x", "h", "dy", "dh"),  # those, the weights scaled by their own amax each pass
+    ("wo", "dqkv", "x"),  # any distinct names, in any order
+], ids=["mlp", "mlp-without-weights", "any-order"])
+def test_a_history_naming_fewer_tensors_loads_with_the_others_empty_and_says_so(
+        stored: tuple[str, ...]) -> None:
+    """A checkpoint written while fewer GEMMs ran in FP8 holds rows for fewer tensors: each goes
+    to its row of this layout, by name; the others' rows are zero (no history: scaled by their
+    own amax until they have one), and `without` names them in DELAYED's order."""
+    L, n = 3, len(stored)
+    old = np.arange(1, L * n * HISTORY + 1, dtype=np.float32).reshape(L, n, HISTORY) * 0.5
+    d = {"tensors": list(stored), "length": HISTORY, "next": 5,
          "amax_bits": [int(b) for b in old.view(np.uint32).ravel()]}
     got = AmaxHistory.from_json(json.loads(json.dumps(d)), n_layer=L)
-    assert got.without == ("w1", "w2")
+    missing = tuple(t for t in DELAYED if t not in stored)
+    assert got.without == missing
     h = got.history
     assert h.amax.shape == (L * len(DELAYED), HISTORY) and h.next == 5
     for layer in range(L):
-        for t, tensor in enumerate(("x", "h", "dy", "dh")):
+        for t, tensor in enumerate(stored):
             assert np.array_equal(h.amax[h.row(layer, tensor)], old[layer, t])
-        for tensor in ("w1", "w2"):
+        for tensor in missing:
             assert not h.amax[h.row(layer, tensor)].any() and h.delayed_amax(layer, tensor) == 0
     # it fits the model as this layout, and is written back in it
     assert AmaxHistory.for_model(h, L) is h
     again = AmaxHistory.from_json(h.to_json(), n_layer=L)
     assert again.without == () and np.array_equal(again.history.amax, h.amax)
-    # the older layout's misfits are refused as any other's
+    # the shorter layout's misfits are refused as any other's
     d["amax_bits"].pop()
-    with pytest.raises(ValueError, match=rf"amax_bits: expected {L * 4 * HISTORY} float32 .*"
-                                         rf"\({L} layers x 4 tensors x {HISTORY}\)"):
+    with pytest.raises(ValueError, match=rf"amax_bits: expected {L * n * HISTORY} float32 .*"
+                                         rf"\({L} layers x {n} tensors x {HISTORY}\)"):
         AmaxHistory.from_json(d, n_layer=L)
+
+
+@pytest.mark.parametrize("tensors", [
+    ["x", "h", "w3"],  # a name not in DELAYED
+    ["x", "h", "x"],  # a name twice
+    [],  # none
+    "x h dy dh",  # not a list
+    None,  # absent
+    ["x", 1],  # not a name
+])
+def test_a_history_whose_tensors_are_not_distinct_delayed_names_is_refused(tensors) -> None:
+    d = AmaxHistory.empty(n_layer=2).to_json()
+    d["tensors"] = tensors
+    with pytest.raises(ValueError) as e:
+        AmaxHistory.from_json(d, n_layer=2)
+    assert str(e.value).startswith("tensors: expected distinct names among ")
 
 
 def test_a_non_finite_amax_is_recorded_as_zero() -> None:
     h = AmaxHistory.empty(n_layer=1)
-    h.record(np.array([1.0, np.nan, np.inf, -np.inf, 2.0, np.nan], np.float32))
-    assert list(h.amax[:, 0]) == [1.0, 0.0, 0.0, 0.0, 2.0, 0.0]
+    h.record(np.array([1.0, np.nan, np.inf, -np.inf, 2.0, np.nan] * 2, np.float32))
+    assert list(h.amax[:, 0]) == [1.0, 0.0, 0.0, 0.0, 2.0, 0.0] * 2
 
 
 @pytest.mark.parametrize("change, says", [
-    (lambda d: d.update(tensors=["x", "h"]), "tensors: expected"),
-    (lambda d: d.update(tensors=["x", "h", "dy", "dh", "w1"]), "tensors: expected"),
-    (lambda d: d.update(tensors=["h", "x", "dy", "dh"]), "tensors: expected"),
+    # fewer names than the rows hold
+    (lambda d: d.update(tensors=["x", "h"]),
+     rf"amax_bits: expected {2 * 2 * HISTORY} float32 bit patterns \(2 layers x 2 tensors"),
     (lambda d: d.update(length=0), "length: expected an integer in 1..4096"),
     (lambda d: d.update(next=HISTORY), f"next: expected an integer in 0..{HISTORY - 1}"),
-    (lambda d: d["amax_bits"].pop(), "amax_bits: expected 192 float32 bit patterns"),
+    (lambda d: d["amax_bits"].pop(),
+     f"amax_bits: expected {2 * 12 * HISTORY} float32 bit patterns"),
     (lambda d: d["amax_bits"].__setitem__(0, 0x7F800000), "finite and >= 0"),
     (lambda d: d["amax_bits"].__setitem__(0, -1), "amax_bits: expected"),
 ])

@@ -13,6 +13,7 @@ import pytest
 
 from engine.config import PRECISIONS, parse_config
 from engine.errors import UserError
+from engine.model.fp8 import FP8_GEMMS
 from tests.conftest import ROOT, loss_records, micro_config_dict, run_engine
 
 
@@ -23,15 +24,17 @@ def ready_events(run: Path) -> list[dict]:
 
 def test_fp8_on_the_numpy_backend_trains_on_emulated_fp8_values(tmp_path: Path,
                                                                  write_config) -> None:
-    """The numpy backend computes fp8 as fp32 with the MLP's GEMMs on FP8 values (the CUDA
-    path's twin): it trains, and the log and the ready event say so."""
+    """The numpy backend computes fp8 as fp32 with each layer's linear maps on FP8 values (the
+    CUDA path's twin): it trains, and the log and the ready event say so."""
     cfg = write_config(micro_config_dict(max_steps=3))
     run = tmp_path / "run"
     r = run_engine(cfg, run, "--backend", "numpy", "--precision", "fp8")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "the MLP's GEMMs on FP8 values (delayed scaling)" in (run / "engine.log").read_text()
+    log = (run / "engine.log").read_text()
+    assert "the layers' linear maps on FP8 values (delayed scaling)" in log
     [ready] = ready_events(run)
-    assert ready["precision"] == "fp8" and len(ready["fp8_gemms"]) == 6
+    assert ready["precision"] == "fp8" and ready["fp8_gemms"] == list(FP8_GEMMS)
+    assert {g.split()[0] for g in ready["fp8_gemms"]} == {"qkv", "proj", "fc1", "fc2"}
     assert all(np.isfinite(x.loss) for x in loss_records(run))
 
 

@@ -1,16 +1,20 @@
 """FP8 scaling: the recipe every backend follows for train/precision "fp8" (the numpy reference
 computes it on the CPU; kernels/fp8.cu on FP8 tensor cores, and reads like this).
 
-Each MLP GEMM operand goes to FP8 as q = fp8(x·s), and the GEMM's product is multiplied back by
-the operands' inverse scales. E4M3 (max 448) holds weights and activations, E5M2 (max 57344)
-gradients. The scale s = FMAX / a of every such tensor (per layer: W1, W2, x = fc1's input,
-h = fc2's input, dy = the MLP output's gradient, dh = the pre-activation's gradient) comes from
-the largest amax in its history of the last HISTORY training passes (delayed scaling), so a
-kernel can cast as it goes instead of reading the tensor once for its amax first:
+Each layer's linear maps run on FP8 operands: the MLP's two (fc1: ln2's output · W1, fc2:
+GELU's output · W2) and the attention's two (qkv: ln1's output · [W_Q | W_K | W_V], proj:
+attention's output · W_O), each in its forward and its two backward GEMMs (FP8_GEMMS). An
+operand goes to FP8 as q = fp8(x·s), and the GEMM's product is multiplied back by the operands'
+inverse scales. E4M3 (max 448) holds weights and activations, E5M2 (max 57344) gradients. The
+scale s = FMAX / a of every such tensor (per layer, DELAYED) comes from the largest amax in its
+history of the last HISTORY training passes (delayed scaling), so a kernel can cast as it goes
+instead of reading the tensor once for its amax first:
 
 - the weights' copies are made in every training pass from the fp32 masters, the cast taking
   the master's amax as it goes (a weight changes little from one pass to the next: its recent
   amax scales it about as well as its amax now would, which would cost a read of the master);
+  W_Q, W_K and W_V share one scale (the qkv GEMM multiplies by one), their amax the largest of
+  the three;
 - the activations and gradients are cast as the pass makes them, each taking its amax as it
   goes.
 
@@ -19,10 +23,10 @@ scaled by its own amax in that pass.
 
 Every training pass then records each tensor's amax (0 where it was not finite: one bad batch
 must not zero the scales of the next HISTORY passes) in the slot `next` of its history. The
-history travels in every checkpoint (state.json, records.STATE_FP8_HISTORY), so a resumed run
-scales exactly as the run would have gone on. A checkpoint written while the weights were scaled
-by their own amax each pass (its history holds x, h, dy and dh only: EARLIER_DELAYED) still
-loads, the weights' rows empty.
+history travels in every checkpoint (state.json, records.STATE_FP8_HISTORY), its rows named, so
+a resumed run scales exactly as the run would have gone on. A checkpoint whose history names
+fewer tensors (one written while fewer GEMMs ran in FP8, or the weights were scaled by their own
+amax each pass) still loads: the tensors it has no rows for start with no history.
 """
 
 from __future__ import annotations
@@ -32,13 +36,19 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-# the MLP's GEMMs, each of which runs in FP8 (where the GPU's library has an FP8 algorithm for it)
-FP8_GEMMS = ("fc1 fwd", "fc2 fwd", "fc2 dgrad", "fc1 dgrad", "fc2 wgrad", "fc1 wgrad")
+# per layer, the GEMMs that run in FP8 (where the GPU's library has an FP8 algorithm for one and
+# the start-up timing finds it the faster): "fwd" the product, "dgrad" the input's gradient,
+# "wgrad" the weight's
+MLP_GEMMS = ("fc1 fwd", "fc2 fwd", "fc2 dgrad", "fc1 dgrad", "fc2 wgrad", "fc1 wgrad")
+ATTN_GEMMS = ("qkv fwd", "proj fwd", "proj dgrad", "qkv dgrad", "proj wgrad", "qkv wgrad")
+FP8_GEMMS = MLP_GEMMS + ATTN_GEMMS
 HISTORY = 16  # training passes of amax history a delayed scale looks back over
-# per layer, in this order: the tensors with an amax history (every FP8 operand of the MLP)
-DELAYED = ("x", "h", "dy", "dh", "w1", "w2")
-# the tensors of a history written while the weights were scaled by their own amax each pass
-EARLIER_DELAYED = ("x", "h", "dy", "dh")
+# per layer, in this order, the tensors with an amax history (every FP8 operand): the MLP's
+# x (fc1's input, ln2's output), h (fc2's input, GELU's output), dy (the gradient of fc2's
+# output), dh (that of fc1's output), w1, w2; the attention's ln1 (qkv's input), att (proj's
+# input, attention's output), dproj (the gradient of proj's output), dqkv (that of Q, K, V),
+# wqkv (W_Q, W_K, W_V: one scale), wo (W_O)
+DELAYED = ("x", "h", "dy", "dh", "w1", "w2", "ln1", "att", "dproj", "dqkv", "wqkv", "wo")
 F32_MAX = np.float32(np.finfo(np.float32).max)
 
 
@@ -129,17 +139,18 @@ class AmaxHistory:
 
     @classmethod
     def from_json(cls, d: Any, n_layer: int) -> CheckpointHistory:
-        """The history a checkpoint holds for a model of n_layer layers, in this recipe's layout
-        (a history of EARLIER_DELAYED's tensors: its rows in place, the weights' rows zero, no
-        history yet, and the result's `without` names them). ValueError saying what does not
-        fit."""
+        """The history a checkpoint holds for a model of n_layer layers, in this recipe's layout:
+        each stored tensor's rows in its place, by name; the rows of DELAYED's tensors that it
+        does not name zero (no history yet: the result's `without` names them). ValueError
+        saying what does not fit."""
         if not isinstance(d, dict):
             raise ValueError(f"expected an object, got {type(d).__name__}")
         stored = d.get("tensors")
-        if stored not in (list(DELAYED), list(EARLIER_DELAYED)):
-            raise ValueError(f"tensors: expected {list(DELAYED)} (or, from a checkpoint that "
-                             f"scaled the weights by their own amax, {list(EARLIER_DELAYED)}), "
-                             f"got {stored!r}")
+        if (not isinstance(stored, list) or not stored
+                or not all(isinstance(t, str) and t in DELAYED for t in stored)
+                or len(set(stored)) != len(stored)):
+            raise ValueError(f"tensors: expected distinct names among {list(DELAYED)}, got "
+                             f"{stored!r}")
         length, nxt, bits = d.get("length"), d.get("next"), d.get("amax_bits")
         if not isinstance(length, int) or not 1 <= length <= 4096:
             raise ValueError(f"length: expected an integer in 1..4096, got {length!r}")
@@ -161,8 +172,9 @@ class AmaxHistory:
 
 class CheckpointHistory(NamedTuple):
     """AmaxHistory.from_json's result: the history, and the delayed tensors the checkpoint held
-    no rows for (its recipe scaled them by their own amax each pass; empty for this recipe's):
-    their rows are zero, so each is scaled by its own amax until it has a history."""
+    no rows for (its recipe ran fewer GEMMs in FP8, or scaled them by their own amax each pass;
+    empty for this recipe's): their rows are zero, so each is scaled by its own amax until it
+    has a history."""
 
     history: AmaxHistory
     without: tuple[str, ...] = ()

@@ -32,10 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="auto", choices=("auto", "numpy", "cuda"))
     p.add_argument("--precision", choices=PRECISIONS,
                    help="override train.precision (on --resume too: the checkpoint holds fp32 "
-                        "masters, so a run may go on in another precision); fp8: the MLP's GEMMs "
-                        "on FP8 values with delayed scaling, one GPU or CPU process (CUDA: "
-                        "compute capability 8.9+, the rest in bf16; numpy: emulated, the rest "
-                        "in fp32)")
+                        "masters, so a run may go on in another precision); fp8: the linear "
+                        "maps' GEMMs on FP8 values with delayed scaling, one GPU or CPU process "
+                        "(CUDA: compute capability 8.9+, the rest in bf16; numpy: emulated, the "
+                        "rest in fp32)")
     p.add_argument("--attention", choices=ATTENTIONS,
                    help="override gpu.attention (on --resume too): cuDNN's fused attention "
                         "(auto: when installed and it accepts the model) or the engine's own "

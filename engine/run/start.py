@@ -197,9 +197,9 @@ class RunStartup:
         """train/precision fp8 on a resume: the delayed FP8 scales go on from the checkpoint's
         amax history. A checkpoint without one (written in another precision, or by an engine
         without delayed scaling), or with one that does not fit, starts the history afresh; one
-        without the weights' rows (written while they were scaled by their own amax) goes on
-        with the rows it has. The log says either: the first steps then scale differently than
-        the run would have."""
+        naming fewer tensors (written while fewer GEMMs ran in FP8, or the weights were scaled
+        by their own amax) goes on with the rows it has. The log says either: the first steps
+        then scale differently than the run would have."""
         from engine.model.fp8 import AmaxHistory
 
         be = self.trainer.backend
@@ -216,11 +216,11 @@ class RunStartup:
             else:
                 if got.without:
                     self.out.log(
-                        f"resume: the checkpoint's FP8 amax history has no rows for the weights "
-                        f"({', '.join(got.without)}; written by an engine that scaled them by "
-                        f"their own amax each pass): they are scaled by their own amax until "
-                        f"they have one, so these steps' bits differ from the run's had it "
-                        f"gone on")
+                        f"resume: the checkpoint's FP8 amax history has no rows for "
+                        f"{', '.join(got.without)} (written by an engine that ran fewer GEMMs "
+                        f"in FP8 or scaled the weights by their own amax each pass): each is "
+                        f"scaled by its own amax until it has one, so these steps' bits differ "
+                        f"from the run's had it gone on")
                 return
         be.load_fp8_history(None)
         self.out.log(f"resume: FP8 amax history starts afresh: {why}; until each tensor has "

@@ -130,7 +130,7 @@ def test_fp8_copies_and_gemms_against_fp32(lt, rng) -> None:
         q64, qt64, _, _ = fp8_copy(o, dev, a_dev, M, K, fmt, "k_fp8_cast_t64")
         assert np.array_equal(host_bytes(gpu, q64, M * K), qb)
         assert np.array_equal(host_bytes(gpu, qt64, M * K), qtb)
-        # the weights' kernels (float32 masters), as cast_weights runs them: the delayed amax
+        # the weights' kernels (float32 masters), as _cast_weight runs them: the delayed amax
         # pass, then the cast reading the weight's history. With an empty history (a first
         # pass) the amax pass takes the amax; with one it does nothing and the cast takes it
         # as it goes. 64 x 64 tiles and 32 x 32 tiles agree, and give the bytes of the bf16
@@ -148,9 +148,17 @@ def test_fp8_copies_and_gemms_against_fp32(lt, rng) -> None:
                     assert int(dev.get(wamax)[0]) == 0, "the amax pass ran with a history"
                 wq, wqt = (dev.empty((M * K // 4 + 4,), "f32") for _ in range(2))
                 o._go(name, (K // tile, M // tile), wq, wqt, dev.empty((1,), "f32"), w, wamax,
-                      h_dev, HISTORY, M, K, fmt)
+                      h_dev, HISTORY, M, K, K, fmt)
                 got.append((host_bytes(gpu, wq, M * K), host_bytes(gpu, wqt, M * K),
                             int(dev.get(wamax)[0])))
+                # W_QKV's rows layout: the same bytes as column block 1 of rows 3K wide, the
+                # other blocks untouched
+                wide = dev.put(np.full(M * 3 * K // 4, -1, np.int64), "i32")
+                o._go(name, (K // tile, M // tile), wide + K, wqt, dev.empty((1,), "f32"), w,
+                      dev.put(np.zeros(1), "i32"), h_dev, HISTORY, M, K, 3 * K, fmt)
+                rows3 = host_bytes(gpu, wide, M * 3 * K).reshape(M, 3, K)
+                assert np.array_equal(rows3[:, 1], got[-1][0].reshape(M, K)), name
+                assert (rows3[:, 0] == 255).all() and (rows3[:, 2] == 255).all(), name
             assert all(np.array_equal(x, y) for x, y in zip(*got, strict=True))
             taken = np.array([got[0][2]], np.uint32).view(np.float32)[0]
             assert taken == np.float32(np.abs(a).max())  # for the history, either way
@@ -172,10 +180,16 @@ def test_fp8_copies_and_gemms_against_fp32(lt, rng) -> None:
         assert np.all(np.isfinite(got)) and err <= bound
 
 
+def fp8_gemms_of(bk) -> list[str]:
+    """The GEMMs that run in FP8 where cuBLASLt takes every one: all but the QKV map's where
+    Q, K, V are in slabs (classic attention)."""
+    return [g for g in FP8_GEMMS if bk.build.qkv_rows or not g.startswith("qkv")]
+
+
 def backend(precision: str, **kw):
     bk = cuda_backend(SHAPES, 4, precision, **kw)
     # one micro-batch of the fused step: the layers' weight gradients in bf16 in either
-    # precision, the FP8 MLP's GEMMs writing theirs so too (gpu.grads_low_precision)
+    # precision, the FP8 weight-gradient GEMMs writing theirs so too (gpu.grads_low_precision)
     assert bk.grads_lp
     bk.load_params(init_params(SHAPES, seed=5))
     return bk
@@ -183,8 +197,8 @@ def backend(precision: str, **kw):
 
 def test_fp8_step_against_the_bf16_step(rng) -> None:
     """The same weights and tokens: the loss within 1% of the bf16 step's, the gradient's
-    direction within a cosine of 0.99 and its norm within 10%; every MLP GEMM in FP8 on this
-    GPU, said by the backend."""
+    direction within a cosine of 0.99 and its norm within 10%; every linear map's GEMMs in FP8
+    on this GPU, said by the backend."""
     tok = rng.integers(0, 8449, (4, 65)).astype(np.int32)
     out = {}
     for precision in ("bf16", "fp8"):
@@ -193,8 +207,7 @@ def test_fp8_step_against_the_bf16_step(rng) -> None:
         rows = bk.forward_backward(tok[:, :-1], tok[:, 1:])
         out[precision] = (float(np.mean(rows)), bk.read_grads().astype(np.float64))
         if precision == "fp8":
-            assert bk.fp8_gemms == ["fc1 fwd", "fc2 fwd", "fc2 dgrad", "fc1 dgrad",
-                                    "fc2 wgrad", "fc1 wgrad"], bk.build.fp8_mlp.notes
+            assert bk.fp8_gemms == fp8_gemms_of(bk), bk.build.fp8_ops.notes
             assert "FP8" in bk.describe() and bk.memory_plan().get("fp8", 0) > 0
         bk.close()
     (l16, g16), (l8, g8) = out["bf16"], out["fp8"]
@@ -371,7 +384,7 @@ def test_the_gelu_casts_give_the_bytes_of_the_gelu_kernel_then_the_cast(
 def test_a_shorter_pass_keeps_fp8_at_full_length(rng) -> None:
     """A pass of 37 positions (148 rows: the weight gradients' K = rows is not a multiple of 16
     bytes, which cuBLASLt's FP8 may refuse) runs, close to bf16, and the full-length pass after
-    it still runs every MLP GEMM in FP8."""
+    it still runs every GEMM in FP8."""
     tok = rng.integers(0, 8449, (4, 65)).astype(np.int32)
     short = tok[:, :38]
     out = {}
@@ -383,7 +396,7 @@ def test_a_shorter_pass_keeps_fp8_at_full_length(rng) -> None:
         bk.zero_grads()
         bk.forward_backward(tok[:, :-1], tok[:, 1:])
         if precision == "fp8":
-            assert len(bk.fp8_gemms) == 6, bk.build.fp8_mlp.notes
+            assert bk.fp8_gemms == fp8_gemms_of(bk), bk.build.fp8_ops.notes
         bk.close()
     g16, g8 = out["bf16"], out["fp8"]
     assert np.all(np.isfinite(g8))
@@ -419,24 +432,23 @@ def test_the_cast_gives_the_numpy_twins_fp8_values(lt, rng, fmt: int, kernel: st
 
 
 def test_the_record_kernel_is_the_historys_record(lt) -> None:
-    """k_fp8_record: each delayed tensor's amax word (in the engine's six-a-layer layout, the
-    history's row order: the weights have a history too) into the history's next slot, 0 where
-    not finite, and the slot moves on, wrapping at HISTORY."""
+    """k_fp8_record: each delayed tensor's amax word (in the engine's twelve-a-layer layout,
+    the history's row order) into the history's next slot, 0 where not finite, and the slot
+    moves on, wrapping at HISTORY."""
     o, dev, _ = lt
-    L = 3
-    words = np.arange(1, L * 6 + 1, dtype=np.float32) * np.float32(0.25)
-    words[6 + 2] = np.inf  # layer 1's dy
-    words[12 + 5] = np.nan  # layer 2's W2
+    L, n = 3, len(DELAYED)
+    words = np.arange(1, L * n + 1, dtype=np.float32) * np.float32(0.25)
+    words[n + 2] = np.inf  # layer 1's dy
+    words[2 * n + 5] = np.nan  # layer 2's W2
     host = AmaxHistory.empty(L)
     host.next = HISTORY - 1
     hist_dev = dev.put(host.amax.ravel(), "f32")
     next_dev = dev.put(np.array([host.next]), "i32")
     word_dev = dev.put(words.view(np.uint32).astype(np.int64), "i32")
     for _ in range(2):
-        o._go("k_fp8_record", 1, hist_dev, next_dev, word_dev, L * len(DELAYED), len(DELAYED), 6,
-              HISTORY)
-        now = np.array([words[layer * 6 + t] for layer in range(L)
-                        for t in range(len(DELAYED))], np.float32)
+        o._go("k_fp8_record", 1, hist_dev, next_dev, word_dev, L * n, n, n, HISTORY)
+        now = np.array([words[layer * n + t] for layer in range(L) for t in range(n)],
+                       np.float32)
         host.record(now)
     assert np.array_equal(dev.get(hist_dev).reshape(host.amax.shape), host.amax)
     assert int(dev.get(next_dev)[0]) == host.next == 1
@@ -452,7 +464,9 @@ def test_the_history_fills_each_pass_and_a_resume_needs_it(rng) -> None:
         a.train_step(tok[i, :, :-1], tok[i, :, 1:], t=i + 1, **HP)
     hist = a.fp8_history()
     assert hist is not None and hist.next == 3
-    assert (hist.amax[:, :3] > 0).all() and not hist.amax[:, 3:].any()
+    on = [hist.row(layer, t) for layer in range(SHAPES.n_layer) for t in DELAYED
+          if a.build.qkv_rows or t not in ("ln1", "dqkv", "wqkv")]
+    assert (hist.amax[on, :3] > 0).all() and not hist.amax[:, 3:].any()
     saved = (a.read_params(), *a.read_optimizer(), hist)
     straight = [a.train_step(tok[i, :, :-1], tok[i, :, 1:], t=i + 1, **HP) for i in (3, 4)]
     a.close()
@@ -470,10 +484,10 @@ def test_the_history_fills_each_pass_and_a_resume_needs_it(rng) -> None:
 
 
 def test_with_gemm_tune_each_gemm_is_timed_and_the_start_says_whether_fp8_pays() -> None:
-    """gpu.gemm_tune at the 312M model's widths (2 layers): every MLP GEMM timed in FP8 and in
-    bf16, the faster kept in the GEMM plan (and in fp8_gemms); the notes say a layer's MLP on
-    both paths and, where FP8 is the slower, that it does not pay. A backend given that plan
-    runs the same choices without timing them."""
+    """gpu.gemm_tune at the 312M model's widths (2 layers): every FP8 GEMM timed in FP8 and in
+    bf16, the faster kept in the GEMM plan (and in fp8_gemms); the notes say a layer's linear
+    maps on both paths and, where FP8 is the slower, that it does not pay. A backend given that
+    plan runs the same choices without timing them."""
     import re
 
     from engine.backends.cuda.fp8 import MIN_CHOICE_MS
@@ -481,35 +495,35 @@ def test_with_gemm_tune_each_gemm_is_timed_and_the_start_says_whether_fp8_pays()
     s = ModelShapes(n_layer=2, d_model=1024, n_head=16, d_ff=4096, vocab_size=8449,
                     seq_len=1024)
     bk = cuda_backend(s, 8, "fp8", gemm_tune=True)
-    key = bk.build.fp8_mlp.choice_key
+    key = bk.build.fp8_ops.choice_key
     plan = bk.gemm.export_plan()
-    chosen = {g: plan["choices"][key(g)] for g in FP8_GEMMS}
+    chosen = {g: plan["choices"][key(g)] for g in fp8_gemms_of(bk)}
     assert all(c["use"] in ("fp8", "bf16") and c["bf16_ms"] >= MIN_CHOICE_MS
                for c in chosen.values()), chosen
-    assert bk.fp8_gemms == [g for g in FP8_GEMMS if chosen[g]["use"] == "fp8"]
+    assert bk.fp8_gemms == [g for g in chosen if chosen[g]["use"] == "fp8"]
     [note] = [n for n in bk.notes if n.startswith("FP8 at d 1024")]
     t8, t16 = map(float, re.findall(r"([\d.]+) ms", note)[:2])
     assert t8 == t16 or ("does not pay" in note) == (t8 > t16), note
     assert "each path a CUDA graph, as the step runs it" in note, note
     bk.close()
     again = cuda_backend(s, 8, "fp8", gemm_tune=True, gemm_plan=plan)
-    assert again.fp8_gemms == [g for g in FP8_GEMMS if chosen[g]["use"] == "fp8"]
+    assert again.fp8_gemms == [g for g in chosen if chosen[g]["use"] == "fp8"]
     assert key("fc1 fwd") not in again.gemm.choice_ms  # taken from the plan, not timed
     again.close()
 
 
 def test_gemms_too_short_to_time_stay_in_fp8_and_the_start_says_so() -> None:
     bk = backend("fp8", gemm_tune=True)
-    assert len(bk.fp8_gemms) == 6
+    assert bk.fp8_gemms == fp8_gemms_of(bk)
     assert any(n.startswith("FP8 at d 128") and "too short" in n for n in bk.notes), bk.notes
     bk.close()
 
 
 def test_one_pass_records_the_amaxes_the_numpy_twin_records(rng) -> None:
     """The same weights and tokens, one training pass each: the CUDA history's first slot
-    against NumpyBackend's (fp8), row for row (layer, then x, h, dy, dh, w1, w2), within the
+    against NumpyBackend's (fp8), row for row (layer, then DELAYED's tensors), within the
     distance of bf16 activations from float32 ones; the weights' rows exactly (the amax of the
-    same fp32 masters)."""
+    same fp32 masters). With Q, K, V in slabs the QKV map runs in bf16: its rows stay 0."""
     from engine.backends.numpy import NumpyBackend
 
     tok = rng.integers(0, 8449, (4, 65)).astype(np.int32)
@@ -520,11 +534,17 @@ def test_one_pass_records_the_amaxes_the_numpy_twin_records(rng) -> None:
         bk.zero_grads()
         bk.forward_backward(tok[:, :-1], tok[:, 1:])
     got, want = gpu.fp8_history(), ref.fp8_history()
+    qkv = gpu.build.qkv_rows
     gpu.close()
     assert got.next == want.next == 1
-    a, b = got.amax[:, 0].astype(np.float64), want.amax[:, 0].astype(np.float64)
-    assert np.all(np.abs(a - b) <= 0.05 * b), np.c_[a, b]
-    weights = [want.row(layer, t) for layer in range(SHAPES.n_layer) for t in ("w1", "w2")]
+    off = [] if qkv else [want.row(layer, t) for layer in range(SHAPES.n_layer)
+                          for t in ("ln1", "dqkv", "wqkv")]
+    on = [r for r in range(len(want.amax)) if r not in off]
+    assert not got.amax[off].any()
+    a, b = got.amax[on, 0].astype(np.float64), want.amax[on, 0].astype(np.float64)
+    assert np.all(b > 0) and np.all(np.abs(a - b) <= 0.05 * b), np.c_[a, b]
+    weights = [want.row(layer, t) for layer in range(SHAPES.n_layer)
+               for t in ("w1", "w2", "wo", *(("wqkv",) if qkv else ()))]
     assert np.array_equal(got.amax[weights, 0], want.amax[weights, 0])
 
 
@@ -539,7 +559,7 @@ def test_a_weights_scale_comes_from_its_history_as_in_the_numpy_twin(rng) -> Non
     gpu = backend("fp8")
     ref = NumpyBackend(SHAPES, 4, "fp8")
     ref.load_params(init_params(SHAPES, seed=5))
-    fp8 = gpu.build.fp8_mlp
+    fp8 = gpu.build.fp8_ops
 
     def pass_() -> None:
         for bk in (gpu, ref):
@@ -563,7 +583,7 @@ def test_a_weights_scale_comes_from_its_history_as_in_the_numpy_twin(rng) -> Non
     assert want.amax[row, 1] == np.float32(3.0) * first  # recorded: its amax now
     assert np.array_equal(got.amax[row, :2], want.amax[row, :2])
     for layer in range(SHAPES.n_layer):
-        for name in ("w1", "w2"):
+        for name in ("w1", "w2", "wo", *(("wqkv",) if gpu.build.qkv_rows else ())):
             s = ref.fp8.scales[layer, SCALES.index(name)]
             assert inverse_scale(layer, name) == np.float32(1.0) / s, (layer, name)
     # pass 2 scaled layer 1's W1 by pass 1's amax, not by its amax now
@@ -580,5 +600,7 @@ def test_each_accumulated_pass_records_its_amaxes(rng) -> None:
     for t in tok:
         bk.forward_backward(t[:, :-1], t[:, 1:])
     h = bk.fp8_history()
+    on = [h.row(layer, t) for layer in range(SHAPES.n_layer) for t in DELAYED
+          if bk.build.qkv_rows or t not in ("ln1", "dqkv", "wqkv")]
     bk.close()
-    assert h.next == 2 and (h.amax[:, :2] > 0).all() and not h.amax[:, 2:].any()
+    assert h.next == 2 and (h.amax[on, :2] > 0).all() and not h.amax[:, 2:].any()

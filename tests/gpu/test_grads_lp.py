@@ -44,15 +44,16 @@ def test_the_step_reads_the_bf16_gradients_it_wrote(monkeypatch: pytest.MonkeyPa
     norm: the step's equals the host's over read_grads (so the norm read grads_lp where the
     matrices are and nothing else), and is within bf16's rounding of the float32 step's. The
     update: Adam's first step is about lr·sign(g), so the weights after it agree closely (AdamW
-    read each gradient at its own place). In fp8 the MLP's FP8 weight-gradient GEMMs write
-    bf16 too."""
+    read each gradient at its own place). In fp8 the FP8 weight-gradient GEMMs write bf16
+    too."""
     x = _tokens(1)[0]
     mask = kind_of_each_element(SHAPES).astype(bool)
     out = {}
     for on in (True, False):
         bk = _backend(monkeypatch, on, precision)
         if precision == "fp8":  # the FP8 weight-gradient GEMMs ran (none fell back to bf16)
-            assert {"fc1 wgrad", "fc2 wgrad"} <= set(bk.fp8_gemms), bk.build.fp8_mlp.notes
+            assert {"fc1 wgrad", "fc2 wgrad", "proj wgrad"} <= set(bk.fp8_gemms), \
+                bk.build.fp8_ops.notes
         p0 = bk.read_params()
         rows, norm, clip = bk.train_step(*x, grad_mult=1.0, t=1, **HP)
         g = bk.read_grads()

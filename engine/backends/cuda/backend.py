@@ -14,7 +14,7 @@ A facade over the objects it is made of:
 - warm_up (warmup.py): the start-up pass that times the GEMMs.
 
 Precision: float32 master weights, gradients and Adam moments always; activations and the GEMM
-weight copy in `precision` (bf16 default, fp16, or fp32; fp8: bf16 with the MLP's GEMMs in FP8).
+weight copy in `precision` (bf16 default, fp16, or fp32; fp8: bf16 with the linear maps' GEMMs in FP8).
 What the GPU could not honour of the config is said in `attention_info` / `describe()` and
 `notes`, and kept in `resolved`.
 """
@@ -71,7 +71,7 @@ class CudaBackend:
         self.drv, self.stream, self.gemm = b.drv, b.stream, b.gemm
         self.fused_step = b.fused_step
         self.net = Network(b.ops, b.flat, shapes, train=b.train, attention=b.attention,
-                           qkv_rows=b.qkv_rows, fused=b.fusions, fp8_mlp=b.fp8_mlp, drv=b.drv,
+                           qkv_rows=b.qkv_rows, fused=b.fusions, fp8=b.fp8_ops, drv=b.drv,
                            stream=b.stream, es=b.es, ldv=b.ldv)
         self.graphs = GraphCache(b.gpu, b.stream, b.precision, b.notes,
                                  env.CUDA_GRAPHS.read() and not env.CUDA_SYNC.read())
@@ -84,8 +84,8 @@ class CudaBackend:
         warm_up(b, self.net, staging, self.state, gpu.gemm_tune and b.fusions,
                 self.graphs.capture if self.graphs.use_graphs else None)
         self.state.zero_state()
-        if b.fp8_mlp is not None:  # the start-up pass's amaxes are not the run's
-            b.fp8_mlp.load_history(None)
+        if b.fp8_ops is not None:  # the start-up pass's amaxes are not the run's
+            b.fp8_ops.load_history(None)
         b.stream.synchronize()
 
     # --- what runs -----------------------------------------------------------------------------
@@ -115,7 +115,7 @@ class CudaBackend:
 
     @property
     def fp8_gemms(self) -> list[str]:
-        """The MLP GEMMs that run in FP8 (train/precision "fp8"; [] otherwise)."""
+        """The GEMMs that run in FP8 (train/precision "fp8"; [] otherwise)."""
         return self.build.fp8_gemms
 
     @property
@@ -293,14 +293,14 @@ class CudaBackend:
         self.state.copy_state_into(params, m, v)
 
     def fp8_history(self) -> AmaxHistory | None:
-        if self.build.fp8_mlp is None:
+        if self.build.fp8_ops is None:
             return None
         self.optim.settle_update()
-        return self.build.fp8_mlp.read_history()
+        return self.build.fp8_ops.read_history()
 
     def load_fp8_history(self, history: AmaxHistory | None) -> None:
-        if self.build.fp8_mlp is not None:
-            self.build.fp8_mlp.load_history(history)
+        if self.build.fp8_ops is not None:
+            self.build.fp8_ops.load_history(history)
 
     def synchronize(self) -> None:
         """Wait for all queued GPU work (for timing; the interface calls sync where needed)."""

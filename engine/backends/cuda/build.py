@@ -16,7 +16,7 @@ The choices, beside the attention's (attention_choice.py):
   writes dlogits over them (Ops.loss_fwd_bwd). It changes the bits.
 - the layers' weight gradients in bf16 (gpu.grads_low_precision; fusions, bf16 or fp8, d_model
   a multiple of 4, buffers.GRAD_LP_TENSORS): where a fused step writes its gradients (one
-  micro-batch at full length, one rank), its weight-gradient GEMMs (the FP8 MLP's too) round
+  micro-batch at full length, one rank), its weight-gradient GEMMs (the FP8 ones too) round
   them to bf16 as PyTorch's autocast does, and the norm and AdamW read half the bytes; every
   other path keeps float32 (DeviceOptimizer.settle_glp). It changes the bits. The setting also
   cuts the norm's ranges where the kind would change (`norm_by_kind`) wherever it is on: with
@@ -45,7 +45,7 @@ from engine.backends.cuda.cublas import WORKSPACE_BYTES, Cublas
 from engine.backends.cuda.cublaslt import CublasLt
 from engine.backends.cuda.flat_buffers import FlatBuffers
 from engine.backends.cuda.fp8 import GEMMS as FP8_GEMMS
-from engine.backends.cuda.fp8 import Fp8Mlp, plan_fp8
+from engine.backends.cuda.fp8 import Fp8Gemms, plan_fp8
 from engine.backends.cuda.memory import format_plan
 from engine.backends.cuda.ops import Ops
 from engine.backends.cuda.runtime import ACT_BYTES, Gpu
@@ -60,7 +60,7 @@ SAFETY_BYTES = 256 << 20  # left free for the driver, cuBLAS's own state and gra
 
 def compute_precision(precision: str, dtype: type, micro_batch: int, gpu: GpuConfig) -> str:
     """The activations' precision for train/precision `precision` (fp8: bf16 activations with
-    the MLP's GEMMs in FP8, fp8.py); UserError for what the CUDA backend cannot run."""
+    the layers' linear maps' GEMMs in FP8, fp8.py); UserError for what the CUDA backend cannot run."""
     if precision not in (*ACT_BYTES, "fp8"):
         raise UserError(f"train/precision: expected fp32, bf16, fp16 or fp8, got {precision!r}")
     if np.dtype(dtype) != np.float32:
@@ -168,7 +168,8 @@ class CudaBuild:
             self.attn.workspace_bytes(), self.separate_micro, self.qkv_rows, self.logits_lp,
             self.grads_lp, self.norm_by_kind)
         if self.fp8:
-            plan_fp8(plan, shapes.n_layer, shapes.d_model, shapes.d_ff, self.train.R)
+            plan_fp8(plan, shapes.n_layer, shapes.d_model, shapes.d_ff, self.train.R,
+                     qkv=self.qkv_rows)
         if self.flex is not None:  # its scratch and plan arrays, at the backward's one shape
             flex_attn.plan_buffers(plan, self.flex.B, self.flex.T, self.flex.H)
         self.plan = plan
@@ -189,7 +190,7 @@ class CudaBuild:
     def _load_libraries(self, gemm_plan: Mapping[str, Any] | None) -> None:
         """The GEMM libraries and Ops: with fusions, LtGemm (the recorded plan where it is
         usable) with a weight-gradient stream; else plain cuBLAS (and cuBLASLt for the GELU
-        epilogues, gpu.gelu_in_gemm). Then the FP8 MLP."""
+        epilogues, gpu.gelu_in_gemm). Then the FP8 GEMMs."""
         gpu, plan, drv, shapes = self.gpu_config, self.plan, self.drv, self.shapes
         cws = plan["cudnn_ws"] if self.cudnn else 0
         plan_refused = ""
@@ -229,8 +230,10 @@ class CudaBuild:
                            attn_chunk=gpu.attention_chunk)
         self.flat.ops = self.ops
         self._set_stream_priorities()
-        self.fp8_mlp = (Fp8Mlp(self.ops, self.drv, plan, shapes.n_layer, shapes.d_model,
-                               shapes.d_ff, self.ops.act, self.train.R) if self.fp8 else None)
+        # the FP8 GEMMs and casts of a training pass (train/precision fp8)
+        self.fp8_ops = (Fp8Gemms(self.ops, self.drv, plan, shapes.n_layer, shapes.d_model,
+                                 shapes.d_ff, self.ops.act, self.train.R, qkv=self.qkv_rows)
+                        if self.fp8 else None)
         self.gemm_source = ("from the recorded plan" if gemm_plan and not plan_refused else
                             "timed at start" if gpu.gemm_tune else "cuBLASLt's first choices")
 
@@ -273,8 +276,8 @@ class CudaBuild:
     # --- what it says --------------------------------------------------------------------------
     @property
     def fp8_gemms(self) -> list[str]:
-        """The MLP GEMMs that run in FP8 (train/precision "fp8"; [] otherwise)."""
-        return self.fp8_mlp.fp8_gemms if self.fp8_mlp is not None else []
+        """The GEMMs that run in FP8 (train/precision "fp8"; [] otherwise)."""
+        return self.fp8_ops.fp8_gemms if self.fp8_ops is not None else []
 
     def describe(self) -> str:
         """One line: attention, GEMMs and fusions as they run."""
@@ -282,7 +285,7 @@ class CudaBuild:
         if self.gemm is not None:
             gemm = f"cuBLASLt, algorithms {self.gemm_source}"
         fp8 = ""
-        if self.fp8_mlp is not None:
+        if self.fp8_ops is not None:
             on = self.fp8_gemms
             fp8 = (f"; FP8 (E4M3 forward, E5M2 gradients; weights, activations and "
                    f"gradients scaled by their last {HISTORY} passes' amax): "

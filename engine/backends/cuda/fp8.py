@@ -1,36 +1,46 @@
-"""The MLP's six GEMMs in FP8 (train/precision "fp8"): fp32 masters, bf16 activations, FP8
-tensor-core GEMMs with fp32 accumulation through cuBLASLt.
+"""A layer's linear maps with FP8 GEMMs (train/precision "fp8"): fp32 masters, bf16 activations,
+FP8 tensor-core GEMMs with fp32 accumulation through cuBLASLt. The MLP's fc1 and fc2, the
+attention's output projection (proj) and, with Q, K, V in rows, its QKV projection (qkv), each in
+its forward and its two backward GEMMs (engine.model.fp8.FP8_GEMMS).
 
 Scaled as engine/model/fp8.py says (its numpy twin: engine/backends/numpy/fp8.py): the weights,
 the activations and the gradients each by the largest amax of their last HISTORY passes
 (delayed scaling: the cast kernels take the amax as they go, and a tensor's separate amax pass,
 over an fp32 master for a weight, runs only while it has no history). The history lives on the
 device (`fp8.hist`, `fp8.next`), is written at the end of every training pass (k_fp8_record,
-after the last layer's backward) and travels in every checkpoint (`read_history`,
-`load_history`). E4M3 for weights and activations in the forward, E5M2 for the gradients in
-the backward; fast accumulation in the forward only.
+`end_pass`) and travels in every checkpoint (`read_history`, `load_history`). E4M3 for weights
+and activations in the forward, E5M2 for the gradients in the backward; fast accumulation in the
+forward only.
 
-Hopper runs FP8 GEMMs only with both operands K-contiguous (cuBLASLt's "TN"): with X = ln2's
-output [R,d], W1 [d,F], H = GELU(X·W1) [R,F], W2 [F,d], dY the gradient of the MLP's output
-[R,d] and dH that of its pre-activation [R,F]:
+Hopper runs FP8 GEMMs only with both operands K-contiguous (cuBLASLt's "TN"). For a linear map
+out = A·W with A [R,n_in], W [n_in,n_out] and G the gradient of out [R,n_out]:
 
-    GEMM        product          a [M,K]   b as [N,K]   FP8 copies it reads
-    fc1 fwd     X·W1   [R,F]     X         W1ᵀ          X8, W1ᵀ8  (E4M3)
-    fc2 fwd     H·W2   [R,d]     H         W2ᵀ          H8, W2ᵀ8  (E4M3)
-    fc2 dgrad   dY·W2ᵀ [R,F]     dY        W2           dY8 (E5M2), W2_8
-    fc1 dgrad   dH·W1ᵀ [R,d]     dH        W1           dH8 (E5M2), W1_8
-    fc2 wgrad   Hᵀ·dY  [F,d]     Hᵀ        dYᵀ          Hᵀ8, dYᵀ8
-    fc1 wgrad   Xᵀ·dH  [d,F]     Xᵀ        dHᵀ          Xᵀ8, dHᵀ8
+    GEMM     product        a [M,K]   b as [N,K]   FP8 copies it reads
+    fwd      A·W  [R,n_out] A         Wᵀ           A8, Wᵀ8  (E4M3)
+    dgrad    G·Wᵀ [R,n_in]  G         W            G8 (E5M2), W8
+    wgrad    Aᵀ·G [n_in,n_out] Aᵀ     Gᵀ           Aᵀ8, Gᵀ8
+
+    map    A                      W                        G
+    fc1    x = ln2's output       W1 [d,F]                 dh = fc1 output's gradient
+    fc2    h = GELU's output      W2 [F,d]                 dy = the MLP output's gradient
+    proj   att = attention's out  W_O [d,d]                dproj = proj output's gradient
+    qkv    ln1 = ln1's output     W_QKV [d,3d] (rows)      dqkv [R,3d] (Q, K, V in rows)
+
+The QKV map's W8 is W_QKV = [W_Q | W_K | W_V] (the GEMM copy's rows layout, the masters' three
+[d,d] cast into its column blocks: one scale for the three), its Wᵀ8 the three Wⱼᵀ one after
+another ([3d,d]); its weight gradient is three GEMMs batched, dWⱼ = ln1ᵀ·dqkvⱼ, into the
+gradients' layout (DESIGN §2: W_Q, W_K, W_V one after another). With Q, K, V in slabs (classic
+attention) the QKV GEMMs run in bf16.
 
 The weights' copies (W and Wᵀ) are made from the fp32 masters in every training pass, each
-layer's at the start of its MLP forward (so after each AdamW step, also one still being applied
-beside the forward, and after a resume); the activations' copies as the pass makes them: X8 with
-Xᵀ8 in one kernel in the forward, H8 with Hᵀ8 by the kernel that computes H = GELU(pre) from
-the GEMM's output (k_fp8_gelu_cast_t64), dH8 with dHᵀ8 by the one that computes dH from
-fc2 dgrad's output times GELU'(pre) (k_fp8_dgelu_cast_t64): the bf16 H and dH are then written
-only for a GEMM that may run in bf16. The transposed activations are kept per layer for the
-backward's weight gradients, which then need not read X and H again. A GEMM for which cuBLASLt
-proposes no FP8 algorithm at some length runs in bf16 at that length (`use`, `notes`).
+layer's at the start of the map's forward (so after each AdamW step, also one still being
+applied beside the forward, and after a resume); the activations' copies as the pass makes them:
+A8 with Aᵀ8 in one kernel in the forward; fc2's H8 with Hᵀ8 by the kernel that computes
+H = GELU(pre) from the GEMM's output (k_fp8_gelu_cast_t64), fc1's dH8 with dHᵀ8 by the one that
+computes dH from fc2 dgrad's output times GELU'(pre) (k_fp8_dgelu_cast_t64): the bf16 H and dH
+are then written only for a GEMM that may run in bf16. The transposed activations are kept per
+layer for the backward's weight gradients, which then need not read A again. A GEMM for which
+cuBLASLt proposes no FP8 algorithm at some length runs in bf16 at that length (`use`, `notes`).
 Validation and text sampling run the bf16 forward: FP8 is how a step computes, not the model.
 """
 
@@ -61,18 +71,47 @@ SCALE_STRIDE = 16
 MIN_CHOICE_MS = 0.05
 
 
-def plan_fp8(plan: Any, n_layer: int, d: int, F: int, R: int) -> None:
-    """The FP8 buffers, in the memory plan's "fp8" group: per layer the four weight copies and
-    the transposed activations Xᵀ8, Hᵀ8 (made in the forward, read in the backward); one set of
-    the other activation and gradient copies (reused layer by layer); the amax words and
-    inverse scales."""
-    for name in ("w1", "w1t", "w2", "w2t"):
-        plan.add("fp8", f"fp8.{name}", n_layer * _slot(d * F))
-    for name, n in (("xt", R * d), ("ht", R * F)):
-        plan.add("fp8", f"fp8.{name}", n_layer * _slot(n))
-    for name, n in (("x", R * d), ("h", R * F), ("dy", R * d), ("dyt", R * d), ("dh", R * F),
-                    ("dht", R * F)):
-        plan.add("fp8", f"fp8.{name}", n)
+def weight_sizes(d: int, F: int) -> dict[str, int]:
+    """Bytes of each weight copy (W as stored, and transposed: name + "t") per layer."""
+    return {"w1": d * F, "w2": F * d, "wqkv": 3 * d * d, "wo": d * d}
+
+
+def activation_cols(d: int, F: int) -> dict[str, int]:
+    """Columns of each activation an FP8 GEMM reads (A of its map), whose transposed copy is
+    kept per layer, and of each gradient (G)."""
+    return {"x": d, "h": F, "ln1": d, "att": d, "dy": d, "dh": F, "dproj": d, "dqkv": 3 * d}
+
+
+QKV_COPIES = ("wqkv", "ln1", "dqkv")  # the copies only the QKV map reads
+QKV_GEMMS = ("qkv fwd", "qkv dgrad", "qkv wgrad")
+
+
+def _copies(qkv: bool) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """(weights, activations, gradients) with FP8 copies; the QKV map's only where it runs in
+    FP8 (qkv: Q, K, V in rows)."""
+    keep = (lambda n: True) if qkv else (lambda n: n not in QKV_COPIES)
+    return (tuple(filter(keep, ("w1", "w2", "wqkv", "wo"))),
+            tuple(filter(keep, ("x", "h", "ln1", "att"))),
+            tuple(filter(keep, ("dy", "dh", "dproj", "dqkv"))))
+
+
+def plan_fp8(plan: Any, n_layer: int, d: int, F: int, R: int, qkv: bool) -> None:
+    """The FP8 buffers, in the memory plan's "fp8" group: per layer the weight copies (as stored
+    and transposed) and the activations' transposed copies (made in the forward, read by the
+    backward's weight gradients); one set of the activations' copies as they are and of the
+    gradients' both ways (reused layer by layer); the amax words and inverse scales. qkv:
+    whether the QKV map runs in FP8 (Q, K, V in rows), else its copies are left out."""
+    weights, activations, gradients = _copies(qkv)
+    sizes, cols = weight_sizes(d, F), activation_cols(d, F)
+    for name in weights:
+        plan.add("fp8", f"fp8.{name}", n_layer * _slot(sizes[name]))
+        plan.add("fp8", f"fp8.{name}t", n_layer * _slot(sizes[name]))
+    for name in activations:
+        plan.add("fp8", f"fp8.{name}t", n_layer * _slot(R * cols[name]))
+        plan.add("fp8", f"fp8.{name}", R * cols[name])
+    for name in gradients:
+        plan.add("fp8", f"fp8.{name}", R * cols[name])
+        plan.add("fp8", f"fp8.{name}t", R * cols[name])
     plan.add("fp8", "fp8.amax", n_layer * len(TENSORS) * 4)
     plan.add("fp8", "fp8.inv", n_layer * len(TENSORS) * SCALE_STRIDE)
     plan.add("fp8", "fp8.hist", n_layer * len(DELAYED) * HISTORY * 4)
@@ -96,20 +135,27 @@ def _in_turn(*fns: Any) -> Any:
     return run
 
 
-class Fp8Mlp:
-    """The MLP forward and backward of one layer with FP8 GEMMs, on an Ops (its stream, side
-    stream and LtGemm)."""
+class Fp8Gemms:
+    """A training pass's FP8 GEMMs, layer by layer, on an Ops (its stream, side stream and
+    LtGemm): `begin_pass`; in each layer's forward the weights' copies (`cast_*_weights`) and
+    `qkv_forward`, `proj_forward`, `mlp_forward`; in its backward `mlp_backward`,
+    `proj_backward`, `qkv_backward`; then `end_pass` (the amax history's record)."""
 
     def __init__(self, ops: Any, drv: Any, plan: Any, n_layer: int, d: int, F: int, act: int,
-                 R_max: int) -> None:
+                 R_max: int, qkv: bool) -> None:
+        """qkv: whether the QKV map runs here (Q, K, V in rows: plan_fp8's qkv), else its
+        GEMMs run in bf16 (Ops.attn_qkv_fwd, attn_qkv_bwd)."""
         self.o, self.drv, self.L, self.d, self.F, self.act = ops, drv, n_layer, d, F, act
         self.R_max = R_max  # the longest pass's rows (the plan's slots); R below: this pass's
+        self.wsize = weight_sizes(d, F)
+        self.cols = activation_cols(d, F)
+        names = [n for group in _copies(qkv) for n in group]
         self.buf = {name: plan[f"fp8.{name}"] for name in
-                    ("w1", "w1t", "w2", "w2t", "x", "xt", "h", "ht", "dy", "dyt", "dh", "dht",
-                     "amax", "inv", "hist", "next")}
+                    (*names, *(n + "t" for n in names), "amax", "inv", "hist", "next")}
         # False: at full length cuBLASLt had no FP8 algorithm for this GEMM, or the start-up
-        # timing found it faster in bf16 (it runs in bf16)
-        self.use = dict.fromkeys(GEMMS, True)
+        # timing found it faster in bf16, or it is the QKV map's with Q, K, V in slabs (it runs
+        # in bf16)
+        self.use = {g: qkv or g not in QKV_GEMMS for g in GEMMS}
         self._bf16_at: set[tuple[str, int]] = set()  # (GEMM, rows) that fell back to bf16
         self._fp8_ran: set[tuple[str, int]] = set()  # (GEMM, rows) queued in FP8
         # per layer: whether this pass's forward wrote the bf16 GELU output (act), which only a
@@ -132,13 +178,13 @@ class Fp8Mlp:
         return self.buf["hist"] + 4 * HISTORY * (layer * len(DELAYED) + DELAYED.index(tensor))
 
     def _w(self, name: str, layer: int) -> int:
-        return self.buf[name] + layer * _slot(self.d * self.F)
+        """Layer `layer`'s copy of a weight: "w1" (as stored) or "w1t" (transposed), ..."""
+        return self.buf[name] + layer * _slot(self.wsize[name.removesuffix("t")])
 
     def _at(self, name: str, layer: int) -> int:
-        """Layer `layer`'s transposed activation copy: "x" → Xᵀ8 [d, R], "h" → Hᵀ8 [F, R]
+        """Layer `layer`'s transposed activation copy: "x" → Xᵀ8 [d, R], "h" → Hᵀ8 [F, R], ...
         (R: this pass's rows, in a slot for R_max)."""
-        cols = self.d if name == "x" else self.F
-        return self.buf[name + "t"] + layer * _slot(self.R_max * cols)
+        return self.buf[name + "t"] + layer * _slot(self.R_max * self.cols[name])
 
     # --- kernels -------------------------------------------------------------------------------
     def _amax(self, amax: int, x: int, n: int, hist: int, f32: bool = False) -> None:
@@ -149,24 +195,29 @@ class Fp8Mlp:
                    blocks(-(-n // 8), cap=1024), amax, x, n, hist, HISTORY)
 
     def _cast_t(self, q: int, qt: int, inv: int, x: int, amax: int, hist: int, rows: int,
-                cols: int, fmt: int, f32: bool = False) -> None:
+                cols: int, fmt: int, f32: bool = False, ldq: int = 0) -> None:
         """qt = FP8 of xᵀ [cols, rows] (q = FP8 of x too, unless 0), scaled from the history
         `hist` (or, while it is empty, from x's amax now), taking x's amax into `amax` as it
-        goes; f32: x a float32 master weight. Whole 64 x 64 tiles with 16-byte accesses where
-        the shapes and addresses allow, else 32 x 32 tiles of bytes."""
+        goes; f32: x a float32 master weight, whose q rows may be ldq bytes apart (default
+        cols). Whole 64 x 64 tiles with 16-byte accesses where the shapes and addresses allow,
+        else 32 x 32 tiles of bytes."""
+        ldq = ldq or cols
+        assert f32 or ldq == cols
         self.o._writes(*(p for p in (q, qt) if p))
-        if rows % 64 == 0 and cols % 64 == 0 and all(p % 16 == 0 for p in (x, q, qt)):
+        wide = (ldq,) if f32 else ()
+        if (rows % 64 == 0 and cols % 64 == 0 and ldq % 16 == 0
+                and all(p % 16 == 0 for p in (x, q, qt))):
             self.o._go("k_fp8_cast_t64_f32" if f32 else "k_fp8_cast_t64",
                        (cols // 64, rows // 64), q, qt, inv, x, amax, hist, HISTORY, rows, cols,
-                       fmt)
+                       *wide, fmt)
             return
         grid = (-(-cols // TILE), -(-rows // TILE))
         self.o._go("k_fp8_cast_t_f32" if f32 else "k_fp8_cast_t", grid, q, qt, inv, x, amax,
-                   hist, HISTORY, rows, cols, fmt)
+                   hist, HISTORY, rows, cols, *wide, fmt)
 
     def _record(self) -> None:
         """The pass's amax of every delayed tensor into the history's next slot (k_fp8_record),
-        after the last layer's backward."""
+        after the pass's backward."""
         n = self.L * len(DELAYED)
         self.o._go("k_fp8_record", 1, self.buf["hist"], self.buf["next"], self.buf["amax"], n,
                    len(DELAYED), len(TENSORS), HISTORY)
@@ -202,7 +253,9 @@ class Fp8Mlp:
         g = self.o.gemm
         key = self.choice_key(name)
         if key not in g.choices and g.plan_imported:
-            g.choices[key] = "fp8"  # a plan from before these choices: what its run computed
+            # a recorded plan without this choice (written before it was made, or in another
+            # precision): FP8, as asked, untimed (a resume computes as the plan says)
+            g.choices[key] = "fp8"
         if (R == self.R_max and key not in g.choices and (name, R) not in self._bf16_at
                 and g.tuning and g.timer is not None):
             self._choose(name, key, fp8, bf16)
@@ -250,25 +303,68 @@ class Fp8Mlp:
     # --- the pass ------------------------------------------------------------------------------
     def begin_pass(self) -> None:
         """At the start of a training pass: every amax word to zero (the weights' FP8 copies are
-        made layer by layer, `cast_weights`)."""
+        made layer by layer, `cast_*_weights`)."""
         self.o.zero32(self.buf["amax"], self.L * len(TENSORS))
 
-    def cast_weights(self, layer: int, w1: int, w2: int) -> None:
-        """Layer `layer`'s FP8 copies of W1 and W2 (as stored, and transposed) from the fp32
-        masters w1, w2, scaled from their history (the cast taking their amax as it goes; their
-        amax pass over the master runs only while a weight has no history): in the layer's
+    def end_pass(self) -> None:
+        """After the pass's backward: every amax of the pass into the history."""
+        self._record()
+
+    def _cast_weight(self, layer: int, name: str, w: int, rows: int, cols: int,
+                     blocks: int = 1) -> None:
+        """Layer `layer`'s FP8 copies of weight `name` (as stored, and transposed) from its fp32
+        master at w: `blocks` [rows, cols] matrices one after another (W_Q, W_K, W_V), kept as
+        stored side by side ([rows, blocks·cols], the rows layout) and transposed one after
+        another, under one scale; scaled from the history (the cast taking the amax as it
+        goes; the amax pass over the master runs only while the weight has no history)."""
+        amax, inv = self._scale(layer, name)
+        hist = self._hist(layer, name)
+        self._amax(amax, w, blocks * rows * cols, hist, f32=True)
+        for j in range(blocks):
+            self._cast_t(self._w(name, layer) + j * cols, self._w(name + "t", layer)
+                         + j * rows * cols, inv, w + 4 * j * rows * cols, amax, hist, rows, cols,
+                         E4M3, f32=True, ldq=blocks * cols)
+
+    def cast_mlp_weights(self, layer: int, w1: int, w2: int) -> None:
+        """Layer `layer`'s FP8 copies of W1 and W2 from the fp32 masters w1, w2: in the layer's
         forward, so that an AdamW update still being applied beside the forward (layer by
         layer) has reached them."""
-        d, F = self.d, self.F
-        for name, w, rows, cols in (("w1", w1, d, F), ("w2", w2, F, d)):
-            amax, inv = self._scale(layer, name)
-            hist = self._hist(layer, name)
-            self._amax(amax, w, rows * cols, hist, f32=True)
-            self._cast_t(self._w(name, layer), self._w(name + "t", layer), inv, w, amax, hist,
-                         rows, cols, E4M3, f32=True)
+        self._cast_weight(layer, "w1", w1, self.d, self.F)
+        self._cast_weight(layer, "w2", w2, self.F, self.d)
 
-    def forward(self, layer: int, x: int, w1: int, w2: int, pre: int, act: int, out: int,
-                R: int) -> None:
+    def cast_qkv_weights(self, layer: int, wq: int) -> None:
+        """Layer `layer`'s FP8 W_QKV (rows) and its transpose from the fp32 masters W_Q, W_K,
+        W_V (one after another from wq), as cast_mlp_weights."""
+        self._cast_weight(layer, "wqkv", wq, self.d, self.d, blocks=3)
+
+    def cast_proj_weights(self, layer: int, wo: int) -> None:
+        """Layer `layer`'s FP8 copies of W_O from its fp32 master, as cast_mlp_weights."""
+        self._cast_weight(layer, "wo", wo, self.d, self.d)
+
+    def qkv_forward(self, layer: int, ln1: int, w_rows: int, qkv: int, R: int) -> None:
+        """qkv [R,3d] = ln1 · W_QKV (Q, K, V in rows; w_rows: the bf16 W_QKV, for a GEMM that
+        falls back)."""
+        self._linear_fwd("qkv", layer, ln1, "ln1", w_rows, "wqkv", qkv, self.d, 3 * self.d, R)
+
+    def qkv_backward(self, layer: int, dqkv: int, ln1: int, w_rows: int, dx: int, dw: int,
+                     R: int) -> None:
+        """dWⱼ += ln1ᵀ·dqkvⱼ (or written, as the pass says; W_Q, W_K, W_V one after another
+        from dw) and dx = dqkv · W_QKVᵀ, from dqkv [R,3d] (Q, K, V in rows)."""
+        self._linear_bwd("qkv", layer, dqkv, "dqkv", ln1, "ln1", w_rows, "wqkv", dx, dw, self.d,
+                         3 * self.d, R, blocks=3)
+
+    def proj_forward(self, layer: int, att: int, wo: int, out: int, R: int) -> None:
+        """out = att · W_O (wo: the bf16 W_O, for a GEMM that falls back)."""
+        self._linear_fwd("proj", layer, att, "att", wo, "wo", out, self.d, self.d, R)
+
+    def proj_backward(self, layer: int, dout: int, att: int, wo: int, datt: int, dwo: int,
+                      R: int) -> None:
+        """dW_O += attᵀ·dout (or written) and datt = dout · W_Oᵀ."""
+        self._linear_bwd("proj", layer, dout, "dproj", att, "att", wo, "wo", datt, dwo, self.d,
+                         self.d, R)
+
+    def mlp_forward(self, layer: int, x: int, w1: int, w2: int, pre: int, act: int, out: int,
+                    R: int) -> None:
         """pre = x·W1, act = GELU(pre), out = act·W2 (x: ln2's output; w1, w2: the bf16
         weights, for a GEMM that falls back)."""
         self._linear_fwd("fc1", layer, x, "x", w1, "w1", pre, self.d, self.F, R)
@@ -277,8 +373,8 @@ class Fp8Mlp:
                          amax_done=True, cast=cast,
                          restore_a=self._restore_act(layer, act, pre, R * self.F))
 
-    def backward(self, layer: int, dout: int, x: int, w1: int, w2: int, pre: int, act: int,
-                 dx: int, dw1: int, dw2: int, dpre: int, R: int) -> None:
+    def mlp_backward(self, layer: int, dout: int, x: int, w1: int, w2: int, pre: int, act: int,
+                     dx: int, dw1: int, dw2: int, dpre: int, R: int) -> None:
         """Ops.mlp_bwd's outputs with FP8 GEMMs: dpre, dx, and dW1, dW2 (+= or written, as the
         pass says) from dout = the gradient of the MLP's output."""
         self._linear_bwd("fc2", layer, dout, "dy", act, "h", w2, "w2", dpre, dw2, self.F,
@@ -286,8 +382,6 @@ class Fp8Mlp:
         cast, restore = self._dgelu(layer, dpre, pre, R)
         self._linear_bwd("fc1", layer, dpre, "dh", x, "x", w1, "w1", dx, dw1, self.d, self.F,
                          R, amax_done=True, cast=cast, restore_g=restore)
-        if layer == 0:  # the pass's last MLP backward: every amax of the pass is known
-            self._record()
 
     def _gelu(self, layer: int, pre: int, act: int, R: int) -> bool:
         """H = GELU(pre) with its amax; where the tiles allow, made as its FP8 copies H8, Hᵀ8
@@ -391,12 +485,13 @@ class Fp8Mlp:
     def _linear_bwd(self, fc: str, layer: int, g: int, gname: str, a: int, aname: str, w: int,
                     wname: str, din: int, dw: int, n_in: int, n_out: int, R: int,
                     amax_done: bool = False, cast: bool = True, restore_a: Any = None,
-                    restore_g: Any = None) -> None:
+                    restore_g: Any = None, blocks: int = 1) -> None:
         """For out = a·W with g = d out [R, n_out]: dW += aᵀ·g (or written, as the pass says)
         and din = g·Wᵀ [R, n_in], from g's E5M2 copies (as it is and transposed; its amax and
         scale now, amax_done and cast as in _linear_fwd) and a's transposed E4M3 copy (made by
         the forward, with its scale); w: the bf16 weight; restore_a, restore_g: as _linear_fwd's
-        restore_a, for a and g."""
+        restore_a, for a and g. blocks: W is that many [n_in, n_out / blocks] matrices side by
+        side (W_QKV), whose gradients dW lie one after another: its GEMM is batched over them."""
         o, b = self.o, self.buf
         ga, gi = self._scale(layer, gname)
         _, ai = self._scale(layer, aname)
@@ -407,10 +502,14 @@ class Fp8Mlp:
             self._amax(ga, g, R * n_out, gh)
         if cast:
             self._cast_t(gq, gqt, gi, g, ga, gh, R, n_out, E5M2)
+        nb = n_out // blocks  # the columns of one block
+        batch8 = {"batch": blocks, "sa": 0, "sb": nb * R, "sc": n_in * nb} if blocks > 1 else {}
+        batch16 = ({"ldb": n_out, "batch": blocks, "sa": 0, "sb": nb, "sc": n_in * nb}
+                   if blocks > 1 else {})
         self._gemm(f"{fc} wgrad", R,
-                   lambda: o._wgrad(dw, aqt, gqt, n_in, n_out, R, (aqt, gqt), tb=True,
-                                    types=(R_8F_E4M3, R_8F_E5M2), scales=(ai, gi)),
-                   lambda: o._wgrad(dw, a, g, n_in, n_out, R, (g,), ta=True),
+                   lambda: o._wgrad(dw, aqt, gqt, n_in, nb, R, (aqt, gqt), tb=True,
+                                    types=(R_8F_E4M3, R_8F_E5M2), scales=(ai, gi), **batch8),
+                   lambda: o._wgrad(dw, a, g, n_in, nb, R, (g,), ta=True, **batch16),
                    restore=_in_turn(restore_a, restore_g))
         o._writes(din)
         self._gemm(f"{fc} dgrad", R,

@@ -130,7 +130,7 @@ class LtGemm:
         self._imported: dict[str, bytes] = {}
         self._imported_plan: dict[str, Any] = {}  # exported again as it came
         # MLP GEMM -> "epilogue" | "kernel" (ops.py: GELU in the epilogue or not), "fp8" | "bf16"
-        # (fp8.py: an FP8 MLP GEMM in FP8 or not)
+        # (fp8.py: a linear map's GEMM in FP8 or not)
         self.choices: dict[str, str] = {}
         self.choice_ms: dict[str, tuple[float, float]] = {}  # the timings behind a choice
         self.tuning = False

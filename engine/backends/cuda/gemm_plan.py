@@ -44,7 +44,7 @@ class GemmAlgo:
 
 
 # a choice's variants, each pair timed against each other: GELU in an MLP GEMM's epilogue or the
-# plain GEMM and the GELU kernel; an FP8 MLP GEMM (train/precision fp8) in FP8 or in bf16
+# plain GEMM and the GELU kernel; a linear map's GEMM (train/precision fp8) in FP8 or in bf16
 CHOICE_PAIRS = (("epilogue", "kernel"), ("fp8", "bf16"))
 CHOICE_USES = tuple(u for pair in CHOICE_PAIRS for u in pair)
 

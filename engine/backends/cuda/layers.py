@@ -3,18 +3,20 @@
 straight list of calls:
 
 - Q, K, V projection: `QkvRows` (side by side in each row, [R,3d]: one GEMM each way) or
-  `QkvSlabs` (three [R,d] slabs, three GEMMs batched);
+  `QkvSlabs` (three [R,d] slabs, three GEMMs batched); in a training pass in FP8 with rows,
+  `Fp8QkvRows`;
+- attention's output projection: `AttnOut`, or in a training pass in FP8 `Fp8AttnOut`;
 - attention: `CudnnAttentionPath` (cuDNN's fused attention, or the flex backward where Ops has
   it) or `ClassicAttentionPath` (chunked GEMMs and a softmax kernel);
-- MLP: `GemmMlp` (Ops.mlp_fwd / mlp_bwd) or `Fp8MlpPath` (fp8.Fp8Mlp: a training pass's six
-  GEMMs in FP8);
+- MLP: `GemmMlp` (Ops.mlp_fwd / mlp_bwd) or, in a training pass in FP8, `Fp8MlpPath`;
 - residual add + LayerNorm: `FusedAddNorm` (one kernel) or `AddThenNorm` (two);
 - loss: `FusedLoss` (a training forward writes dlogits too, the backward runs its GEMMs) or
   `PlainLoss` (the loss forward, then the loss backward's kernel and GEMMs).
 
 Each takes device addresses (a BatchBuffers `b`, a layer's saved activations `a` by name,
-FlatBuffers for the weights) and hands Ops the same arguments in the same order whichever the
-caller.
+FlatBuffers for the weights) and hands Ops (or fp8.Fp8Gemms, whose FP8 paths make each layer's
+weight copies from its masters as the map's forward begins) the same arguments in the same order
+whichever the caller.
 """
 
 from __future__ import annotations
@@ -56,6 +58,54 @@ class QkvSlabs:
         w = f"h.{l}.attn.W_Q"
         self.o.attn_qkv_bwd(dq, a["ln1"], self.flat.w(w), dln, self.flat.gw(w), R, self.d,
                             b.qkv_slab())
+
+
+class Fp8QkvRows(QkvRows):
+    """QkvRows with its GEMMs in FP8 (fp8.Fp8Gemms)."""
+
+    def __init__(self, fp8: Any, ops: Any, flat: FlatBuffers, d: int) -> None:
+        super().__init__(ops, flat, d)
+        self.fp8 = fp8
+
+    def fwd(self, b: BatchBuffers, a: Acts, l: int, R: int) -> None:
+        w = f"h.{l}.attn.W_Q"
+        self.fp8.cast_qkv_weights(l, self.flat.p32(w))
+        self.fp8.qkv_forward(l, a["ln1"], self.flat.w(w), a["qkv"], R)
+
+    def bwd(self, b: BatchBuffers, a: Acts, l: int, dq: int, dln: int, R: int) -> None:
+        w = f"h.{l}.attn.W_Q"
+        self.fp8.qkv_backward(l, dq, a["ln1"], self.flat.w(w), dln, self.flat.gw(w), R)
+
+
+class AttnOut:
+    """out = att @ W_O (Ops.attn_out_fwd / attn_out_bwd)."""
+
+    def __init__(self, ops: Any, flat: FlatBuffers, d: int) -> None:
+        self.o, self.flat, self.d = ops, flat, d
+
+    def fwd(self, a: Acts, l: int, out: int, R: int) -> None:
+        self.o.attn_out_fwd(a["att"], self.flat.w(f"h.{l}.attn.W_O"), out, R, self.d)
+
+    def bwd(self, a: Acts, l: int, dout: int, datt: int, R: int) -> None:
+        w = f"h.{l}.attn.W_O"
+        self.o.attn_out_bwd(dout, a["att"], self.flat.w(w), datt, self.flat.gw(w), R, self.d)
+
+
+class Fp8AttnOut(AttnOut):
+    """AttnOut with its GEMMs in FP8 (fp8.Fp8Gemms)."""
+
+    def __init__(self, fp8: Any, ops: Any, flat: FlatBuffers, d: int) -> None:
+        super().__init__(ops, flat, d)
+        self.fp8 = fp8
+
+    def fwd(self, a: Acts, l: int, out: int, R: int) -> None:
+        w = f"h.{l}.attn.W_O"
+        self.fp8.cast_proj_weights(l, self.flat.p32(w))
+        self.fp8.proj_forward(l, a["att"], self.flat.w(w), out, R)
+
+    def bwd(self, a: Acts, l: int, dout: int, datt: int, R: int) -> None:
+        w = f"h.{l}.attn.W_O"
+        self.fp8.proj_backward(l, dout, a["att"], self.flat.w(w), datt, self.flat.gw(w), R)
 
 
 class CudnnAttentionPath:
@@ -105,9 +155,6 @@ class GemmMlp:
     def __init__(self, ops: Any, shapes: ModelShapes) -> None:
         self.o, self.d, self.F = ops, shapes.d_model, shapes.d_ff
 
-    def begin_pass(self) -> None:
-        """Nothing to prepare."""
-
     def fwd(self, l: int, a: Acts, w1: int, w2: int, out: int, R: int) -> None:
         self.o.mlp_fwd(a["ln2"], w1, w2, a["pre"], a["act"], out, R, self.d, self.F)
 
@@ -117,24 +164,19 @@ class GemmMlp:
 
 
 class Fp8MlpPath:
-    """A training pass's MLP with its six GEMMs in FP8 (fp8.Fp8Mlp): each layer's FP8 weight
-    copies made from its masters as its forward begins."""
+    """The MLP with its six GEMMs in FP8 (fp8.Fp8Gemms)."""
 
     def __init__(self, fp8: Any, flat: FlatBuffers) -> None:
         self.fp8, self.flat = fp8, flat
 
-    def begin_pass(self) -> None:
-        """The pass's amax words zeroed."""
-        self.fp8.begin_pass()
-
     def fwd(self, l: int, a: Acts, w1: int, w2: int, out: int, R: int) -> None:
-        """The layer's FP8 weight copies from its masters, then its MLP forward."""
-        self.fp8.cast_weights(l, self.flat.p32(f"h.{l}.mlp.W_1"), self.flat.p32(f"h.{l}.mlp.W_2"))
-        self.fp8.forward(l, a["ln2"], w1, w2, a["pre"], a["act"], out, R)
+        self.fp8.cast_mlp_weights(l, self.flat.p32(f"h.{l}.mlp.W_1"),
+                                  self.flat.p32(f"h.{l}.mlp.W_2"))
+        self.fp8.mlp_forward(l, a["ln2"], w1, w2, a["pre"], a["act"], out, R)
 
     def bwd(self, l: int, args: tuple[int, ...], R: int) -> None:
         """args: as GemmMlp.bwd's."""
-        self.fp8.backward(l, *args, R)
+        self.fp8.mlp_backward(l, *args, R)
 
 
 class FusedAddNorm:

@@ -1,7 +1,8 @@
 """The model's forward and backward passes on the GPU (DESIGN §2), as llm.c's gpt2_forward
 reads: one straight list of op calls per layer. Which implementation of each op runs (Q, K, V
-in rows or slabs, cuDNN or classic attention, the MLP in FP8 or not, the fused residual +
-LayerNorm and loss kernels) is picked once, when the Network is made (layers.py).
+in rows or slabs, cuDNN or classic attention, a training pass's linear maps in FP8 or not, the
+fused residual + LayerNorm and loss kernels) is picked once, when the Network is made
+(layers.py).
 
 Activation rows are time-major (row r = t*B + b): see ops.py for why. The buffers are
 buffers.BatchBuffers (training, sampling); the weights FlatBuffers.
@@ -16,9 +17,12 @@ from engine.backends.cuda.buffers import BatchBuffers
 from engine.backends.cuda.flat_buffers import FlatBuffers
 from engine.backends.cuda.layers import (
     AddThenNorm,
+    AttnOut,
     ClassicAttentionPath,
     CudnnAttentionPath,
+    Fp8AttnOut,
     Fp8MlpPath,
+    Fp8QkvRows,
     FusedAddNorm,
     FusedLoss,
     GemmMlp,
@@ -44,16 +48,22 @@ class Network:
     stream writes the other."""
 
     def __init__(self, ops: Any, flat: FlatBuffers, shapes: ModelShapes, *, train: BatchBuffers,
-                 attention: str, qkv_rows: bool, fused: bool, fp8_mlp: Any, drv: Any,
+                 attention: str, qkv_rows: bool, fused: bool, fp8: Any, drv: Any,
                  stream: Any, es: int, ldv: int) -> None:
+        """fp8: the fp8.Fp8Gemms that a training pass's linear maps run on (None: none)."""
         self.o, self.flat, self.shapes, self.train = ops, flat, shapes, train
-        self.fused, self.es = fused, es
+        self.fused, self.es, self.fp8 = fused, es, fp8
         d = shapes.d_model
         self.qkv = QkvRows(ops, flat, d) if qkv_rows else QkvSlabs(ops, flat, d)
         self.attention = (CudnnAttentionPath(ops, shapes, drv, stream, es)
                           if attention == "cudnn" else ClassicAttentionPath(ops, shapes))
-        self.mlp = GemmMlp(ops, shapes)  # evaluation and sampling passes: never FP8
-        self.train_mlp = Fp8MlpPath(fp8_mlp, flat) if fp8_mlp is not None else self.mlp
+        # evaluation and sampling passes: never FP8
+        self.proj, self.mlp = AttnOut(ops, flat, d), GemmMlp(ops, shapes)
+        self.train_qkv, self.train_proj, self.train_mlp = self.qkv, self.proj, self.mlp
+        if fp8 is not None:
+            self.train_proj, self.train_mlp = Fp8AttnOut(fp8, ops, flat, d), Fp8MlpPath(fp8, flat)
+            if qkv_rows:
+                self.train_qkv = Fp8QkvRows(fp8, ops, flat, d)
         self.add_norm = FusedAddNorm(ops) if fused else AddThenNorm(ops)
         wte_rows = flat.n // d  # rows readable from wte on (see Ops.loss_fwd)
         self.loss = (FusedLoss if fused else PlainLoss)(ops, flat, shapes, ldv, wte_rows)
@@ -70,8 +80,11 @@ class Network:
         R = b.B * T
         proj = b.at("proj")
         ready = ready or _no_wait
-        mlp = self.train_mlp if train and b is self.train else self.mlp
-        mlp.begin_pass()
+        fp8 = self.fp8 if train and b is self.train else None
+        qkv, attn_out, mlp = ((self.train_qkv, self.train_proj, self.train_mlp) if fp8 else
+                              (self.qkv, self.proj, self.mlp))
+        if fp8 is not None:
+            fp8.begin_pass()
         o.embed_fwd(b.io()["tokens"], w.p32("wte"), w.p32("wpe"), b.at("x", 0), b.B, T, d)
         ready(0)
         a0 = b.layer(0)
@@ -80,10 +93,10 @@ class Network:
         for l in range(L):
             h = f"h.{l}."
             a = b.layer(l)  # layer l's saved activations, by name
-            self.qkv.fwd(b, a, l, R)
+            qkv.fwd(b, a, l, R)
             self.attention.fwd(b, a, T)
             # xmid = x[l] + att @ W_O; ln2 = LayerNorm(xmid)
-            o.attn_out_fwd(a["att"], w.w(h + "attn.W_O"), proj, R, d)
+            attn_out.fwd(a, l, proj, R)
             self.add_norm(b.at("x", l), proj, a["xmid"], w.p32(h + "ln2.gamma"),
                           w.p32(h + "ln2.beta"), a["ln2"], a["ln2_stats"], R, d)
             mlp.fwd(l, a, w.w(h + "mlp.W_1"), w.w(h + "mlp.W_2"), proj, R)
@@ -137,12 +150,14 @@ class Network:
             o.layernorm_bwd(dln, a["xmid"], w.p32(h + "ln2.gamma"), st2, st2 + R * 4, nxt,
                             w.g32(h + "ln2.gamma"), part, R, d, accumulate=True, resid=cur)
             # xmid = x[l] + attn(ln1(x[l])); nxt holds d xmid
-            o.attn_out_bwd(nxt, a["att"], w.w(h + "attn.W_O"), datt, w.gw(h + "attn.W_O"), R, d)
+            self.train_proj.bwd(a, l, nxt, datt, R)
             self.attention.bwd(b, a, T, datt, dqkv[l % 2])
-            self.qkv.bwd(b, a, l, dqkv[l % 2], dln, R)
+            self.train_qkv.bwd(b, a, l, dqkv[l % 2], dln, R)
             o.layernorm_bwd(dln, b.at("x", l), w.p32(h + "ln1.gamma"), st1, st1 + R * 4, cur,
                             w.g32(h + "ln1.gamma"), part, R, d, accumulate=True, resid=nxt)
             completed(L - 1 - l)
+        if self.fp8 is not None:
+            self.fp8.end_pass()
         o.embed_bwd(cur, (io["n_unique"], io["bucket_tok"], io["bucket_start"], io["rows"]),
                     w.g32("wte"), w.g32("wpe"), b.B, T, d)
         completed(L)

@@ -2,7 +2,7 @@
 backward at full length and a sampling forward. cuDNN's first execution of each graph does host
 set-up that must not happen under graph capture, and with `tune` every GEMM's algorithm is
 chosen by timing (on random weights: timing on zeros is not representative), and in fp8 each
-MLP GEMM's FP8 against bf16 and whether FP8 pays at this size (fp8_pays.py)."""
+FP8 GEMM's FP8 against bf16 and whether FP8 pays at this size (fp8_pays.py)."""
 
 from __future__ import annotations
 
@@ -60,11 +60,11 @@ def warm_up(build: CudaBuild, net: Network, staging: Staging, state: StateIO, tu
             ops.wgrad_lp = False
             net.backward(b, T)
         ops.overwrite_grads = ops.wgrad_lp = False
-        if build.fp8_mlp is not None and tune:  # whether FP8 pays here: said at start
+        if build.fp8_ops is not None and tune:  # whether FP8 pays here: said at start
             # the weight gradients' GEMMs as the step's (written, in bf16 where it keeps them)
             ops.overwrite_grads = build.fused_step
             ops.wgrad_lp = ops.overwrite_grads and build.grads_lp
-            build.notes.append(fp8_pays.measure(build.fp8_mlp, net, b, T, time_ms, capture))
+            build.notes.append(fp8_pays.measure(build.fp8_ops, net, b, T, time_ms, capture))
             ops.overwrite_grads = ops.wgrad_lp = False
         ops.join()
         s = build.sample
@@ -82,8 +82,8 @@ def warm_up(build: CudaBuild, net: Network, staging: Staging, state: StateIO, tu
 
 def _say(build: CudaBuild) -> None:
     """What the pass decided, in the notes: FP8 GEMMs that fell back, GEMM warnings, timing."""
-    if build.fp8_mlp is not None:
-        build.notes.extend(build.fp8_mlp.notes)
+    if build.fp8_ops is not None:
+        build.notes.extend(build.fp8_ops.notes)
     if build.gemm is not None:
         build.notes.extend(build.gemm.warnings)
         timed, best, first = build.gemm.timing_summary()

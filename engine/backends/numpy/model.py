@@ -27,7 +27,8 @@ from engine.errors import UserError
 from engine.model.fp8 import FP8_GEMMS, AmaxHistory
 from engine.model.layout import ModelShapes, decay_mask, n_params, tensor_table, views
 
-# every precision computes in fp32 here; fp8 has the MLP's GEMMs on FP8 values (numpy/fp8.py)
+# every precision computes in fp32 here; fp8 has the layers' linear maps on FP8 values
+# (numpy/fp8.py)
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 
 
@@ -177,7 +178,8 @@ class NumpyBackend:
         self.notes: list[str] = []
         self.resolved: dict[str, bool | int | str] = {}
         self.attention_info = ""
-        # fp8: the MLP's GEMMs on FP8 values (numpy/fp8.py), the rest as fp32
+        # fp8: the layers' linear maps (qkv, proj, the MLP's) on FP8 values (numpy/fp8.py), the
+        # rest as fp32
         self.fp8_gemms: list[str] = list(FP8_GEMMS) if precision == "fp8" else []
         self.gemm_plan: dict[str, Any] | None = None
 
@@ -192,7 +194,7 @@ class NumpyBackend:
             plan["fp8"] = sum(fp8.buffer_sizes(d, s.d_ff, B * s.seq_len).values()) \
                 * self.dtype.itemsize
         hostmem.require(plan, "the numpy backend")
-        self.fp8 = (fp8.Fp8Mlp(L, d, s.d_ff, B * s.seq_len, self.dtype) if self.fp8_gemms
+        self.fp8 = (fp8.Fp8Gemms(L, d, s.d_ff, B * s.seq_len, self.dtype) if self.fp8_gemms
                     else None)
         self._params = np.zeros(n, dtype=self.dtype)
         self._grads = np.zeros(n, dtype=self.dtype)
@@ -218,8 +220,8 @@ class NumpyBackend:
 
     def describe(self) -> str:
         """One line: what computes (the reference ops in numpy, in one precision)."""
-        fp8_mlp = ", the MLP's GEMMs on FP8 values (delayed scaling)" if self.fp8 else ""
-        return f"the numpy reference ops in {self.precision}{fp8_mlp}"
+        fp8 = ", the layers' linear maps on FP8 values (delayed scaling)" if self.fp8 else ""
+        return f"the numpy reference ops in {self.precision}{fp8}"
 
     def device_step(self) -> None:
         """None: the trainer drives the step call by call."""
@@ -289,11 +291,12 @@ class NumpyBackend:
             raise UserError(f"{what}: token ids must be in [0, {s.vocab_size}), got {lo}..{hi}")
 
     def _trunk(self, ar: _Arena, tokens: np.ndarray, train: bool,
-               fp8_mlp: bool = False) -> np.ndarray:
+               fp8: bool = False) -> np.ndarray:
         """Embedding, the blocks and the final LayerNorm; returns lnf [N,d].
-        Training saves every layer's activations; sampling reuses one slot. fp8_mlp: the MLPs
-        on FP8 values (a training pass of precision fp8)."""
+        Training saves every layer's activations; sampling reuses one slot. fp8: the linear maps
+        (qkv, proj, the MLP's) on FP8 values (a training pass of precision fp8)."""
         s, p = self.shapes, self.p
+        f8 = self.fp8 if fp8 else None
         B, T = tokens.shape
         N, d, F, H = B * T, s.d_model, s.d_ff, s.n_head
         nd, nf = (N, d), (N, F)
@@ -311,17 +314,23 @@ class NumpyBackend:
             qkv, att = ar.view("qkv", (3, N, d), j), ar.view("att", nd, j)
             ops.layernorm_fwd(x(i), p[h + "ln1.gamma"], p[h + "ln1.beta"], ln1,
                               *ar.stats("ln1_stats", N, j))
-            ops.attn_qkv_fwd(ln1, self._wqkv[i], qkv)
+            if f8 is not None:
+                f8.qkv_forward(i, ln1, self._wqkv[i], qkv)
+            else:
+                ops.attn_qkv_fwd(ln1, self._wqkv[i], qkv)
             ops.attn_fwd(qkv.reshape(3, B, T, d), H, ar.view("probs", (B, H, T, T), j),
                          att.reshape(B, T, d))
-            ops.attn_out_fwd(att, p[h + "attn.W_O"], proj)
+            if f8 is not None:
+                f8.proj_forward(i, att, p[h + "attn.W_O"], proj)
+            else:
+                ops.attn_out_fwd(att, p[h + "attn.W_O"], proj)
             ops.residual_add(x(i), proj, xmid)
             ops.layernorm_fwd(xmid, p[h + "ln2.gamma"], p[h + "ln2.beta"], ln2,
                               *ar.stats("ln2_stats", N, j))
             w1, w2 = p[h + "mlp.W_1"], p[h + "mlp.W_2"]
             pre, act = ar.view("pre", nf, j), ar.view("act", nf, j)
-            if fp8_mlp and self.fp8 is not None:
-                self.fp8.forward(i, ln2, w1, w2, pre, act, proj)
+            if f8 is not None:
+                f8.mlp_forward(i, ln2, w1, w2, pre, act, proj)
             else:
                 ops.mlp_fwd(ln2, w1, w2, pre, act, proj)
             ops.residual_add(xmid, proj, x(i + 1))
@@ -331,7 +340,7 @@ class NumpyBackend:
         return lnf
 
     def _forward(self, inputs: np.ndarray, targets: np.ndarray,
-                 fp8_mlp: bool = False) -> np.ndarray:
+                 fp8: bool = False) -> np.ndarray:
         self._check_tokens("inputs", inputs, self.micro_batch)
         self._check_tokens("targets", targets, self.micro_batch)
         if targets.shape != inputs.shape:
@@ -339,7 +348,7 @@ class NumpyBackend:
         B, T = inputs.shape
         N, V = B * T, self.shapes.vocab_size
         ar = self._acts
-        lnf = self._trunk(ar, inputs, train=True, fp8_mlp=fp8_mlp)
+        lnf = self._trunk(ar, inputs, train=True, fp8=fp8)
         losses = ar.view("losses", (N,))
         ops.loss_fwd(lnf, self.p["wte"], targets.reshape(N), ar.view("logits", (N, V)),
                      ar.view("row_sum", (N,)), losses)
@@ -373,7 +382,7 @@ class NumpyBackend:
     ) -> np.ndarray:
         if self.fp8 is not None:
             self.fp8.begin_pass()
-        row_losses = self._forward(inputs, targets, fp8_mlp=self.fp8 is not None)
+        row_losses = self._forward(inputs, targets, fp8=self.fp8 is not None)
         s, p, g, ar, sc = self.shapes, self.p, self.g, self._acts, self._scratch
         B, T = inputs.shape
         N, d, F, H, V = B * T, s.d_model, s.d_ff, s.n_head, s.vocab_size
@@ -395,19 +404,27 @@ class NumpyBackend:
                         ar.view("pre", nf, i), ar.view("act", nf, i), dln, g[h + "mlp.W_1"],
                         g[h + "mlp.W_2"], dpre, ftmp, gtmp, wtmp)
             if self.fp8 is not None:
-                self.fp8.backward(i, *mlp_args)
+                self.fp8.mlp_backward(i, *mlp_args)
             else:
                 ops.mlp_bwd(*mlp_args)
             ops.layernorm_bwd(dln, ar.view("xmid", nd, i), p[h + "ln2.gamma"],
                               *ar.stats("ln2_stats", N, i), gb, g[h + "ln2.gamma"],
                               g[h + "ln2.beta"], xtmp)
             ops.residual_add_bwd(ga, gb)
-            ops.attn_out_bwd(gb, ar.view("att", nd, i), p[h + "attn.W_O"], datt,
-                             g[h + "attn.W_O"], wtmp)
+            proj_args = (gb, ar.view("att", nd, i), p[h + "attn.W_O"], datt, g[h + "attn.W_O"],
+                         wtmp)
+            if self.fp8 is not None:
+                self.fp8.proj_backward(i, *proj_args)
+            else:
+                ops.attn_out_bwd(*proj_args)
             ops.attn_bwd(datt.reshape(B, T, d), ar.view("qkv", (3, B, T, d), i),
                          ar.view("probs", (B, H, T, T), i), H, dqkv.reshape(3, B, T, d), dprobs)
-            ops.attn_qkv_bwd(dqkv, ar.view("ln1", nd, i), self._wqkv[i], dln, self._dwqkv[i],
-                             xtmp, wtmp)
+            qkv_args = (dqkv, ar.view("ln1", nd, i), self._wqkv[i], dln, self._dwqkv[i], xtmp,
+                        wtmp)
+            if self.fp8 is not None:
+                self.fp8.qkv_backward(i, *qkv_args)
+            else:
+                ops.attn_qkv_bwd(*qkv_args)
             ops.layernorm_bwd(dln, ar.view("x", nd, i), p[h + "ln1.gamma"],
                               *ar.stats("ln1_stats", N, i), ga, g[h + "ln1.gamma"],
                               g[h + "ln1.beta"], xtmp)

@@ -1,4 +1,4 @@
-// FP8 copies for the MLP's GEMMs (train/precision "fp8"), scaled as engine/model/fp8.py says.
+// FP8 copies for the layers' GEMMs (train/precision "fp8"), scaled as engine/model/fp8.py says.
 //
 // A tensor x goes to FP8 as q = sat(x·s) with s = FMAX / a (E4M3, FMAX 448, for weights and
 // activations; E5M2, FMAX 57344, for gradients); cuBLASLt multiplies the product back by the
@@ -130,14 +130,15 @@ struct alignas(8) Fp8x8 {
 };
 
 // x [rows, cols] row-major into qt = FP8 of xᵀ [cols, rows] and, when q is not null, q = FP8 of x
-// [rows, cols], both scaled by s from amax (fp8_scale); inv[0] = 1/s. A TILE x TILE tile per
+// [rows, cols] (its rows ldq bytes apart: cols, or a wider row that holds x beside other
+// tensors, W_QKV's [W_Q | W_K | W_V]), both scaled by s from amax (fp8_scale); inv[0] = 1/s. A TILE x TILE tile per
 // block goes through shared memory, so reads and writes are both along rows.
 // hist (H floats, or null: amax[0] as given) as scaling_amax says; with a history, the tensor's
 // amax is taken into amax[0] as it goes (for k_fp8_record).
 template <typename T>
 __device__ __forceinline__ void cast_t_body(unsigned char* q, unsigned char* qt, float* inv,
                                             const T* x, unsigned* amax, const float* hist, int H,
-                                            int rows, int cols, int e5m2) {
+                                            int rows, int cols, int ldq, int e5m2) {
     __shared__ unsigned char tile[TILE][TILE + 4];
     const int tx = threadIdx.x % TILE, ty = threadIdx.x / TILE, ny = blockDim.x / TILE;
     const float s = fp8_scale(scaling_amax(amax, hist, H), e5m2);
@@ -151,7 +152,7 @@ __device__ __forceinline__ void cast_t_body(unsigned char* q, unsigned char* qt,
             const unsigned char v = to_fp8(f * s, e5m2);
             m = fmaxf(m, fabsf(f));
             tile[k][tx] = v;
-            if (q) q[(long)r * cols + c] = v;
+            if (q) q[(long)r * ldq + c] = v;
         }
     }
     if (hist) block_amax(amax, m);  // its __syncthreads also orders the tile's writes
@@ -233,11 +234,12 @@ struct DgeluOf {
 // k_fp8_cast_t for rows % 64 == 0 and cols % 64 == 0 (and 16-byte aligned x, q, qt): a 64 x 64
 // tile per block of 256 threads, x read as 16-byte vectors (8 elements a thread per pass), q
 // written as 8-byte words from registers, qt as 16-byte words (16 rows of one column) from
-// shared memory. The same bytes as k_fp8_cast_t. x comes from `src` (Plain, GeluOf, DgeluOf).
+// shared memory (ldq a multiple of 8). The same bytes as k_fp8_cast_t. x comes from `src`
+// (Plain, GeluOf, DgeluOf).
 template <typename Src>
 __device__ __forceinline__ void cast_t64_body(unsigned char* q, unsigned char* qt, float* inv,
                                               Src src, unsigned* amax, const float* hist,
-                                              int H, int rows, int cols, int e5m2) {
+                                              int H, int rows, int cols, int ldq, int e5m2) {
     // rows 66 bytes apart: the transposed reads (16 rows of one column a thread, four
     // threads 16 rows apart in a warp) then fall in distinct banks, and the row-wise byte
     // writes in at most two words a bank: 320 shared-memory wavefronts a block (a 16-byte
@@ -260,7 +262,7 @@ __device__ __forceinline__ void cast_t64_body(unsigned char* q, unsigned char* q
             m = fmaxf(m, fabsf(f[k]));
             tile[r][cv + k] = o.v[k];
         }
-        if (q) *reinterpret_cast<Fp8x8*>(q + (long)(r0 + r) * cols + c0 + cv) = o;
+        if (q) *reinterpret_cast<Fp8x8*>(q + (long)(r0 + r) * ldq + c0 + cv) = o;
     }
     if (hist) block_amax(amax, m);
     __syncthreads();
@@ -277,15 +279,15 @@ __device__ __forceinline__ void cast_t64_body(unsigned char* q, unsigned char* q
 extern "C" __global__ void k_fp8_cast_t64(unsigned char* q, unsigned char* qt, float* inv,
                                           const act_t* x, unsigned* amax, const float* hist,
                                           int H, int rows, int cols, int e5m2) {
-    cast_t64_body(q, qt, inv, Plain<act_t>{x}, amax, hist, H, rows, cols, e5m2);
+    cast_t64_body(q, qt, inv, Plain<act_t>{x}, amax, hist, H, rows, cols, cols, e5m2);
 }
 
 // numpy twin: fp8.round_fp8 — k_fp8_cast_t_f32 on whole 64 x 64 tiles (the weights' copies).
 // >   q = np.minimum(np.rint(a / quantum) * quantum, np.float32(fmt.max))
 extern "C" __global__ void k_fp8_cast_t64_f32(unsigned char* q, unsigned char* qt, float* inv,
                                               const float* x, unsigned* amax, const float* hist,
-                                              int H, int rows, int cols, int e5m2) {
-    cast_t64_body(q, qt, inv, Plain<float>{x}, amax, hist, H, rows, cols, e5m2);
+                                              int H, int rows, int cols, int ldq, int e5m2) {
+    cast_t64_body(q, qt, inv, Plain<float>{x}, amax, hist, H, rows, cols, ldq, e5m2);
 }
 
 // numpy twin: fp8.round_fp8 — FP8 copies of activations or gradients for a TN GEMM (above): the
@@ -294,17 +296,18 @@ extern "C" __global__ void k_fp8_cast_t64_f32(unsigned char* q, unsigned char* q
 extern "C" __global__ void k_fp8_cast_t(unsigned char* q, unsigned char* qt, float* inv,
                                         const act_t* x, unsigned* amax, const float* hist, int H,
                                         int rows, int cols, int e5m2) {
-    cast_t_body(q, qt, inv, x, amax, hist, H, rows, cols, e5m2);
+    cast_t_body(q, qt, inv, x, amax, hist, H, rows, cols, cols, e5m2);
 }
 
 // numpy twin: fp8.round_fp8 — the FP8 copies of a float32 master weight W [rows, cols]: W as
-// stored (q, for dgrad) and Wᵀ (qt, for the forward), made in each pass from the masters, a
-// layer's in its MLP forward, scaled from the weight's history like any delayed tensor.
+// stored (q, rows ldq bytes apart, for dgrad) and Wᵀ (qt, for the forward), made in each pass
+// from the masters, a layer's at the start of its forward, scaled from the weight's history like
+// any delayed tensor.
 // >   q = np.minimum(np.rint(a / quantum) * quantum, np.float32(fmt.max))
 extern "C" __global__ void k_fp8_cast_t_f32(unsigned char* q, unsigned char* qt, float* inv,
                                             const float* x, unsigned* amax, const float* hist,
-                                            int H, int rows, int cols, int e5m2) {
-    cast_t_body(q, qt, inv, x, amax, hist, H, rows, cols, e5m2);
+                                            int H, int rows, int cols, int ldq, int e5m2) {
+    cast_t_body(q, qt, inv, x, amax, hist, H, rows, cols, ldq, e5m2);
 }
 
 // The max |x| over n elements (n a multiple of 8, 16-byte aligned) that `src` gives, eight at a
@@ -348,7 +351,7 @@ extern "C" __global__ void k_fp8_dgelu_amax_delayed(unsigned* amax, const act_t*
 extern "C" __global__ void k_fp8_gelu_cast_t64(unsigned char* q, unsigned char* qt, float* inv,
                                                act_t* keep, const act_t* pre, unsigned* amax,
                                                const float* hist, int H, int rows, int cols) {
-    cast_t64_body(q, qt, inv, GeluOf{pre, keep}, amax, hist, H, rows, cols, 0);
+    cast_t64_body(q, qt, inv, GeluOf{pre, keep}, amax, hist, H, rows, cols, cols, 0);
 }
 
 // numpy twin: fp8.round_fp8 — k_fp8_cast_t64 of dg·GELU'(pre) in E5M2: k_mlp_gelu_bwd and the
@@ -358,5 +361,5 @@ extern "C" __global__ void k_fp8_dgelu_cast_t64(unsigned char* q, unsigned char*
                                                 act_t* keep, const act_t* dg, const act_t* pre,
                                                 unsigned* amax, const float* hist, int H,
                                                 int rows, int cols) {
-    cast_t64_body(q, qt, inv, DgeluOf{dg, pre, keep}, amax, hist, H, rows, cols, 1);
+    cast_t64_body(q, qt, inv, DgeluOf{dg, pre, keep}, amax, hist, H, rows, cols, cols, 1);
 }
