@@ -46,6 +46,7 @@ Validation and text sampling run the bf16 forward: FP8 is how a step computes, n
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -506,10 +507,20 @@ class Fp8Gemms:
         batch8 = {"batch": blocks, "sa": 0, "sb": nb * R, "sc": n_in * nb} if blocks > 1 else {}
         batch16 = ({"ldb": n_out, "batch": blocks, "sa": 0, "sb": nb, "sc": n_in * nb}
                    if blocks > 1 else {})
-        self._gemm(f"{fc} wgrad", R,
-                   lambda: o._wgrad(dw, aqt, gqt, n_in, nb, R, (aqt, gqt), tb=True,
-                                    types=(R_8F_E4M3, R_8F_E5M2), scales=(ai, gi), **batch8),
-                   lambda: o._wgrad(dw, a, g, n_in, nb, R, (g,), ta=True, **batch16),
+        def wgrad8(via: int) -> None:
+            o._wgrad(dw, aqt, gqt, n_in, nb, R, (aqt, gqt), tb=True, types=(R_8F_E4M3, R_8F_E5M2),
+                     scales=(ai, gi), via=via, **batch8)
+
+        def wgrad16(via: int) -> None:
+            o._wgrad(dw, a, g, n_in, nb, R, (g,), ta=True, via=via, **batch16)
+
+        def rounded(name: str, run: Callable[[int], None]) -> Callable[[], None]:
+            """The QKV map's weight gradient (blocks > 1) as Ops.wgrad_rounded chooses."""
+            if blocks == 1:
+                return lambda: run(0)
+            return lambda: o.wgrad_rounded(f"{fc}_wgrad{name} R={R} d={self.d}", run)
+
+        self._gemm(f"{fc} wgrad", R, rounded(" fp8", wgrad8), rounded("", wgrad16),
                    restore=_in_turn(restore_a, restore_g))
         o._writes(din)
         self._gemm(f"{fc} dgrad", R,
