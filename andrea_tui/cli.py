@@ -59,7 +59,8 @@ def _launch_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-steps", type=int, help="override train.max_steps")
     p.add_argument("--backend", choices=("auto", "numpy", "cuda"), default=None)
     p.add_argument("--precision", choices=PRECISIONS, default=None,
-                   help="override train.precision (fp8: the linear maps' GEMMs in FP8, CUDA sm_89+)")
+                   help="override train.precision (fp8: the linear maps' GEMMs in FP8, CUDA "
+                        "sm_89+)")
 
 
 def _run_app(app: AndreaApp) -> int:

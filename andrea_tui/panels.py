@@ -67,7 +67,7 @@ def header(st: RunState, now: float, note: str = "", dead: bool = False,
     device = (f"{escape(st.backend)}/{escape(st.device)}"
               + (f" ×{st.world_size}" if st.world_size > 1 else "")
               + (f" attn {escape(attention)}" if attention else "")
-              + (f" fp8 {len(st.ready.fp8_gemms)} MLP GEMMs" if st.ready and st.ready.fp8_gemms
+              + (f" fp8 {len(st.ready.fp8_gemms)} GEMMs" if st.ready and st.ready.fp8_gemms
                  else ""))
     health = None if halted else health_markup(st)
     n_alerts = st.alerts_seen

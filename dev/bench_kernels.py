@@ -23,7 +23,7 @@ copy is the speed the memory allows (a longer row is read three times, into a bu
 own). Calls after the first run on the dlogits the one before left: the kernel's work depends
 on the targets, not on the values.
 
-`fp8`: the FP8 MLP's cast kernels on whole 64 x 64 tiles (train/precision "fp8", with an amax
+`fp8`: the FP8 cast kernels on whole 64 x 64 tiles (train/precision "fp8", with an amax
 history, as a step after its first runs them) for each --fp8-shapes ROWSxCOLS: k_fp8_cast_t64
 (a bf16 tensor into its E4M3 copy and transposed copy: x; dy's E5M2 cast moves the same
 bytes), k_fp8_gelu_cast_t64 (GELU(pre) computed and cast: h) and k_fp8_dgelu_cast_t64

@@ -26,7 +26,8 @@ from engine import jsonio
 from engine.errors import UserError
 
 BUILTIN_SOURCES = ("python-reference", "stdlib-docstrings", "stdlib-code")
-PRECISIONS = ("fp32", "bf16", "fp16", "fp8")  # fp8: the linear maps' GEMMs on FP8 values (model/fp8.py)
+# fp8: the linear maps' GEMMs on FP8 values (model/fp8.py)
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 ATTENTIONS = ("auto", "cudnn", "classic")  # gpu.attention
 SOURCE_FORMATS = ("auto", "text", "docs", "gutenberg", "jsonl")
 BANDIT_SCORES = ("progress", "loss")

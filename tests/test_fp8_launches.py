@@ -18,7 +18,7 @@ from engine.backends.cuda.memory import Plan
 from engine.backends.cuda.ops import Ops
 from engine.backends.cuda.runtime import SIGNATURES
 from engine.errors import RunError
-from engine.model.fp8 import DELAYED
+from engine.model.fp8 import ATTN_GEMMS, DELAYED
 
 L, d, F, R = 2, 128, 512, 256
 ARG_RANGE = {"P": (0, 2**64), "q": (-(2**63), 2**63), "i": (-(2**31), 2**31)}
@@ -302,13 +302,24 @@ def test_a_gemm_chosen_bf16_runs_without_scales_and_the_pass_still_records(mlp) 
     assert [n for n, _ in calls].count("k_fp8_record") == 1
 
 
-def test_a_plan_without_fp8_choices_is_taken_as_all_fp8(mlp) -> None:
+def test_a_plan_without_fp8_choices_takes_the_mlps_as_fp8_and_times_the_attentions(
+        mlp) -> None:
+    """A GEMM plan recorded without these choices (an older engine's, or another precision's):
+    the MLP's GEMMs run in FP8, as that run computed them, untimed; the attention's, which that
+    run computed in bf16, are timed as in a new run (here FP8 the faster) and kept."""
     fp8, _, _, gemm, _ = mlp
     gemm.plan_imported = True
-    gemm.tuning, gemm.timer = True, lambda fn: 1.0  # would time, were a choice missing
+
+    def timer(fn: Any) -> float:
+        n = len(gemm.matmuls)
+        fn()
+        return 0.5 if "scales" in gemm.matmuls[n] else 1.0
+
+    gemm.tuning, gemm.timer = True, timer
     one_pass(fp8)
     assert all(gemm.choices[fp8.choice_key(g)] == "fp8" for g in fp8.use)
-    assert not gemm.choice_ms and len(fp8.fp8_gemms) == 12
+    assert set(gemm.choice_ms) == {fp8.choice_key(g) for g in ATTN_GEMMS}
+    assert len(fp8.fp8_gemms) == 12
 
 
 def test_the_history_travels_through_the_device_copies(mlp) -> None:

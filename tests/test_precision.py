@@ -90,7 +90,7 @@ def test_the_precision_travels_to_the_engine_and_shows_in_the_header() -> None:
     assert isinstance(hostile, ReadyEvent) and hostile.fp8_gemms == [] and hostile.precision == ""
     st = RunState()
     st.add_events([ev.to_json()])
-    assert "fp8 6 MLP GEMMs" in panels.header(st, 2.0).plain
+    assert "fp8 6 GEMMs" in panels.header(st, 2.0).plain
     st = RunState()
     st.add_events([ReadyEvent(t=1.0, backend="cuda", device="H200",
                               precision="bf16").to_json()])

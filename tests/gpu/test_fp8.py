@@ -155,7 +155,7 @@ def test_fp8_copies_and_gemms_against_fp32(lt, rng) -> None:
                 # other blocks untouched
                 wide = dev.put(np.full(M * 3 * K // 4, -1, np.int64), "i32")
                 o._go(name, (K // tile, M // tile), wide + K, wqt, dev.empty((1,), "f32"), w,
-                      dev.put(np.zeros(1), "i32"), h_dev, HISTORY, M, K, 3 * K, fmt)
+                      wamax, h_dev, HISTORY, M, K, 3 * K, fmt)
                 rows3 = host_bytes(gpu, wide, M * 3 * K).reshape(M, 3, K)
                 assert np.array_equal(rows3[:, 1], got[-1][0].reshape(M, K)), name
                 assert (rows3[:, 0] == 255).all() and (rows3[:, 2] == 255).all(), name

@@ -68,8 +68,8 @@ def test_full_step_matches_numpy_at_the_larger_widths(size: str, attention: str,
 
 @pytest.mark.parametrize("size", SIZES)
 def test_fp8_step_against_the_bf16_step_at_the_larger_widths(size: str, rng) -> None:
-    """Every linear map's GEMMs in FP8 at these widths; the loss within 1% of the bf16 step's and the
-    gradient's direction within a cosine of 0.99."""
+    """Every linear map's GEMMs in FP8 at these widths; the loss within 1% of the bf16 step's and
+    the gradient's direction within a cosine of 0.99."""
     s = two_layers(size)
     params = init_params(s, seed=11)
     x, y = tokens(rng, s, 2, 1024)

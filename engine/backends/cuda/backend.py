@@ -14,7 +14,8 @@ A facade over the objects it is made of:
 - warm_up (warmup.py): the start-up pass that times the GEMMs.
 
 Precision: float32 master weights, gradients and Adam moments always; activations and the GEMM
-weight copy in `precision` (bf16 default, fp16, or fp32; fp8: bf16 with the linear maps' GEMMs in FP8).
+weight copy in `precision` (bf16 default, fp16, or fp32; fp8: bf16 with the linear maps' GEMMs
+in FP8).
 What the GPU could not honour of the config is said in `attention_info` / `describe()` and
 `notes`, and kept in `resolved`.
 """

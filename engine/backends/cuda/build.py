@@ -60,7 +60,8 @@ SAFETY_BYTES = 256 << 20  # left free for the driver, cuBLAS's own state and gra
 
 def compute_precision(precision: str, dtype: type, micro_batch: int, gpu: GpuConfig) -> str:
     """The activations' precision for train/precision `precision` (fp8: bf16 activations with
-    the layers' linear maps' GEMMs in FP8, fp8.py); UserError for what the CUDA backend cannot run."""
+    the layers' linear maps' GEMMs in FP8, fp8.py); UserError for what the CUDA backend cannot
+    run."""
     if precision not in (*ACT_BYTES, "fp8"):
         raise UserError(f"train/precision: expected fp32, bf16, fp16 or fp8, got {precision!r}")
     if np.dtype(dtype) != np.float32:

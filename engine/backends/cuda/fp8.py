@@ -54,7 +54,7 @@ import numpy as np
 from engine.backends.cuda.gemm import R_8F_E4M3, R_8F_E5M2, time_interleaved
 from engine.backends.cuda.launch import blocks
 from engine.errors import RunError
-from engine.model.fp8 import DELAYED, FP8_GEMMS, HISTORY, AmaxHistory
+from engine.model.fp8 import DELAYED, FP8_GEMMS, HISTORY, MLP_GEMMS, AmaxHistory
 
 GEMMS = FP8_GEMMS
 # per layer, in this order: an amax word, an inverse scale and an amax history of HISTORY passes
@@ -206,7 +206,7 @@ class Fp8Gemms:
         assert f32 or ldq == cols
         self.o._writes(*(p for p in (q, qt) if p))
         wide = (ldq,) if f32 else ()
-        if (rows % 64 == 0 and cols % 64 == 0 and ldq % 16 == 0
+        if (rows % 64 == 0 and cols % 64 == 0 and ldq % 8 == 0
                 and all(p % 16 == 0 for p in (x, q, qt))):
             self.o._go("k_fp8_cast_t64_f32" if f32 else "k_fp8_cast_t64",
                        (cols // 64, rows // 64), q, qt, inv, x, amax, hist, HISTORY, rows, cols,
@@ -253,9 +253,10 @@ class Fp8Gemms:
         called before the bf16 GEMM."""
         g = self.o.gemm
         key = self.choice_key(name)
-        if key not in g.choices and g.plan_imported:
-            # a recorded plan without this choice (written before it was made, or in another
-            # precision): FP8, as asked, untimed (a resume computes as the plan says)
+        if key not in g.choices and g.plan_imported and name in MLP_GEMMS:
+            # a recorded plan without this MLP choice (written before the choices were made, or
+            # in another precision): FP8, as that run computed it; an attention GEMM's missing
+            # choice (the run that wrote the plan computed it in bf16) is timed as in a new run
             g.choices[key] = "fp8"
         if (R == self.R_max and key not in g.choices and (name, R) not in self._bf16_at
                 and g.tuning and g.timer is not None):
@@ -312,19 +313,19 @@ class Fp8Gemms:
         self._record()
 
     def _cast_weight(self, layer: int, name: str, w: int, rows: int, cols: int,
-                     blocks: int = 1) -> None:
+                     nblocks: int = 1) -> None:
         """Layer `layer`'s FP8 copies of weight `name` (as stored, and transposed) from its fp32
-        master at w: `blocks` [rows, cols] matrices one after another (W_Q, W_K, W_V), kept as
-        stored side by side ([rows, blocks·cols], the rows layout) and transposed one after
+        master at w: `nblocks` [rows, cols] matrices one after another (W_Q, W_K, W_V), kept as
+        stored side by side ([rows, nblocks·cols], the rows layout) and transposed one after
         another, under one scale; scaled from the history (the cast taking the amax as it
         goes; the amax pass over the master runs only while the weight has no history)."""
         amax, inv = self._scale(layer, name)
         hist = self._hist(layer, name)
-        self._amax(amax, w, blocks * rows * cols, hist, f32=True)
-        for j in range(blocks):
+        self._amax(amax, w, nblocks * rows * cols, hist, f32=True)
+        for j in range(nblocks):
             self._cast_t(self._w(name, layer) + j * cols, self._w(name + "t", layer)
                          + j * rows * cols, inv, w + 4 * j * rows * cols, amax, hist, rows, cols,
-                         E4M3, f32=True, ldq=blocks * cols)
+                         E4M3, f32=True, ldq=nblocks * cols)
 
     def cast_mlp_weights(self, layer: int, w1: int, w2: int) -> None:
         """Layer `layer`'s FP8 copies of W1 and W2 from the fp32 masters w1, w2: in the layer's
@@ -336,7 +337,7 @@ class Fp8Gemms:
     def cast_qkv_weights(self, layer: int, wq: int) -> None:
         """Layer `layer`'s FP8 W_QKV (rows) and its transpose from the fp32 masters W_Q, W_K,
         W_V (one after another from wq), as cast_mlp_weights."""
-        self._cast_weight(layer, "wqkv", wq, self.d, self.d, blocks=3)
+        self._cast_weight(layer, "wqkv", wq, self.d, self.d, nblocks=3)
 
     def cast_proj_weights(self, layer: int, wo: int) -> None:
         """Layer `layer`'s FP8 copies of W_O from its fp32 master, as cast_mlp_weights."""
@@ -352,7 +353,7 @@ class Fp8Gemms:
         """dWⱼ += ln1ᵀ·dqkvⱼ (or written, as the pass says; W_Q, W_K, W_V one after another
         from dw) and dx = dqkv · W_QKVᵀ, from dqkv [R,3d] (Q, K, V in rows)."""
         self._linear_bwd("qkv", layer, dqkv, "dqkv", ln1, "ln1", w_rows, "wqkv", dx, dw, self.d,
-                         3 * self.d, R, blocks=3)
+                         3 * self.d, R, nblocks=3)
 
     def proj_forward(self, layer: int, att: int, wo: int, out: int, R: int) -> None:
         """out = att · W_O (wo: the bf16 W_O, for a GEMM that falls back)."""
@@ -486,12 +487,12 @@ class Fp8Gemms:
     def _linear_bwd(self, fc: str, layer: int, g: int, gname: str, a: int, aname: str, w: int,
                     wname: str, din: int, dw: int, n_in: int, n_out: int, R: int,
                     amax_done: bool = False, cast: bool = True, restore_a: Any = None,
-                    restore_g: Any = None, blocks: int = 1) -> None:
+                    restore_g: Any = None, nblocks: int = 1) -> None:
         """For out = a·W with g = d out [R, n_out]: dW += aᵀ·g (or written, as the pass says)
         and din = g·Wᵀ [R, n_in], from g's E5M2 copies (as it is and transposed; its amax and
         scale now, amax_done and cast as in _linear_fwd) and a's transposed E4M3 copy (made by
         the forward, with its scale); w: the bf16 weight; restore_a, restore_g: as _linear_fwd's
-        restore_a, for a and g. blocks: W is that many [n_in, n_out / blocks] matrices side by
+        restore_a, for a and g. nblocks: W is that many [n_in, n_out / blocks] matrices side by
         side (W_QKV), whose gradients dW lie one after another: its GEMM is batched over them."""
         o, b = self.o, self.buf
         ga, gi = self._scale(layer, gname)
@@ -503,10 +504,11 @@ class Fp8Gemms:
             self._amax(ga, g, R * n_out, gh)
         if cast:
             self._cast_t(gq, gqt, gi, g, ga, gh, R, n_out, E5M2)
-        nb = n_out // blocks  # the columns of one block
-        batch8 = {"batch": blocks, "sa": 0, "sb": nb * R, "sc": n_in * nb} if blocks > 1 else {}
-        batch16 = ({"ldb": n_out, "batch": blocks, "sa": 0, "sb": nb, "sc": n_in * nb}
-                   if blocks > 1 else {})
+        nb = n_out // nblocks  # the columns of one block
+        batch8 = ({"batch": nblocks, "sa": 0, "sb": nb * R, "sc": n_in * nb} if nblocks > 1
+                  else {})
+        batch16 = ({"ldb": n_out, "batch": nblocks, "sa": 0, "sb": nb, "sc": n_in * nb}
+                   if nblocks > 1 else {})
         def wgrad8(via: int) -> None:
             o._wgrad(dw, aqt, gqt, n_in, nb, R, (aqt, gqt), tb=True, types=(R_8F_E4M3, R_8F_E5M2),
                      scales=(ai, gi), via=via, **batch8)
@@ -515,8 +517,8 @@ class Fp8Gemms:
             o._wgrad(dw, a, g, n_in, nb, R, (g,), ta=True, via=via, **batch16)
 
         def rounded(name: str, run: Callable[[int], None]) -> Callable[[], None]:
-            """The QKV map's weight gradient (blocks > 1) as Ops.wgrad_rounded chooses."""
-            if blocks == 1:
+            """The QKV map's weight gradient (nblocks > 1) as Ops.wgrad_rounded chooses."""
+            if nblocks == 1:
                 return lambda: run(0)
             return lambda: o.wgrad_rounded(f"{fc}_wgrad{name} R={R} d={self.d}", run)
 

@@ -131,8 +131,9 @@ struct alignas(8) Fp8x8 {
 
 // x [rows, cols] row-major into qt = FP8 of xᵀ [cols, rows] and, when q is not null, q = FP8 of x
 // [rows, cols] (its rows ldq bytes apart: cols, or a wider row that holds x beside other
-// tensors, W_QKV's [W_Q | W_K | W_V]), both scaled by s from amax (fp8_scale); inv[0] = 1/s. A TILE x TILE tile per
-// block goes through shared memory, so reads and writes are both along rows.
+// tensors, W_QKV's [W_Q | W_K | W_V]), both scaled by s from amax (fp8_scale); inv[0] = 1/s.
+// A TILE x TILE tile per block goes through shared memory, so reads and writes are both along
+// rows.
 // hist (H floats, or null: amax[0] as given) as scaling_amax says; with a history, the tensor's
 // amax is taken into amax[0] as it goes (for k_fp8_record).
 template <typename T>
