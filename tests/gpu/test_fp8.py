@@ -498,8 +498,10 @@ def test_with_gemm_tune_each_gemm_is_timed_and_the_start_says_whether_fp8_pays()
     key = bk.build.fp8_ops.choice_key
     plan = bk.gemm.export_plan()
     chosen = {g: plan["choices"][key(g)] for g in fp8_gemms_of(bk)}
-    assert all(c["use"] in ("fp8", "bf16") and c["bf16_ms"] >= MIN_CHOICE_MS
+    # a GEMM under MIN_CHOICE_MS in bf16 (at d 1024 the output projection's) stays in FP8
+    assert all(c["use"] in ("fp8", "bf16") and (c["use"] == "fp8" or c["bf16_ms"] >= MIN_CHOICE_MS)
                for c in chosen.values()), chosen
+    assert any(c["bf16_ms"] >= MIN_CHOICE_MS for c in chosen.values()), chosen
     assert bk.fp8_gemms == [g for g in chosen if chosen[g]["use"] == "fp8"]
     [note] = [n for n in bk.notes if n.startswith("FP8 at d 1024")]
     t8, t16 = map(float, re.findall(r"([\d.]+) ms", note)[:2])
