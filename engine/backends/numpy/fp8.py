@@ -85,99 +85,82 @@ class Fp8Gemms:
             inv = np.float32(inv * (np.float32(1.0) / self.scales[layer, SCALES.index(n)]))
         return inv
 
+    def _linear_forward(self, layer: int, a: np.ndarray, aname: str, w: np.ndarray, wname: str,
+                        out: np.ndarray) -> None:
+        """out = a·W on FP8 copies: a and W in E4M3, each scaled as its delayed tensor says (W
+        [3,d,d]: W_Q, W_K, W_V under one scale, out [3,N,d])."""
+        sc = self.buf
+        sa, sw = self._delayed(layer, aname, a, E4M3), self._delayed(layer, wname, w, E4M3)
+        np.matmul(self._copy(sc["a"], a, sa, E4M3), self._copy(sc["w"], w, sw, E4M3), out=out)
+        out *= self._inv(layer, aname, wname)
+
+    def _linear_backward(self, layer: int, g: np.ndarray, gname: str, a: np.ndarray, aname: str,
+                         w: np.ndarray, wname: str, din: np.ndarray, dw: np.ndarray,
+                         wtmp: np.ndarray, xtmp: np.ndarray | None = None) -> None:
+        """For out = a·W with g = d out: dW += aᵀ·g and din = g·Wᵀ (written) on FP8 copies: g in
+        E5M2 (scaled as its delayed tensor says), a and W in E4M3 with the forward's scales.
+        W [3,d,d] (W_Q, W_K, W_V; g [3,N,d]): din = Σ_j g[j]·W_jᵀ, the sum before the one
+        multiply by the inverse scales (the GPU's one GEMM over K = 3d), through xtmp."""
+        S, sc = self.scales[layer], self.buf
+        g8 = self._copy(sc["g"], g, self._delayed(layer, gname, g, E5M2), E5M2)
+        a8 = self._copy(sc["a"], a, S[SCALES.index(aname)], E4M3)
+        self._acc(a8.T, g8, dw, self._inv(layer, aname, gname), wtmp)
+        w8 = self._copy(sc["w"], w, S[SCALES.index(wname)], E4M3)
+        if w8.ndim == 2:
+            np.matmul(g8, w8.T, out=din)
+        else:
+            assert xtmp is not None
+            np.matmul(g8[0], w8[0].T, out=din)
+            for j in range(1, len(w8)):
+                np.matmul(g8[j], w8[j].T, out=xtmp)
+                din += xtmp
+        din *= self._inv(layer, gname, wname)
+
     # --- attention: qkv = ln1 · [W_Q | W_K | W_V], proj = att · W_O ------------------------------
 
     def qkv_forward(self, layer: int, ln1: np.ndarray, wqkv: np.ndarray,
                     qkv: np.ndarray) -> None:
         """qkv[j] = ln1·W_j for j in (Q, K, V) (ops.attn_qkv_fwd) on FP8 copies: ln1 [N,d] and
         wqkv [3,d,d] in E4M3, the three weights with one scale; qkv [3,N,d]."""
-        sc = self.buf
-        sl, sw = self._delayed(layer, "ln1", ln1, E4M3), self._delayed(layer, "wqkv", wqkv, E4M3)
-        np.matmul(self._copy(sc["a"], ln1, sl, E4M3), self._copy(sc["w"], wqkv, sw, E4M3),
-                  out=qkv)
-        qkv *= self._inv(layer, "ln1", "wqkv")
+        self._linear_forward(layer, ln1, "ln1", wqkv, "wqkv", qkv)
 
     def proj_forward(self, layer: int, att: np.ndarray, wo: np.ndarray, out: np.ndarray) -> None:
         """out = att·W_O (ops.attn_out_fwd) on FP8 copies: att [N,d] and W_O [d,d] in E4M3."""
-        sc = self.buf
-        sa, sw = self._delayed(layer, "att", att, E4M3), self._delayed(layer, "wo", wo, E4M3)
-        np.matmul(self._copy(sc["a"], att, sa, E4M3), self._copy(sc["w"], wo, sw, E4M3),
-                  out=out)
-        out *= self._inv(layer, "att", "wo")
+        self._linear_forward(layer, att, "att", wo, "wo", out)
+
+    def qkv_backward(self, layer: int, dqkv: np.ndarray, ln1: np.ndarray, wqkv: np.ndarray,
+                     dx: np.ndarray, dwqkv: np.ndarray, xtmp: np.ndarray,
+                     wtmp: np.ndarray) -> None:
+        """ops.attn_qkv_bwd's outputs with FP8 GEMMs: dW_j += ln1ᵀ·dqkv[j] and
+        dx = Σ_j dqkv[j]·W_jᵀ (written), dqkv [3,N,d] in E5M2 with one scale. xtmp [N,d] and
+        the flat wtmp (>= 3·d·d) are scratch."""
+        self._linear_backward(layer, dqkv, "dqkv", ln1, "ln1", wqkv, "wqkv", dx, dwqkv, wtmp,
+                              xtmp)
+
+    def proj_backward(self, layer: int, dout: np.ndarray, att: np.ndarray, wo: np.ndarray,
+                      datt: np.ndarray, dwo: np.ndarray, wtmp: np.ndarray) -> None:
+        """ops.attn_out_bwd's outputs with FP8 GEMMs: dW_O += attᵀ·dproj, datt = dproj·W_Oᵀ
+        (written), dproj = dout (proj's output gradient, [N,d])."""
+        self._linear_backward(layer, dout, "dproj", att, "att", wo, "wo", datt, dwo, wtmp)
 
     # --- MLP: out = GELU(x · W1) · W2 ------------------------------------------------------------
 
     def mlp_forward(self, layer: int, x: np.ndarray, w1: np.ndarray, w2: np.ndarray,
                     pre: np.ndarray, act: np.ndarray, out: np.ndarray) -> None:
         """pre = x·W1, act = GELU(pre), out = act·W2, each GEMM on FP8 copies (ops.mlp_fwd)."""
-        sc = self.buf
-        sx, sw1 = self._delayed(layer, "x", x, E4M3), self._delayed(layer, "w1", w1, E4M3)
-        np.matmul(self._copy(sc["a"], x, sx, E4M3), self._copy(sc["w"], w1, sw1, E4M3),
-                  out=pre)
-        pre *= self._inv(layer, "x", "w1")
+        self._linear_forward(layer, x, "x", w1, "w1", pre)
         ops.gelu_fwd(pre, act)
-        sh, sw2 = self._delayed(layer, "h", act, E4M3), self._delayed(layer, "w2", w2, E4M3)
-        np.matmul(self._copy(sc["a"], act, sh, E4M3), self._copy(sc["w"], w2, sw2, E4M3),
-                  out=out)
-        out *= self._inv(layer, "h", "w2")
+        self._linear_forward(layer, act, "h", w2, "w2", out)
 
     def mlp_backward(self, layer: int, dout: np.ndarray, x: np.ndarray, w1: np.ndarray,
                      w2: np.ndarray, pre: np.ndarray, act: np.ndarray, dx: np.ndarray,
                      dw1: np.ndarray, dw2: np.ndarray, dpre: np.ndarray, ftmp: np.ndarray,
                      gtmp: np.ndarray, wtmp: np.ndarray) -> None:
-        """ops.mlp_bwd's outputs (dW1, dW2 +=; dx written) with FP8 GEMMs: dy = dout and
-        dh = du in E5M2, x, h and the weights in E4M3 with the forward's scales."""
-        S, sc = self.scales[layer], self.buf
-        sdy = self._delayed(layer, "dy", dout, E5M2)
-        dy8 = self._copy(sc["g"], dout, sdy, E5M2)
-        h8 = self._copy(sc["a"], act, S[SCALES.index("h")], E4M3)
-        self._acc(h8.T, dy8, dw2, self._inv(layer, "h", "dy"), wtmp)
-        w2_8 = self._copy(sc["w"], w2, S[SCALES.index("w2")], E4M3)
-        np.matmul(dy8, w2_8.T, out=dpre)  # da
-        dpre *= self._inv(layer, "dy", "w2")
-        ops.gelu_bwd(pre, dpre, ftmp, gtmp)  # du
-        sdh = self._delayed(layer, "dh", dpre, E5M2)
-        dh8 = self._copy(sc["g"], dpre, sdh, E5M2)
-        x8 = self._copy(sc["a"], x, S[SCALES.index("x")], E4M3)
-        self._acc(x8.T, dh8, dw1, self._inv(layer, "x", "dh"), wtmp)
-        w1_8 = self._copy(sc["w"], w1, S[SCALES.index("w1")], E4M3)
-        np.matmul(dh8, w1_8.T, out=dx)
-        dx *= self._inv(layer, "dh", "w1")
-
-    # --- attention's backward --------------------------------------------------------------------
-
-    def proj_backward(self, layer: int, dout: np.ndarray, att: np.ndarray, wo: np.ndarray,
-                      datt: np.ndarray, dwo: np.ndarray, wtmp: np.ndarray) -> None:
-        """ops.attn_out_bwd's outputs with FP8 GEMMs: dW_O += attᵀ·dproj, datt = dproj·W_Oᵀ
-        (written), dproj = dout (proj's output gradient, [N,d]) in E5M2, att and W_O in E4M3
-        with the forward's scales."""
-        S, sc = self.scales[layer], self.buf
-        sd = self._delayed(layer, "dproj", dout, E5M2)
-        d8 = self._copy(sc["g"], dout, sd, E5M2)
-        att8 = self._copy(sc["a"], att, S[SCALES.index("att")], E4M3)
-        self._acc(att8.T, d8, dwo, self._inv(layer, "att", "dproj"), wtmp)
-        wo8 = self._copy(sc["w"], wo, S[SCALES.index("wo")], E4M3)
-        np.matmul(d8, wo8.T, out=datt)
-        datt *= self._inv(layer, "dproj", "wo")
-
-    def qkv_backward(self, layer: int, dqkv: np.ndarray, ln1: np.ndarray, wqkv: np.ndarray,
-                     dx: np.ndarray, dwqkv: np.ndarray, xtmp: np.ndarray,
-                     wtmp: np.ndarray) -> None:
-        """ops.attn_qkv_bwd's outputs with FP8 GEMMs: dW_j += ln1ᵀ·dqkv[j] and
-        dx = (Σ_j dqkv[j]·W_jᵀ) (written; the sum then one multiply by the inverse scales),
-        dqkv [3,N,d] in E5M2 with one scale, ln1 and W_Q, W_K, W_V in E4M3 with the forward's
-        scales. xtmp [N,d] and the flat wtmp (>= 3·d·d) are scratch."""
-        S, sc = self.scales[layer], self.buf
-        sd = self._delayed(layer, "dqkv", dqkv, E5M2)
-        d8 = self._copy(sc["g"], dqkv, sd, E5M2)
-        ln1_8 = self._copy(sc["a"], ln1, S[SCALES.index("ln1")], E4M3)
-        self._acc(ln1_8.T, d8, dwqkv, self._inv(layer, "ln1", "dqkv"), wtmp)
-        w8 = self._copy(sc["w"], wqkv, S[SCALES.index("wqkv")], E4M3)
-        np.matmul(d8[0], w8[0].T, out=dx)
-        for j in (1, 2):
-            np.matmul(d8[j], w8[j].T, out=xtmp)
-            dx += xtmp
-        dx *= self._inv(layer, "dqkv", "wqkv")
+        """ops.mlp_bwd's outputs (dW1, dW2 +=; dx written) with FP8 GEMMs: dy = dout, then
+        dh = da·GELU'(pre) (da: fc2's input gradient, in dpre)."""
+        self._linear_backward(layer, dout, "dy", act, "h", w2, "w2", dpre, dw2, wtmp)
+        ops.gelu_bwd(pre, dpre, ftmp, gtmp)  # dh
+        self._linear_backward(layer, dpre, "dh", x, "x", w1, "w1", dx, dw1, wtmp)
 
     @staticmethod
     def _acc(a: np.ndarray, b: np.ndarray, acc: np.ndarray, inv: np.float32,
