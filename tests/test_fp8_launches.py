@@ -424,3 +424,14 @@ def test_the_fp8_qkv_weight_gradient_may_go_by_way_of_float32(mlp) -> None:
     assert all(m["types"] == (R_8F_E4M3, R_8F_E5M2, R_32F) and m["batch"] == 3
                for m in rounded)
     assert [a[1:3] for n, a in calls if n == "k_params_to_lp"] == [(ops.wgrad_f32, 3 * d * d)] * L
+    # the other maps' weight gradients: bf16 by their GEMMs
+    others = [m for m in gemm.matmuls if m["types"][:2] == (R_8F_E4M3, R_8F_E5M2)
+              and m["out"] != ops.wgrad_f32]
+    assert len(others) == 3 * L and all(m["types"][2] == ops.act for m in others)
+    # each rounding right after its GEMM, into the gradient one_pass gave (dw: its base)
+    calls.clear()
+    gemm.log = calls
+    one_pass(fp8)
+    at = [i for i, (n, _) in enumerate(calls) if n == "k_params_to_lp"]
+    assert len(at) == L and all(calls[i - 1][0] == "gemm fp8" and calls[i][1][0] == 0x1000_0000
+                                for i in at)

@@ -11,6 +11,7 @@ import pytest
 from engine.backends.cuda.cublas import R_32F
 from engine.backends.cuda.ops import Ops
 from engine.backends.cuda.runtime import SIGNATURES
+from engine.errors import RunError
 from tests.test_fp8_launches import Gemm, Kernel, Stream
 
 R, d = 256, 128
@@ -84,3 +85,34 @@ def test_float32_gradients_take_no_rounding() -> None:
     m = wgrad_of(gemm)
     assert m["out"] == DW and m["types"][2] == R_32F and m["beta"] == 1.0
     assert "k_params_to_lp" not in [n for n, _ in calls]
+
+
+def test_a_recorded_plan_without_the_choice_keeps_the_gemms_own() -> None:
+    """A GEMM plan written before this choice existed: its run computed the gradient by the
+    GEMM itself, so a resume does too, untimed (its bits must not depend on a new timing)."""
+    ops, calls, gemm = make()
+    gemm.plan_imported = True
+    gemm.tuning, gemm.timer = True, lambda fn: pytest.fail("timed a choice the plan implies")
+    qkv_bwd(ops)
+    assert gemm.choices[f"qkv_wgrad R={R} d={d}"] == "direct" and not gemm.choice_ms
+    assert wgrad_of(gemm)["out"] == DW and "k_params_to_lp" not in [n for n, _ in calls]
+
+
+def test_a_float32_output_the_library_refuses_leaves_the_gemms_own() -> None:
+    ops, _, gemm = make()
+    real = gemm.matmul
+
+    def matmul(out: int, *args: Any, **kw: Any) -> None:
+        if out == SCRATCH:
+            raise RunError("no algorithm for the float32-output problem")
+        real(out, *args, **kw)
+
+    gemm.matmul = matmul
+    gemm.tuning, gemm.timer = True, lambda fn: (fn(), 0.3)[1]
+    qkv_bwd(ops)
+    key = f"qkv_wgrad R={R} d={d}"
+    assert gemm.choices[key] == "direct" and gemm.choice_ms[key][1] == float("inf")
+    gemm.tuning, gemm.timer = False, None
+    gemm.matmuls.clear()
+    qkv_bwd(ops)
+    assert wgrad_of(gemm)["out"] == DW

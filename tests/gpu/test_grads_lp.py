@@ -262,8 +262,19 @@ def test_the_qkv_weight_gradient_by_way_of_float32_is_the_gemms_own_to_rounding(
         if not bk.build.qkv_rows:
             bk.close()
             pytest.skip("Q, K, V in slabs (classic attention): no batched column-block GEMM")
+        assert bk.ops.wgrad_f32, "no float32 scratch planned"
         bk.gemm.choices[f"qkv_wgrad R={4 * SHAPES.seq_len} d={SHAPES.d_model}"] = use
+        vias: list[int] = []
+
+        def spy(*args, via: int = 0, vias=vias, wgrad=bk.ops._wgrad, **kw) -> None:
+            vias.append(via)
+            wgrad(*args, via=via, **kw)
+
+        monkeypatch.setattr(bk.ops, "_wgrad", spy)
         bk.train_step(*x, grad_mult=1.0, t=1, **HP)
+        # the step's graph took the way chosen: float32 into the scratch for each layer's QKV
+        # weight gradient, or never
+        assert vias.count(bk.ops.wgrad_f32) == (SHAPES.n_layer if use == "rounded" else 0)
         out[use] = bk.read_grads()
         bk.close()
     d = SHAPES.d_model

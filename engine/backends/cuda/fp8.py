@@ -492,7 +492,7 @@ class Fp8Gemms:
         and din = g·Wᵀ [R, n_in], from g's E5M2 copies (as it is and transposed; its amax and
         scale now, amax_done and cast as in _linear_fwd) and a's transposed E4M3 copy (made by
         the forward, with its scale); w: the bf16 weight; restore_a, restore_g: as _linear_fwd's
-        restore_a, for a and g. nblocks: W is that many [n_in, n_out / blocks] matrices side by
+        restore_a, for a and g. nblocks: W is that many [n_in, n_out / nblocks] matrices side by
         side (W_QKV), whose gradients dW lie one after another: its GEMM is batched over them."""
         o, b = self.o, self.buf
         ga, gi = self._scale(layer, gname)

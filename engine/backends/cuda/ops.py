@@ -185,19 +185,26 @@ class Ops(OptimizerOps):
         """The QKV weight gradient, wgrad(via) (Launcher._wgrad's via), where a step writes it in
         the compute precision (wgrad_lp): by its GEMM (via 0), or in float32 into the scratch
         wgrad_f32 and rounded by a kernel, whichever is faster for this problem (timed while
-        tuning, "direct" or "rounded", kept in the GEMM plan as `name`; untimed, the GEMM's
-        own). For its batched, strided problem cuBLASLt's algorithms with bf16 output can be
-        much the slower: 0.437 against 0.27 ms a layer with float32 output at d 2048 (H100)."""
+        tuning, "direct" or "rounded", kept in the GEMM plan as `name`; untimed, or missing from
+        a recorded plan, which was written by a run that computed it so: the GEMM's own). For
+        this batched, strided problem cuBLASLt's algorithms with bf16 output can be the slower:
+        in one step's kernel profile at d 2048 (H100) its bf16-output kernel ran 0.437 ms a layer
+        where the same problem with float32 output ran 0.27 ms; the start-up timing decides."""
         if not (self.wgrad_lp and self.wgrad_f32 and self.gemm is not None):
             wgrad(0)
             return
         g = self.gemm
         choice = g.choices.get(name)
+        if choice is None and g.plan_imported:
+            choice = g.choices[name] = "direct"
         if choice is None and g.tuning and g.timer is not None:
             direct, rounded = (lambda: wgrad(0)), (lambda: wgrad(self.wgrad_f32))
             direct()
-            rounded()  # each once first: its algorithm picked
-            t_direct, t_rounded = time_interleaved(g.timer, [direct, rounded])
+            try:
+                rounded()  # each once first: its algorithm picked
+                t_direct, t_rounded = time_interleaved(g.timer, [direct, rounded])
+            except RunError:  # no algorithm for the float32-output problem: the GEMM's own
+                (t_direct,), t_rounded = time_interleaved(g.timer, [direct]), math.inf
             choice = g.choices[name] = "direct" if t_direct <= t_rounded else "rounded"
             g.choice_ms[name] = (t_direct, t_rounded)
         wgrad(self.wgrad_f32 if choice == "rounded" else 0)
