@@ -409,29 +409,3 @@ def test_the_fp8_weight_gradients_are_written_as_the_gradient_buffer_holds_them(
     assert all(m["beta"] == (0.0 if lp else 1.0) for m in wgrads)
     assert all(m["types"][2] == ops.act for m in others)
 
-
-def test_the_fp8_qkv_weight_gradient_may_go_by_way_of_float32(mlp) -> None:
-    """In a step that writes bf16 weight gradients, the FP8 QKV weight gradient chosen
-    "rounded" (Ops.wgrad_rounded) is the same FP8 GEMM with float32 output into the scratch,
-    then rounded into the gradient; the other maps' weight gradients are their GEMMs' own."""
-    fp8, ops, calls, gemm, _ = mlp
-    ops.overwrite_grads = ops.wgrad_lp = True
-    ops.wgrad_f32 = 0x7000_0000
-    gemm.choices[f"qkv_wgrad fp8 R={R} d={d}"] = "rounded"
-    one_pass(fp8)
-    rounded = [m for m in gemm.matmuls if m["out"] == ops.wgrad_f32]
-    assert len(rounded) == L
-    assert all(m["types"] == (R_8F_E4M3, R_8F_E5M2, R_32F) and m["batch"] == 3
-               for m in rounded)
-    assert [a[1:3] for n, a in calls if n == "k_params_to_lp"] == [(ops.wgrad_f32, 3 * d * d)] * L
-    # the other maps' weight gradients: bf16 by their GEMMs
-    others = [m for m in gemm.matmuls if m["types"][:2] == (R_8F_E4M3, R_8F_E5M2)
-              and m["out"] != ops.wgrad_f32]
-    assert len(others) == 3 * L and all(m["types"][2] == ops.act for m in others)
-    # each rounding right after its GEMM, into the gradient one_pass gave (dw: its base)
-    calls.clear()
-    gemm.log = calls
-    one_pass(fp8)
-    at = [i for i, (n, _) in enumerate(calls) if n == "k_params_to_lp"]
-    assert len(at) == L and all(calls[i - 1][0] == "gemm fp8" and calls[i][1][0] == 0x1000_0000
-                                for i in at)

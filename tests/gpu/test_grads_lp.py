@@ -13,7 +13,7 @@ import pytest
 from cudabk import cuda_backend
 from devarrays import DevArrays, rounded
 
-from engine.model.layout import ModelShapes, init_params, tensor_table
+from engine.model.layout import ModelShapes, init_params
 from tests.test_grads_lp_plan import kind_of_each_element
 
 pytestmark = pytest.mark.gpu
@@ -247,44 +247,3 @@ def test_the_norm_and_the_write_back_read_grads_lp_where_the_kinds_say(ops, rng)
             assert np.array_equal(back[~mask], g[~mask].astype(np.float32))  # untouched
     assert np.array_equal(got[0][0], got[1][0]) and np.array_equal(got[0][1], got[1][1])
     assert np.isfinite(got[0][1][0])
-
-
-def test_the_qkv_weight_gradient_by_way_of_float32_is_the_gemms_own_to_rounding(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Ops.wgrad_rounded: the QKV weight gradient written by its GEMM in bf16 ("direct") or
-    computed in float32 and rounded by a kernel ("rounded"): the same step otherwise, so every
-    other gradient the same bits and W_Q, W_K, W_V's bf16 values within the rounding of two
-    float32 sums."""
-    x = _tokens(1)[0]
-    out = {}
-    for use in ("direct", "rounded"):
-        bk = _backend(monkeypatch, True)
-        if not bk.build.qkv_rows:
-            bk.close()
-            pytest.skip("Q, K, V in slabs (classic attention): no batched column-block GEMM")
-        assert bk.ops.wgrad_f32, "no float32 scratch planned"
-        bk.gemm.choices[f"qkv_wgrad R={4 * SHAPES.seq_len} d={SHAPES.d_model}"] = use
-        vias: list[int] = []
-
-        def spy(*args, via: int = 0, vias=vias, wgrad=bk.ops._wgrad, **kw) -> None:
-            vias.append(via)
-            wgrad(*args, via=via, **kw)
-
-        monkeypatch.setattr(bk.ops, "_wgrad", spy)
-        bk.train_step(*x, grad_mult=1.0, t=1, **HP)
-        # the step's graph took the way chosen: float32 into the scratch for each layer's QKV
-        # weight gradient, or never
-        assert vias.count(bk.ops.wgrad_f32) == (SHAPES.n_layer if use == "rounded" else 0)
-        out[use] = bk.read_grads()
-        bk.close()
-    d = SHAPES.d_model
-    qkv = np.zeros(len(out["direct"]), bool)
-    for t in ("W_Q", "W_K", "W_V"):
-        for layer in range(SHAPES.n_layer):
-            [e] = [e for e in tensor_table(SHAPES) if e.name == f"h.{layer}.attn.{t}"]
-            qkv[e.offset:e.offset + d * d] = True
-    g, r = out["direct"], out["rounded"]
-    assert not np.any(r[qkv].view(np.uint32) & 0xFFFF)  # bf16 values
-    np.testing.assert_allclose(r[qkv], g[qkv], rtol=2**-7, atol=1e-7)
-    assert float(np.abs(g[qkv]).max()) > 1e-4
-    assert np.array_equal(r[~qkv], g[~qkv])

@@ -360,8 +360,6 @@ def plan_memory(shapes: ModelShapes, micro_batch: int, precision: str,
         plan.add("scratch", "seg_qkv", nseg * 4)
     if grads_lp:
         plan.add("scratch", "seg_glp", nseg * 4)
-    if grads_lp and qkv_rows:  # W_Q, W_K, W_V's weight gradient in float32 (Ops.wgrad_rounded)
-        plan.add("scratch", "wgrad_f32", 3 * shapes.d_model ** 2 * 4)
     if attention == "cudnn":
         plan.add("scratch", "cudnn_ws", cudnn_workspace)
     if fused:  # the weight-gradient stream's cuBLAS workspace; the norm's ranges; clip;

@@ -230,8 +230,6 @@ class CudaBuild:
                            self.precision, self.lt, cudnn=self.cudnn, cudnn_ws=cws,
                            attn_chunk=gpu.attention_chunk)
         self.flat.ops = self.ops
-        if self.grads_lp and self.qkv_rows:
-            self.ops.wgrad_f32 = plan["wgrad_f32"]
         self._set_stream_priorities()
         # the FP8 GEMMs and casts of a training pass (train/precision fp8)
         self.fp8_ops = (Fp8Gemms(self.ops, self.drv, plan, shapes.n_layer, shapes.d_model,

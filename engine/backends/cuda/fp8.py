@@ -46,7 +46,6 @@ Validation and text sampling run the bf16 forward: FP8 is how a step computes, n
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -87,13 +86,13 @@ QKV_COPIES = ("wqkv", "ln1", "dqkv")  # the copies only the QKV map reads
 QKV_GEMMS = ("qkv fwd", "qkv dgrad", "qkv wgrad")
 
 
-def _copies(qkv: bool) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+def _copies(qkv: bool) -> tuple[list[str], list[str], list[str]]:
     """(weights, activations, gradients) with FP8 copies; the QKV map's only where it runs in
     FP8 (qkv: Q, K, V in rows)."""
-    keep = (lambda n: True) if qkv else (lambda n: n not in QKV_COPIES)
-    return (tuple(filter(keep, ("w1", "w2", "wqkv", "wo"))),
-            tuple(filter(keep, ("x", "h", "ln1", "att"))),
-            tuple(filter(keep, ("dy", "dh", "dproj", "dqkv"))))
+    drop = () if qkv else QKV_COPIES
+    return ([n for n in ("w1", "w2", "wqkv", "wo") if n not in drop],
+            [n for n in ("x", "h", "ln1", "att") if n not in drop],
+            [n for n in ("dy", "dh", "dproj", "dqkv") if n not in drop])
 
 
 def plan_fp8(plan: Any, n_layer: int, d: int, F: int, R: int, qkv: bool) -> None:
@@ -509,20 +508,10 @@ class Fp8Gemms:
                   else {})
         batch16 = ({"ldb": n_out, "batch": nblocks, "sa": 0, "sb": nb, "sc": n_in * nb}
                    if nblocks > 1 else {})
-        def wgrad8(via: int) -> None:
-            o._wgrad(dw, aqt, gqt, n_in, nb, R, (aqt, gqt), tb=True, types=(R_8F_E4M3, R_8F_E5M2),
-                     scales=(ai, gi), via=via, **batch8)
-
-        def wgrad16(via: int) -> None:
-            o._wgrad(dw, a, g, n_in, nb, R, (g,), ta=True, via=via, **batch16)
-
-        def rounded(name: str, run: Callable[[int], None]) -> Callable[[], None]:
-            """The QKV map's weight gradient (nblocks > 1) as Ops.wgrad_rounded chooses."""
-            if nblocks == 1:
-                return lambda: run(0)
-            return lambda: o.wgrad_rounded(f"{fc}_wgrad{name} R={R} d={self.d}", run)
-
-        self._gemm(f"{fc} wgrad", R, rounded(" fp8", wgrad8), rounded("", wgrad16),
+        self._gemm(f"{fc} wgrad", R,
+                   lambda: o._wgrad(dw, aqt, gqt, n_in, nb, R, (aqt, gqt), tb=True,
+                                    types=(R_8F_E4M3, R_8F_E5M2), scales=(ai, gi), **batch8),
+                   lambda: o._wgrad(dw, a, g, n_in, nb, R, (g,), ta=True, **batch16),
                    restore=_in_turn(restore_a, restore_g))
         o._writes(din)
         self._gemm(f"{fc} dgrad", R,

@@ -63,8 +63,7 @@ def measure(fp8: Any, net: Any, b: Any, T: int, timer: Callable[[Callable[[], No
     passes = [layer_pass(net.train_qkv, net.train_proj, net.train_mlp, net, b, T),
               layer_pass(net.qkv, net.proj, net.mlp, net, b, T)]
     for run in passes:
-        run()  # not itself timed: any problem met only here has its algorithm (and a choice
-        # not made yet, Ops.wgrad_rounded's) picked now, outside a graph
+        run()  # untimed: any problem met only here has its algorithm picked now (not in a graph)
     captured: list[Any] = []
     how = "launched one by one"
     gemm = net.o.gemm

@@ -130,8 +130,7 @@ class LtGemm:
         self._imported: dict[str, bytes] = {}
         self._imported_plan: dict[str, Any] = {}  # exported again as it came
         # an MLP GEMM -> "epilogue" | "kernel" (ops.py: GELU in the epilogue or not); a linear
-        # map's GEMM -> "fp8" | "bf16" (fp8.py: in FP8 or not); the QKV weight gradient ->
-        # "direct" | "rounded" (ops.py wgrad_rounded: bf16 by its GEMM or by way of float32)
+        # map's GEMM -> "fp8" | "bf16" (fp8.py: in FP8 or not)
         self.choices: dict[str, str] = {}
         self.choice_ms: dict[str, tuple[float, float]] = {}  # the timings behind a choice
         self.tuning = False

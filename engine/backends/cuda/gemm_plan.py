@@ -44,9 +44,8 @@ class GemmAlgo:
 
 
 # a choice's variants, each pair timed against each other: GELU in an MLP GEMM's epilogue or the
-# plain GEMM and the GELU kernel; a linear map's GEMM (train/precision fp8) in FP8 or in bf16;
-# the QKV weight gradient in bf16 by its GEMM or in float32 and rounded (Ops.wgrad_rounded)
-CHOICE_PAIRS = (("epilogue", "kernel"), ("fp8", "bf16"), ("direct", "rounded"))
+# plain GEMM and the GELU kernel; a linear map's GEMM (train/precision fp8) in FP8 or in bf16
+CHOICE_PAIRS = (("epilogue", "kernel"), ("fp8", "bf16"))
 CHOICE_USES = tuple(u for pair in CHOICE_PAIRS for u in pair)
 
 
@@ -57,16 +56,14 @@ def choice_pair(use: str) -> tuple[str, str]:
 
 @dataclass(frozen=True)
 class GemmChoice:
-    """For one GEMM: the variant it runs (`use`, one of CHOICE_USES) and the timings behind the
-    choice (ms of each variant of its pair; None: not timed, or it would not run)."""
+    """For one MLP GEMM: the variant it runs (`use`, one of CHOICE_USES) and the timings behind
+    the choice (ms of each variant of its pair; None: not timed, or it would not run)."""
 
     use: str
     epilogue_ms: float | None = None
     kernel_ms: float | None = None
     fp8_ms: float | None = None
     bf16_ms: float | None = None
-    direct_ms: float | None = None
-    rounded_ms: float | None = None
 
 
 @dataclass(frozen=True)

@@ -119,34 +119,25 @@ class Launcher:
         return ev
 
     def _wgrad(self, out: int, a: int, b: int, M: int, N: int, K: int, reads: tuple[int, ...],
-               layer: bool = True, via: int = 0, **kw: Any) -> None:
+               layer: bool = True, **kw: Any) -> None:
         """dW += op(a) @ op(b) into a float32 gradient; a layer's weight matrix (`layer`) with
-        `wgrad_lp`: dW = op(a) @ op(b) in the compute precision (out points into grads_lp), by
-        the GEMM itself, or (via: a float32 scratch of the output's size) computed in float32
-        there and rounded into out by k_params_to_lp. With a side stream: after everything the
-        main stream has queued so far, on the side stream, and the buffers in `reads` (gradient
-        buffers the main stream rewrites later) are marked so that the main stream waits for
-        this GEMM before it writes them (`_writes`). Same GEMM, same algorithm: same bits.
-        `types`: the operands' types (a, b) where they are not the precision's (the FP8 GEMMs,
-        fp8.py); the output's is the gradient buffer's (float32 into `via`)."""
+        `wgrad_lp`: dW = op(a) @ op(b) in the compute precision (out points into grads_lp). With
+        a side stream: after everything the main stream has queued so far, on the side stream,
+        and the buffers in `reads` (gradient buffers the main stream rewrites later) are marked
+        so that the main stream waits for this GEMM before it writes them (`_writes`). Same
+        GEMM, same algorithm: same bits. `types`: the operands' types (a, b) where they are not
+        the precision's (the FP8 GEMMs, fp8.py); the output's is always the gradient buffer's."""
         lp = self.wgrad_lp and layer
         if lp and not self.overwrite_grads:
             raise ValueError("Ops._wgrad: wgrad_lp writes the gradients, it needs overwrite_grads")
-        via = via if lp else 0
         if "types" in kw:
-            kw["types"] = (*kw["types"][:2], self.act if lp and not via else R_32F)
+            kw["types"] = (*kw["types"][:2], self.act if lp else R_32F)
         beta = 0.0 if self.overwrite_grads else 1.0
-        side = self.side is not None
-        if side:
-            self._to_side()
-        self._mm(via or out, a, b, M, N, K, out32=not lp or bool(via), beta=beta, side=side,
-                 **kw)
-        if via:
-            n = M * N * kw.get("batch", 1)
-            self._go("k_params_to_lp", blocks(n), out, via, n, 0, 0, 0, 0,
-                     stream=self.side if side else None)
-        if not side:
+        if self.side is None:
+            self._mm(out, a, b, M, N, K, out32=not lp, beta=beta, **kw)
             return
+        self._to_side()
+        self._mm(out, a, b, M, N, K, out32=not lp, beta=beta, side=True, **kw)
         done = self._event()
         done.record(self.side)
         for ptr in reads:

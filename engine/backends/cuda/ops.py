@@ -74,9 +74,6 @@ class Ops(OptimizerOps):
         self.fused_gelu_calls = 0  # how often the epilogue path ran (tests check it is used)
         self.attn_chunk = attn_chunk  # classic attention's causal chunk (queries)
         self.ln_rows = LN_ROWS_PER_CHUNK  # chunk rows of the LayerNorm backward's sums
-        # a float32 scratch of W_Q, W_K, W_V's size (buffers.plan_memory's wgrad_f32; 0: none)
-        # for their weight gradient in the compute precision by way of float32 (wgrad_rounded)
-        self.wgrad_f32 = 0
 
     # --- embedding -------------------------------------------------------------------------------
     def embed_fwd(self, tokens: int, wte: int, wpe: int, out: int, B: int, T: int, d: int) -> None:
@@ -172,42 +169,12 @@ class Ops(OptimizerOps):
         backward writes them so when built with rows) and W_Q, W_K, W_V side by side in
         w_rows ([d,3d], the GEMM copy's rows layout): dW_j += xᵀ @ dqkv[:, j·d:(j+1)·d]
         (batched over the three column blocks, into the flat gradient as it lies: the float32
-        gradients keep the layout of §2; in the compute precision as `wgrad_rounded` says);
-        dx = dqkv @ w_rowsᵀ, one GEMM over K = 3d (overwritten), where the slabs take three that
-        add up."""
-        self.wgrad_rounded(f"qkv_wgrad R={R} d={d}", lambda via: self._wgrad(
-            dw_qkv, x, dqkv, d, d, R, (dqkv,), ta=True, ldb=3 * d, batch=3, sa=0, sb=d,
-            sc=d * d, via=via))
+        gradients keep the layout of §2); dx = dqkv @ w_rowsᵀ, one GEMM over K = 3d
+        (overwritten), where the slabs take three that add up."""
+        self._wgrad(dw_qkv, x, dqkv, d, d, R, (dqkv,), ta=True, ldb=3 * d, batch=3, sa=0, sb=d,
+                    sc=d * d)
         self._writes(dx)
         self._mm(dx, dqkv, w_rows, R, d, 3 * d, tb=True)
-
-    def wgrad_rounded(self, name: str, wgrad: Callable[[int], None]) -> None:
-        """The QKV weight gradient, wgrad(via) (Launcher._wgrad's via), where a step writes it in
-        the compute precision (wgrad_lp): by its GEMM (via 0), or in float32 into the scratch
-        wgrad_f32 and rounded by a kernel, whichever is faster for this problem (timed while
-        tuning, "direct" or "rounded", kept in the GEMM plan as `name`; untimed, or missing from
-        a recorded plan, which was written by a run that computed it so: the GEMM's own). For
-        this batched, strided problem cuBLASLt's algorithms with bf16 output can be the slower:
-        in one step's kernel profile at d 2048 (H100) its bf16-output kernel ran 0.437 ms a layer
-        where the same problem with float32 output ran 0.27 ms; the start-up timing decides."""
-        if not (self.wgrad_lp and self.wgrad_f32 and self.gemm is not None):
-            wgrad(0)
-            return
-        g = self.gemm
-        choice = g.choices.get(name)
-        if choice is None and g.plan_imported:
-            choice = g.choices[name] = "direct"
-        if choice is None and g.tuning and g.timer is not None:
-            direct, rounded = (lambda: wgrad(0)), (lambda: wgrad(self.wgrad_f32))
-            direct()
-            try:
-                rounded()  # each once first: its algorithm picked
-                t_direct, t_rounded = time_interleaved(g.timer, [direct, rounded])
-            except RunError:  # no algorithm for the float32-output problem: the GEMM's own
-                (t_direct,), t_rounded = time_interleaved(g.timer, [direct]), math.inf
-            choice = g.choices[name] = "direct" if t_direct <= t_rounded else "rounded"
-            g.choice_ms[name] = (t_direct, t_rounded)
-        wgrad(self.wgrad_f32 if choice == "rounded" else 0)
 
     def attn_fwd(self, qkv: int, n_head: int, probs: int, out: int, scores: int, B: int, T: int,
                  d: int, slab: int = 0) -> None:
