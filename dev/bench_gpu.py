@@ -444,8 +444,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "third (steps 101..300 of 300: andrea-train's window)")
     ap.add_argument("--no-loss-check", action="store_true")
     ap.add_argument("--fp8", action="store_true",
-                    help="also time the engine with train/precision fp8 (the linear maps in FP8): adds "
-                         "fp8 to --paths")
+                    help="also time the engine with train/precision fp8 (the linear maps in "
+                         "FP8): adds fp8 to --paths")
     ap.add_argument("--variants", nargs="?", const=",".join(VARIANTS), default="",
                     help="also time the fused path with one gpu choice switched at a time: "
                          "all, or the names given (comma-separated, e.g. 'andrea no QKV rows')")

@@ -93,8 +93,7 @@ def measure(fp8: Any, net: Any, b: Any, T: int, timer: Callable[[Callable[[], No
     per_gemm = ", ".join(f"{g} {a:.3f}/{c:.3f}" for g, (a, c) in fp8.gemm_times().items())
     note = (f"FP8 at d {net.shapes.d_model}: a layer's linear maps forward and backward "
             f"{t8:.3f} ms (the weights' FP8 copies included; each path {how}, as the step runs "
-            f"it) "
-            f"against {t16:.3f} ms in bf16, {t16 / t8:.2f}x; each GEMM in FP8/bf16 ms: "
+            f"it) against {t16:.3f} ms in bf16, {t16 / t8:.2f}x; each GEMM in FP8/bf16 ms: "
             f"{per_gemm or 'not timed'}")
     if t8 >= t16:
         note += ("; FP8 does not pay at this size: its casts and transposes cost more than its "
