@@ -390,3 +390,33 @@ def test_long_runs_happen_once_a_model_in_the_first_group_that_can(fake_bench, m
     runs.clear()
     b.bench_model("1.2B", ["eager"], steps=2, rounds=1, notes=notes, sustained=10)
     assert runs == [] and "no group held the fused path" in notes["1.2B"]["sustained_skipped"]
+
+
+# --- the report -----------------------------------------------------------------------------------
+
+
+def _row(key: str, impl: str, ms: float) -> dict[str, Any]:
+    return {"model": f"ANDREA-{key}", "impl": impl, "ms": ms, "mfu": 0.5}
+
+
+@pytest.mark.parametrize(("key", "goal", "fp8_goal"), [("12M", "1.25x", None),
+                                                       ("120M", "1.25x", None),
+                                                       ("312M", "1.15x", None),
+                                                       ("1.2B", "1.15x", "1.20x")])
+def test_the_report_holds_each_size_to_its_own_goal(key, goal, fp8_goal, capsys):
+    """The ratio to the fastest PyTorch mode is held to its size's goal (lower where the GEMMs
+    dominate); fp8's ratio to bf16 names a goal only where FP8 pays."""
+    b = _bench()
+    out = {"rows": [_row(key, "andrea", 100.0), _row(key, "andrea fp8", 80.0),
+                    _row(key, "torch eager", 150.0), _row(key, "torch reduce-overhead", 120.0)],
+           "notes": {}}
+    b.print_model_lines(key, out, b.parse_args([]))
+    lines = capsys.readouterr().out.splitlines()
+    assert f"ANDREA-{key}: andrea 100.00 ms (MFU 50.0%) vs the fastest PyTorch (torch " \
+           f"reduce-overhead) 120.00 ms (MFU 50.0%): 1.20x (goal {goal})" in lines
+    fp8 = next(line for line in lines if "andrea fp8" in line)
+    assert fp8.startswith(f"ANDREA-{key}: andrea fp8 80.00 ms vs the engine's bf16 100.00 ms: 1.25x")
+    assert ("goal" in fp8) == (fp8_goal is not None)
+    if fp8_goal:
+        assert f"(goal {fp8_goal})" in fp8
+    assert set(_models().SPEEDUP_GOAL) == set(_models().MODELS)
