@@ -415,7 +415,8 @@ def test_the_report_holds_each_size_to_its_own_goal(key, goal, fp8_goal, capsys)
     assert f"ANDREA-{key}: andrea 100.00 ms (MFU 50.0%) vs the fastest PyTorch (torch " \
            f"reduce-overhead) 120.00 ms (MFU 50.0%): 1.20x (goal {goal})" in lines
     fp8 = next(line for line in lines if "andrea fp8" in line)
-    assert fp8.startswith(f"ANDREA-{key}: andrea fp8 80.00 ms vs the engine's bf16 100.00 ms: 1.25x")
+    assert fp8.startswith(f"ANDREA-{key}: andrea fp8 80.00 ms vs the engine's bf16 100.00 ms: "
+                          "1.25x")
     assert ("goal" in fp8) == (fp8_goal is not None)
     if fp8_goal:
         assert f"(goal {fp8_goal})" in fp8
